@@ -1,0 +1,71 @@
+# mooncake-ray: one Makefile for set-up, build, demo and tests.
+#
+# Every target that starts Ray or a server runs inside a private network namespace with
+# only loopback (Ray listens on all interfaces and turns token auth on by default), and a
+# private mount namespace so tests may mount small filesystems of their own.
+
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+NS := unshare --net --mount --propagation private sh -c
+NS_PRE := mount --make-rprivate / && ip link set lo up &&
+
+APT_PKGS := liburing-dev fio iproute2 util-linux prometheus
+NATIVE_SRC := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+
+.PHONY: all setup build demo test test-inner demo-inner bench clean sysdeps
+
+all: build
+
+# --- environment -------------------------------------------------------------------
+sysdeps: .venv/.sysdeps
+.venv/.sysdeps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	@mkdir -p .venv && touch $@
+
+.venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt
+	@command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
+	@[ -x $(PY) ] || uv venv --seed -q -p python3.11 .venv 2>/dev/null || uv venv --seed -q .venv
+	@# torch through pip: pip takes the local CPU wheel of the pinned version.
+	$(PIP) install -q -r requirements-torch.txt
+	uv pip install -q -p $(PY) "ray[serve]>=2.60,<2.61" "libucx-cu12>=1.19" "pydantic>=2.6" "msgpack>=1.0" \
+	  "click>=8.1" "numpy>=1.26" "sortedcontainers>=2.4" "pytest>=8" "pytest-timeout>=2.3" \
+	  "matplotlib>=3.8" "httpx>=0.27" "prometheus-client>=0.20" "scikit-build-core>=0.10" "nanobind>=2.4"
+	@touch $@
+
+setup: .venv/.env
+
+# --- build -------------------------------------------------------------------------
+# Editable install: Python files come from this tree, the compiled module is rebuilt here
+# when native sources change (incremental, build dir under build/).
+.venv/.built: .venv/.env $(NATIVE_SRC)
+	@# flock: several shells may build at once; one install at a time.
+	flock /tmp/mooncake-ray-build.lock uv pip install -q -p $(PY) --no-build-isolation --no-deps -e .
+	@$(PY) -c "import mooncake_ray._private.native as n; print('native module ok, UCX', n._native.ucx_version())"
+	@touch $@
+
+build: .venv/.built
+
+# --- run ---------------------------------------------------------------------------
+test: build
+	$(NS) '$(NS_PRE) exec $(MAKE) --no-print-directory test-inner'
+
+test-inner:
+	$(PY) -m pytest -x -q -p no:cacheprovider tests $(PYTEST_ARGS)
+
+demo: build
+	$(NS) '$(NS_PRE) exec $(MAKE) --no-print-directory demo-inner'
+
+demo-inner:
+	$(PY) -m mooncake_ray.demo
+
+# Run a benchmark in the namespace: make bench B=benchmarks/bench_store.py ARGS=...
+bench: build
+	$(NS) '$(NS_PRE) exec $(PY) $(B) $(ARGS)'
+
+clean:
+	rm -rf build .venv
