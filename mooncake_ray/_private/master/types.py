@@ -1,0 +1,107 @@
+"""Value types of the master's state machine (pure, no Ray)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Tier(str, enum.Enum):
+    DRAM = "dram"
+    DISK = "disk"
+
+
+class Pin(enum.IntEnum):
+    NONE = 0
+    SOFT = 1  # evicted only after every unpinned candidate; expires after soft_pin_ttl_s
+    HARD = 2  # never evicted
+
+
+@dataclass(slots=True)
+class Replica:
+    node_id: str
+    tier: Tier
+    offset: int  # arena offset (DRAM); 0 on disk
+    length: int  # bytes reserved (4 KiB multiple on DRAM)
+    offloading: bool = False  # DRAM copy being written to disk (spill tier)
+
+
+@dataclass(slots=True)
+class Obj:
+    """One key's object. ``complete`` objects are visible to readers; a pending one is
+    being written by ``owner`` until ``put_deadline``."""
+
+    key: str
+    size: int
+    gen: int
+    replicas: list[Replica]
+    complete: bool = False
+    lease_until: float = 0.0
+    pin: Pin = Pin.NONE
+    pin_until: float = 0.0
+    put_deadline: float = 0.0
+    owner: str = ""
+    failed: str = ""  # why a pending put can no longer be published (a replica's node died)
+
+    def dram(self) -> list[Replica]:
+        return [r for r in self.replicas if r.tier is Tier.DRAM]
+
+    def leased(self, now: float) -> bool:
+        return self.lease_until > now
+
+    def effective_pin(self, now: float) -> Pin:
+        if self.pin is Pin.SOFT and self.pin_until <= now:
+            return Pin.NONE
+        return self.pin
+
+
+class InventoryEntry(NamedTuple):
+    """What a store node remembers of one replica it holds, enough to rebuild the index."""
+
+    key: str
+    gen: int
+    size: int
+    tier: str
+    offset: int
+    length: int
+    pin: int = 0
+
+
+@dataclass(slots=True)
+class NodeDelta:
+    """Inventory changes the master owes one store node (sent before it replies)."""
+
+    add: list[InventoryEntry] = field(default_factory=list)
+    drop: list[tuple[str, int]] = field(default_factory=list)  # (key, gen)
+
+
+@dataclass
+class NodeInfo:
+    """A mounted store node, as the master sees it."""
+
+    node_id: str
+    incarnation: str
+    address: bytes  # the node's transport address (UCX worker addresses)
+    rkey: bytes  # packed remote key of its arena
+    base: int  # arena base address in the node's process
+    capacity: int
+    ray_node_id: str = ""
+    spill_capacity: int = 0
+    last_heartbeat: float = 0.0
+    suspect: bool = False  # a client reported it unreachable: no new allocations
+    keys: set[str] = field(default_factory=set)
+    spill_used: int = 0
+    spill_degraded: str | None = None
+
+    def public(self) -> dict:
+        """What clients need to reach the node."""
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "address": self.address,
+            "rkey": self.rkey,
+            "base": self.base,
+            "capacity": self.capacity,
+            "ray_node_id": self.ray_node_id,
+        }

@@ -1,0 +1,279 @@
+"""Configuration: pydantic v2 models, validated once, passed to every actor.
+
+Sources, later ones winning: defaults < the config file / dict given to ``start`` <
+environment. Environment overrides use one prefix, ``MOONCAKE_RAY_``, with ``__`` between
+nesting levels (``MOONCAKE_RAY_MASTER__LEASE_TTL_S=5``), plus an alias table that accepts
+Mooncake's own variables so a Mooncake deployment translates without edits
+(``MOONCAKE_GLOBAL_SEGMENT_SIZE=16gb``). Hot paths never read the environment.
+
+Sizes accept a number of bytes or a string such as ``"16gb"``, ``"512 MiB"``, ``"4k"``.
+Units are binary: ``kb``/``kib``/``k`` = 1024 bytes, ``mb`` = 1024², ``gb`` = 1024³, ``tb``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from mooncake_ray.errors import ConfigError
+
+__all__ = [
+    "StoreConfig",
+    "MasterConfig",
+    "TransportConfig",
+    "SpillConfig",
+    "ClientConfig",
+    "parse_size",
+    "load_config",
+]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like ``"16gb"``; raises ValueError naming the value."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(
+                f"expected a size like 16gb, 512mb, 4k or a number of bytes, got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"expected a size like 16gb or a number of bytes, got {value!r}")
+    if n < 0:
+        raise ValueError(f"a size cannot be negative, got {value!r}")
+    return n
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class TransportConfig(_Model):
+    """The native UCX engine."""
+
+    protocol: Literal["auto", "tcp", "shm", "rdma"] = "auto"
+    """UCX transports: auto (UCX chooses: shared memory on one host, tcp/RDMA across), or
+    force one family."""
+    devices: list[str] | None = None
+    """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]."""
+    num_lanes: int = Field(1, ge=1, le=16)
+    """Workers/endpoints a large transfer is striped over."""
+    read_mode: Literal["auto", "memcpy", "push", "get"] = "auto"
+    ucx_options: dict[str, str] = Field(default_factory=dict)
+    """Extra UCX settings passed through (without the UCX_ prefix), e.g. {"RNDV_THRESH": "8k"}."""
+    transfer_timeout_s: float = Field(30.0, gt=0)
+    rpc_timeout_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _devices_from_string(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("devices"), str):
+            data = dict(data)
+            data["devices"] = [d.strip() for d in data["devices"].split(",") if d.strip()]
+        return data
+
+
+class SpillConfig(_Model):
+    """The NVMe spill tier of each store node (off unless a directory is given)."""
+
+    enabled: bool = False
+    directory: str | None = None
+    capacity_bytes: Size = 0
+    """0 = use what the filesystem has free at start, minus 5%."""
+    high_watermark: float = Field(0.9, gt=0, le=1)
+    evict_ratio: float = Field(0.05, gt=0, le=1)
+    queue_depth: int = Field(32, ge=1, le=4096)
+    use_uring: bool = True
+
+    @model_validator(mode="after")
+    def _needs_directory(self) -> "SpillConfig":
+        if self.enabled and not self.directory:
+            raise ValueError("spill.enabled is true but spill.directory is not set")
+        return self
+
+
+class MasterConfig(_Model):
+    """Metadata service: leases, pins, eviction, liveness, allocation."""
+
+    lease_ttl_s: float = Field(10.0, gt=0)
+    """A get's read lease: the object's extents are neither evicted nor reused meanwhile."""
+    soft_pin_ttl_s: float = Field(1800.0, gt=0)
+    high_watermark: float = Field(0.9, gt=0, le=1)
+    """Eviction starts when a node's arena use passes this fraction."""
+    evict_ratio: float = Field(0.05, gt=0, le=1)
+    """Fraction of a node's capacity freed per eviction round."""
+    node_ttl_s: float = Field(5.0, gt=0)
+    """A store node silent this long is unmounted and its replicas dropped."""
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    put_timeout_s: float = Field(60.0, gt=0)
+    """A pending put not ended within this time is revoked and its space reclaimed."""
+    allocation_strategy: Literal["random", "free_ratio_first", "local_first"] = "local_first"
+    replicas: int = Field(1, ge=1, le=8)
+    """Default replica count of a put (on distinct store nodes)."""
+    recovery_timeout_s: float = Field(15.0, gt=0)
+    """After a restart, how long the master waits for known store nodes to remount."""
+    max_key_bytes: int = Field(4096, ge=1, le=65536)
+    max_restarts: int = Field(-1, ge=-1)
+    num_cpus: float = Field(0.0, ge=0)
+
+
+class ClientConfig(_Model):
+    local_buffer_size_bytes: Size = 64 << 20
+    """Registered staging buffer for the bytes API (Mooncake's local_buffer_size)."""
+    master_retry_timeout_s: float = Field(30.0, gt=0)
+    """How long a call waits and retries while the master is down before raising
+    MasterUnavailableError."""
+
+
+class StoreConfig(_Model):
+    """Everything ``mooncake_ray.start`` deploys. Nested sections: master, transport,
+    spill, client."""
+
+    namespace: str = "mooncake_ray"
+    """Ray namespace of the store's named actors; two stores never share one."""
+    segment_size_bytes: Size = 1 << 30
+    """DRAM arena of each store node (Mooncake's global_segment_size)."""
+    store_resource: str = "mooncake_store"
+    """Ray nodes offering this custom resource get a store node; if none does, every
+    alive node does."""
+    ray_address: str | None = None
+    """Ray cluster to deploy onto (None: the connected one, or an embedded local one)."""
+    prefault: bool = True
+    master: MasterConfig = Field(default_factory=MasterConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    spill: SpillConfig = Field(default_factory=SpillConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
+
+    @model_validator(mode="after")
+    def _arena_fits(self) -> "StoreConfig":
+        if self.segment_size_bytes and self.segment_size_bytes < 1 << 20:
+            raise ValueError(
+                f"segment_size_bytes must be 0 (no arena) or at least 1 MiB, got {self.segment_size_bytes}")
+        return self
+
+
+# Mooncake's variables -> our field paths. MOONCAKE_MASTER names where the master lives;
+# here that is the Ray cluster holding the master actor.
+MOONCAKE_ALIASES: dict[str, tuple[str, ...]] = {
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": ("segment_size_bytes",),
+    "MOONCAKE_LOCAL_BUFFER_SIZE": ("client", "local_buffer_size_bytes"),
+    "MOONCAKE_PROTOCOL": ("transport", "protocol"),
+    "MOONCAKE_DEVICE": ("transport", "devices"),
+    "MOONCAKE_MASTER": ("ray_address",),
+    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": ("spill", "directory"),
+    "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": ("spill", "capacity_bytes"),
+    "MOONCAKE_USE_URING": ("spill", "use_uring"),
+    "MOONCAKE_ENABLE_OFFLOAD": ("spill", "enabled"),
+}
+ENV_PREFIX = "MOONCAKE_RAY_"
+
+
+def _set_path(d: dict, path: tuple[str, ...], value: Any) -> None:
+    for part in path[:-1]:
+        d = d.setdefault(part, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"cannot set {'.'.join(path)}: {part} is not a section")
+    d[path[-1]] = value
+
+
+def _env_value(raw: str) -> Any:
+    # JSON for structured values ({"RNDV_THRESH": "8k"}, ["eth0"], true, 5); else the string.
+    try:
+        return json.loads(raw)
+    except ValueError:
+        low = raw.strip().lower()
+        if low in ("true", "yes", "on"):
+            return True
+        if low in ("false", "no", "off"):
+            return False
+        return raw
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """The nested override dict that the environment asks for."""
+    environ = os.environ if environ is None else environ
+    out: dict = {}
+    for name, path in MOONCAKE_ALIASES.items():
+        if name in environ:
+            raw = environ[name]
+            value: Any = raw if path[-1] in ("devices", "ray_address", "directory") else _env_value(raw)
+            if name == "MOONCAKE_PROTOCOL" and isinstance(value, str):
+                value = value.lower()
+            if name == "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH" and "MOONCAKE_ENABLE_OFFLOAD" not in environ:
+                _set_path(out, ("spill", "enabled"), True)  # a spill path alone turns offload on
+            _set_path(out, path, value)
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX):
+            path = tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__") if p)
+            if path:
+                _set_path(out, path, _env_value(raw) if path[-1] not in ("namespace", "directory", "ray_address") else raw)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        got = e.get("input")
+        msg = e["msg"]
+        if e["type"] == "literal_error":
+            msg = f"allowed: {e['ctx']['expected']}"
+        elif e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{field}: got {got!r}; {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(config: "StoreConfig | Mapping | str | os.PathLike | None" = None,
+                environ: Mapping[str, str] | None = None) -> StoreConfig:
+    """Validate a config (model, dict, or a YAML/JSON file path) plus the environment.
+
+    Raises:
+        ConfigError: naming each bad field, its value and what is allowed.
+    """
+    if isinstance(config, StoreConfig):
+        base = config.model_dump()
+    elif config is None:
+        base = {}
+    elif isinstance(config, Mapping):
+        base = dict(config)
+    else:
+        path = Path(config)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # ray depends on pyyaml
+
+            base = yaml.safe_load(text) or {}
+        else:
+            base = json.loads(text)
+        if not isinstance(base, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(base).__name__}")
+    try:
+        return StoreConfig.model_validate(_merge(base, env_overrides(environ)))
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None

@@ -1,0 +1,76 @@
+import random
+
+import pytest
+
+from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, align_up
+
+K = ALIGN
+
+
+def test_align_up():
+    assert [align_up(n) for n in (0, 1, K, K + 1, 3 * K)] == [K, K, K, 2 * K, 3 * K]
+
+
+def test_best_fit_picks_smallest_run_lowest_offset():
+    a = ExtentAllocator(16 * K)
+    offs = [a.allocate(K)[0] for _ in range(16)]
+    assert offs == [i * K for i in range(16)]
+    # free runs of 3, 1, 2 granules (at offsets 0, 5K, 10K)
+    for o in (0, K, 2 * K, 5 * K, 10 * K, 11 * K):
+        a.release(o, K)
+    assert a.free_runs() == [(0, 3 * K), (5 * K, K), (10 * K, 2 * K)]
+    assert a.allocate(K) == (5 * K, K)       # exact fit
+    assert a.allocate(2 * K) == (10 * K, 2 * K)
+    assert a.allocate(2 * K) == (0, 2 * K)   # the 3-granule run is split
+    assert a.free_runs() == [(2 * K, K)]
+    assert a.allocate(2 * K) is None         # a shortage is a value
+
+
+def test_release_merges_both_neighbours():
+    a = ExtentAllocator(8 * K)
+    x, y, z = a.allocate(K), a.allocate(2 * K), a.allocate(K)
+    a.release(*x)
+    a.release(*z)
+    a.release(*y)
+    assert a.free_runs() == [(0, 8 * K)]
+    assert a.used == 0
+
+
+def test_double_free_and_bad_extents_raise():
+    a = ExtentAllocator(8 * K)
+    off, ln = a.allocate(2 * K)
+    a.release(off, ln)
+    with pytest.raises(ValueError, match="double free"):
+        a.release(off, ln)
+    with pytest.raises(ValueError):
+        a.release(K + 1, K)
+    with pytest.raises(ValueError):
+        a.release(8 * K, K)
+
+
+def test_reserve_specific_extent():
+    a = ExtentAllocator(8 * K)
+    a.reserve(3 * K, 2 * K)
+    assert a.free_runs() == [(0, 3 * K), (5 * K, 3 * K)]
+    with pytest.raises(ValueError, match="not free"):
+        a.reserve(4 * K, 2 * K)
+    assert a.used == 2 * K
+
+
+def test_random_against_model():
+    rng = random.Random(7)
+    cap = 256 * K
+    a = ExtentAllocator(cap)
+    owned = {}
+    for _ in range(3000):
+        if owned and rng.random() < 0.45:
+            off = rng.choice(list(owned))
+            a.release(off, owned.pop(off))
+        else:
+            got = a.allocate(rng.randint(1, 9 * K))
+            if got:
+                off, ln = got
+                assert all(off + ln <= o or o + l <= off for o, l in owned.items())
+                owned[off] = ln
+        assert a.used == sum(owned.values())
+        assert a.used + sum(l for _, l in a.free_runs()) == cap

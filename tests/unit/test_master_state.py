@@ -1,0 +1,324 @@
+"""The master state machine with an injected clock: no Ray, each test in milliseconds."""
+
+import pytest
+
+from mooncake_ray.errors import (
+    InvalidArgumentError,
+    MasterUnavailableError,
+    NoCapacityError,
+    NodeUnavailableError,
+    ObjectExistsError,
+    ObjectLeasedError,
+    ObjectNotFoundError,
+    ObjectPendingError,
+)
+from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.state import MasterState, Policy
+from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
+
+K = ALIGN
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def node(i, cap=64 * K, inc="a"):
+    return NodeInfo(f"n{i}", inc, b"addr", b"rkey", 0, cap, ray_node_id=f"ray{i}")
+
+
+def make(n_nodes=2, cap=64 * K, **policy):
+    clock = Clock()
+    pol = Policy(**{"allocation_strategy": "free_ratio_first", **policy})
+    m = MasterState(pol, clock=clock, wall_ns=lambda: 0, seed=1)
+    for i in range(n_nodes):
+        m.mount(node(i, cap))
+    return m, clock
+
+
+def put(m, key, size=K, **kw):
+    gen, ext = m.put_start(key, size, **kw)
+    m.put_end(key, gen)
+    return gen, ext
+
+
+def test_two_phase_put_is_invisible_until_end():
+    m, _ = make()
+    gen, ext = m.put_start("a", 10)
+    assert not m.exists("a") and m.get("a") is None
+    m.put_end("a", gen)
+    m.put_end("a", gen)  # idempotent
+    size, g, ttl, reps = m.get("a")
+    assert (size, g) == (10, gen) and reps[0][0] == ext[0][0]
+    m.check_invariants()
+
+
+def test_put_of_existing_key_raises_and_keeps_old_value():
+    m, _ = make()
+    gen1, _ = put(m, "k")
+    with pytest.raises(ObjectExistsError, match="upsert"):
+        m.put_start("k", K)
+    assert m.get("k")[1] == gen1
+
+
+def test_upsert_replaces_at_put_end_and_old_stays_readable_meanwhile():
+    m, _ = make()
+    gen1, _ = put(m, "k")
+    gen2, _ = m.put_start("k", 2 * K, upsert=True)
+    assert m.get("k")[1] == gen1  # readers see the old value until publish
+    with pytest.raises(ObjectPendingError):
+        m.put_start("k", K, upsert=True)
+    m.put_end("k", gen2)
+    assert m.get("k")[:2] == (2 * K, gen2)
+    m.check_invariants()
+
+
+def test_revoke_and_put_timeout_reclaim_space():
+    m, clock = make(n_nodes=1, put_timeout_s=5)
+    gen, _ = m.put_start("a", 8 * K)
+    assert m.stats()["used"] == 8 * K
+    assert m.put_revoke("a", gen) and not m.put_revoke("a", gen)
+    assert m.stats()["used"] == 0
+    m.put_start("b", 8 * K)
+    clock.t += 6
+    m.tick()
+    assert m.stats()["used"] == 0 and m.stats()["pending"] == 0
+    with pytest.raises(ObjectNotFoundError):
+        m.put_end("b", 1)
+
+
+def test_replicas_land_on_distinct_nodes():
+    m, _ = make(n_nodes=3)
+    _, ext = put(m, "r", replicas=3)
+    assert sorted(e[0] for e in ext) == ["n0", "n1", "n2"]
+    _, ext = put(m, "r2", replicas=5)  # more than nodes: one per node
+    assert len({e[0] for e in ext}) == 3
+    m.check_invariants()
+
+
+def test_local_first_prefers_callers_node():
+    m, _ = make(n_nodes=3, allocation_strategy="local_first")
+    for i in range(5):
+        _, ext = put(m, f"k{i}", client_node="ray2")
+        assert ext[0][0] == "n2"
+    _, _, _, reps = m.get("k0", client_node="ray2")
+    assert reps[0][0] == "n2"
+
+
+def test_free_ratio_first_balances():
+    m, _ = make(n_nodes=2)
+    nodes = [put(m, f"k{i}")[1][0][0] for i in range(6)]
+    assert nodes == ["n0", "n1", "n0", "n1", "n0", "n1"]
+
+
+def test_lease_blocks_remove_and_eviction_until_it_ends():
+    m, clock = make(n_nodes=1, lease_ttl_s=10)
+    put(m, "a")
+    m.get("a")
+    with pytest.raises(ObjectLeasedError):
+        m.remove("a")
+    clock.t += 11
+    assert m.remove("a") and not m.remove("a")
+
+
+def test_forced_remove_of_leased_object_defers_extent_reuse():
+    m, clock = make(n_nodes=1, cap=4 * K, lease_ttl_s=10, high_watermark=1.0)
+    _, ext = put(m, "a", 4 * K)
+    m.get("a")
+    assert m.remove("a", force=True)
+    assert not m.exists("a")
+    # The reader's lease still covers those bytes: they are not handed out again.
+    with pytest.raises(NoCapacityError):
+        m.put_start("b", 4 * K)
+    clock.t += 10.5
+    _, ext2 = m.put_start("b", 4 * K)
+    assert ext2[0][1] == ext[0][1]
+    m.check_invariants()
+
+
+def test_eviction_order_is_lru_skipping_leased_pinned_pending():
+    # 10 slots of 1 granule; watermark eviction off so the order is observed on demand.
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.1)
+    for k in "abcdefgh":
+        put(m, k)
+        clock.t += 1
+    m.get("a")               # a becomes most recent and leased
+    m.pin("b")               # soft pin
+    m.pin("c", hard=True)    # hard pin
+    m.put_start("p", K)      # pending
+    clock.t += 20            # leases over, except we re-lease e
+    m.get("e")
+    put(m, "x")              # fills the 10th slot
+    evicted = []
+    all_keys = list("abcdefghx")
+    for i in range(8):
+        alive = {k for k in all_keys if m.exists(k)}
+        put(m, f"new{i}")    # each needs one slot: evicts exactly one victim
+        all_keys.append(f"new{i}")
+        evicted += sorted(alive - {k for k in all_keys if m.exists(k)})
+    # Recency after the gets: b c d f g h a e x. Leased e is skipped, soft-pinned b waits
+    # until no unpinned candidate is left (the new keys are plain ones), hard-pinned c never.
+    assert evicted == ["d", "f", "g", "h", "a", "x", "new0", "new1"]
+    assert m.exists("b") and m.exists("c") and m.exists("e")
+    m.check_invariants()
+
+
+def test_soft_pinned_evicted_only_after_unpinned():
+    m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=0.1)
+    put(m, "s")
+    m.pin("s")
+    clock.t += 1
+    put(m, "h")
+    m.pin("h", hard=True)
+    put(m, "u")
+    put(m, "n1")   # evicts u, the only unpinned one
+    assert not m.exists("u") and m.exists("s")
+    m.get("n1")    # leased: not a candidate either
+    put(m, "n2")   # only the soft-pinned s is left to take
+    assert not m.exists("s") and m.exists("h") and m.exists("n1")
+    m.get("n2")
+    with pytest.raises(NoCapacityError):
+        m.put_start("n3", K)  # h hard-pinned, n1 and n2 leased: nothing to evict
+    m.check_invariants()
+
+
+def test_literal_victim_sequence():
+    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=1 / 6)
+    for k in "uvwxyz":
+        put(m, k)
+        clock.t += 1
+    m.get("u")
+    clock.t += 100  # lease over; u is now the most recent
+    order = []
+    for i in range(6):
+        before = {k for k in "uvwxyz" if m.exists(k)}
+        put(m, f"n{i}")
+        order += sorted(before - {k for k in "uvwxyz" if m.exists(k)})
+    assert order == ["v", "w", "x", "y", "z", "u"]
+
+
+def test_high_watermark_frees_a_batch():
+    m, _ = make(n_nodes=1, cap=100 * K, high_watermark=0.9, evict_ratio=0.05)
+    for i in range(91):
+        put(m, f"k{i}")
+    st = m.stats()
+    assert st["evictions"] == 5 and st["used"] == 86 * K  # 91 used > 90: 5 evicted
+    assert [m.exists(f"k{i}") for i in range(6)] == [False] * 5 + [True]
+
+
+def test_value_larger_than_any_pool_is_bad_input_and_nothing_lost():
+    m, _ = make(cap=16 * K)
+    put(m, "keep")
+    with pytest.raises(InvalidArgumentError, match="larger than any store node"):
+        m.put_start("huge", 17 * K)
+    assert m.exists("keep")
+
+
+def test_no_capacity_when_everything_is_pinned():
+    m, _ = make(n_nodes=1, cap=4 * K, high_watermark=1.0)
+    for k in "ab":
+        put(m, k, 2 * K)
+        m.pin(k, hard=True)
+    with pytest.raises(NoCapacityError):
+        m.put_start("c", K)
+    assert m.exists("a") and m.exists("b")
+
+
+def test_bad_keys():
+    m, _ = make(max_key_bytes=8)
+    for bad, msg in [("", "empty"), ("x" * 9, "longer"), (5, "str")]:
+        with pytest.raises(InvalidArgumentError, match=msg):
+            m.put_start(bad, 1)
+
+
+def test_node_ttl_unmounts_and_keys_become_misses():
+    m, clock = make(n_nodes=2, node_ttl_s=5)
+    put(m, "one", client_node=None)
+    put(m, "two", replicas=2)
+    gen, ext = m.put_start("pend", K, replicas=2)
+    clock.t += 3
+    assert m.heartbeat("n1", "a")
+    clock.t += 3
+    res = m.tick()
+    assert res["unmounted"] == ["n0"]
+    assert m.exists("two")
+    assert m.get("two")[3][0][0] == "n1"
+    assert not m.exists("one") or m.get("one")[3][0][0] == "n1"
+    with pytest.raises(NodeUnavailableError):
+        m.put_end("pend", gen)
+    m.check_invariants()
+
+
+def test_suspect_node_gets_no_new_puts_until_heartbeat():
+    m, _ = make(n_nodes=2)
+    m.report_unreachable("n0")
+    assert all(put(m, f"k{i}")[1][0][0] == "n1" for i in range(3))
+    m.heartbeat("n0", "a")
+    assert {put(m, f"j{i}")[1][0][0] for i in range(3)} == {"n0"}
+
+
+def test_effects_carry_inventory_and_rebuild_restores_everything():
+    m, clock = make(n_nodes=2)
+    put(m, "a", 3 * K, replicas=2)
+    put(m, "b", K)
+    put(m, "c", K)
+    m.remove("c")
+    m.pin("b", hard=True)
+    inv = {"n0": {}, "n1": {}}
+    for node_id, d in m.drain_effects().items():
+        for e in d.add:
+            inv[node_id][e.key] = e
+        for key, gen in d.drop:
+            if key in inv[node_id] and inv[node_id][key].gen == gen:
+                del inv[node_id][key]
+    assert m.drain_effects() == {}
+    # A new master incarnation rebuilds from the nodes' inventories.
+    m2 = MasterState(m.policy, clock=clock, wall_ns=lambda: 0)
+    m2.begin_recovery({"n0", "n1"})
+    with pytest.raises(MasterUnavailableError):
+        m2.get("a")
+    m2.mount(node(0), list(inv["n0"].values()))
+    assert m2.recovering
+    m2.mount(node(1), list(inv["n1"].values()))
+    assert not m2.recovering
+    assert m2.get("a")[0] == 3 * K and len(m2.get("a")[3]) == 2
+    assert m2.exists("b") and not m2.exists("c")
+    assert m2.stats()["used"] == m.stats()["used"] and m2.stats()["pinned"] == 1
+    gen, _ = m2.put_start("d", K)
+    assert gen > max(e.gen for d in inv.values() for e in d.values())
+    m2.check_invariants()
+
+
+def test_recovery_gives_up_waiting_after_timeout():
+    m, clock = make(n_nodes=0, recovery_timeout_s=5)
+    m.begin_recovery({"n0"})
+    assert m.recovering
+    clock.t += 6
+    assert not m.recovering
+
+
+def test_remount_with_new_incarnation_drops_old_replicas():
+    m, _ = make(n_nodes=1)
+    put(m, "a")
+    m.mount(node(0, inc="b"))
+    assert not m.exists("a") and m.stats()["used"] == 0
+
+
+def test_remove_prefix_and_all():
+    m, _ = make()
+    for k in ["x/1", "x/2", "y/1"]:
+        put(m, k)
+    assert m.remove_prefix("x/") == 2
+    assert m.remove_all() == 1 and m.stats()["keys"] == 0
+
+
+def test_hits_misses_counted():
+    m, _ = make()
+    put(m, "a")
+    m.get("a"), m.get("a"), m.get("zz")
+    st = m.stats()
+    assert (st["hits"], st["misses"]) == (2, 1)
