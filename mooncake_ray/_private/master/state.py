@@ -305,6 +305,7 @@ class MasterState:
         self.counters["puts"] += 1
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
+            self._nodes[r.node_id].keys.add(key)  # dropping the old value may have unindexed it
             self._delta(r.node_id).add.append(
                 InventoryEntry(key, obj.gen, obj.size, r.tier.value, r.offset, r.length, int(obj.pin)))
 
