@@ -322,3 +322,13 @@ def test_hits_misses_counted():
     m.get("a"), m.get("a"), m.get("zz")
     st = m.stats()
     assert (st["hits"], st["misses"]) == (2, 1)
+
+
+def test_put_start_retry_by_same_owner_is_idempotent():
+    m, _ = make()
+    a = m.put_start("k", K, owner="c1")
+    assert m.put_start("k", K, owner="c1") == a
+    with pytest.raises(ObjectPendingError):
+        m.put_start("k", K, owner="c2")
+    m.put_end("k", a[0])
+    m.check_invariants()

@@ -237,7 +237,11 @@ class MasterState:
             raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
         now = self._clock()
         self._release_deferred(now)
-        if key in self._pending:
+        pending = self._pending.get(key)
+        if pending is not None:
+            if owner and pending.owner == owner and pending.size == size and not pending.failed:
+                # The same client retrying after a lost reply: hand back its allocation.
+                return pending.gen, [(r.node_id, r.offset, r.length) for r in pending.replicas]
             raise ObjectPendingError(f"a put of {key!r} is already in flight")
         if key in self._objects and not upsert:
             raise ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")

@@ -1,0 +1,94 @@
+"""Turning user values and buffers into (address, length) pairs without copying.
+
+Accepted: bytes, bytearray, memoryview and any C-contiguous buffer-protocol object,
+numpy arrays, and torch CPU tensors (contiguous). The returned ``keep`` object must stay
+referenced until the transfer completes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from mooncake_ray.errors import InvalidArgumentError
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def new_bytes(n: int) -> tuple[bytes, int]:
+    """An uninitialised ``bytes`` of ``n`` bytes and the address of its storage.
+
+    The C API documents ``PyBytes_FromStringAndSize(NULL, n)`` as "contents
+    uninitialised" for exactly this use: fill it once, before anyone else sees it. It saves
+    the second copy a ``bytes(bytearray)`` would make.
+    """
+    b = _new_bytes(None, n)
+    return b, ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
+def _torch_view(t: Any, writable: bool) -> tuple[int, int, Any]:
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"tensor on device {t.device} is not supported here: only CPU tensors (CUDA needs a "
+            "UCX built with CUDA; that path is untested)")
+    if not t.is_contiguous():
+        raise InvalidArgumentError("tensor is not contiguous: call .contiguous() first")
+    return t.data_ptr(), t.numel() * t.element_size(), t
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def readable(value: Any) -> tuple[int, int, Any]:
+    """``(address, nbytes, keep)`` of a value to store."""
+    if isinstance(value, bytes):
+        return ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value or 0, len(value), value
+    if isinstance(value, np.ndarray):
+        if not value.flags.c_contiguous:
+            raise InvalidArgumentError("numpy array is not C-contiguous: use np.ascontiguousarray")
+        return value.ctypes.data, value.nbytes, value
+    if _is_torch(value):
+        return _torch_view(value, False)
+    if isinstance(value, str):
+        raise InvalidArgumentError("value is a str: encode it to bytes first (e.g. value.encode())")
+    try:
+        mv = memoryview(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"value of type {type(value).__name__} is not bytes-like: expected bytes, bytearray, "
+            "memoryview, a numpy array or a torch CPU tensor") from None
+    if not mv.c_contiguous:
+        raise InvalidArgumentError("buffer is not C-contiguous")
+    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
+    return (arr.ctypes.data if mv.nbytes else 0), mv.nbytes, (arr, value)
+
+
+def writable(buf: Any) -> tuple[int, int, Any]:
+    """``(address, nbytes, keep)`` of a buffer to read into."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise InvalidArgumentError("numpy buffer must be C-contiguous and writeable")
+        return buf.ctypes.data, buf.nbytes, buf
+    if _is_torch(buf):
+        return _torch_view(buf, True)
+    if isinstance(buf, tuple) and len(buf) == 2 and all(isinstance(v, int) for v in buf):
+        return buf[0], buf[1], None  # (address, length) of memory the caller owns
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"buffer of type {type(buf).__name__} is not writable memory: expected bytearray, "
+            "memoryview, a numpy array, a torch CPU tensor or (address, length)") from None
+    if mv.readonly:
+        raise InvalidArgumentError(f"buffer of type {type(buf).__name__} is read-only")
+    if not mv.c_contiguous:
+        raise InvalidArgumentError("buffer is not C-contiguous")
+    if not mv.nbytes:
+        return 0, 0, mv
+    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    return arr.ctypes.data, mv.nbytes, (arr, buf)

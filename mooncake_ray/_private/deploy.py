@@ -1,0 +1,91 @@
+"""Deploying the store onto a Ray cluster: one master, one store node per Ray node that
+offers memory, all detached named actors in the store's namespace (so the store outlives
+the driver that started it, and ``connect`` finds it from any process)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from mooncake_ray.config import StoreConfig
+from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
+from mooncake_ray._private.master.actor import MasterActor
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+from mooncake_ray._private.store.actor import StoreNodeActor
+
+log = logging.getLogger(__name__)
+
+_started_ray = False
+
+
+def ensure_ray(cfg: StoreConfig) -> None:
+    """Connect to the configured cluster, the running one, or start an embedded one."""
+    global _started_ray
+    if ray.is_initialized():
+        return
+    ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    _started_ray = True
+
+
+def store_nodes(cfg: StoreConfig) -> list[dict]:
+    """Ray nodes that get a store node: those with the store resource, else all alive."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    offering = [n for n in alive if n.get("Resources", {}).get(cfg.store_resource, 0) > 0]
+    return offering or alive
+
+
+def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
+    """Create (or find) the master and the store nodes; wait until every node is mounted."""
+    opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+                max_restarts=-1, max_task_retries=-1)
+    head = ray.get_runtime_context().get_node_id()
+    master = ray.remote(MasterActor).options(
+        name=MASTER_NAME, max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **opts,
+    ).remote(cfg.model_dump())
+    nodes = store_nodes(cfg)
+    if cfg.segment_size_bytes == 0:
+        nodes = []  # a client-only deployment onto an existing store
+    actors = []
+    for n in nodes:
+        node_id = n["NodeID"]
+        actors.append(ray.remote(StoreNodeActor).options(
+            name=store_actor_name(node_id), max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **opts,
+        ).remote(cfg.model_dump(), node_id))
+    deadline = time.monotonic() + timeout_s
+    ray.get(master.ping.remote(), timeout=timeout_s)
+    for a in actors:
+        left = max(1.0, deadline - time.monotonic())
+        if not ray.get(a.wait_mounted.remote(left), timeout=left + 5):
+            raise NodeUnavailableError(f"a store node did not mount within {timeout_s:.0f}s")
+    return master, actors
+
+
+def find_master(namespace: str):
+    try:
+        return ray.get_actor(MASTER_NAME, namespace=namespace)
+    except ValueError:
+        raise MasterUnavailableError(
+            f"no mooncake-ray store in Ray namespace {namespace!r}: call mooncake_ray.start() "
+            "or run `mooncake-ray start`") from None
+
+
+def teardown(namespace: str) -> int:
+    """Kill the store's actors in ``namespace``; returns how many."""
+    n = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != namespace:
+            continue
+        name = entry["name"]
+        if name == MASTER_NAME or name.startswith(store_actor_name("")):
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+                n += 1
+            except ValueError:
+                pass
+    return n

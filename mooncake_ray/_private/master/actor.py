@@ -1,0 +1,184 @@
+"""The master as a Ray actor: a thin adapter around :class:`MasterState`.
+
+Two doors lead in:
+
+- the per-operation RPC (put_start/end/revoke, get, exists, remove, pin, batch forms),
+  served by the native engine on its dispatcher thread (``_on_rpc``);
+- Ray actor calls for the lifecycle: the RPC address, mount, heartbeat, stats, nodes.
+
+Both take ``_lock`` around the state machine. Inventory changes the state machine queues
+for store nodes are delivered (over the same transport) before the lock is released and
+before the caller gets its reply, so a store node's inventory never lags an
+acknowledged put: that is what lets a restarted master rebuild every key.
+
+Lock order: ``_lock`` only; nothing else is held while calling out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+from mooncake_ray.config import StoreConfig
+from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
+from mooncake_ray._private import rpc
+from mooncake_ray._private.master.state import MasterState, Policy
+from mooncake_ray._private.master.types import NodeInfo
+from mooncake_ray._private.metrics import MasterMetrics
+from mooncake_ray._private.naming import store_actor_ids
+from mooncake_ray._private.transport import Engine
+
+log = logging.getLogger(__name__)
+
+INVENTORY_TIMEOUT_S = 2.0
+
+
+class MasterActor:
+    def __init__(self, config: dict):
+        self.cfg = StoreConfig.model_validate(config)
+        self._lock = threading.RLock()
+        self.state = MasterState(Policy.from_config(self.cfg.master))
+        t = self.cfg.transport
+        self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
+                             ucx_options=t.ucx_options, name="master")
+        self._peers: dict[str, object] = {}
+        self._metrics = MasterMetrics()
+        self.incarnation = f"{time.time_ns():x}"
+        ctx = ray.get_runtime_context()
+        if ctx.was_current_actor_reconstructed:
+            # A restart: rebuild the index from the store nodes' inventories. They notice
+            # through their heartbeat (this master does not know them) and remount.
+            expected = set(store_actor_ids(self.cfg.namespace))
+            self.state.begin_recovery(expected)
+            log.warning("master restarted; waiting for store nodes %s to remount", sorted(expected))
+        self._table = {
+            rpc.PUT_START: self._put_start,
+            rpc.PUT_END: lambda items: rpc.per_key(self.state.put_end, items),
+            rpc.PUT_REVOKE: lambda items: rpc.per_key(self.state.put_revoke, items),
+            rpc.GET: lambda keys, client_node=None: rpc.per_key(self.state.get, keys, client_node),
+            rpc.EXISTS: lambda keys: [self.state.exists(k) for k in keys],
+            rpc.REMOVE: lambda keys, force=False: rpc.per_key(self.state.remove, keys, force),
+            rpc.REMOVE_PREFIX: lambda prefix, force=False: self.state.remove_prefix(prefix, force),
+            rpc.NODES: self.state.nodes,
+            rpc.PIN: lambda items: rpc.per_key(self.state.pin, items),
+            rpc.UNPIN: lambda keys: rpc.per_key(self.state.unpin, keys),
+            rpc.REPORT_UNREACHABLE: self.state.report_unreachable,
+            rpc.PING: lambda: self.incarnation,
+        }
+        self.engine.serve(rpc.MASTER_RPC, self._on_rpc)
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="master-tick", daemon=True)
+        self._ticker.start()
+
+    # ------------------------------------------------------------------- RPC door --
+    def _put_start(self, items, client_node=None, owner=""):
+        def one(key, size, replicas=None, upsert=False):
+            return self.state.put_start(key, size, replicas, client_node, owner, upsert)
+
+        return rpc.per_key(one, items)
+
+    def _on_rpc(self, data: bytes) -> bytes:
+        with self._lock:
+            if self.state.recovering:
+                return rpc.pack(rpc.err_entry(MasterUnavailableError(
+                    "master is rebuilding its index from the store nodes; retry")))
+            reply = rpc.serve_request(self._table, data)
+            self._deliver()
+            return reply
+
+    def _deliver(self) -> None:
+        """Send queued inventory deltas to their store nodes (lock held)."""
+        effects = self.state.drain_effects()
+        if not effects:
+            return
+        calls, ids = [], []
+        for node_id, delta in effects.items():
+            peer = self._peer(node_id)
+            if peer is None:
+                continue
+            payload = rpc.pack([[list(e) for e in delta.add], [list(d) for d in delta.drop]])
+            calls.append((peer, rpc.NODE_INVENTORY_RPC, payload))
+            ids.append(node_id)
+        if not calls:
+            return
+        results = self.engine.call_many(calls, timeout_s=INVENTORY_TIMEOUT_S)
+        for node_id, res in zip(ids, results):
+            if isinstance(res, BaseException):
+                log.warning("store node %s missed an inventory update (%s); marking it suspect",
+                            node_id, res)
+                self._peers.pop(node_id, None)
+                self.state.report_unreachable(node_id)
+
+    def _peer(self, node_id: str):
+        peer = self._peers.get(node_id)
+        if peer is None:
+            node = self.state._nodes.get(node_id)
+            if node is None:
+                return None
+            try:
+                peer = self._peers[node_id] = self.engine.connect(node.address)
+            except MooncakeRayError as e:
+                log.warning("cannot reach store node %s: %s", node_id, e)
+                return None
+        return peer
+
+    # --------------------------------------------------------------- lifecycle door --
+    def rpc_address(self) -> bytes:
+        return self.engine.address
+
+    def mount(self, info: dict, inventory: list) -> str:
+        """A store node (re)joins with what it holds. Returns this master's incarnation."""
+        node = NodeInfo(**info)
+        with self._lock:
+            self._peers.pop(node.node_id, None)
+            self.state.mount(node, inventory)
+            self._deliver()
+        log.info("mounted store node %s (%d bytes, %d objects)", node.node_id, node.capacity,
+                 len(inventory))
+        return self.incarnation
+
+    def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
+                  spill_degraded: str | None = None) -> bool:
+        with self._lock:
+            return self.state.heartbeat(node_id, incarnation, spill_used, spill_degraded)
+
+    def unmount(self, node_id: str) -> int:
+        with self._lock:
+            self._peers.pop(node_id, None)
+            return self.state.unmount(node_id, "unmounted by request")
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.state.stats()
+
+    def nodes(self) -> list:
+        with self._lock:
+            return self.state.nodes()
+
+    def config(self) -> dict:
+        return self.cfg.model_dump()
+
+    def ping(self) -> str:
+        return self.incarnation
+
+    def _tick_loop(self) -> None:
+        period = min(1.0, self.cfg.master.node_ttl_s / 4)
+        while not self._stop.wait(period):
+            try:
+                with self._lock:
+                    done = self.state.tick()
+                    self._deliver()
+                    stats = self.state.stats()
+                for node_id in done["unmounted"]:
+                    self._peers.pop(node_id, None)
+                    log.warning("unmounted silent store node %s (%d keys lost)", node_id, done["lost"])
+                self._metrics.update(stats)
+            except Exception:  # keep ticking: a bug here must not stop liveness checks
+                log.exception("master tick failed")
+
+
+def master_actor_class():
+    return ray.remote(MasterActor)

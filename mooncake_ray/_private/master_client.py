@@ -1,0 +1,88 @@
+"""The client's narrow door to the master: per-operation calls over the transport RPC,
+found (and found again after a master restart) through Ray.
+
+Retry rule: a call that fails because the master is unreachable, timed out or is
+rebuilding its index is retried, with backoff, until ``master_retry_timeout_s`` has
+passed; then it raises :class:`MasterUnavailableError` (retryable). Every operation
+sent here is idempotent or made so (see ``rpc.py``), so a retry after a lost reply is
+safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from mooncake_ray.errors import (
+    EngineClosedError,
+    MasterUnavailableError,
+    NodeUnavailableError,
+    TransferError,
+)
+from mooncake_ray._private import rpc
+from mooncake_ray._private.naming import MASTER_NAME
+
+
+class MasterChannel:
+    def __init__(self, engine, namespace: str, retry_timeout_s: float, rpc_timeout_s: float):
+        self._engine = engine
+        self._namespace = namespace
+        self._retry_timeout_s = retry_timeout_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._lock = threading.Lock()
+        self._handle = None
+        self._peer = None
+        self.incarnation: str | None = None
+
+    def handle(self):
+        """The master's Ray actor handle (lifecycle calls: stats, nodes, config)."""
+        if self._handle is None:
+            self._handle = ray.get_actor(MASTER_NAME, namespace=self._namespace)
+        return self._handle
+
+    def _connect(self, deadline: float):
+        with self._lock:
+            if self._peer is not None:
+                return self._peer
+            remaining = max(0.5, deadline - time.monotonic())
+            address = ray.get(self.handle().rpc_address.remote(), timeout=remaining)
+            self._peer = self._engine.connect(address)
+            return self._peer
+
+    def _reset(self, peer) -> None:
+        with self._lock:
+            if self._peer is peer:
+                self._peer = None
+
+    def call(self, op: int, *args: Any) -> Any:
+        """One RPC to the master, retried across restarts within the retry window."""
+        payload = rpc.pack([op, *args])
+        deadline = time.monotonic() + self._retry_timeout_s
+        delay, last = 0.01, None
+        while True:
+            peer = None
+            try:
+                peer = self._connect(deadline)
+                data = self._engine.call(peer, rpc.MASTER_RPC, payload,
+                                         timeout_s=min(self._rpc_timeout_s, max(0.05, deadline - time.monotonic())))
+            except EngineClosedError:
+                raise
+            except (NodeUnavailableError, TransferError, ray.exceptions.RayError, ValueError) as e:
+                # unreachable, timed out, or restarting (the actor is not found or dead for now)
+                last = e
+                self._reset(peer)
+                if not isinstance(e, (NodeUnavailableError, TransferError)):
+                    self._handle = None
+            else:
+                try:
+                    return rpc.decode_reply(data)
+                except MasterUnavailableError as e:  # rebuilding its index: come back later
+                    last = e
+            if time.monotonic() + delay > deadline:
+                raise MasterUnavailableError(
+                    f"master did not answer within {self._retry_timeout_s:.0f}s: {last}") from last
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)

@@ -1,0 +1,67 @@
+"""Prometheus metrics through ``ray.util.metrics``: they appear on each Ray node's
+metrics endpoint (and so in the Ray dashboard and Grafana) with Ray's ``ray_`` prefix.
+
+Master side: capacity / used / keys per store node and tier, hits, misses, evictions,
+puts, and put bytes. Client side: put and get latency histograms, bytes moved.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LAT_BOUNDS_S = [2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0, 5.0]
+
+
+class MasterMetrics:
+    COUNTERS = {
+        "hits": "Get hits",
+        "misses": "Get misses",
+        "evictions": "Replicas evicted from DRAM",
+        "evicted_bytes": "Bytes evicted from DRAM",
+        "puts": "Puts published",
+        "put_bytes": "Bytes published by puts",
+        "offloads": "Objects written to the disk tier",
+        "promotions": "Objects read back from the disk tier into DRAM",
+    }
+
+    def __init__(self) -> None:
+        tags = ("node", "tier")
+        self.capacity = metrics.Gauge("mooncake_capacity_bytes", "Store capacity", tag_keys=tags)
+        self.used = metrics.Gauge("mooncake_used_bytes", "Store bytes in use", tag_keys=tags)
+        self.keys = metrics.Gauge("mooncake_keys", "Objects held", tag_keys=tags)
+        self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight")
+        self.counters = {name: metrics.Counter(f"mooncake_{name}", desc) for name, desc in self.COUNTERS.items()}
+        self._last: dict[str, int] = {}
+
+    def update(self, stats: dict) -> None:
+        for node_id, node in stats["nodes"].items():
+            for tier in ("dram", "disk"):
+                t = node[tier]
+                tags = {"node": node_id[:12], "tier": tier}
+                self.capacity.set(t["capacity"], tags=tags)
+                self.used.set(t["used"], tags=tags)
+                self.keys.set(t.get("keys", 0), tags=tags)
+        self.pending.set(stats.get("pending", 0))
+        for name, counter in self.counters.items():
+            now = stats.get(name, 0)
+            delta = now - self._last.get(name, 0)
+            if delta < 0:  # counters reset (state rebuilt): start again from here
+                delta = now
+            if delta:
+                counter.inc(delta)
+            self._last[name] = now
+
+
+class ClientMetrics:
+    def __init__(self) -> None:
+        tags = ("op",)
+        self.latency = metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
+                                         boundaries=_LAT_BOUNDS_S, tag_keys=tags)
+        self.bytes = metrics.Counter("mooncake_client_bytes", "Bytes moved by clients", tag_keys=("direction",))
+        self.ops = metrics.Counter("mooncake_client_ops", "Client calls (keys)", tag_keys=tags)
+
+    def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0) -> None:
+        self.latency.observe(seconds, tags={"op": op})
+        self.ops.inc(keys, tags={"op": op})
+        if nbytes:
+            self.bytes.inc(nbytes, tags={"direction": "write" if op.startswith("put") else "read"})

@@ -1,0 +1,22 @@
+"""Names of the store's Ray actors inside its namespace (the GCS is the metadata service:
+actors find each other by name, no etcd)."""
+
+from __future__ import annotations
+
+import ray
+
+MASTER_NAME = "mooncake_master"
+STORE_PREFIX = "mooncake_store:"
+
+
+def store_actor_name(node_id: str) -> str:
+    return STORE_PREFIX + node_id
+
+
+def store_actor_ids(namespace: str) -> list[str]:
+    """Ray node ids of the store-node actors alive in ``namespace``."""
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == namespace and entry["name"].startswith(STORE_PREFIX):
+            out.append(entry["name"][len(STORE_PREFIX):])
+    return out

@@ -1,0 +1,122 @@
+"""``mooncake-ray``: deploy, inspect and stop the store on a running Ray cluster.
+
+    mooncake-ray start --config store.yaml      # onto the cluster of `ray start` / `ray up`
+    mooncake-ray status
+    mooncake-ray stop
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from mooncake_ray.errors import MooncakeRayError
+
+
+def _gb(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def _human(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_status(stats: dict) -> str:
+    """One summary line in the spirit of Mooncake's master log, then a table per store
+    node and tier."""
+    cap, used = stats["capacity"], stats["used"]
+    lines = [f"Storage: {_gb(used)} / {_gb(cap)} GB | Keys: {stats['keys']} "
+             f"(soft-pinned: {stats.get('soft_pinned', 0)}, pinned: {stats.get('pinned', 0)}) | "
+             f"Hits: {stats.get('hits', 0)} Misses: {stats.get('misses', 0)} "
+             f"Evictions: {stats.get('evictions', 0)} Offloads: {stats.get('offloads', 0)} "
+             f"Promotions: {stats.get('promotions', 0)}"
+             + (" | RECOVERING" if stats.get("recovering") else "")]
+    header = f"{'node':<14} {'tier':<5} {'used':>11} {'capacity':>11} {'use%':>6} {'keys':>8}  state"
+    lines += [header, "-" * len(header)]
+    for node_id, node in sorted(stats["nodes"].items()):
+        for tier in ("dram", "disk"):
+            t = node[tier]
+            if tier == "disk" and not t["capacity"]:
+                continue
+            pct = 100.0 * t["used"] / t["capacity"] if t["capacity"] else 0.0
+            state = "suspect" if node.get("suspect") else "ok"
+            if tier == "disk" and t.get("degraded"):
+                state = f"DEGRADED: {t['degraded']}"
+            lines.append(f"{node_id[:14]:<14} {tier:<5} {_human(t['used']):>11} {_human(t['capacity']):>11} "
+                         f"{pct:>5.1f}% {t.get('keys', 0):>8}  {state}")
+    return "\n".join(lines)
+
+
+def _ray_init(address: str | None) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
+
+
+@click.group()
+def main() -> None:
+    """Deploy, inspect and stop a mooncake-ray store on a running Ray cluster."""
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="YAML or JSON StoreConfig file.")
+@click.option("--address", default=None, help="Ray cluster address (default: the running one).")
+def start(config_path: str | None, address: str | None) -> None:
+    """Deploy the store onto the running Ray cluster (idempotent)."""
+    from mooncake_ray._private import deploy
+    from mooncake_ray.config import load_config
+
+    try:
+        cfg = load_config(config_path)
+        _ray_init(address or cfg.ray_address)
+        master, nodes = deploy.deploy(cfg)
+        import ray
+
+        click.echo(f"mooncake-ray started in namespace {cfg.namespace!r} with {len(nodes)} store node(s)")
+        click.echo(format_status(ray.get(master.stats.remote(), timeout=30)))
+    except MooncakeRayError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@main.command()
+@click.option("--namespace", default="mooncake_ray", show_default=True)
+@click.option("--address", default=None, help="Ray cluster address (default: the running one).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
+def status(namespace: str, address: str | None, as_json: bool) -> None:
+    """Capacity, usage and keys of the store, per node and tier."""
+    import ray
+
+    from mooncake_ray._private import deploy
+
+    try:
+        _ray_init(address)
+        stats = ray.get(deploy.find_master(namespace).stats.remote(), timeout=30)
+    except MooncakeRayError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(stats, indent=2, default=str) if as_json else format_status(stats))
+
+
+@main.command()
+@click.option("--namespace", default="mooncake_ray", show_default=True)
+@click.option("--address", default=None, help="Ray cluster address (default: the running one).")
+def stop(namespace: str, address: str | None) -> None:
+    """Remove the store's actors from the cluster (stored data is dropped)."""
+    from mooncake_ray._private import deploy
+
+    _ray_init(address)
+    n = deploy.teardown(namespace)
+    click.echo(f"stopped {n} mooncake-ray actor(s) in namespace {namespace!r}")
+
+
+if __name__ == "__main__":
+    main()

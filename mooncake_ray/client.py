@@ -1,0 +1,525 @@
+"""The store client: what notebooks, engines and connectors use.
+
+A client owns a transport engine but no arena (Mooncake's client-only mode,
+``global_segment_size=0``). Metadata goes to the master over the transport RPC, batched;
+bytes go straight between the caller's memory and the store nodes' arenas (a memcpy
+through shared memory on the same host, UCX across hosts), never through the Ray object
+store.
+
+Reads are validated: a get's descriptors come with a read lease, and bytes are only
+returned if the copy finished before the lease could have ended (measured from before
+the request was sent), so extents reallocated to another key are never returned.
+
+Thread-safe: calls may come from several threads; the async variants run the batch calls
+on a small thread pool (the engine releases the GIL while it waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+from mooncake_ray.config import StoreConfig
+from mooncake_ray.errors import (
+    InvalidArgumentError,
+    LeaseExpiredError,
+    MooncakeRayError,
+    NodeUnavailableError,
+    NotRegisteredError,
+    ObjectNotFoundError,
+    TransferError,
+)
+from mooncake_ray._private import rpc
+from mooncake_ray._private.buffers import new_bytes, readable, writable
+from mooncake_ray._private.master_client import MasterChannel
+from mooncake_ray._private.metrics import ClientMetrics
+from mooncake_ray._private.transport import Engine
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Client"]
+
+_PUT_ATTEMPTS = 3
+_GET_ATTEMPTS = 3
+
+
+@dataclass
+class _Node:
+    node_id: str
+    incarnation: str
+    peer: Any
+    region: Any  # RemoteRegion of the node's arena
+
+
+class Client:
+    """Put and get values in the distributed store. Create it with
+    ``mooncake_ray.start()`` or ``mooncake_ray.connect()``."""
+
+    def __init__(self, config: StoreConfig, name: str = "client"):
+        self.config = config
+        t = config.transport
+        self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
+                             ucx_options=t.ucx_options, read_mode=t.read_mode, name=name)
+        self._master = MasterChannel(self.engine, config.namespace,
+                                     config.client.master_retry_timeout_s, t.rpc_timeout_s)
+        self._timeout = t.transfer_timeout_s
+        self._owner = uuid.uuid4().hex
+        try:
+            self._here = ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside a Ray worker/driver: no local preference
+            self._here = None
+        self._nodes: dict[str, _Node] = {}
+        self._nodes_lock = threading.Lock()
+        self._regions: dict[int, Any] = {}
+        self._metrics = ClientMetrics()
+        self._pool: ThreadPoolExecutor | None = None
+        self._max_key = config.master.max_key_bytes
+        self._closed = False
+
+    # ================================================================ public API ==
+    def put(self, key: str, value: Any, *, replicas: int | None = None) -> None:
+        """Store ``value`` under a new ``key``.
+
+        Args:
+            key: non-empty str, at most ``max_key_bytes`` UTF-8 bytes.
+            value: bytes, bytearray, memoryview, numpy array or torch CPU tensor.
+            replicas: copies on distinct store nodes (default: config ``master.replicas``).
+
+        Raises:
+            ObjectExistsError: the key is stored already (use ``upsert``); not retryable.
+            InvalidArgumentError: bad key or value, or a value larger than every pool.
+            NoCapacityError: no room even after eviction (retryable).
+            MasterUnavailableError, TransferError: retryable; a retry is safe.
+        """
+        self._raise_first(self._timed("put", [key], lambda: self._put_many([key], [value], replicas, False)))
+
+    def upsert(self, key: str, value: Any, *, replicas: int | None = None) -> None:
+        """Store ``value`` under ``key``, replacing any stored value. Readers see the old
+        value until the new one is complete. Raises as ``put`` (never ObjectExistsError)."""
+        self._raise_first(self._timed("put", [key], lambda: self._put_many([key], [value], replicas, True)))
+
+    def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None) -> None:
+        """``put`` from a buffer (zero-copy if it was registered with ``register_buffer``);
+        ``size`` stores only the first ``size`` bytes."""
+        self._raise_first(self._timed("put", [key], lambda: self._put_many(
+            [key], [_Sized(buffer, size)], replicas, False)))
+
+    def get(self, key: str) -> bytes:
+        """The value stored under ``key``, as bytes.
+
+        Raises:
+            ObjectNotFoundError: a miss (a ``KeyError``).
+            MasterUnavailableError, TransferError: retryable.
+        """
+        out = self._timed("get", [key], lambda: self._get_many([key], None))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Read the value of ``key`` into ``buffer`` (zero-copy if registered); returns its
+        size in bytes.
+
+        Raises:
+            ObjectNotFoundError: a miss.
+            InvalidArgumentError: the buffer is smaller than the value (nothing is read).
+        """
+        out = self._timed("get", [key], lambda: self._get_many([key], [buffer]))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int | None = None,
+                  upsert: bool = False) -> list[MooncakeRayError | None]:
+        """Put many values in one round of metadata calls. Returns, per key, ``None`` on
+        success or the error (e.g. ObjectExistsError) for that key."""
+        self._same_length(keys, values, "values")
+        return self._timed("batch_put", keys, lambda: self._put_many(keys, values, replicas, upsert))
+
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
+                       *, replicas: int | None = None) -> list[MooncakeRayError | None]:
+        self._same_length(keys, buffers, "buffers")
+        items = [_Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
+        return self._timed("batch_put", keys, lambda: self._put_many(keys, items, replicas, False))
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of many keys; ``None`` for a miss."""
+        out = self._timed("batch_get", keys, lambda: self._get_many(keys, None))
+        for v in out:
+            if isinstance(v, BaseException) and not isinstance(v, ObjectNotFoundError):
+                raise v
+        return [None if isinstance(v, BaseException) else v for v in out]
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | MooncakeRayError]:
+        """Read many values into buffers; per key, the size read or the error
+        (ObjectNotFoundError for a miss)."""
+        self._same_length(keys, buffers, "buffers")
+        return self._timed("batch_get", keys, lambda: self._get_many(keys, buffers))
+
+    def exists(self, key: str) -> bool:
+        self._check_key(key)
+        return self._master.call(rpc.EXISTS, [key])[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        for k in keys:
+            self._check_key(k)
+        return self._master.call(rpc.EXISTS, list(keys)) if keys else []
+
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        """Remove ``key``; False if it was not stored.
+
+        Raises:
+            ObjectLeasedError: a reader holds it and ``force`` is false (retryable).
+        """
+        self._check_key(key)
+        res = self._master.call(rpc.REMOVE, [key], force)[0]
+        if rpc.is_err(res):
+            raise rpc.to_exc(res)
+        return res
+
+    def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
+        """Remove every key starting with ``prefix``; returns how many."""
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError(f"prefix must be a str, got {type(prefix).__name__}")
+        return self._master.call(rpc.REMOVE_PREFIX, prefix, force)
+
+    def remove_all(self, *, force: bool = False) -> int:
+        """Remove every key (leased ones only with ``force``); returns how many."""
+        return self._master.call(rpc.REMOVE_PREFIX, "", force)
+
+    def pin(self, key: str, *, hard: bool = False, ttl_s: float | None = None) -> None:
+        """Soft pin (evicted last; expires after ``ttl_s`` or the configured soft-pin TTL)
+        or hard pin (never evicted, until ``unpin``)."""
+        self._check_key(key)
+        self._raise_first(self._master.call(rpc.PIN, [[key, hard, ttl_s]]))
+
+    def unpin(self, key: str) -> None:
+        self._check_key(key)
+        self._raise_first(self._master.call(rpc.UNPIN, [key]))
+
+    def register_buffer(self, buffer: Any):
+        """Register memory with the transport so puts from it and gets into it are
+        zero-copy. Returns the registration; keep the buffer alive until
+        ``unregister_buffer``."""
+        addr, n, keep = writable(buffer) if not isinstance(buffer, bytes) else readable(buffer)
+        if n == 0:
+            raise InvalidArgumentError("cannot register an empty buffer")
+        region = self.engine.register((addr, n))
+        self._regions[addr] = (region, keep)
+        return region
+
+    def unregister_buffer(self, buffer: Any) -> None:
+        addr = buffer.addr if hasattr(buffer, "rkey") else (
+            writable(buffer)[0] if not isinstance(buffer, bytes) else readable(buffer)[0])
+        entry = self._regions.pop(addr, None)
+        if entry is None:
+            raise NotRegisteredError(f"buffer at 0x{addr:x} is not registered")
+        entry[0].close()
+
+    def stats(self) -> dict:
+        """The master's statistics (capacity, used, keys, hits, misses, evictions, per
+        node and tier)."""
+        return ray.get(self._master.handle().stats.remote(), timeout=30)
+
+    # async variants of the batch calls
+    async def batch_put_async(self, *args, **kwargs):
+        return await self._in_pool(self.batch_put, *args, **kwargs)
+
+    async def batch_put_from_async(self, *args, **kwargs):
+        return await self._in_pool(self.batch_put_from, *args, **kwargs)
+
+    async def batch_get_async(self, *args, **kwargs):
+        return await self._in_pool(self.batch_get, *args, **kwargs)
+
+    async def batch_get_into_async(self, *args, **kwargs):
+        return await self._in_pool(self.batch_get_into, *args, **kwargs)
+
+    async def batch_exists_async(self, *args, **kwargs):
+        return await self._in_pool(self.batch_exists, *args, **kwargs)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for region, _ in self._regions.values():
+            region.close()
+        self._regions.clear()
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ================================================================ internals ==
+    def _in_pool(self, fn, *args, **kwargs):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-client")
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _timed(self, op: str, keys, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        self._metrics.observe(op, time.perf_counter() - t0, len(keys))
+        return out
+
+    @staticmethod
+    def _raise_first(results) -> None:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+            if rpc.is_err(r):
+                raise rpc.to_exc(r)
+
+    @staticmethod
+    def _same_length(keys, other, what: str) -> None:
+        if len(keys) != len(other):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(other)} {what}")
+
+    def _check_key(self, key: Any) -> None:
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"key must be a str, got {type(key).__name__}: {key!r:.80}")
+        if not key:
+            raise InvalidArgumentError("key must not be empty")
+        if len(key) * 4 > self._max_key and len(key.encode()) > self._max_key:
+            raise InvalidArgumentError(
+                f"key of {len(key.encode())} bytes is longer than max_key_bytes={self._max_key}: {key[:64]!r}...")
+
+    # ---------------------------------------------------------------- nodes ------
+    def _node(self, node_id: str, refresh: bool = False) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is not None and not refresh:
+            return node
+        with self._nodes_lock:
+            infos = {n["node_id"]: n for n in self._master.call(rpc.NODES)}
+            for nid, info in infos.items():
+                cur = self._nodes.get(nid)
+                if cur is not None and cur.incarnation == info["incarnation"]:
+                    continue
+                peer = self.engine.connect(info["address"])
+                region = self.engine.import_remote(peer, info["rkey"], info["base"], info["capacity"])
+                self._nodes[nid] = _Node(nid, info["incarnation"], peer, region)
+            for nid in list(self._nodes):
+                if nid not in infos:
+                    del self._nodes[nid]
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NodeUnavailableError(f"store node {node_id} is not mounted")
+        return node
+
+    def _report(self, node_id: str) -> None:
+        try:
+            self._master.call(rpc.REPORT_UNREACHABLE, node_id)
+        except MooncakeRayError:
+            pass
+        with self._nodes_lock:
+            self._nodes.pop(node_id, None)
+
+    # ----------------------------------------------------------------- puts ------
+    def _put_many(self, keys, values, replicas, upsert) -> list:
+        for k in keys:
+            self._check_key(k)
+        srcs = []
+        for v in values:
+            if isinstance(v, _Sized):
+                addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf)
+                if v.size is not None:
+                    if not 0 <= v.size <= n:
+                        raise InvalidArgumentError(f"size {v.size} is outside the buffer of {n} bytes")
+                    n = v.size
+            else:
+                addr, n, keep = readable(v)
+            srcs.append((addr, n, keep))
+        results: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for attempt in range(_PUT_ATTEMPTS):
+            if not todo:
+                break
+            retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert)
+            nxt = []
+            for i, res in zip(todo, retry):
+                results[i] = res
+                if isinstance(res, (NodeUnavailableError, TransferError)) and attempt + 1 < _PUT_ATTEMPTS:
+                    nxt.append(i)
+            todo = nxt
+        return results
+
+    def _put_round(self, keys, srcs, replicas, upsert) -> list:
+        reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]
+        allocs = self._master.call(rpc.PUT_START, reqs, self._here, self._owner)
+        results: list = [None] * len(keys)
+        ops, owners = [], []
+        for i, a in enumerate(allocs):
+            if rpc.is_err(a):
+                results[i] = rpc.to_exc(a)
+                continue
+            _, extents = a
+            addr, n, _ = srcs[i]
+            for node_id, offset, _length in extents:
+                if n:
+                    ops.append((node_id, offset, addr, n))
+                    owners.append(i)
+        failed = self._write(ops, owners)
+        ends, revokes = [], []
+        for i, a in enumerate(allocs):
+            if results[i] is not None:
+                continue
+            if i in failed:
+                revokes.append([keys[i], a[0]])
+                results[i] = failed[i]
+            else:
+                ends.append((i, [keys[i], a[0]]))
+        if revokes:
+            self._master.call(rpc.PUT_REVOKE, revokes)
+        if ends:
+            done = self._master.call(rpc.PUT_END, [e for _, e in ends])
+            for (i, _), r in zip(ends, done):
+                if rpc.is_err(r):
+                    results[i] = rpc.to_exc(r)
+        return results
+
+    def _write(self, ops, owners) -> dict[int, Exception]:
+        """Write every extent; returns {item index: error} for items that failed."""
+        if not ops:
+            return {}
+        by_node: dict[str, list[int]] = {}
+        for j, (node_id, *_rest) in enumerate(ops):
+            by_node.setdefault(node_id, []).append(j)
+        failed: dict[int, Exception] = {}
+        try:
+            self.engine.write([(self._node(nid).region, off, addr, n) for nid, off, addr, n in ops],
+                              timeout_s=self._timeout)
+            return failed
+        except (NodeUnavailableError, TransferError, NotRegisteredError):
+            pass  # find the culprit node(s) below
+        for node_id, idxs in by_node.items():
+            try:
+                node = self._node(node_id)
+                self.engine.write([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs],
+                                  timeout_s=self._timeout)
+            except (NodeUnavailableError, TransferError, NotRegisteredError) as e:
+                self._report(node_id)
+                err = e if isinstance(e, (NodeUnavailableError, TransferError)) else NodeUnavailableError(str(e))
+                for j in idxs:
+                    failed[owners[j]] = err
+        return failed
+
+    # ----------------------------------------------------------------- gets ------
+    def _get_many(self, keys, buffers) -> list:
+        for k in keys:
+            self._check_key(k)
+        dsts = [writable(b) for b in buffers] if buffers is not None else None
+        results: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for attempt in range(_GET_ATTEMPTS):
+            if not todo:
+                break
+            again = self._get_round(keys, dsts, todo, results, last=attempt + 1 == _GET_ATTEMPTS)
+            todo = again
+        return results
+
+    def _get_round(self, keys, dsts, todo, results, last: bool) -> list[int]:
+        """One lookup + read round for ``todo``; returns indices to retry."""
+        t0 = time.monotonic()
+        descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here)
+        reads = []  # (index, size, replicas, dst_addr, keep)
+        for i, d in zip(todo, descs):
+            if d is None:
+                results[i] = ObjectNotFoundError(f"{keys[i]!r} is not in the store")
+                continue
+            if rpc.is_err(d):
+                results[i] = rpc.to_exc(d)
+                continue
+            size, _gen, ttl, reps = d
+            if dsts is None:
+                out, addr = new_bytes(size)
+                reads.append((i, size, reps, addr, out, ttl))
+            else:
+                addr, cap, _ = dsts[i]
+                if cap < size:
+                    results[i] = InvalidArgumentError(
+                        f"buffer of {cap} bytes is smaller than the value of {keys[i]!r} ({size} bytes)")
+                    continue
+                reads.append((i, size, reps, addr, size, ttl))
+        retry = []
+        pending = reads
+        for rank in range(max((len(r[2]) for r in reads), default=0)):
+            if not pending:
+                break
+            ops, idx = [], []
+            for r in pending:
+                if rank < len(r[2]) and r[1]:
+                    node_id, _tier, offset, _ln = r[2][rank]
+                    ops.append((node_id, offset, r[3], r[1]))
+                    idx.append(r)
+            failed = self._read(ops)
+            still = []
+            for j, r in enumerate(idx):
+                if j in failed and rank + 1 < len(r[2]):
+                    still.append(r)
+                elif j in failed:
+                    results[r[0]] = failed[j]
+                else:
+                    results[r[0]] = r[4]
+            for r in pending:
+                if r[1] == 0:
+                    results[r[0]] = r[4]
+            pending = still
+        if time.monotonic() - t0 > min((r[5] for r in reads), default=1e9):
+            # The copy may have outlived the lease: the extents could belong to another
+            # key by now. Never return such bytes.
+            for r in reads:
+                if last:
+                    results[r[0]] = LeaseExpiredError(f"read of {keys[r[0]]!r} outlived its lease")
+                else:
+                    retry.append(r[0])
+        for r in reads:
+            res = results[r[0]]
+            if isinstance(res, (NodeUnavailableError, TransferError)):
+                # Every replica failed: a node died. A clean miss, never wrong bytes.
+                results[r[0]] = ObjectNotFoundError(f"{keys[r[0]]!r} was lost with its store node ({res})")
+        return retry
+
+    def _read(self, ops) -> dict[int, Exception]:
+        if not ops:
+            return {}
+        try:
+            self.engine.read([(self._node(nid).region, off, addr, n) for nid, off, addr, n in ops],
+                             timeout_s=self._timeout)
+            return {}
+        except (NodeUnavailableError, TransferError, NotRegisteredError):
+            pass
+        failed: dict[int, Exception] = {}
+        by_node: dict[str, list[int]] = {}
+        for j, op in enumerate(ops):
+            by_node.setdefault(op[0], []).append(j)
+        for node_id, idxs in by_node.items():
+            try:
+                node = self._node(node_id)
+                self.engine.read([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs],
+                                 timeout_s=self._timeout)
+            except (NodeUnavailableError, TransferError, NotRegisteredError) as e:
+                self._report(node_id)
+                for j in idxs:
+                    failed[j] = e
+        return failed
+
+
+class _Sized:
+    __slots__ = ("buf", "size")
+
+    def __init__(self, buf, size):
+        self.buf, self.size = buf, size

@@ -1,0 +1,86 @@
+"""Shared fixtures: a real multi-node Ray cluster on this machine (ray.cluster_utils),
+and stores deployed onto it, each in a namespace of its own so tests do not see each
+other's keys or actors."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+# Tests run inside a private network namespace (see the Makefile); keep Ray quiet and
+# on loopback.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+STORE_RESOURCE = "mooncake_store"
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value (returned) or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - keep polling, report the last error
+            last_exc = e
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last error: {last_exc!r}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Three Ray nodes: a head that offers no store memory (client-only) and two workers
+    with the store resource."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1, resources={STORE_RESOURCE: 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    cluster.store_node_ids = [w.node_id for w in workers]
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def store_config(**overrides) -> dict:
+    cfg = {
+        "namespace": f"t{uuid.uuid4().hex[:10]}",
+        "segment_size_bytes": "64mb",
+        "transport": {"devices": ["lo"], "rpc_timeout_s": 2.0, "transfer_timeout_s": 5.0},
+        "master": {"node_ttl_s": 3.0, "heartbeat_interval_s": 0.3, "recovery_timeout_s": 10.0},
+        "client": {"master_retry_timeout_s": 30.0},
+    }
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    return cfg
+
+
+@pytest.fixture
+def make_store(ray_cluster):
+    """Deploy stores onto the shared cluster; each is torn down after the test."""
+    import mooncake_ray
+    from mooncake_ray._private import deploy
+
+    made = []
+
+    def make(**overrides):
+        cfg = store_config(**overrides)
+        client = mooncake_ray.start(cfg)
+        made.append((client, cfg["namespace"]))
+        return client
+
+    yield make
+    for client, ns in made:
+        client.close()
+        deploy.teardown(ns)

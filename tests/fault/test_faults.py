@@ -1,0 +1,112 @@
+"""Injected faults on a real 3-node Ray cluster: a store node killed mid-read-loop, the
+master killed, a client killed mid-put."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import mooncake_ray
+from mooncake_ray._private import rpc
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+from tests.conftest import wait_for
+
+KB = 1024
+
+
+def val(i, n=64 * KB):
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_store_node_killed_during_read_loop(make_store, ray_cluster):
+    s = make_store(master={"allocation_strategy": "free_ratio_first"})
+    ns = s.config.namespace
+    both = [f"both{i}" for i in range(20)]
+    single = [f"one{i}" for i in range(20)]
+    assert s.batch_put(both, [val(i) for i in range(20)], replicas=2) == [None] * 20
+    assert s.batch_put(single, [val(100 + i) for i in range(20)], replicas=1) == [None] * 20
+    expect = {**{k: val(i) for i, k in enumerate(both)}, **{k: val(100 + i) for i, k in enumerate(single)}}
+    victim = ray_cluster.store_node_ids[0]
+    wrong, both_missing, rounds = [], [], [0]
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            got = s.batch_get(both + single)
+            for k, v in zip(both + single, got):
+                if v is not None and v != expect[k]:
+                    wrong.append(k)
+                if v is None and k in both:
+                    both_missing.append(k)
+            rounds[0] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    wait_for(lambda: rounds[0] >= 3, what="reads before the kill")
+    ray.kill(ray.get_actor(store_actor_name(victim), namespace=ns), no_restart=False)
+    killed_at = time.monotonic()
+    before = rounds[0]
+    wait_for(lambda: rounds[0] >= before + 20, timeout_s=60, what="reads after the kill")
+    # Puts go elsewhere (or to the restarted node) within a few seconds.
+    deadline = time.monotonic() + 10
+    while True:
+        res = s.batch_put([f"after{time.monotonic()}"], [b"x"])
+        if res == [None] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    put_delay = time.monotonic() - killed_at
+    stop.set()
+    t.join()
+    assert res == [None] and put_delay < 10
+    assert wrong == [], f"wrong bytes returned for {wrong}"
+    assert both_missing == [], f"replicated keys missed: {sorted(set(both_missing))}"
+    got = s.batch_get(single)
+    lost = [k for k, v in zip(single, got) if v is None]
+    assert 0 < len(lost) < 20  # the victim's keys are clean misses, the others still read
+    assert all(v == expect[k] for k, v in zip(single, got) if v is not None)
+
+
+def test_master_killed_all_keys_readable_after_it_returns(make_store):
+    s = make_store()
+    keys = [f"m{i}" for i in range(60)]
+    assert s.batch_put(keys, [val(i, 10 * KB) for i in range(60)]) == [None] * 60
+    master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
+    inc = ray.get(master.ping.remote())
+    ray.kill(master, no_restart=False)
+    # The client waits and retries while the master restarts and rebuilds its index.
+    got = s.batch_get(keys)
+    assert [k for k, v in zip(keys, got) if v is None] == []
+    assert all(v == val(i, 10 * KB) for i, v in enumerate(got))
+    assert ray.get(master.ping.remote()) != inc
+    st = s.stats()
+    assert st["keys"] == 60 and not st["recovering"]
+    s.put("after-restart", b"ok")
+    assert s.get("after-restart") == b"ok"
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class DyingWriter:
+    def __init__(self, namespace):
+        self.s = mooncake_ray.connect(namespace=namespace)
+
+    def start_put_then_die(self, key, size):
+        reply = self.s._master.call(rpc.PUT_START, [[key, size, None, False]], None, "dying")
+        assert not rpc.is_err(reply[0]), reply
+        os._exit(1)
+
+
+def test_client_killed_mid_put_space_reclaimed(make_store):
+    s = make_store(master={"put_timeout_s": 3.0})
+    w = DyingWriter.remote(s.config.namespace)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(w.start_put_then_die.remote("orphan", 4 << 20))
+    st = s.stats()
+    assert st["pending"] == 1 and st["used"] >= 4 << 20
+    wait_for(lambda: s.stats()["pending"] == 0, timeout_s=15, what="the orphaned put to be revoked")
+    assert s.stats()["used"] == 0
+    assert not s.exists("orphan")
+    s.put("orphan", b"now it works")
+    assert s.get("orphan") == b"now it works"
