@@ -26,6 +26,11 @@ inline uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0) {
 // raw(reg, n zero bytes): the register shifted over n zero bytes, in O(log n).
 uint32_t crc32c_shift(uint32_t reg, uint64_t nbytes);
 
+// The same shift as a reusable operator (x^(8n) mod P) and its application, for folding
+// many chunks of one length: crc32c_shift(v, n) == crc32c_apply_shift(crc32c_shift_op(n), v).
+uint32_t crc32c_shift_op(uint64_t nbytes);
+uint32_t crc32c_apply_shift(uint32_t op, uint32_t reg);
+
 // Standard CRC of A||B from crc(A), crc(B) and |B|.
 inline uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return crc32c_shift(crc_a, len_b) ^ crc_b;

@@ -159,6 +159,9 @@ uint32_t crc32c_shift(uint32_t reg, uint64_t nbytes) {
   return multmodp(tables().x8n(nbytes), reg);
 }
 
+uint32_t crc32c_shift_op(uint64_t nbytes) { return tables().x8n(nbytes); }
+uint32_t crc32c_apply_shift(uint32_t op, uint32_t reg) { return multmodp(op, reg); }
+
 uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n) {
   // Pieces small enough to stay in L1/L2 between the copy and the checksum.
   constexpr size_t kPiece = 6 * kLong;

@@ -1,0 +1,79 @@
+// On-disk format of one spilled object (version 1). Internal to the spill tier.
+//
+//   <dir>/<hh>/<hash:016x>-<seq:016x>      hh = top byte of the key hash (256 subdirs)
+//
+//   offset 0            header: fixed part (64 B) + key, zero padded to 4 KiB blocks
+//   offset H            data (length bytes), zero padded to a multiple of 4 KiB
+//   file size           H + round_up(length, 4096)     H = header_blocks * 4096 (1 or 2)
+//
+//   fixed header (little endian)
+//     0  char[8]  magic "MCRSPILL"
+//     8  u16      version (1)
+//    10  u16      header_blocks
+//    12  u32      key_length (1..4096)
+//    16  u64      generation (the caller's)
+//    24  u64      data length
+//    32  u64      seq (the same as in the file name; larger = newer)
+//    40  u64      write time, ns since the epoch (for LRU order after a restart)
+//    48  u32      CRC-32C of the data (length bytes, not the padding)
+//    52  u32      flags (0)
+//    56  u32      CRC-32C of bytes [0, 56) and of the key
+//    60  u32      reserved (0)
+//    64  key bytes
+//
+// A file is valid when: magic, version and header CRC match, the name's hash and seq equal
+// the header's, the file size is exactly H + round_up(length), and (checked on read) the
+// data CRC matches. A file is written under its final, never reused name and becomes
+// visible in the index only after all of its I/O completed; after a crash, a file whose
+// header or data did not reach the disk fails one of these checks and is deleted.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace mcr::spill {
+
+constexpr uint64_t kBlock = 4096;
+constexpr size_t kFixedHeader = 64;
+constexpr size_t kMaxKeyBytes = 4096;
+constexpr uint16_t kFormatVersion = 1;
+constexpr size_t kMaxHeaderBytes = 2 * kBlock;
+constexpr size_t kSubdirs = 256;
+
+inline uint64_t round_up(uint64_t n, uint64_t a = kBlock) { return (n + a - 1) / a * a; }
+
+inline uint32_t header_blocks_for(size_t key_len) {
+  return static_cast<uint32_t>((kFixedHeader + key_len + kBlock - 1) / kBlock);
+}
+
+// Bytes an object occupies on disk (what capacity counts).
+inline uint64_t file_bytes(size_t key_len, uint64_t length) {
+  return header_blocks_for(key_len) * kBlock + round_up(length);
+}
+
+struct Header {
+  std::string key;
+  uint64_t gen = 0;
+  uint64_t length = 0;
+  uint64_t seq = 0;
+  uint64_t write_time_ns = 0;
+  uint32_t data_crc = 0;
+  uint32_t header_blocks = 0;
+};
+
+// Writes the header into buf (header_blocks_for(key) * 4096 bytes, zeroed here).
+void encode_header(const Header& h, uint8_t* buf);
+
+// Parses and checks magic, version and header CRC from the first `avail` bytes of a file.
+// On failure returns false with the reason in *why.
+bool decode_header(const uint8_t* buf, size_t avail, Header* out, std::string* why);
+
+// 64-bit hash of a key (file naming only: a collision costs nothing, the key is in the header).
+uint64_t key_hash(std::string_view key);
+
+std::string object_name(uint64_t hash, uint64_t seq);        // "<hash:016x>-<seq:016x>"
+inline unsigned subdir_of(uint64_t hash) { return static_cast<unsigned>(hash >> 56); }
+bool parse_object_name(std::string_view name, uint64_t* hash, uint64_t* seq);
+
+}  // namespace mcr::spill

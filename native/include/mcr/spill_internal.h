@@ -1,0 +1,157 @@
+// Internals of the spill tier shared by engine.cpp (index, directory, public methods) and
+// batch.cpp (the I/O executor). Not part of the library's interface.
+#pragma once
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mcr/spill.h"
+#include "mcr/spill_format.h"
+#include "mcr/spill_io.h"
+
+namespace mcr::spill {
+
+uint64_t mono_ns();
+uint64_t wall_ns();
+
+// Page-aligned anonymous memory (O_DIRECT needs aligned buffers).
+class AlignedBuf {
+ public:
+  AlignedBuf() = default;
+  explicit AlignedBuf(size_t n);
+  ~AlignedBuf();
+  AlignedBuf(AlignedBuf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  AlignedBuf& operator=(AlignedBuf&& o) noexcept;
+  uint8_t* data() const { return p_; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// What the index knows of one object on disk.
+struct Entry {
+  uint64_t hash = 0, seq = 0, gen = 0, length = 0, write_time_ns = 0;
+  uint32_t header_blocks = 1;
+  uint64_t header_bytes() const { return header_blocks * kBlock; }
+  uint64_t bytes() const { return header_bytes() + round_up(length); }
+};
+
+enum class OpKind : uint8_t {
+  kWrite,   // create a file: data chunks, then (or with the first chunk) the header
+  kRead,    // header + data into the caller's memory, CRC checked
+  kVerify,  // like kRead into staging only (scan with verify_data)
+  kHeader,  // read and check a header (scan)
+};
+
+struct Op;
+
+// One I/O of an operation. An op of n data chunks has n units (reads: unit 0 also carries
+// the header; writes of more than one chunk: a last unit writes the header).
+struct Unit : IoReq {
+  Op* op = nullptr;
+  uint32_t index = 0;
+  uint8_t* staging = nullptr;  // bounce buffer (unaligned memory), owned by the context
+  size_t want = 0;             // bytes the I/O moves when complete
+  size_t got = 0;
+  int res = 0;                 // -errno of a failed I/O
+};
+
+struct Op {
+  OpKind kind = OpKind::kRead;
+  // the request
+  const std::string* key = nullptr;
+  uint8_t* mem = nullptr;  // write source / read destination; nullptr for kVerify
+  uint64_t length = 0;
+  uint64_t gen = 0;
+  Entry entry;             // the file: from the index (reads) or new (writes)
+  // progress
+  int fd = -1;
+  int slot = -1;           // header/tail buffers of the context while active
+  uint8_t* hdr = nullptr;  // kMaxHeaderBytes, aligned
+  uint8_t* tail = nullptr; // one block: a partial last block bounced through it
+  bool direct = false;     // mem is 4 KiB aligned: the I/O goes straight to/from it
+  std::vector<Unit> units;
+  uint32_t next_prep = 0, next_push = 0, remaining = 0;
+  uint32_t crc = 0;                 // writes: running raw register of the data
+  std::vector<uint32_t> chunk_crc;  // reads: raw register of each chunk, from 0
+  uint64_t file_size = 0;           // header ops: from fstat
+  Header header;                    // header ops: decoded header
+  uint64_t t0 = 0;
+  int retries = 0;                  // reads that raced an overwrite and looked again
+  bool reserved = false;            // writes: capacity reserved for entry.bytes()
+  bool created = false;             // writes: the file exists and must go on failure
+  bool failed = false, finished = false;
+  Result result;
+};
+
+// The I/O resources one call uses: a queue and aligned buffers. Pooled per tier.
+struct Context {
+  std::unique_ptr<IoQueue> q;
+  unsigned slots = 0;         // ops active at once
+  AlignedBuf slot_mem;        // per slot: header (8 KiB) + tail (4 KiB)
+  std::vector<int> free_slots;
+  size_t chunk = 0;
+  std::vector<AlignedBuf> staging;
+  std::vector<uint8_t*> free_staging;
+  size_t max_staging = 0;
+
+  uint8_t* get_staging();
+  void put_staging(uint8_t* p) { free_staging.push_back(p); }
+};
+
+struct Counters {
+  std::atomic<uint64_t> writes{0}, write_bytes{0}, write_errors{0}, write_latency_ns{0};
+  std::atomic<uint64_t> reads{0}, read_bytes{0}, read_errors{0}, read_latency_ns{0};
+  std::atomic<uint64_t> not_found{0}, checksum_failures{0}, removes{0}, capacity_rejections{0};
+  std::atomic<uint64_t> files_deleted_invalid{0};
+};
+
+struct Tier::Impl {
+  Options opt;
+  int lock_fd = -1;
+  int sub_fd[kSubdirs];
+  uint64_t root_dev = 0, root_ino = 0;  // to notice the directory replaced under us
+  bool uring = true;                    // false: io_uring unavailable or not wanted
+  mutable std::shared_mutex life_mu;  // shared: every operation; exclusive: scan/recover/close
+  mutable std::mutex mu;              // the fields below; never held across I/O
+  std::unordered_map<std::string, Entry> index;
+  uint64_t used = 0;                  // committed files + reservations of writes in flight
+  std::string degraded_reason;
+  bool closed = false;
+  std::atomic<uint64_t> next_seq{1};
+  std::mutex ctx_mu;
+  std::vector<std::unique_ptr<Context>> idle;
+  Counters ctr;
+
+  explicit Impl(const Options& o);
+  ~Impl();
+
+  // engine.cpp
+  std::unique_ptr<Context> take_context();
+  void give_context(std::unique_ptr<Context> c);
+  void execute(std::vector<Op>& ops);  // runs a batch on a pooled context
+  void open_dirs(bool create);
+  void close_dirs();
+  std::string path_of(const Entry& e) const;
+  bool reserve(uint64_t bytes);
+  void release(uint64_t bytes);
+  void degrade(const std::string& reason);
+  bool is_degraded() const;
+  std::string degraded_text() const;
+  uint64_t used_now() const;
+  void commit_write(Op& op);
+  void drop_invalid(const std::string& key, const Entry& e, const std::string& why);
+  bool lookup(const std::string& key, Entry* e) const;
+  bool root_exists() const;
+  std::vector<ObjectInfo> scan_locked(bool verify);
+};
+
+// batch.cpp: performs every op of the batch, filling op.result.
+void run_batch(Tier::Impl& t, Context& c, std::vector<Op>& ops);
+
+}  // namespace mcr::spill

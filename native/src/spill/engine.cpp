@@ -1,0 +1,489 @@
+// The spill tier: directory, index, capacity, degraded state, and the public methods.
+// The I/O itself is in batch.cpp.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <unordered_map>
+
+#include "mcr/spill_internal.h"
+
+namespace mcr::spill {
+
+uint64_t mono_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+uint64_t wall_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+AlignedBuf::AlignedBuf(size_t n) : n_(round_up(n ? n : 1)) {
+  void* p = mmap(nullptr, n_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                 -1, 0);
+  if (p == MAP_FAILED) throw Error(Code::kIoError, "spill: cannot map an aligned buffer");
+  p_ = static_cast<uint8_t*>(p);
+}
+
+AlignedBuf::~AlignedBuf() {
+  if (p_) munmap(p_, n_);
+}
+
+AlignedBuf& AlignedBuf::operator=(AlignedBuf&& o) noexcept {
+  if (this != &o) {
+    if (p_) munmap(p_, n_);
+    p_ = o.p_, n_ = o.n_;
+    o.p_ = nullptr, o.n_ = 0;
+  }
+  return *this;
+}
+
+uint8_t* Context::get_staging() {
+  if (!free_staging.empty()) {
+    uint8_t* p = free_staging.back();
+    free_staging.pop_back();
+    return p;
+  }
+  if (staging.size() >= max_staging) return nullptr;
+  staging.emplace_back(chunk);
+  return staging.back().data();
+}
+
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& what, int err) {
+  throw Error(Code::kIoError, what + ": " + strerror(err));
+}
+
+void mkdirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    std::string p = path.substr(0, i);
+    if (mkdir(p.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("create " + p, errno);
+  }
+}
+
+const char* kHex = "0123456789abcdef";
+
+}  // namespace
+
+Tier::Impl::Impl(const Options& o) : opt(o) {
+  for (int& fd : sub_fd) fd = -1;
+  if (opt.directory.empty()) throw Error(Code::kInvalidArgument, "spill directory is empty");
+  if (opt.capacity_bytes == 0)
+    throw Error(Code::kInvalidArgument, "spill capacity_bytes must be > 0");
+  if (opt.queue_depth < 1 || opt.queue_depth > 4096)
+    throw Error(Code::kInvalidArgument,
+                "spill queue_depth must be 1..4096, got " + std::to_string(opt.queue_depth));
+  if (opt.chunk_bytes < 64 * 1024 || opt.chunk_bytes > (64u << 20) || opt.chunk_bytes % kBlock)
+    throw Error(Code::kInvalidArgument, "spill chunk_bytes must be a multiple of 4096 in "
+                                        "[64 KiB, 64 MiB], got " + std::to_string(opt.chunk_bytes));
+  uring = opt.use_uring;
+  if (uring) {
+    try {
+      IoQueue::uring(1);  // refused by old kernels and some seccomp profiles
+    } catch (const Error&) {
+      uring = false;
+    }
+  }
+}
+
+Tier::Impl::~Impl() { close_dirs(); }
+
+void Tier::Impl::open_dirs(bool create) {
+  close_dirs();
+  const std::string& root = opt.directory;
+  if (create) mkdirs(root);
+  std::string lock = root + "/LOCK";
+  lock_fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd < 0) throw_errno("open " + lock, errno);
+  if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0)
+    throw Error(Code::kIoError, "spill directory " + root + " is in use by another SpillTier");
+  struct stat st;
+  if (stat(root.c_str(), &st) != 0) throw_errno("stat " + root, errno);
+  root_dev = st.st_dev, root_ino = st.st_ino;
+  for (unsigned b = 0; b < kSubdirs; ++b) {
+    std::string p = root + "/" + kHex[b >> 4] + kHex[b & 15];
+    if (mkdir(p.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("create " + p, errno);
+    sub_fd[b] = ::open(p.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (sub_fd[b] < 0) throw_errno("open " + p, errno);
+  }
+  // O_DIRECT is the design (no page-cache copies, no double caching): refuse a filesystem
+  // without it rather than silently buffer.
+  std::string probe = root + "/.direct-probe";
+  int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  int err = errno;
+  unlink(probe.c_str());
+  if (fd < 0)
+    throw Error(err == EINVAL ? Code::kInvalidArgument : Code::kIoError,
+                "spill directory " + root + " does not support O_DIRECT: " + strerror(err));
+  ::close(fd);
+}
+
+void Tier::Impl::close_dirs() {
+  for (int& fd : sub_fd)
+    if (fd >= 0) ::close(fd), fd = -1;
+  if (lock_fd >= 0) ::close(lock_fd), lock_fd = -1;  // releases the flock
+}
+
+bool Tier::Impl::root_exists() const {
+  struct stat st;
+  return stat(opt.directory.c_str(), &st) == 0 && st.st_dev == root_dev && st.st_ino == root_ino;
+}
+
+std::string Tier::Impl::path_of(const Entry& e) const {
+  unsigned b = subdir_of(e.hash);
+  return opt.directory + "/" + kHex[b >> 4] + kHex[b & 15] + "/" + object_name(e.hash, e.seq);
+}
+
+bool Tier::Impl::reserve(uint64_t bytes) {
+  std::lock_guard<std::mutex> g(mu);
+  if (used + bytes > opt.capacity_bytes) return false;
+  used += bytes;
+  return true;
+}
+
+void Tier::Impl::release(uint64_t bytes) {
+  std::lock_guard<std::mutex> g(mu);
+  used -= bytes;
+}
+
+uint64_t Tier::Impl::used_now() const {
+  std::lock_guard<std::mutex> g(mu);
+  return used;
+}
+
+void Tier::Impl::degrade(const std::string& reason) {
+  std::lock_guard<std::mutex> g(mu);
+  if (degraded_reason.empty()) degraded_reason = reason;  // the first cause is the useful one
+}
+
+bool Tier::Impl::is_degraded() const {
+  std::lock_guard<std::mutex> g(mu);
+  return !degraded_reason.empty();
+}
+
+std::string Tier::Impl::degraded_text() const {
+  std::lock_guard<std::mutex> g(mu);
+  return degraded_reason;
+}
+
+bool Tier::Impl::lookup(const std::string& key, Entry* e) const {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = index.find(key);
+  if (it == index.end()) return false;
+  *e = it->second;
+  return true;
+}
+
+void Tier::Impl::commit_write(Op& op) {
+  // The newest *started* write of a key wins (the largest seq), which is also what a scan
+  // concludes from the files if we crash before the loser is unlinked.
+  Entry loser;
+  bool unlink_loser = false;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto [it, inserted] = index.try_emplace(*op.key, op.entry);
+    if (!inserted) {
+      if (it->second.seq > op.entry.seq) {
+        loser = op.entry;
+      } else {
+        loser = it->second;
+        it->second = op.entry;
+      }
+      used -= loser.bytes();
+      unlink_loser = true;
+    }
+  }
+  if (unlink_loser)
+    unlinkat(sub_fd[subdir_of(loser.hash)], object_name(loser.hash, loser.seq).c_str(), 0);
+}
+
+void Tier::Impl::drop_invalid(const std::string& key, const Entry& e, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = index.find(key);
+    if (it != index.end() && it->second.seq == e.seq) {
+      used -= it->second.bytes();
+      index.erase(it);
+    }
+  }
+  // The name is unique to this version, so this never removes a newer write of the key.
+  if (unlinkat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0) == 0)
+    ctr.files_deleted_invalid++;
+}
+
+std::unique_ptr<Context> Tier::Impl::take_context() {
+  {
+    std::lock_guard<std::mutex> g(ctx_mu);
+    if (!idle.empty()) {
+      auto c = std::move(idle.back());
+      idle.pop_back();
+      return c;
+    }
+  }
+  auto c = std::make_unique<Context>();
+  c->q = uring ? IoQueue::uring(opt.queue_depth) : IoQueue::sync();
+  c->slots = opt.queue_depth;
+  c->slot_mem = AlignedBuf(size_t(c->slots) * (kMaxHeaderBytes + kBlock));
+  for (int i = static_cast<int>(c->slots) - 1; i >= 0; --i) c->free_slots.push_back(i);
+  c->chunk = opt.chunk_bytes;
+  c->max_staging = 2 * size_t(opt.queue_depth);
+  return c;
+}
+
+void Tier::Impl::give_context(std::unique_ptr<Context> c) {
+  std::lock_guard<std::mutex> g(ctx_mu);
+  idle.push_back(std::move(c));
+}
+
+void Tier::Impl::execute(std::vector<Op>& ops) {
+  if (ops.empty()) return;
+  auto c = take_context();
+  run_batch(*this, *c, ops);  // on an exception the context is dropped, not reused
+  give_context(std::move(c));
+}
+
+std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
+  // 1. every file named like an object
+  std::vector<Op> heads;
+  for (unsigned b = 0; b < kSubdirs; ++b) {
+    int fd = dup(sub_fd[b]);
+    DIR* d = fd >= 0 ? fdopendir(fd) : nullptr;
+    if (!d) {
+      if (fd >= 0) ::close(fd);
+      throw_errno("list spill directory " + opt.directory, errno);
+    }
+    rewinddir(d);
+    while (dirent* de = readdir(d)) {
+      Op op;
+      op.kind = OpKind::kHeader;
+      if (parse_object_name(de->d_name, &op.entry.hash, &op.entry.seq)) heads.push_back(op);
+    }
+    closedir(d);
+  }
+  // 2. their headers; invalid files go, the newest version of each key stays
+  execute(heads);
+  std::unordered_map<std::string, Entry> best;
+  uint64_t max_seq = 0;
+  auto remove_file = [this](const Entry& e) {
+    if (unlinkat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0) == 0)
+      ctr.files_deleted_invalid++;
+  };
+  for (Op& op : heads) {
+    max_seq = std::max(max_seq, op.entry.seq);
+    if (op.failed) {
+      if (op.result.code == Code::kChecksumMismatch) remove_file(op.entry);
+      continue;
+    }
+    const Header& h = op.header;
+    Entry e{op.entry.hash, h.seq, h.gen, h.length, h.write_time_ns, h.header_blocks};
+    auto [it, inserted] = best.try_emplace(h.key, e);
+    if (!inserted) {
+      Entry& cur = it->second;
+      remove_file(cur.seq > e.seq ? e : cur);
+      if (e.seq > cur.seq) cur = e;
+    }
+  }
+  // 3. optionally every byte
+  if (verify) {
+    std::vector<Op> reads;
+    reads.reserve(best.size());
+    for (auto& [key, e] : best) {
+      Op op;
+      op.kind = OpKind::kVerify;
+      op.key = &key;
+      op.entry = e;
+      reads.push_back(op);
+    }
+    execute(reads);
+    for (Op& op : reads) {
+      if (!op.failed) continue;
+      if (op.result.code == Code::kChecksumMismatch) remove_file(op.entry);
+      best.erase(*op.key);
+    }
+  }
+  std::vector<ObjectInfo> out;
+  out.reserve(best.size());
+  std::lock_guard<std::mutex> g(mu);
+  used = 0;
+  for (auto& [key, e] : best) {
+    used += e.bytes();
+    out.push_back(ObjectInfo{key, e.gen, e.length});
+  }
+  index = std::move(best);
+  if (next_seq.load() <= max_seq) next_seq = max_seq + 1;
+  return out;
+}
+
+// ---- public face -------------------------------------------------------------------
+
+Tier::Tier(const Options& options) : impl_(std::make_unique<Impl>(options)) {
+  impl_->open_dirs(true);
+  impl_->scan_locked(false);
+}
+
+Tier::~Tier() = default;
+
+namespace {
+void check_open(const Tier::Impl& t) {
+  if (t.closed) throw Error(Code::kShutdown, "spill tier " + t.opt.directory + " is closed");
+}
+}  // namespace
+
+std::vector<Result> Tier::write_many(const std::vector<WriteRequest>& reqs) {
+  std::shared_lock<std::shared_mutex> life(impl_->life_mu);
+  check_open(*impl_);
+  std::vector<Op> ops(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Op& op = ops[i];
+    op.kind = OpKind::kWrite;
+    op.key = &reqs[i].key;
+    op.gen = reqs[i].gen;
+    op.mem = const_cast<uint8_t*>(static_cast<const uint8_t*>(reqs[i].src));
+    op.length = reqs[i].length;
+  }
+  impl_->execute(ops);
+  std::vector<Result> out(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) out[i] = std::move(ops[i].result);
+  return out;
+}
+
+std::vector<Result> Tier::read_many(const std::vector<ReadRequest>& reqs) {
+  std::shared_lock<std::shared_mutex> life(impl_->life_mu);
+  check_open(*impl_);
+  std::vector<Op> ops(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Op& op = ops[i];
+    op.kind = OpKind::kRead;
+    op.key = &reqs[i].key;
+    op.mem = static_cast<uint8_t*>(reqs[i].dst);
+    op.length = reqs[i].length;
+  }
+  impl_->execute(ops);
+  std::vector<Result> out(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) out[i] = std::move(ops[i].result);
+  return out;
+}
+
+void Tier::write(const WriteRequest& req) {
+  Result r = std::move(write_many({req})[0]);
+  if (r.code != Code::kOk) throw Error(r.code, r.message);
+}
+
+uint64_t Tier::read(const ReadRequest& req) {
+  Result r = std::move(read_many({req})[0]);
+  if (r.code != Code::kOk) throw Error(r.code, r.message);
+  return r.gen;
+}
+
+bool Tier::remove(const std::string& key) {
+  std::shared_lock<std::shared_mutex> life(impl_->life_mu);
+  check_open(*impl_);
+  Entry e;
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    auto it = impl_->index.find(key);
+    if (it == impl_->index.end()) return false;
+    e = it->second;
+    impl_->used -= e.bytes();
+    impl_->index.erase(it);
+  }
+  unlinkat(impl_->sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0);
+  impl_->ctr.removes++;
+  return true;
+}
+
+bool Tier::contains(const std::string& key) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->index.count(key) != 0;
+}
+
+std::optional<ObjectInfo> Tier::info(const std::string& key) const {
+  Entry e;
+  if (!impl_->lookup(key, &e)) return std::nullopt;
+  return ObjectInfo{key, e.gen, e.length};
+}
+
+std::vector<ObjectInfo> Tier::list() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  std::vector<ObjectInfo> out;
+  out.reserve(impl_->index.size());
+  for (auto& [k, e] : impl_->index) out.push_back(ObjectInfo{k, e.gen, e.length});
+  return out;
+}
+
+std::vector<ObjectInfo> Tier::scan(bool verify_data) {
+  std::unique_lock<std::shared_mutex> life(impl_->life_mu);
+  check_open(*impl_);
+  if (!impl_->root_exists()) {
+    impl_->degrade("spill directory " + impl_->opt.directory + " was removed");
+    throw Error(Code::kDegraded, "spill directory " + impl_->opt.directory + " was removed");
+  }
+  return impl_->scan_locked(verify_data);
+}
+
+bool Tier::recover() {
+  std::unique_lock<std::shared_mutex> life(impl_->life_mu);
+  check_open(*impl_);
+  try {
+    impl_->open_dirs(true);
+    impl_->scan_locked(false);
+  } catch (const Error& e) {
+    impl_->degrade(e.what());
+    return false;
+  }
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->degraded_reason.clear();
+  return true;
+}
+
+uint64_t Tier::capacity_bytes() const { return impl_->opt.capacity_bytes; }
+uint64_t Tier::used_bytes() const { return impl_->used_now(); }
+
+uint64_t Tier::num_keys() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->index.size();
+}
+
+std::optional<std::string> Tier::degraded() const {
+  std::string s = impl_->degraded_text();
+  if (s.empty()) return std::nullopt;
+  return s;
+}
+
+Stats Tier::stats() const {
+  const Counters& c = impl_->ctr;
+  Stats s;
+  s.writes = c.writes, s.write_bytes = c.write_bytes, s.write_errors = c.write_errors;
+  s.write_latency_ns = c.write_latency_ns;
+  s.reads = c.reads, s.read_bytes = c.read_bytes, s.read_errors = c.read_errors;
+  s.read_latency_ns = c.read_latency_ns;
+  s.not_found = c.not_found, s.checksum_failures = c.checksum_failures;
+  s.removes = c.removes, s.capacity_rejections = c.capacity_rejections;
+  s.files_deleted_invalid = c.files_deleted_invalid;
+  return s;
+}
+
+bool Tier::uses_uring() const { return impl_->uring; }
+
+void Tier::close() {
+  std::unique_lock<std::shared_mutex> life(impl_->life_mu);
+  if (impl_->closed) return;
+  impl_->closed = true;
+  impl_->close_dirs();
+  std::lock_guard<std::mutex> g(impl_->ctx_mu);
+  impl_->idle.clear();
+}
+
+}  // namespace mcr::spill
