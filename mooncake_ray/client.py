@@ -42,7 +42,6 @@ from mooncake_ray._private import rpc
 from mooncake_ray._private.buffers import new_bytes, readable, writable
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.metrics import ClientMetrics
-from mooncake_ray._private.transport import Engine
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +66,8 @@ class Client:
     def __init__(self, config: StoreConfig, name: str = "client"):
         self.config = config
         t = config.transport
+        from mooncake_ray._private.transport import Engine  # the native module: load on use
+
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
                              ucx_options=t.ucx_options, read_mode=t.read_mode, name=name)
         self._master = MasterChannel(self.engine, config.namespace,

@@ -144,6 +144,7 @@ _NATIVE_CODES: dict[int, type[MooncakeRayError]] = {
     203: RemoteHandlerError,
     204: RemoteHandlerError,
     205: EngineClosedError,
+    206: ConfigError,
     300: SpillError,
     301: SpillError,
     302: ChecksumError,

@@ -1,6 +1,11 @@
-"""Seeded random operation sequences against the master state machine, with node loss
-and master restarts; invariants checked after every step. A failure prints its seed:
-rerun one with MCR_SIM_SEED=<seed>."""
+"""Seeded random operation sequences against the master state machine, with node loss,
+master restarts, and the disk tier (offloads and promotions completing, failing and
+racing with removals); invariants checked after every step. A failure prints its seed:
+rerun one with MCR_SIM_SEED=<seed>.
+
+The simulated store nodes keep inventories exactly as the real ones do: DRAM entries
+written only by the master's deltas, disk entries written when an offload succeeds and
+deleted by the master's drops."""
 
 import os
 import random
@@ -10,7 +15,7 @@ import pytest
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
-from mooncake_ray._private.master.types import NodeInfo
+from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
 
 SEEDS = [int(os.environ["MCR_SIM_SEED"])] if "MCR_SIM_SEED" in os.environ else list(range(40))
 STEPS = 600
@@ -24,21 +29,25 @@ class Clock:
 
 
 class Sim:
-    def __init__(self, seed):
+    def __init__(self, seed, spill=None):
         self.rng = random.Random(seed)
         self.clock = Clock()
         self.losses = {}
+        self.totals = {}  # counters of earlier master incarnations
         strategy = self.rng.choice(["random", "free_ratio_first", "local_first"])
+        self.spill = self.rng.random() < 0.6 if spill is None else spill
         self.policy = Policy(lease_ttl_s=5, soft_pin_ttl_s=50, node_ttl_s=8, put_timeout_s=20,
                              allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
                              high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05)
         self.m = self._new_master()
-        self.inv = {}   # node_id -> {key: entry}: what each store node remembers
-        self.incs = {}
+        self.inv = {}       # node_id -> {(key, tier): entry}
+        self.incs, self.caps, self.spills = {}, {}, {}
+        self.offloads = {}  # node_id -> queued (key, gen, size, offset, length)
+        self.promotions = []  # (node_id, key, gen, offset)
         for i in range(3):
             self.add_node(f"n{i}")
-        self.pending = {}  # key -> gen
-        self.leases = {}   # key -> (gen, until)
+        self.pending = {}
+        self.leases = {}
         self.forced = set()
 
     def _new_master(self):
@@ -54,30 +63,63 @@ class Sim:
         m.unmount = unmount
         return m
 
-    def add_node(self, node_id):
-        inc = f"{node_id}.{self.rng.randrange(1 << 30)}"
-        self.incs[node_id] = inc
-        self.inv[node_id] = {}
-        cap = self.rng.choice([32, 64, 128]) * ALIGN
-        self.m.mount(NodeInfo(node_id, inc, b"", b"", 0, cap, ray_node_id="r" + node_id), [])
-        self.caps = getattr(self, "caps", {})
-        self.caps[node_id] = cap
+    def info(self, n):
+        return NodeInfo(n, self.incs[n], b"", b"", 0, self.caps[n], ray_node_id="r" + n,
+                        spill_capacity=self.spills[n])
+
+    def add_node(self, node_id, keep_disk=False):
+        self.incs[node_id] = f"{node_id}.{self.rng.randrange(1 << 30)}"
+        old = self.inv.get(node_id, {})
+        # a restarted node keeps its spill files, never its DRAM
+        self.inv[node_id] = {k: e for k, e in old.items() if k[1] == "disk"} if keep_disk else {}
+        self.offloads[node_id] = []
+        self.caps[node_id] = self.rng.choice([32, 64, 128]) * ALIGN
+        self.spills.setdefault(node_id, self.rng.choice([64, 256]) * ALIGN if self.spill else 0)
+        self.remount(node_id)
+
+    def remount(self, n):
+        self.m.mount(self.info(n), list(self.inv[n].values()))
 
     def deliver(self):
         for node_id, d in self.m.drain_effects().items():
             inv = self.inv[node_id]
-            for key, gen in d.drop:
-                if key in inv and inv[key].gen == gen:
-                    del inv[key]
+            for key, gen, tier in d.drop:
+                e = inv.get((key, tier))
+                if e is not None and e.gen == gen:
+                    del inv[(key, tier)]
             for e in d.add:
-                inv[e.key] = e
+                inv[(e.key, e.tier)] = e
+            self.offloads[node_id].extend(d.offload)
+
+    def finish_offloads(self):
+        node_id = self.rng.choice(list(self.offloads))
+        q, self.offloads[node_id] = self.offloads[node_id], []
+        items = []
+        for key, gen, size, _off, length in q:
+            ok = self.rng.random() < 0.9
+            if ok:  # the node wrote the file: it remembers it
+                self.inv[node_id][(key, "disk")] = InventoryEntry(key, gen, size, "disk", 0, length)
+            items.append((key, gen, length, ok, "" if ok else "EIO"))
+        self.m.offload_done(node_id, items)
+
+    def finish_promotions(self):
+        self.rng.shuffle(self.promotions)
+        done, self.promotions = self.promotions[:3], self.promotions[3:]
+        for node_id, key, gen, off in done:
+            err = self.rng.choice(["", "", "", "ChecksumError"])
+            if err:
+                self.forced.add(key)  # a corrupt copy may legitimately take a leased key
+            e = self.inv[node_id].get((key, "disk"))
+            if err and e is not None and e.gen == gen:
+                del self.inv[node_id][(key, "disk")]  # a corrupt file is removed by the node
+            self.m.promote_done(node_id, [(key, gen, off, err)])
 
     def step(self):
         r, m, rng = self.rng.random(), self.m, self.rng
         key = f"k{rng.randrange(60)}"
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
         try:
-            if r < 0.35:
+            if r < 0.33:
                 size = rng.choice([1, 100, ALIGN, 3 * ALIGN, 9 * ALIGN, 20 * ALIGN])
                 gen, _ = m.put_start(key, size, client_node=rng.choice([None, "rn0", "rn1"]),
                                      upsert=rng.random() < 0.3)
@@ -88,57 +130,55 @@ class Sim:
                 elif rng.random() < 0.5:
                     m.put_revoke(key, gen)
                     self.pending.pop(key)
-            elif r < 0.6:
+            elif r < 0.55:
                 got = m.get(key)
                 if got:
-                    nodes = [rep[0] for rep in got[3]]
+                    for node_id, tier, off, _ in got[3]:
+                        if tier == "promote":
+                            self.promotions.append((node_id, key, got[1], off))
                     self.leases[key] = (got[1], self.clock.t + got[2],
-                                        {n: self.losses.get(n, 0) for n in nodes})
-            elif r < 0.68:
+                                        {rep[0]: self.losses.get(rep[0], 0) for rep in got[3]})
+            elif r < 0.62:
                 force = rng.random() < 0.3
                 if m.remove(key, force=force) and force:
                     self.forced.add(key)
-            elif r < 0.74:
+            elif r < 0.67:
                 m.pin(key, hard=rng.random() < 0.3)
-            elif r < 0.77:
+            elif r < 0.70:
                 m.unpin(key)
-            elif r < 0.8 and self.pending:
+            elif r < 0.73 and self.pending:
                 k, gen = rng.choice(list(self.pending.items()))
                 m.put_end(k, gen)
                 self.pending.pop(k)
-            elif r < 0.84:
+            elif r < 0.78:
+                self.finish_offloads()
+            elif r < 0.82:
+                self.finish_promotions()
+            elif r < 0.85:
                 m.tick()
-            elif r < 0.87:   # heartbeats; a node the master forgot remounts with its inventory
+            elif r < 0.88:   # heartbeats; a node the master forgot remounts with its inventory
                 for n in list(self.incs):
                     if not m.heartbeat(n, self.incs[n]):
                         self.remount(n)
-            elif r < 0.89:   # a store node dies and comes back empty
+            elif r < 0.90:   # a store node dies and comes back: DRAM empty, spill files kept
                 victim = rng.choice(list(self.incs))
                 m.unmount(victim, "killed")
-                self.add_node(victim)
-                self.forget_node(victim)
-            elif r < 0.91:   # the master restarts and rebuilds from the inventories
+                self.add_node(victim, keep_disk=True)
+                self.promotions = [p for p in self.promotions if p[0] != victim]
+            elif r < 0.92:   # the master restarts and rebuilds from the inventories
                 self.deliver()
+                for k, v in m.counters.items():
+                    self.totals[k] = self.totals.get(k, 0) + v
                 self.m = m = self._new_master()
                 m.begin_recovery(set(self.incs))
                 for n in self.incs:
                     self.remount(n)
                 self.pending.clear()
-            elif r < 0.93:
+            elif r < 0.94:
                 m.report_unreachable(rng.choice(list(self.incs)))
         except MooncakeRayError:
             pass
         self.deliver()
-
-    def remount(self, n):
-        self.m.mount(NodeInfo(n, self.incs[n], b"", b"", 0, self.caps[n], ray_node_id="r" + n),
-                     list(self.inv[n].values()))
-
-    def forget_node(self, node_id):
-        # leases on objects whose only replicas were there legitimately end
-        for key in list(self.leases):
-            if not self.m.exists(key):
-                self.leases.pop(key)
 
     def check(self):
         m = self.m
@@ -149,26 +189,23 @@ class Sim:
                 self.leases.pop(key)
                 self.forced.discard(key)
                 continue
-            got = m.get(key) if m.exists(key) else None
-            # a leased object is neither evicted nor replaced under the reader... unless
-            # upserted (a new gen: the old extents stay reserved) or its node died.
-            if got is None:  # only a forced remove or the loss of its nodes may take it
+            if not m.exists(key):  # only a forced remove or the loss of its nodes may take it
                 lost = any(self.losses.get(n, 0) > c for n, c in seen.items())
                 assert lost, f"leased {key} gen {gen} vanished while its nodes lived"
-        for key, gen in self.pending.items():
-            obj = m._pending.get(key)
-            assert obj is None or obj.gen == gen or obj.gen > gen
-        # inventories agree with the index
         for node_id, inv in self.inv.items():
             if node_id not in m._nodes:
                 continue  # unmounted for silence: it remounts with this inventory
-            for key, e in inv.items():
+            for (key, tier), e in inv.items():
                 obj = m._objects.get(key)
-                assert obj is not None and obj.gen == e.gen, f"{node_id} remembers stale {key}"
-                assert any(r.node_id == node_id and r.offset == e.offset for r in obj.replicas)
+                assert obj is not None and obj.gen == e.gen, f"{node_id} remembers stale {key}/{tier}"
+                assert any(r.node_id == node_id and r.tier.value == tier and
+                           (tier == "disk" or r.offset == e.offset) for r in obj.replicas), \
+                    f"{node_id} holds {key}/{tier} that the master does not know"
         for key, obj in m._objects.items():
             for r in obj.replicas:
-                assert key in self.inv[r.node_id], f"{key} on {r.node_id} missing from its inventory"
+                if r.ready:
+                    assert (key, r.tier.value) in self.inv[r.node_id], \
+                        f"{key}/{r.tier.value} on {r.node_id} missing from its inventory"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -180,3 +217,14 @@ def test_random_operations_keep_invariants(seed):
             sim.check()
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, step {i}: {e} (rerun: MCR_SIM_SEED={seed})") from None
+
+
+def test_spill_runs_exercise_offload_and_promotion():
+    offloads = promotions = 0
+    for seed in range(10):
+        sim = Sim(seed, spill=True)
+        for _ in range(STEPS):
+            sim.step()
+        offloads += sim.m.counters["offloads"] + sim.totals.get("offloads", 0)
+        promotions += sim.m.counters["promotions"] + sim.totals.get("promotions", 0)
+    assert offloads > 20 and promotions > 5, (offloads, promotions)

@@ -272,7 +272,7 @@ def test_effects_carry_inventory_and_rebuild_restores_everything():
     for node_id, d in m.drain_effects().items():
         for e in d.add:
             inv[node_id][e.key] = e
-        for key, gen in d.drop:
+        for key, gen, _tier in d.drop:
             if key in inv[node_id] and inv[node_id][key].gen == gen:
                 del inv[node_id][key]
     assert m.drain_effects() == {}

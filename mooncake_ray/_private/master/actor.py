@@ -29,7 +29,6 @@ from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
 from mooncake_ray._private.metrics import MasterMetrics
 from mooncake_ray._private.naming import store_actor_ids
-from mooncake_ray._private.transport import Engine
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,8 @@ class MasterActor:
         self._lock = threading.RLock()
         self.state = MasterState(Policy.from_config(self.cfg.master))
         t = self.cfg.transport
+        from mooncake_ray._private.transport import Engine  # the native module: load on use
+
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
                              ucx_options=t.ucx_options, name="master")
         self._peers: dict[str, object] = {}

@@ -47,6 +47,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
 from mooncake_ray._private.master.placement import order_nodes
+from mooncake_ray._private.master.tiering import PROMOTE, TieringMixin
 from mooncake_ray._private.master.types import (
     InventoryEntry,
     NodeDelta,
@@ -78,8 +79,9 @@ class Policy:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-class MasterState:
-    """See the module docstring. Not thread-safe: the actor serialises calls."""
+class MasterState(TieringMixin):
+    """See the module docstring (and ``tiering.py`` for the disk tier). Not thread-safe:
+    the actor serialises calls."""
 
     def __init__(self, policy: Policy | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_ns: Callable[[], int] = time.time_ns, seed: int | None = None):
@@ -97,8 +99,9 @@ class MasterState:
         self._next_gen = 0
         self._expected: set[str] = set()
         self._recovery_deadline = 0.0
-        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "evicted_bytes": 0,
-                         "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0}
+        self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
+                         "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
+                         "promotions": 0, "disk_evictions": 0}
 
     # ------------------------------------------------------------------ nodes --
     def mount(self, node: NodeInfo, inventory: list[InventoryEntry] = ()) -> None:
@@ -124,7 +127,7 @@ class MasterState:
         obj = self._objects.get(e.key)
         if obj is not None and obj.gen != e.gen:
             if obj.gen > e.gen:  # a stale replica of a replaced value
-                self._delta(node.node_id).drop.append((e.key, e.gen))
+                self._delta(node.node_id).drop.append((e.key, e.gen, e.tier))
                 return
             self._drop_object(obj, now)  # ours is the newer value
             obj = None
@@ -132,8 +135,12 @@ class MasterState:
             try:
                 self._alloc[node.node_id].reserve(e.offset, e.length)
             except ValueError:  # overlaps another entry: trust neither copy of these bytes
-                self._delta(node.node_id).drop.append((e.key, e.gen))
+                self._delta(node.node_id).drop.append((e.key, e.gen, e.tier))
                 return
+        elif obj is not None and any(r.node_id == node.node_id and r.tier is tier for r in obj.replicas):
+            return  # the same disk copy listed twice
+        else:
+            node.disk_used += e.length
         if obj is None:
             # Readers may still hold leases granted by the previous master: honour them.
             obj = Obj(e.key, e.size, e.gen, [], complete=True, lease_until=now + self.policy.lease_ttl_s,
@@ -269,6 +276,9 @@ class MasterState:
                 if got is not None:
                     placed.append(Replica(node.node_id, Tier.DRAM, got[0], got[1]))
         if not placed:
+            if any(n.offload_inflight for n in usable):
+                raise NoCapacityError(
+                    f"no room for {size} bytes of {key!r} until offloads to disk finish; retry")
             raise NoCapacityError(
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")
         self._next_gen = max(self._next_gen + 1, self._wall_ns())
@@ -310,8 +320,7 @@ class MasterState:
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
             self._nodes[r.node_id].keys.add(key)  # dropping the old value may have unindexed it
-            self._delta(r.node_id).add.append(
-                InventoryEntry(key, obj.gen, obj.size, r.tier.value, r.offset, r.length, int(obj.pin)))
+            self._delta(r.node_id).add.append(self._entry(obj, r))
 
     def put_revoke(self, key: str, gen: int) -> bool:
         """Abandon a pending put and free its extents. Idempotent (False if nothing to do)."""
@@ -339,18 +348,29 @@ class MasterState:
             return None
         now = self._clock()
         ttl = self.policy.lease_ttl_s
+        reps = [r for r in obj.replicas if r.tier is Tier.DRAM and r.ready]
+        if reps:
+            self.counters["hits"] += 1
+            tier = Tier.DRAM.value
+        else:  # only on disk: promote it into DRAM (may raise NoCapacityError: retryable)
+            reps = [self._promotion(obj, client_node, now)]
+            self.counters["disk_hits"] += 1
+            tier = PROMOTE
         obj.lease_until = max(obj.lease_until, now + ttl)
         self._lru.touch(key)
-        self.counters["hits"] += 1
-        reps = obj.replicas
         if client_node and len(reps) > 1:
             reps = sorted(reps, key=lambda r: (r.node_id != client_node and
                                                self._nodes[r.node_id].ray_node_id != client_node))
-        return obj.size, obj.gen, ttl, [(r.node_id, r.tier.value, r.offset, r.length) for r in reps]
+        return obj.size, obj.gen, ttl, [(r.node_id, tier, r.offset, r.length) for r in reps]
 
     def exists(self, key: str) -> bool:
         self._ready()
         return key in self._objects
+
+    def where(self, key: str) -> list[tuple[str, str, bool]]:
+        """``(node_id, tier, ready)`` of each replica of a stored key (for tests/tools)."""
+        obj = self._objects.get(key)
+        return [] if obj is None else [(r.node_id, r.tier.value, r.ready) for r in obj.replicas]
 
     # ----------------------------------------------------------------- removal --
     def remove(self, key: str, force: bool = False) -> bool:
@@ -413,26 +433,37 @@ class MasterState:
 
     def _publish_pin(self, obj: Obj) -> None:
         for r in obj.replicas:
-            self._delta(r.node_id).add.append(
-                InventoryEntry(obj.key, obj.gen, obj.size, r.tier.value, r.offset, r.length, int(obj.pin)))
+            if r.tier is Tier.DRAM and r.ready:
+                self._delta(r.node_id).add.append(self._entry(obj, r))
+
+    @staticmethod
+    def _entry(obj: Obj, r: Replica) -> InventoryEntry:
+        return InventoryEntry(obj.key, obj.gen, obj.size, r.tier.value, r.offset, r.length, int(obj.pin))
 
     # ---------------------------------------------------------------- eviction --
     def _evict(self, node_id: str, need: int, now: float) -> int:
-        alloc = self._alloc[node_id]
-        need = max(need, int(self.policy.evict_ratio * alloc.capacity))
+        """Make room on one node's DRAM; returns the bytes freed now (offloads started
+        free their bytes later and count toward ``need`` meanwhile)."""
+        node, alloc = self._nodes[node_id], self._alloc[node_id]
+        need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
         freed = 0
+        if need <= 0:
+            return 0
         for obj, rep in pick_victims(self._lru, self._objects, node_id, need, now):
-            obj.replicas.remove(rep)
-            self._free_extent(rep, now)
-            self._unindex(node_id, obj.key)
-            self._delta(node_id).drop.append((obj.key, obj.gen))
-            if not obj.replicas:
-                del self._objects[obj.key]
-                self._lru.discard(obj.key)
+            if self._try_offload(node, obj, rep, now):
+                continue
+            self._drop_replica(obj, rep, now)
             freed += rep.length
             self.counters["evictions"] += 1
             self.counters["evicted_bytes"] += rep.length
         return freed
+
+    def _allocate_on(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:
+        alloc = self._alloc[node_id]
+        got = alloc.allocate(size)
+        while got is None and self._evict(node_id, size, now):
+            got = alloc.allocate(size)  # eviction frees bytes, not always a contiguous run
+        return got
 
     # ---------------------------------------------------------------- internals --
     def _drop_object(self, obj: Obj, now: float) -> None:
@@ -440,9 +471,28 @@ class MasterState:
         del self._objects[obj.key]
         self._lru.discard(obj.key)
         for r in obj.replicas:
-            self._delta(r.node_id).drop.append((obj.key, obj.gen))
+            self._release_replica(obj, r)
+
+    def _drop_replica(self, obj: Obj, rep: Replica, now: float) -> None:
+        """Drop one replica; an object left with none is gone (a miss from now on)."""
+        obj.replicas.remove(rep)
+        self._release_replica(obj, rep)
+        if obj.complete and not obj.replicas and self._objects.get(obj.key) is obj:
+            del self._objects[obj.key]
+            self._lru.discard(obj.key)
+
+    def _release_replica(self, obj: Obj, r: Replica) -> None:
+        node = self._nodes.get(r.node_id)
+        if node is None:
+            return
+        self._delta(r.node_id).drop.append((obj.key, obj.gen, r.tier.value))
+        if r.tier is Tier.DISK:
+            node.disk_used -= r.length
+        else:
+            if r.offloading:  # the offload's disk reservation ends with offload_done
+                node.offload_inflight -= r.length
             self._free_extent(r, obj.lease_until)
-            self._unindex(r.node_id, obj.key)
+        self._unindex(r.node_id, obj.key)
 
     def _unindex(self, node_id: str, key: str) -> None:
         """Drop ``key`` from a node's index unless some version of it still lives there."""
@@ -480,13 +530,14 @@ class MasterState:
     def drain_effects(self) -> dict[str, NodeDelta]:
         """Inventory changes to deliver to store nodes (and forget here)."""
         out, self._effects = self._effects, {}
-        return {k: v for k, v in out.items() if k in self._nodes and (v.add or v.drop)}
+        return {k: v for k, v in out.items() if k in self._nodes and not v.empty()}
 
     def tick(self) -> dict:
         """Periodic work: revoke timed-out puts, unmount silent nodes, free extents whose
         leases ended. Returns what it did."""
         now = self._clock()
         self._release_deferred(now)
+        self._expire_promotions(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
         for key, gen in expired:
             self.put_revoke(key, gen)
@@ -500,19 +551,27 @@ class MasterState:
         nodes = {}
         for node_id, node in self._nodes.items():
             a = self._alloc[node_id]
-            dram_keys = sum(1 for k in node.keys if k in self._objects)
+            keys = {"dram": 0, "disk": 0}
+            for k in node.keys:
+                obj = self._objects.get(k)
+                for r in obj.replicas if obj else ():
+                    if r.node_id == node_id and r.ready:
+                        keys[r.tier.value] += 1
             nodes[node_id] = {
                 "ray_node_id": node.ray_node_id,
                 "suspect": node.suspect,
-                "dram": {"capacity": a.capacity, "used": a.used, "keys": dram_keys},
-                "disk": {"capacity": node.spill_capacity, "used": node.spill_used,
-                         "degraded": node.spill_degraded},
+                "dram": {"capacity": a.capacity, "used": a.used, "keys": keys["dram"],
+                         "offloading_bytes": node.offload_inflight},
+                "disk": {"capacity": node.spill_capacity, "used": node.disk_used, "keys": keys["disk"],
+                         "reported_used": node.spill_used, "degraded": node.spill_degraded},
             }
         pinned = sum(1 for o in self._objects.values() if o.effective_pin(now) is not Pin.NONE)
         soft = sum(1 for o in self._objects.values() if o.effective_pin(now) is Pin.SOFT)
         return {
             "capacity": sum(a.capacity for a in self._alloc.values()),
             "used": sum(a.used for a in self._alloc.values()),
+            "disk_capacity": sum(n.spill_capacity for n in self._nodes.values()),
+            "disk_used": sum(n.disk_used for n in self._nodes.values()),
             "keys": len(self._objects),
             "pending": len(self._pending),
             "pinned": pinned,
@@ -526,22 +585,32 @@ class MasterState:
     def check_invariants(self) -> None:
         """Raise AssertionError if the index is inconsistent (simulation tests)."""
         live: dict[str, list[tuple[int, int]]] = {n: [] for n in self._nodes}
+        disk = {n: 0 for n in self._nodes}
+        inflight = {n: 0 for n in self._nodes}
         for table in (self._objects, self._pending):
             for key, obj in table.items():
                 assert obj.key == key
                 assert obj.complete == (table is self._objects), key
-                ids = [r.node_id for r in obj.replicas]
-                assert len(ids) == len(set(ids)), f"{key}: two replicas on one node"
+                ids = [(r.node_id, r.tier) for r in obj.replicas]
+                assert len(ids) == len(set(ids)), f"{key}: two replicas in one node's tier"
                 for r in obj.replicas:
                     assert r.node_id in self._nodes, f"{key}: replica on unmounted {r.node_id}"
                     assert key in self._nodes[r.node_id].keys, f"{key} missing from node index"
                     if r.tier is Tier.DRAM:
                         live[r.node_id].append((r.offset, r.length))
+                    else:
+                        disk[r.node_id] += r.length
+                    if r.offloading:
+                        inflight[r.node_id] += r.length
                 if table is self._objects:
                     assert obj.replicas, f"{key}: complete object without replicas"
         for _, inc, node_id, off, length in self._deferred:
             if self._nodes[node_id].incarnation == inc:
                 live[node_id].append((off, length))
+        for node_id, node in self._nodes.items():
+            want = disk[node_id] + sum(node.disk_pending.values())
+            assert node.disk_used == want, f"{node_id}: disk_used {node.disk_used} != {want}"
+            assert node.offload_inflight == inflight[node_id], f"{node_id}: offload bytes out of sync"
         for node_id, extents in live.items():
             a = self._alloc[node_id]
             assert a.used == sum(ln for _, ln in extents), f"{node_id}: used {a.used} != live extents"

@@ -25,6 +25,8 @@ class Replica:
     offset: int  # arena offset (DRAM); 0 on disk
     length: int  # bytes reserved (4 KiB multiple on DRAM)
     offloading: bool = False  # DRAM copy being written to disk (spill tier)
+    ready: bool = True  # False: a DRAM copy being promoted from disk, not readable yet
+    deadline: float = 0.0  # when an unfinished promotion is abandoned
 
 
 @dataclass(slots=True)
@@ -73,7 +75,12 @@ class NodeDelta:
     """Inventory changes the master owes one store node (sent before it replies)."""
 
     add: list[InventoryEntry] = field(default_factory=list)
-    drop: list[tuple[str, int]] = field(default_factory=list)  # (key, gen)
+    drop: list[tuple[str, int, str]] = field(default_factory=list)  # (key, gen, tier)
+    offload: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    """Write these DRAM extents to disk: (key, gen, size, offset, length)."""
+
+    def empty(self) -> bool:
+        return not (self.add or self.drop or self.offload)
 
 
 @dataclass
@@ -88,11 +95,18 @@ class NodeInfo:
     capacity: int
     ray_node_id: str = ""
     spill_capacity: int = 0
+    spill_high_watermark: float = 0.9
     last_heartbeat: float = 0.0
     suspect: bool = False  # a client reported it unreachable: no new allocations
     keys: set[str] = field(default_factory=set)
-    spill_used: int = 0
+    spill_used: int = 0  # as the node reports it
     spill_degraded: str | None = None
+    disk_used: int = 0  # the master's account: disk replicas + offloads in flight
+    disk_pending: dict = field(default_factory=dict)  # (key, gen) -> bytes reserved for an offload
+    offload_inflight: int = 0  # DRAM bytes that will be freed when offloads complete
+
+    def spill_usable(self) -> bool:
+        return self.spill_capacity > 0 and not self.spill_degraded
 
     def public(self) -> dict:
         """What clients need to reach the node."""
@@ -104,4 +118,5 @@ class NodeInfo:
             "base": self.base,
             "capacity": self.capacity,
             "ray_node_id": self.ray_node_id,
+            "spill_capacity": self.spill_capacity,
         }

@@ -25,7 +25,6 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.naming import MASTER_NAME
-from mooncake_ray._private.transport import Engine
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,8 @@ class StoreNodeActor:
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:16]
         t = self.cfg.transport
+        from mooncake_ray._private.transport import Engine  # the native module: load on use
+
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
                              ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}")
         self.arena = self.engine.alloc_arena(self.cfg.segment_size_bytes)

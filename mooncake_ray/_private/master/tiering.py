@@ -1,0 +1,163 @@
+"""DRAM <-> disk tiering for the master's state machine (pure, no Ray).
+
+Offload on evict: when DRAM eviction picks a replica on a node with a usable spill tier,
+the replica is not dropped. It is marked ``offloading`` (still readable, not evictable),
+room is reserved on the node's disk, and the node is asked (through the inventory delta)
+to write the extent to disk. When the node reports back (``offload_done``), a DISK
+replica replaces the DRAM one and the extent is freed. Eviction counts in-flight
+offloads toward its target, so a burst of puts does not offload more than it needs.
+
+The disk has its own watermark and LRU: making room on disk drops the least recently
+used disk replicas (really dropped: an object with no replica left is gone). If the disk
+cannot take the victim (full of pinned data, degraded, no spill tier) the DRAM replica
+is dropped as it would be without a disk.
+
+Promote on get: a get of an object with no ready DRAM replica reserves a DRAM extent on
+the node holding its disk copy and answers with a "promote" descriptor. The client asks
+that node to read the disk copy into the extent (io_uring, checksum verified); the node
+reports ``promote_done`` to the master, which marks the replica ready: from then on it
+is a DRAM hit. Several readers of the same object share one promotion.
+
+Neither path makes the master wait on a disk.
+"""
+
+from __future__ import annotations
+
+from mooncake_ray.errors import ChecksumError, NoCapacityError, ObjectNotFoundError
+from mooncake_ray._private.master.eviction import pick_victims
+from mooncake_ray._private.master.types import NodeInfo, Obj, Replica, Tier
+
+PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent first
+
+
+class TieringMixin:
+    # -------------------------------------------------------------- offload ----
+    def _try_offload(self, node: NodeInfo, obj: Obj, rep: Replica, now: float) -> bool:
+        """Start offloading ``rep`` instead of dropping it; False if the disk can't take it."""
+        if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
+            return False  # already on this node's disk: dropping the DRAM copy is enough
+        if not node.spill_usable() or not self._reserve_disk(node, rep.length, now):
+            return False
+        node.disk_pending[(obj.key, obj.gen)] = rep.length
+        rep.offloading = True
+        node.offload_inflight += rep.length
+        self._delta(node.node_id).offload.append((obj.key, obj.gen, obj.size, rep.offset, rep.length))
+        return True
+
+    def _reserve_disk(self, node: NodeInfo, length: int, now: float) -> bool:
+        limit = node.spill_capacity * node.spill_high_watermark
+        if node.disk_used + length > limit:
+            need = node.disk_used + length - limit + self.policy.evict_ratio * node.spill_capacity
+            for obj, rep in pick_victims(self._lru, self._objects, node.node_id, int(need), now, Tier.DISK):
+                self._drop_replica(obj, rep, now)
+                self.counters["disk_evictions"] += 1
+        if node.disk_used + length > node.spill_capacity:
+            return False
+        node.disk_used += length
+        return True
+
+    def offload_done(self, node_id: str, items) -> None:
+        """A node finished offloads: ``items`` of ``(key, gen, length, ok, error)``.
+        Idempotent. A disk copy this master never asked for (it restarted meanwhile) is
+        adopted if it is the current value, dropped otherwise."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        now = self._clock()
+        for key, gen, length, ok, error in items:
+            reserved = node.disk_pending.pop((key, gen), None)
+            if reserved is None:
+                if ok:
+                    self._adopt_disk_copy(node, key, gen, length)
+                continue
+            obj = self._objects.get(key)
+            rep = None
+            if obj is not None and obj.gen == gen:
+                rep = next((r for r in obj.replicas if r.node_id == node_id and r.offloading), None)
+            if rep is None:  # removed or replaced meanwhile: its disk copy is garbage
+                node.disk_used -= reserved
+                if ok:
+                    self._delta(node_id).drop.append((key, gen, Tier.DISK.value))
+                continue
+            rep.offloading = False
+            node.offload_inflight -= rep.length
+            if ok:
+                obj.replicas.append(Replica(node_id, Tier.DISK, 0, reserved))
+                self.counters["offloads"] += 1
+            else:
+                node.disk_used -= reserved
+                if error:
+                    node.spill_degraded = str(error)
+                if obj.leased(now):
+                    continue  # a reader came meanwhile: keep the DRAM copy, evict later
+            # The DRAM copy goes: the room was needed (the extent waits out any lease).
+            self._drop_replica(obj, rep, now)
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += rep.length
+
+    def _adopt_disk_copy(self, node: NodeInfo, key: str, gen: int, length: int) -> None:
+        obj = self._objects.get(key)
+        if obj is None or obj.gen != gen:
+            self._delta(node.node_id).drop.append((key, gen, Tier.DISK.value))
+            return
+        if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
+            return  # the same file written twice (a repeated offload): already known
+        obj.replicas.append(Replica(node.node_id, Tier.DISK, 0, length))
+        node.disk_used += length
+        node.keys.add(key)
+
+    # -------------------------------------------------------------- promote ----
+    def _promotion(self, obj: Obj, client_node: str | None, now: float):
+        """The DRAM extent a disk-only object is being promoted into (reserving one)."""
+        prom = next((r for r in obj.replicas if r.tier is Tier.DRAM and not r.ready), None)
+        if prom is None:
+            disks = [r for r in obj.replicas if r.tier is Tier.DISK]
+            if not disks:
+                return None
+            disks.sort(key=lambda r: r.node_id != client_node and
+                       self._nodes[r.node_id].ray_node_id != client_node)
+            for disk in disks:
+                got = self._allocate_on(disk.node_id, obj.size, now)
+                if got is not None:
+                    prom = Replica(disk.node_id, Tier.DRAM, got[0], got[1], ready=False,
+                                   deadline=now + self.policy.put_timeout_s)
+                    obj.replicas.append(prom)
+                    self._nodes[disk.node_id].keys.add(obj.key)
+                    break
+            if prom is None:
+                raise NoCapacityError(
+                    f"no DRAM free to promote {obj.key!r} from disk yet (offloads in flight); retry")
+        return prom
+
+    def promote_done(self, node_id: str, items) -> None:
+        """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
+        (``error_name`` empty on success). Idempotent."""
+        now = self._clock()
+        for key, gen, offset, error in items:
+            obj = self._objects.get(key)
+            if obj is None or obj.gen != gen:
+                continue
+            rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM
+                        and r.offset == offset and not r.ready), None)
+            if not error:
+                if rep is not None:
+                    rep.ready = True
+                    self.counters["promotions"] += 1
+                    self._delta(node_id).add.append(self._entry(obj, rep))
+                continue
+            if rep is not None:
+                self._drop_replica(obj, rep, now)
+            if error in (ChecksumError.__name__, ObjectNotFoundError.__name__):
+                # The disk copy is corrupt or gone (the node deleted it): a miss from now
+                # on, never wrong bytes.
+                disk = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DISK), None)
+                if disk is not None:
+                    self._drop_replica(obj, disk, now)
+
+    def _expire_promotions(self, now: float) -> int:
+        n = 0
+        for obj in list(self._objects.values()):
+            for rep in [r for r in obj.replicas if not r.ready and r.deadline <= now]:
+                self._drop_replica(obj, rep, now)
+                n += 1
+        return n

@@ -1,0 +1,132 @@
+"""Disk tier in the master state machine: offload on evict, disk LRU, promote on get."""
+
+import pytest
+
+from mooncake_ray.errors import NoCapacityError
+from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.state import MasterState, Policy
+from mooncake_ray._private.master.types import NodeInfo
+
+K = ALIGN
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(dram=4 * K, disk=4 * K, hw=1.0):
+    clock = Clock()
+    m = MasterState(Policy(high_watermark=hw, evict_ratio=0.01, lease_ttl_s=5), clock=clock,
+                    wall_ns=lambda: 0)
+    m.mount(NodeInfo("n", "i", b"", b"", 0, dram, spill_capacity=disk, spill_high_watermark=1.0))
+    return m, clock
+
+
+def put(m, key, size=K):
+    gen, _ = m.put_start(key, size)
+    m.put_end(key, gen)
+    return gen
+
+
+def offload_all(m, ok=True, error=""):
+    effects = m.drain_effects()
+    items = [(k, g, ln, ok, error) for k, g, _s, _o, ln in effects["n"].offload] if "n" in effects else []
+    m.offload_done("n", items)
+    return [i[0] for i in items]
+
+
+def test_evicted_objects_go_to_disk_not_away():
+    m, clock = make()
+    for k in "abcd":
+        put(m, k)
+        clock.t += 1
+    # DRAM full: the next put starts offloading the LRU object and must wait for it
+    with pytest.raises(NoCapacityError, match="offload"):
+        m.put_start("e", K)
+    assert offload_all(m) == ["a"]
+    assert m.where("a") == [("n", "disk", True)]
+    put(m, "e")
+    st = m.stats()
+    assert st["offloads"] == 1 and st["nodes"]["n"]["disk"]["keys"] == 1 and st["keys"] == 5
+    m.check_invariants()
+
+
+def test_get_of_disk_object_promotes_it():
+    m, clock = make()
+    for k in "abcd":
+        put(m, k)
+        clock.t += 1
+    with pytest.raises(NoCapacityError):
+        m.put_start("e", K)
+    offload_all(m)
+    size, gen, _, reps = m.get("a")
+    (node, tier, off, ln), = reps
+    assert tier == "promote" and node == "n"
+    assert m.get("a")[3] == reps  # a second reader shares the promotion
+    m.promote_done("n", [("a", gen, off, "")])
+    assert m.get("a")[3] == [("n", "dram", off, ln)]
+    assert sorted(m.where("a")) == [("n", "disk", True), ("n", "dram", True)]
+    assert m.stats()["promotions"] == 1
+    m.check_invariants()
+
+
+def test_corrupt_disk_copy_becomes_a_miss():
+    m, clock = make()
+    for k in "abcd":
+        put(m, k)
+        clock.t += 1
+    with pytest.raises(NoCapacityError):
+        m.put_start("e", K)
+    offload_all(m)
+    _, gen, _, ((_, _, off, _),) = m.get("a")
+    m.promote_done("n", [("a", gen, off, "ChecksumError")])
+    assert not m.exists("a")
+    m.check_invariants()
+
+
+def test_disk_lru_drops_oldest_when_disk_is_full():
+    m, clock = make(dram=2 * K, disk=2 * K)
+    for i, k in enumerate("abcdef"):
+        try:
+            put(m, k)
+        except NoCapacityError:
+            offload_all(m)
+            put(m, k)
+        clock.t += 10  # leases expire
+    offload_all(m)
+    # disk holds the 2 most recently offloaded, DRAM the newest; a and b really dropped
+    assert [k for k in "abcdef" if m.exists(k)] == ["c", "d", "e", "f"]
+    assert m.stats()["disk_evictions"] == 2
+    m.check_invariants()
+
+
+def test_failed_offload_drops_unleased_and_keeps_leased():
+    m, clock = make()
+    for k in "abcd":
+        put(m, k)
+    clock.t += 10
+    with pytest.raises(NoCapacityError):
+        m.put_start("e", K)
+    m.get("a")  # a reader arrives while "a" is being offloaded
+    offload_all(m, ok=False, error="EIO")
+    assert m.exists("a") and m.stats()["nodes"]["n"]["disk"]["degraded"] == "EIO"
+    m.heartbeat("n", "i", spill_degraded=None)  # the node reports a healthy disk again
+    m.check_invariants()
+
+
+def test_offload_of_removed_object_deletes_its_file():
+    m, clock = make()
+    for k in "abcd":
+        put(m, k)
+    clock.t += 10
+    with pytest.raises(NoCapacityError):
+        m.put_start("e", K)
+    m.remove("a")
+    m.drain_effects()
+    m.offload_done("n", [("a", 1, K, True, "")])
+    assert ("a", 1, "disk") in m.drain_effects()["n"].drop
+    assert m.stats()["disk_used"] == 0
+    m.check_invariants()
