@@ -36,10 +36,12 @@ from mooncake_ray.errors import (
     NodeUnavailableError,
     NotRegisteredError,
     ObjectNotFoundError,
+    OffloadPendingError,
     TransferError,
 )
 from mooncake_ray._private import rpc
 from mooncake_ray._private.buffers import new_bytes, readable, writable
+from mooncake_ray._private.master.tiering import PROMOTE
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.metrics import ClientMetrics
 
@@ -346,16 +348,21 @@ class Client:
             srcs.append((addr, n, keep))
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
-        for attempt in range(_PUT_ATTEMPTS):
-            if not todo:
-                break
+        failures, backoff = 0, _Backoff(self.config.client.backpressure_timeout_s)
+        while todo:
             retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert)
-            nxt = []
+            nxt, transfer_failed = [], False
             for i, res in zip(todo, retry):
                 results[i] = res
-                if isinstance(res, (NodeUnavailableError, TransferError)) and attempt + 1 < _PUT_ATTEMPTS:
+                if isinstance(res, OffloadPendingError) and not backoff.expired():
+                    nxt.append(i)  # DRAM frees up as offloads to disk complete: wait
+                elif isinstance(res, (NodeUnavailableError, TransferError)) and failures + 1 < _PUT_ATTEMPTS:
                     nxt.append(i)
+                    transfer_failed = True
+            failures += transfer_failed
             todo = nxt
+            if todo and not transfer_failed:
+                backoff.sleep()
         return results
 
     def _put_round(self, keys, srcs, replicas, upsert) -> list:
@@ -425,26 +432,35 @@ class Client:
         dsts = [writable(b) for b in buffers] if buffers is not None else None
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
-        for attempt in range(_GET_ATTEMPTS):
-            if not todo:
-                break
-            again = self._get_round(keys, dsts, todo, results, last=attempt + 1 == _GET_ATTEMPTS)
-            todo = again
+        attempt, backoff = 0, _Backoff(self.config.client.backpressure_timeout_s)
+        while todo:
+            attempt += 1
+            todo = self._get_round(keys, dsts, todo, results, last=attempt >= _GET_ATTEMPTS)
+            waiting = [i for i, r in enumerate(results) if isinstance(r, OffloadPendingError)]
+            if waiting and not backoff.expired():
+                todo = sorted(set(todo) | set(waiting))
+                backoff.sleep()
         return results
 
     def _get_round(self, keys, dsts, todo, results, last: bool) -> list[int]:
         """One lookup + read round for ``todo``; returns indices to retry."""
         t0 = time.monotonic()
         descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here)
+        promote = [(i, keys[i], d[1], d[0], d[3][0]) for i, d in zip(todo, descs)
+                   if d is not None and not rpc.is_err(d) and d[3] and d[3][0][1] == PROMOTE]
+        failed_promotions = self._promote_many(promote) if promote else {}
         reads = []  # (index, size, replicas, dst_addr, keep)
         for i, d in zip(todo, descs):
+            if i in failed_promotions:
+                results[i] = failed_promotions[i]
+                continue
             if d is None:
                 results[i] = ObjectNotFoundError(f"{keys[i]!r} is not in the store")
                 continue
             if rpc.is_err(d):
                 results[i] = rpc.to_exc(d)
                 continue
-            size, _gen, ttl, reps = d
+            size, gen, ttl, reps = d
             if dsts is None:
                 out, addr = new_bytes(size)
                 reads.append((i, size, reps, addr, out, ttl))
@@ -494,6 +510,32 @@ class Client:
                 results[r[0]] = ObjectNotFoundError(f"{keys[r[0]]!r} was lost with its store node ({res})")
         return retry
 
+    def _promote_many(self, items) -> dict[int, Exception]:
+        """Have the nodes holding disk copies read them into the DRAM extents the master
+        reserved (one request per node, read in parallel there), then tell the master.
+        ``items`` are ``(index, key, gen, size, replica)``; returns errors by index."""
+        by_node: dict[str, list] = {}
+        for it in items:
+            by_node.setdefault(it[4][0], []).append(it)
+        errors: dict[int, Exception] = {}
+        for node_id, its in by_node.items():
+            req = [[key, gen, rep[2], size] for _i, key, gen, size, rep in its]
+            try:
+                node = self._node(node_id)
+                errs = rpc.unpack(self.engine.call(node.peer, rpc.NODE_PROMOTE_RPC, rpc.pack(req),
+                                                   timeout_s=self._timeout))
+            except (NodeUnavailableError, TransferError) as e:
+                self._report(node_id)
+                for i, key, *_ in its:
+                    errors[i] = ObjectNotFoundError(f"{key!r} was lost with its store node ({e})")
+                continue
+            self._master.call(rpc.PROMOTE_DONE, node_id, [r + [e] for r, e in zip(
+                [[key, gen, off] for key, gen, off, _ in req], errs)])
+            for (i, key, *_), err in zip(its, errs):
+                if err:
+                    errors[i] = ObjectNotFoundError(f"{key!r}'s copy on disk is unreadable ({err}): a miss")
+        return errors
+
     def _read(self, ops) -> dict[int, Exception]:
         if not ops:
             return {}
@@ -517,6 +559,21 @@ class Client:
                 for j in idxs:
                     failed[j] = e
         return failed
+
+
+class _Backoff:
+    """Sleeps growing from 1 ms to 50 ms, until ``limit_s`` has passed."""
+
+    def __init__(self, limit_s: float):
+        self._deadline = time.monotonic() + limit_s
+        self._delay = 0.001
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def sleep(self) -> None:
+        time.sleep(self._delay)
+        self._delay = min(self._delay * 2, 0.05)
 
 
 class _Sized:

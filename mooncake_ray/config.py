@@ -139,6 +139,9 @@ class ClientConfig(_Model):
     master_retry_timeout_s: float = Field(30.0, gt=0)
     """How long a call waits and retries while the master is down before raising
     MasterUnavailableError."""
+    backpressure_timeout_s: float = Field(30.0, gt=0)
+    """How long a put (or a get that must promote from disk) waits for offloads to disk to
+    free DRAM before raising OffloadPendingError."""
 
 
 class StoreConfig(_Model):

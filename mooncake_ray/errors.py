@@ -20,6 +20,7 @@ __all__ = [
     "ObjectLeasedError",
     "ObjectPendingError",
     "NoCapacityError",
+    "OffloadPendingError",
     "LeaseExpiredError",
     "NodeUnavailableError",
     "MasterUnavailableError",
@@ -74,6 +75,13 @@ class ObjectPendingError(MooncakeRayError):
 class NoCapacityError(MooncakeRayError):
     """No store node has room, even after eviction (everything left is pinned, leased or
     pending), or the value is larger than any pool."""
+
+    retryable = True
+
+
+class OffloadPendingError(NoCapacityError):
+    """DRAM is full until offloads to disk in flight complete; clients wait and retry this
+    one automatically (bounded by ``client.backpressure_timeout_s``)."""
 
     retryable = True
 

@@ -7,7 +7,8 @@ failures come back inside the payload as ``[ERR, class_name, message]`` entries,
 bad key never fails its neighbours.
 
 Which calls are safe to retry after a lost reply (the client does so across a master
-restart): GET, EXISTS, NODES, PUT_END, PUT_REVOKE, PIN are idempotent; PUT_START is made
+restart): GET, EXISTS, NODES, PUT_END, PUT_REVOKE, PIN, OFFLOAD_DONE, PROMOTE_DONE are
+idempotent; PUT_START is made
 idempotent by the owner id (a retry from the same client returns the same allocation);
 REMOVE* answers "not found" the second time, which the client treats as done.
 """
@@ -22,8 +23,10 @@ from mooncake_ray import errors
 
 # Handler ids on the master's engine.
 MASTER_RPC = 1
-# Handler id on store nodes: inventory deltas from the master.
+# Handler ids on store nodes: inventory deltas from the master; disk promotions asked by
+# clients (read a spilled object into a DRAM extent the master reserved).
 NODE_INVENTORY_RPC = 2
+NODE_PROMOTE_RPC = 3
 
 OK, ERR = 0, 1
 
@@ -40,6 +43,8 @@ PIN = 9
 UNPIN = 10
 REPORT_UNREACHABLE = 11
 PING = 12
+OFFLOAD_DONE = 13
+PROMOTE_DONE = 14
 
 
 def pack(obj: Any) -> bytes:

@@ -15,6 +15,7 @@ import pytest
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
+from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
 
 SEEDS = [int(os.environ["MCR_SIM_SEED"])] if "MCR_SIM_SEED" in os.environ else list(range(40))
@@ -97,6 +98,7 @@ class Sim:
         items = []
         for key, gen, size, _off, length in q:
             ok = self.rng.random() < 0.9
+            length = disk_length(size)
             if ok:  # the node wrote the file: it remembers it
                 self.inv[node_id][(key, "disk")] = InventoryEntry(key, gen, size, "disk", 0, length)
             items.append((key, gen, length, ok, "" if ok else "EIO"))

@@ -68,6 +68,8 @@ class MasterActor:
             rpc.UNPIN: lambda keys: rpc.per_key(self.state.unpin, keys),
             rpc.REPORT_UNREACHABLE: self.state.report_unreachable,
             rpc.PING: lambda: self.incarnation,
+            rpc.OFFLOAD_DONE: self.state.offload_done,
+            rpc.PROMOTE_DONE: self.state.promote_done,
         }
         self.engine.serve(rpc.MASTER_RPC, self._on_rpc)
         self._stop = threading.Event()
@@ -100,7 +102,8 @@ class MasterActor:
             peer = self._peer(node_id)
             if peer is None:
                 continue
-            payload = rpc.pack([[list(e) for e in delta.add], [list(d) for d in delta.drop]])
+            payload = rpc.pack([[list(e) for e in delta.add], [list(d) for d in delta.drop],
+                                [list(o) for o in delta.offload]])
             calls.append((peer, rpc.NODE_INVENTORY_RPC, payload))
             ids.append(node_id)
         if not calls:

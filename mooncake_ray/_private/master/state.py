@@ -43,6 +43,7 @@ from mooncake_ray.errors import (
     ObjectLeasedError,
     ObjectNotFoundError,
     ObjectPendingError,
+    OffloadPendingError,
 )
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
@@ -277,7 +278,7 @@ class MasterState(TieringMixin):
                     placed.append(Replica(node.node_id, Tier.DRAM, got[0], got[1]))
         if not placed:
             if any(n.offload_inflight for n in usable):
-                raise NoCapacityError(
+                raise OffloadPendingError(
                     f"no room for {size} bytes of {key!r} until offloads to disk finish; retry")
             raise NoCapacityError(
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")

@@ -23,11 +23,19 @@ Neither path makes the master wait on a disk.
 
 from __future__ import annotations
 
-from mooncake_ray.errors import ChecksumError, NoCapacityError, ObjectNotFoundError
+from mooncake_ray.errors import ChecksumError, ObjectNotFoundError, OffloadPendingError
 from mooncake_ray._private.master.eviction import pick_victims
 from mooncake_ray._private.master.types import NodeInfo, Obj, Replica, Tier
 
 PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent first
+DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
+
+
+def disk_length(size: int) -> int:
+    """Disk bytes one object of ``size`` bytes takes: header plus 4 KiB-padded data."""
+    from mooncake_ray._private.master.allocator import align_up
+
+    return align_up(size) + DISK_HEADER
 
 
 class TieringMixin:
@@ -36,9 +44,10 @@ class TieringMixin:
         """Start offloading ``rep`` instead of dropping it; False if the disk can't take it."""
         if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
             return False  # already on this node's disk: dropping the DRAM copy is enough
-        if not node.spill_usable() or not self._reserve_disk(node, rep.length, now):
+        length = disk_length(obj.size)
+        if not node.spill_usable() or not self._reserve_disk(node, length, now):
             return False
-        node.disk_pending[(obj.key, obj.gen)] = rep.length
+        node.disk_pending[(obj.key, obj.gen)] = length
         rep.offloading = True
         node.offload_inflight += rep.length
         self._delta(node.node_id).offload.append((obj.key, obj.gen, obj.size, rep.offset, rep.length))
@@ -125,7 +134,7 @@ class TieringMixin:
                     self._nodes[disk.node_id].keys.add(obj.key)
                     break
             if prom is None:
-                raise NoCapacityError(
+                raise OffloadPendingError(
                     f"no DRAM free to promote {obj.key!r} from disk yet (offloads in flight); retry")
         return prom
 

@@ -1,13 +1,18 @@
-"""A store node: the DRAM arena (and spill directory) of one Ray node.
+"""A store node: the DRAM arena and the spill directory of one Ray node.
 
 It is not on the data path of a DRAM hit: clients read and write the arena directly
 through the transport (a memcpy through shared memory on the same host, UCX put/get or a
 push from this node's engine across hosts, served in C++ without waking Python). What
-runs here in Python is bookkeeping:
+runs here in Python is bookkeeping and the disk tier:
 
-- the inventory (what this node holds and where), written only by the master's
-  deltas and handed back on every (re)mount, so a restarted master loses nothing;
-- mount and heartbeat (Ray actor calls to the master); a heartbeat answered "unknown"
+- the inventory (what this node holds and where): DRAM entries are written only by the
+  master's deltas; disk entries by this node when a spill file is complete, and deleted
+  by the master's drops. Every (re)mount hands the whole inventory to the master, so a
+  restarted master loses nothing, and a restarted node gets its spilled keys back;
+- offloads (write these arena extents to disk) run on a worker thread, in batches,
+  with io_uring; each batch is reported to the master (OFFLOAD_DONE);
+- promotions (read this spilled object into that arena extent), asked by clients;
+- mount and heartbeat (Ray actor calls to the master): a heartbeat answered "unknown"
   means the master restarted or unmounted us, and we remount with the inventory.
 
 Lock order: ``_lock`` guards the inventory; it is never held across a call out.
@@ -16,17 +21,26 @@ Lock order: ``_lock`` guards the inventory; it is never held across a call out.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import shutil
 import threading
 import uuid
 
 import ray
 
 from mooncake_ray.config import StoreConfig
+from mooncake_ray.errors import ChecksumError, MooncakeRayError, ObjectNotFoundError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
+from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.naming import MASTER_NAME
 
 log = logging.getLogger(__name__)
+
+DRAM, DISK = "dram", "disk"
+_OFFLOAD_BATCH = 64
 
 
 class StoreNodeActor:
@@ -41,27 +55,125 @@ class StoreNodeActor:
                              ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}")
         self.arena = self.engine.alloc_arena(self.cfg.segment_size_bytes)
         self._lock = threading.Lock()
-        self.inventory: dict[str, InventoryEntry] = {}
+        self.inventory: dict[tuple[str, str], InventoryEntry] = {}
+        self.tier = self._open_spill()
+        self._work: queue.Queue = queue.Queue()
+        self._master_rpc = MasterChannel(self.engine, self.cfg.namespace, retry_timeout_s=60.0,
+                                         rpc_timeout_s=t.rpc_timeout_s)
         self.engine.serve(rpc.NODE_INVENTORY_RPC, self._on_inventory)
+        self.engine.serve(rpc.NODE_PROMOTE_RPC, self._on_promote)
         self._master = None
         self._mounted = threading.Event()
         self._stop = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeat_loop, name="store-heartbeat", daemon=True)
-        self._hb.start()
+        self._threads = [threading.Thread(target=self._heartbeat_loop, name="store-heartbeat", daemon=True),
+                         threading.Thread(target=self._worker_loop, name="store-offload", daemon=True)]
+        for th in self._threads:
+            th.start()
+
+    # ------------------------------------------------------------------ spill ----
+    def _open_spill(self):
+        sp = self.cfg.spill
+        if not sp.enabled:
+            return None
+        from mooncake_ray._private.store.spill import SpillTier
+
+        directory = os.path.join(sp.directory, self.node_id[:16])
+        os.makedirs(directory, exist_ok=True)
+        cap = sp.capacity_bytes or int(shutil.disk_usage(directory).free * 0.95)
+        tier = SpillTier(directory, cap, queue_depth=sp.queue_depth, use_uring=sp.use_uring)
+        for key, gen, length in tier.keys():  # opening the tier scanned the headers
+            self.inventory[(key, DISK)] = InventoryEntry(key, gen, length, DISK, 0, disk_length(length))
+        log.info("spill tier %s: %d objects found", directory, tier.num_keys)
+        return tier
+
+    def _on_promote(self, data: bytes) -> bytes:
+        """Read spilled objects into the arena extents the master reserved for them."""
+        items = rpc.unpack(data)
+        if self.tier is None:
+            return rpc.pack([ObjectNotFoundError.__name__] * len(items))
+        base = self.arena.addr
+        results = self.tier.read_many([(key, base + off, size) for key, _gen, off, size in items])
+        out = []
+        for (key, gen, _off, _size), res in zip(items, results):
+            if isinstance(res, BaseException):
+                name = type(res).__name__
+                if isinstance(res, (ChecksumError, ObjectNotFoundError)):
+                    with self._lock:  # the tier deleted the corrupt file
+                        self.inventory.pop((key, DISK), None)
+            else:
+                name = "" if res == gen else ObjectNotFoundError.__name__
+            out.append(name)
+        return rpc.pack(out)
+
+    def _worker_loop(self) -> None:
+        """Offloads and disk deletions, in the order the master asked for them."""
+        while not self._stop.is_set():
+            try:
+                first = self._work.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < _OFFLOAD_BATCH:
+                try:
+                    batch.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._run_batch(batch)
+            except Exception:  # never let the worker die: report and go on
+                log.exception("offload batch failed")
+
+    def _run_batch(self, batch) -> None:
+        offloads = []
+        for kind, item in batch:
+            if kind == "drop":
+                key, gen = item
+                info = self.tier.info(key) if self.tier else None
+                if info is not None and info[1] == gen:
+                    self.tier.remove(key)
+                with self._lock:
+                    e = self.inventory.get((key, DISK))
+                    if e is not None and e.gen == gen:
+                        del self.inventory[(key, DISK)]
+            else:
+                offloads.append(item)
+        if not offloads:
+            return
+        base = self.arena.addr
+        if self.tier is None:
+            results = [MooncakeRayError("this node has no spill tier")] * len(offloads)
+        else:
+            results = self.tier.write_many([(k, g, base + off, size) for k, g, size, off, _ln in offloads])
+        report = []
+        for (key, gen, size, _off, _ln), res in zip(offloads, results):
+            ok = not isinstance(res, BaseException)
+            if ok:
+                with self._lock:
+                    self.inventory[(key, DISK)] = InventoryEntry(key, gen, size, DISK, 0, disk_length(size))
+            degraded = self.tier.degraded if self.tier is not None else "no spill tier"
+            report.append([key, gen, disk_length(size), ok, "" if ok else (degraded or "")])
+        self._master_rpc.call(rpc.OFFLOAD_DONE, self.node_id, report)
 
     # ---------------------------------------------------------------- inventory --
     def _on_inventory(self, data: bytes) -> bytes:
-        adds, drops = rpc.unpack(data)
+        adds, drops, offloads = rpc.unpack(data)
         with self._lock:
-            for key, gen in drops:
-                e = self.inventory.get(key)
-                if e is not None and e.gen == gen:
-                    del self.inventory[key]
+            for key, gen, tier in drops:
+                if tier == DRAM:
+                    e = self.inventory.get((key, DRAM))
+                    if e is not None and e.gen == gen:
+                        del self.inventory[(key, DRAM)]
             for e in adds:
-                self.inventory[e[0]] = InventoryEntry(*e)
+                self.inventory[(e[0], e[3])] = InventoryEntry(*e)
+        for key, gen, tier in drops:
+            if tier == DISK:
+                self._work.put(("drop", (key, gen)))
+        for item in offloads:
+            self._work.put(("offload", tuple(item)))
         return b""
 
     def info(self) -> dict:
+        sp = self.cfg.spill
         return {
             "node_id": self.node_id,
             "incarnation": self.incarnation,
@@ -70,6 +182,8 @@ class StoreNodeActor:
             "base": self.arena.addr,
             "capacity": self.arena.length,
             "ray_node_id": self.node_id,
+            "spill_capacity": self.tier.capacity_bytes if self.tier else 0,
+            "spill_high_watermark": sp.high_watermark,
         }
 
     # ---------------------------------------------------------------- liveness --
@@ -81,24 +195,33 @@ class StoreNodeActor:
     def _mount(self) -> None:
         with self._lock:
             entries = [list(e) for e in self.inventory.values()]
-        ray.get(self._master_handle().mount.remote(self.info(), entries), timeout=30)
+        ray.get(self._master_handle().mount.remote(self.info(), entries), timeout=60)
         self._mounted.set()
 
     def _heartbeat_loop(self) -> None:
         period = self.cfg.master.heartbeat_interval_s
+        beats = 0
         while not self._stop.is_set():
             try:
                 if not self._mounted.is_set():
                     self._mount()
                 else:
+                    degraded = self.tier.degraded if self.tier else None
+                    if degraded and beats % 10 == 0:
+                        self.tier.recover()  # the disk may be back (space freed, dir recreated)
+                        degraded = self.tier.degraded
                     ok = ray.get(self._master_handle().heartbeat.remote(
-                        self.node_id, self.incarnation), timeout=max(2.0, period * 3))
+                        self.node_id, self.incarnation,
+                        self.tier.used_bytes if self.tier else None, degraded),
+                        timeout=max(2.0, period * 3))
                     if not ok:
                         log.warning("master does not know this store node: remounting")
                         self._mount()
             except Exception as e:  # master restarting or unreachable: keep trying
                 log.info("heartbeat/mount failed (%s); retrying", e)
-                self._master = None if isinstance(e, ValueError) else self._master
+                if isinstance(e, ValueError):
+                    self._master = None
+            beats += 1
             self._stop.wait(period)
 
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:
@@ -110,9 +233,17 @@ class StoreNodeActor:
 
     def stats(self) -> dict:
         with self._lock:
-            used = sum(e.length for e in self.inventory.values() if e.tier == "dram")
-            return {"node_id": self.node_id, "capacity": self.arena.length, "used": used,
-                    "keys": len(self.inventory)}
+            dram = [e for e in self.inventory.values() if e.tier == DRAM]
+            disk = [e for e in self.inventory.values() if e.tier == DISK]
+        out = {"node_id": self.node_id, "capacity": self.arena.length,
+               "used": sum(e.length for e in dram), "keys": len(dram), "disk_keys": len(disk)}
+        if self.tier is not None:
+            out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
+                            "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}
+        return out
+
+    def spill_directory(self) -> str | None:
+        return self.tier.directory if self.tier else None
 
     def ping(self) -> str:
         return self.incarnation
