@@ -14,6 +14,7 @@ const char* code_name(Code c) {
     case Code::kRpcHandlerError: return "RPC_HANDLER_ERROR";
     case Code::kNoHandler: return "NO_HANDLER";
     case Code::kShutdown: return "SHUTDOWN";
+    case Code::kBadConfig: return "BAD_CONFIG";
     case Code::kIoError: return "IO_ERROR";
     case Code::kNoSpace: return "NO_SPACE";
     case Code::kChecksumMismatch: return "CHECKSUM_MISMATCH";

@@ -19,6 +19,7 @@ enum class Code : int {
   kRpcHandlerError = 203,  // the remote handler raised
   kNoHandler = 204,        // no handler registered under that id
   kShutdown = 205,         // the engine is closed
+  kBadConfig = 206,        // an engine setting (protocol, UCX option) is invalid
   // 3xx: spill / disk
   kIoError = 300,
   kNoSpace = 301,

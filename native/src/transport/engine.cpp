@@ -1,0 +1,501 @@
+// Engine lifecycle: UCP context and workers, progress threads, shutdown.
+//
+// Progress model. Each lane has one worker and one progress thread that sleeps in
+// epoll on the worker's event fd (ucp_worker_get_efd + ucp_worker_arm) plus an eventfd
+// for wake-ups, so an idle engine costs no CPU. A thread waiting for its own operation
+// first progresses the lane itself for a short while (Op::wait, cfg.spin_us): for a
+// round trip of a few µs that avoids two thread wake-ups. Whoever stops progressing a
+// lane leaves its worker armed (Lane::arm_for_sleep), so the sleeping progress thread is
+// woken by the next event whichever thread consumed the previous one.
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "internal.h"
+
+namespace mcr {
+
+namespace {
+thread_local int tl_in_progress = 0;  // >0 while this thread runs UCP progress/callbacks
+
+void put_u32(std::string* s, uint32_t v) { s->append(reinterpret_cast<char*>(&v), 4); }
+void put_u64(std::string* s, uint64_t v) { s->append(reinterpret_cast<char*>(&v), 8); }
+
+uint64_t random_uid() {
+  std::random_device rd;
+  uint64_t v = (uint64_t(rd()) << 32) ^ rd();
+  v ^= uint64_t(getpid()) << 17;
+  v ^= uint64_t(Clock::now().time_since_epoch().count());
+  return v ? v : 1;
+}
+
+const char* tls_for(const std::string& protocol) {
+  if (protocol == "auto") return nullptr;  // UCX chooses (here: shared memory + tcp)
+  if (protocol == "tcp") return "tcp";
+  if (protocol == "shm") return "sm,self";
+  if (protocol == "rdma") return "rc,ud,sm,self";
+  throw Error(Code::kBadConfig,
+              "protocol must be one of auto, tcp, shm, rdma; got '" + protocol + "'");
+}
+}  // namespace
+
+bool in_progress_context() { return tl_in_progress > 0; }
+
+Code code_from_ucs(ucs_status_t st) {
+  switch (st) {
+    case UCS_OK: return Code::kOk;
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_IO_ERROR:
+      return Code::kUnreachable;
+    case UCS_ERR_TIMED_OUT: return Code::kTimeout;
+    default: return Code::kTransferFailed;
+  }
+}
+
+std::string ucs_msg(const char* what, ucs_status_t st) {
+  return std::string(what) + ": " + ucs_status_string(st);
+}
+
+ActiveGuard::ActiveGuard(EngineCore* c) : c_(c) {
+  c_->active.fetch_add(1);
+  if (c_->closing.load()) {
+    c_->active.fetch_sub(1);
+    throw Error(Code::kShutdown, "engine '" + c_->cfg.name + "' is closed");
+  }
+}
+
+// ---- Lane ---------------------------------------------------------------------------
+
+void Lane::progress_locked() {
+  ++tl_in_progress;
+  for (;;) {
+    while (ucp_worker_progress(worker) != 0) {
+    }
+    if (deferred.empty()) break;
+    std::vector<std::function<void()>> work;
+    work.swap(deferred);
+    for (auto& fn : work) fn();
+  }
+  --tl_in_progress;
+}
+
+bool Lane::try_progress() {
+  if (!mu.try_lock()) return false;
+  if (!stop && worker) progress_locked();
+  mu.unlock();
+  return true;
+}
+
+void Lane::arm_for_sleep() {
+  std::lock_guard<std::mutex> g(mu);
+  if (stop || !worker) return;
+  for (int i = 0; i < 1000; ++i) {
+    progress_locked();
+    if (ucp_worker_arm(worker) != UCS_ERR_BUSY) return;
+  }
+}
+
+void Lane::wake() {
+  uint64_t one = 1;
+  ssize_t rc = ::write(wake_fd, &one, sizeof one);
+  (void)rc;
+}
+
+void Lane::post_task(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> g(task_mu);
+    if (tasks_closed) return;  // engine closed: its close() released everything
+    tasks.push_back(std::move(fn));
+  }
+  wake();
+}
+
+void Lane::run_tasks_locked() {
+  std::vector<std::function<void()>> work;
+  {
+    std::lock_guard<std::mutex> g(task_mu);
+    work.swap(tasks);
+  }
+  ++tl_in_progress;
+  for (auto& fn : work) fn();
+  --tl_in_progress;
+}
+
+void Lane::run() {
+  epoll_event evs[4];
+  const int linger_us = core->cfg.linger_us;
+  const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
+  for (;;) {
+    ucs_status_t st;
+    {
+      std::unique_lock<std::mutex> g(mu);
+      if (stop) return;
+      run_tasks_locked();
+      progress_locked();
+      if (linger_us > 0) {
+        // Keep polling briefly: a reply or an ack often follows right behind.
+        g.unlock();
+        auto end = Clock::now() + std::chrono::microseconds(linger_us);
+        while (Clock::now() < end) {
+          if (mu.try_lock()) {
+            unsigned n = ucp_worker_progress(worker);
+            if (!deferred.empty() || n) {
+              progress_locked();
+              end = Clock::now() + std::chrono::microseconds(linger_us);
+            }
+            mu.unlock();
+          }
+          __builtin_ia32_pause();
+        }
+        g.lock();
+        if (stop) return;
+        progress_locked();
+      }
+      st = ucp_worker_arm(worker);
+    }
+    if (st == UCS_ERR_BUSY) continue;
+    int timeout = -1;
+    if (outstanding.load() > 0) {
+      timeout = 20;  // safety tick while requests are in flight
+    } else {
+      std::lock_guard<std::mutex> g(core->peers_mu);
+      if (!core->peers.empty()) timeout = keepalive_ms;  // drives UCX keepalive
+    }
+    int n = epoll_wait(ep_fd, evs, 4, timeout);
+    for (int i = 0; i < n; ++i) {
+      if (evs[i].data.fd == wake_fd) {
+        uint64_t v;
+        ssize_t rc = ::read(wake_fd, &v, sizeof v);
+        (void)rc;
+      }
+    }
+  }
+}
+
+// ---- EngineCore ---------------------------------------------------------------------
+
+EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
+  if (cfg.num_lanes < 1 || cfg.num_lanes > 16)
+    throw Error(Code::kBadConfig, "num_lanes must be in [1, 16], got " + std::to_string(cfg.num_lanes));
+  if (cfg.chunk_bytes < 4096)
+    throw Error(Code::kBadConfig, "chunk_bytes must be >= 4096");
+  uid = random_uid();
+}
+
+EngineCore::~EngineCore() { close(); }
+
+void EngineCore::start() {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) throw Error(Code::kBadConfig, ucs_msg("ucp_config_read", st));
+  auto modify = [&](const std::string& k, const std::string& v) {
+    ucs_status_t s = ucp_config_modify(config, k.c_str(), v.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      throw Error(Code::kBadConfig,
+                  "UCX setting " + k + "=" + v + " rejected: " + ucs_status_string(s));
+    }
+  };
+  if (const char* tls = tls_for(cfg.protocol)) modify("TLS", tls);
+  if (!cfg.devices.empty()) {
+    std::string devs;
+    for (auto& d : cfg.devices) devs += (devs.empty() ? "" : ",") + d;
+    modify("NET_DEVICES", devs);
+  }
+  char ka[64];
+  snprintf(ka, sizeof ka, "%dms", std::max(10, int(cfg.keepalive_s * 1000)));
+  modify("KEEPALIVE_INTERVAL", ka);
+  for (auto& kv : cfg.ucx_options) {
+    std::string k = kv.first.rfind("UCX_", 0) == 0 ? kv.first.substr(4) : kv.first;
+    modify(k, kv.second);
+  }
+
+  ucp_params_t params;
+  memset(&params, 0, sizeof params);
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                      UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 1;
+  params.name = cfg.name.c_str();
+  st = ucp_init(&params, config, &ctx);
+  ucp_config_release(config);
+  if (st != UCS_OK)
+    throw Error(Code::kBadConfig, ucs_msg(("ucp_init (protocol=" + cfg.protocol + ")").c_str(), st));
+  auto holder = std::make_shared<CtxHolder>();
+  holder->ctx = ctx;
+  ctx_holder = holder;
+
+  for (int i = 0; i < cfg.num_lanes; ++i) {
+    auto lane = std::make_unique<Lane>();
+    lane->core = this;
+    lane->idx = i;
+    ucp_worker_params_t wp;
+    memset(&wp, 0, sizeof wp);
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // Lane::mu serializes all access
+    st = ucp_worker_create(ctx, &wp, &lane->worker);
+    if (st != UCS_OK) {
+      close();
+      throw Error(Code::kBadConfig,
+                  ucs_msg(("ucp_worker_create (protocol=" + cfg.protocol + ")").c_str(), st));
+    }
+    ucp_worker_attr_t wa;
+    memset(&wa, 0, sizeof wa);
+    wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    st = ucp_worker_query(lane->worker, &wa);
+    if (st != UCS_OK) {
+      close();
+      throw Error(Code::kInternal, ucs_msg("ucp_worker_query", st));
+    }
+    lane->worker_address.assign(reinterpret_cast<char*>(wa.address), wa.address_length);
+    ucp_worker_release_address(lane->worker, wa.address);
+    st = ucp_worker_get_efd(lane->worker, &lane->worker_fd);
+    if (st != UCS_OK) {
+      close();
+      throw Error(Code::kInternal, ucs_msg("ucp_worker_get_efd", st));
+    }
+    lane->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    lane->ep_fd = epoll_create1(EPOLL_CLOEXEC);
+    epoll_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.events = EPOLLIN;
+    ev.data.fd = lane->worker_fd;
+    epoll_ctl(lane->ep_fd, EPOLL_CTL_ADD, lane->worker_fd, &ev);
+    ev.data.fd = lane->wake_fd;
+    epoll_ctl(lane->ep_fd, EPOLL_CTL_ADD, lane->wake_fd, &ev);
+    register_am_handlers(lane.get());
+    lanes.push_back(std::move(lane));
+  }
+
+  // Address: magic | uid | nlanes | name | per lane: len + worker address.
+  put_u32(&address, kAddrMagic);
+  put_u64(&address, uid);
+  put_u32(&address, uint32_t(lanes.size()));
+  put_u32(&address, uint32_t(cfg.name.size()));
+  address += cfg.name;
+  for (auto& l : lanes) {
+    put_u32(&address, uint32_t(l->worker_address.size()));
+    address += l->worker_address;
+  }
+  for (auto& l : lanes) {
+    Lane* lp = l.get();
+    lp->thread = std::thread([lp] { lp->run(); });
+  }
+}
+
+void EngineCore::check_open() const {
+  if (closing.load()) throw Error(Code::kShutdown, "engine '" + cfg.name + "' is closed");
+}
+
+void EngineCore::close() {
+  if (closing.exchange(true)) {
+    while (!closed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(inq_mu);
+    inq_cv.notify_all();
+  }
+  staging.shutdown();
+  fail_pending_for(0, Code::kShutdown, "engine '" + cfg.name + "' closed");
+
+  // Force-close every endpoint: outstanding requests complete with an error.
+  std::vector<std::shared_ptr<Peer>> all;
+  {
+    std::lock_guard<std::mutex> g(peers_mu);
+    for (auto& kv : peers) all.push_back(kv.second);
+    peers.clear();
+  }
+  for (auto& p : all) p->dead_.store(true);
+  for (auto& l : lanes) {
+    if (!l->worker) continue;
+    std::lock_guard<std::mutex> g(l->mu);
+    std::vector<void*> reqs;
+    for (auto& p : all) {
+      if (size_t(l->idx) >= p->eps_.size() || !p->eps_[l->idx]) continue;
+      ucp_request_param_t rp;
+      memset(&rp, 0, sizeof rp);
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(p->eps_[l->idx]), &rp);
+      p->eps_[l->idx] = nullptr;
+      if (UCS_PTR_IS_PTR(r)) reqs.push_back(r);
+    }
+    auto until = Clock::now() + std::chrono::seconds(2);
+    for (void* r : reqs) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
+        progress_locked_external(l.get());
+      ucp_request_free(r);
+    }
+    progress_locked_external(l.get());
+  }
+  // Wait for API calls in flight (their operations have failed or completed by now).
+  auto until = Clock::now() + std::chrono::seconds(5);
+  while (active.load() > 0 && Clock::now() < until) {
+    for (auto& l : lanes) l->try_progress();
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  for (auto& l : lanes) {
+    {
+      std::lock_guard<std::mutex> g(l->mu);
+      l->stop = true;
+    }
+    if (l->wake_fd >= 0) l->wake();
+    if (l->thread.joinable()) l->thread.join();
+  }
+  // Remote keys: imported regions still referenced from Python, and push caches.
+  {
+    std::lock_guard<std::mutex> g(rr_all_mu);
+    for (auto& w : rr_all) {
+      auto rr = w.lock();
+      if (!rr) continue;
+      std::unique_lock<std::shared_mutex> lk(rr->mu_);
+      if (rr->destroyed_) continue;
+      rr->destroyed_ = true;
+      for (void* rk : rr->rkeys_)
+        if (rk) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rk));
+      rr->rkeys_.clear();
+      rr->ptr_ = nullptr;
+    }
+    rr_all.clear();
+  }
+  for (auto& p : all) {
+    std::lock_guard<std::mutex> g(p->rr_mu_);
+    p->rr_cache_.clear();
+  }
+  for (auto& l : lanes) {
+    std::lock_guard<std::mutex> g(l->mu);
+    for (auto& p : all) {
+      if (size_t(l->idx) >= p->push_rkeys_.size()) continue;
+      for (auto& kv : p->push_rkeys_[l->idx]) destroy_push_rkey(kv.second);
+      p->push_rkeys_[l->idx].clear();
+    }
+    std::vector<std::function<void()>> rest;
+    {
+      std::lock_guard<std::mutex> tg(l->task_mu);
+      l->tasks_closed = true;
+      rest.swap(l->tasks);
+    }
+    for (auto& fn : rest) fn();
+    if (l->worker) progress_locked_external(l.get());
+  }
+  for (auto& l : lanes) {
+    if (l->worker) ucp_worker_destroy(l->worker);
+    l->worker = nullptr;
+    if (l->ep_fd >= 0) ::close(l->ep_fd);
+    if (l->wake_fd >= 0) ::close(l->wake_fd);
+    l->ep_fd = l->wake_fd = -1;
+  }
+  // Local regions: unmapped now unless a view still uses them (then on the last drop).
+  std::vector<std::shared_ptr<Region>> regs;
+  {
+    std::unique_lock<std::shared_mutex> g(regions_mu);
+    for (auto& kv : regions)
+      for (auto& r : kv.second) regs.push_back(r);
+    regions.clear();
+  }
+  for (auto& r : regs) r->unmap_now();
+  if (auto sreg = staging.region_ptr()) sreg->unmap_now();
+  for (auto& p : all) p->core_.reset();  // break Peer <-> core cycles
+  ctx_holder.reset();  // ucp_cleanup once the last region is unmapped
+  ctx = nullptr;
+  closed.store(true);
+}
+
+void EngineCore::progress_locked_external(Lane* l) { l->progress_locked(); }
+
+// ---- Engine (public facade) ----------------------------------------------------------
+
+Engine::Engine(const EngineConfig& cfg) : core_(std::make_shared<EngineCore>(cfg)) {
+  core_->start();
+}
+Engine::~Engine() { close(); }
+const std::string& Engine::address() const { return core_->address; }
+uint64_t Engine::uid() const { return core_->uid; }
+const EngineConfig& Engine::config() const { return core_->cfg; }
+void Engine::close() {
+  core_->close();
+  std::lock_guard<std::mutex> g(core_->peers_mu);
+  core_->peers.clear();
+}
+bool Engine::closed() const { return core_->closing.load(); }
+
+std::shared_ptr<Region> Engine::alloc_arena(uint64_t size) {
+  ActiveGuard g(core_.get());
+  return core_->map_memory(0, size, true, MemType::kHost, true);
+}
+std::shared_ptr<Region> Engine::register_memory(uintptr_t addr, uint64_t length, MemType mt) {
+  ActiveGuard g(core_.get());
+  return core_->map_memory(addr, length, false, mt, true);
+}
+std::shared_ptr<Peer> Engine::connect(const std::string& address, double timeout_s) {
+  return core_->connect(address, timeout_s);
+}
+std::shared_ptr<RemoteRegion> Engine::import_remote(const std::shared_ptr<Peer>& peer,
+                                                    const std::string& rkey, uint64_t base,
+                                                    uint64_t length) {
+  return core_->import_remote(peer, rkey, base, length);
+}
+std::shared_ptr<Op> Engine::submit(std::vector<IoOp>& ops, bool is_read) {
+  return core_->submit(ops, is_read);
+}
+std::shared_ptr<Op> Engine::call_async(const std::shared_ptr<Peer>& peer, uint32_t handler_id,
+                                       const char* data, size_t len) {
+  return core_->call_async(peer, handler_id, data, len);
+}
+void Engine::serve_native(uint32_t handler_id, NativeHandler fn) {
+  std::unique_lock<std::shared_mutex> g(core_->handlers_mu);
+  core_->external_handlers.erase(handler_id);
+  core_->native_handlers[handler_id] = std::move(fn);
+}
+void Engine::serve_external(uint32_t handler_id) {
+  std::unique_lock<std::shared_mutex> g(core_->handlers_mu);
+  core_->native_handlers.erase(handler_id);
+  core_->external_handlers.insert(handler_id);
+}
+void Engine::unserve(uint32_t handler_id) {
+  std::unique_lock<std::shared_mutex> g(core_->handlers_mu);
+  core_->native_handlers.erase(handler_id);
+  core_->external_handlers.erase(handler_id);
+}
+bool Engine::next_request(IncomingRequest* out, double timeout_s) {
+  return core_->next_request(out, timeout_s);
+}
+void Engine::reply(const IncomingRequest& req, Code code, const char* data, size_t len) {
+  core_->reply(req, code, data, len);
+}
+
+std::map<std::string, uint64_t> Engine::stats() const {
+  const Stats& s = core_->st;
+  std::map<std::string, uint64_t> m{
+      {"read_memcpy_bytes", s.read_memcpy_bytes.load()},
+      {"read_get_bytes", s.read_get_bytes.load()},
+      {"read_push_bytes", s.read_push_bytes.load()},
+      {"write_memcpy_bytes", s.write_memcpy_bytes.load()},
+      {"write_put_bytes", s.write_put_bytes.load()},
+      {"staged_bytes", s.staged_bytes.load()},
+      {"push_served_bytes", s.push_served_bytes.load()},
+      {"calls_sent", s.calls_sent.load()},
+      {"calls_served", s.calls_served.load()},
+      {"peers_failed", s.peers_failed.load()},
+  };
+  {
+    std::lock_guard<std::mutex> g(core_->peers_mu);
+    m["peers"] = core_->peers.size();
+  }
+  {
+    std::lock_guard<std::mutex> g(core_->pending_mu);
+    m["pending"] = core_->pending.size();
+  }
+  return m;
+}
+
+}  // namespace mcr

@@ -1,0 +1,261 @@
+// Internals of the transport engine shared by its translation units.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "mcr/transport.h"
+
+namespace mcr {
+
+// ---- wire format (little-endian, same-architecture peers) ---------------------------
+enum AmId : unsigned {
+  kAmHello = 21,     // hdr HelloHdr, data = sender's full address
+  kAmHelloAck = 22,  // hdr RepHdr
+  kAmRpcReq = 23,    // hdr RpcReqHdr, data = payload
+  kAmRpcRep = 24,    // hdr RepHdr, data = reply (or error message)
+  kAmPushReq = 25,   // hdr PushHdr, data = reader rkey + Extent[n]
+};
+
+#pragma pack(push, 1)
+struct HelloHdr {
+  uint64_t uid;
+  uint64_t call_id;
+};
+struct RpcReqHdr {
+  uint64_t uid;
+  uint64_t call_id;
+  uint32_t handler_id;
+  uint32_t flags;
+};
+struct RepHdr {
+  uint64_t uid;
+  uint64_t call_id;
+  int32_t code;
+  uint32_t pad;  // kRepReject: the callee cannot answer over its own endpoint
+};
+constexpr uint32_t kRepReject = 1;
+struct PushHdr {
+  uint64_t uid;
+  uint64_t call_id;
+  uint32_t rkey_len;
+  uint32_t n_ext;
+};
+struct Extent {
+  uint64_t src;  // owner's address
+  uint64_t dst;  // reader's address
+  uint64_t len;
+};
+#pragma pack(pop)
+
+constexpr uint32_t kAddrMagic = 0x3152434d;  // "MCR1"
+constexpr size_t kMaxExtentsPerPush = 1024;
+
+struct Lane;
+using Clock = std::chrono::steady_clock;
+
+// Owns the ucp_context: released (ucp_cleanup) after the engine and its last region.
+struct CtxHolder {
+  ucp_context_h ctx = nullptr;
+  ~CtxHolder() {
+    if (ctx) ucp_cleanup(ctx);
+  }
+};
+inline ucp_context_h ctx_of(const std::shared_ptr<void>& h) {
+  return static_cast<CtxHolder*>(h.get())->ctx;
+}
+
+Code code_from_ucs(ucs_status_t st);
+bool in_progress_context();  // true inside UCP progress / lane tasks on this thread
+std::string ucs_msg(const char* what, ucs_status_t st);
+
+// Posts an active message; `data` moves into the send context and lives until the send
+// completes. fail_call_id != 0: a pending call failed if the send fails later. Returns
+// false (and *err) if the send failed immediately. Lane::mu must be held.
+bool am_send_locked(EngineCore* c, Lane* lane, void* ep, unsigned id, const void* hdr,
+                    size_t hlen, std::string data, uint64_t fail_call_id, bool reply_flag,
+                    ucs_status_t* err);
+// A cached reader rkey on the owner side of the push path (Peer::push_rkeys_ values).
+void destroy_push_rkey(void* entry);
+
+// ---- lane: one UCP worker, its lock and its progress thread ---------------------------
+struct Lane {
+  EngineCore* core = nullptr;
+  int idx = 0;
+  ucp_worker_h worker = nullptr;
+  std::string worker_address;
+  std::mutex mu;  // guards the worker and everything UCP calls back into
+  int worker_fd = -1, wake_fd = -1, ep_fd = -1;
+  std::thread thread;
+  bool stop = false;  // under mu
+  // Work queued by UCP callbacks, run right after ucp_worker_progress returns (under mu).
+  std::vector<std::function<void()>> deferred;
+  // Work posted by threads that do not hold mu (run by the progress thread, under mu).
+  std::mutex task_mu;
+  std::vector<std::function<void()>> tasks;
+  bool tasks_closed = false;  // under task_mu
+  std::atomic<int> outstanding{0};  // in-flight requests (shortens the idle tick)
+
+  void progress_locked();          // progress until idle, run deferred work
+  bool try_progress();             // non-blocking: false if another thread holds mu
+  void arm_for_sleep();            // leave the worker armed so the progress thread wakes
+  void post_task(std::function<void()> fn);
+  void wake();
+  void run();                      // progress thread body
+  void run_tasks_locked();
+};
+
+// ---- staging: a registered bounce buffer for unregistered user memory ----------------
+class Staging {
+ public:
+  // First-fit allocator over [0, size) in 4 KiB units; blocks while full.
+  void init(std::shared_ptr<Region> region);
+  bool ready() const { return region_ != nullptr; }
+  // Returns the offset, or -1 on timeout / shutdown.
+  int64_t alloc(uint64_t len, Clock::time_point deadline);
+  void free(int64_t off, uint64_t len);
+  void shutdown();
+  Region* region() const { return region_.get(); }
+  std::shared_ptr<Region> region_ptr() const { return region_; }
+  uint64_t piece_max() const { return piece_max_; }
+
+ private:
+  std::shared_ptr<Region> region_;
+  uint64_t piece_max_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, uint64_t> free_;  // offset -> length
+  bool shutdown_ = false;
+};
+
+// A pending reply (RPC, push or hello), keyed by call id.
+struct Pending {
+  std::shared_ptr<Op> op;
+  uint64_t peer_uid = 0;
+  // For push requests: runs on reply or failure before op->sub_done (copy-back, release).
+  std::function<void(Code)> on_reply;
+  bool is_call = false;
+};
+
+struct Stats {
+  std::atomic<uint64_t> read_memcpy_bytes{0}, read_get_bytes{0}, read_push_bytes{0};
+  std::atomic<uint64_t> write_memcpy_bytes{0}, write_put_bytes{0};
+  std::atomic<uint64_t> staged_bytes{0}, push_served_bytes{0};
+  std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};
+};
+
+class EngineCore : public std::enable_shared_from_this<EngineCore> {
+ public:
+  explicit EngineCore(const EngineConfig& cfg);
+  ~EngineCore();
+  void start();  // context, workers, threads (after make_shared)
+  void close();
+  void check_open() const;
+  void progress_locked_external(Lane* l);
+
+  // memory.cpp
+  std::shared_ptr<Region> map_memory(uintptr_t addr, uint64_t len, bool allocate, MemType mt,
+                                     bool track);
+  // Finds the live region containing [addr, addr+len): the region, or nullptr if the range
+  // is unregistered. Throws kNotRegistered for a closed region or a straddling range.
+  std::shared_ptr<Region> find_local(uintptr_t addr, uint64_t len, bool for_remote);
+  void region_closed(Region* r);
+  void region_forgotten(Region* r);
+  void ensure_staging();
+
+  // peer.cpp
+  std::shared_ptr<Peer> connect(const std::string& address, double timeout_s);
+  std::shared_ptr<Peer> find_peer(uint64_t uid);
+  std::shared_ptr<Peer> peer_from_hello(uint64_t uid, const std::string& address);
+  ucs_status_t create_ep_locked(Lane* lane, Peer* peer);
+  void peer_failed(Peer* peer, Code code, const std::string& msg);
+  std::shared_ptr<RemoteRegion> import_remote(const std::shared_ptr<Peer>& peer,
+                                              const std::string& rkey, uint64_t base,
+                                              uint64_t len);
+
+  // rma.cpp
+  std::shared_ptr<Op> submit(std::vector<IoOp>& ops, bool is_read);
+  void post_push(Lane* lane, const std::shared_ptr<Peer>& peer, const std::string& rkey,
+                 std::vector<Extent> ext, const std::shared_ptr<Op>& op,
+                 std::function<void(Code)> on_reply);
+  void serve_push_locked(Lane* lane, const std::shared_ptr<Peer>& peer, const PushHdr& hdr,
+                         std::string body);
+
+  // rpc.cpp
+  void register_am_handlers(Lane* lane);
+  std::shared_ptr<Op> call_async(const std::shared_ptr<Peer>& peer, uint32_t handler_id,
+                                 const char* data, size_t len);
+  void send_reply_locked(Lane* lane, Peer* peer, uint64_t call_id, Code code, std::string data,
+                         unsigned am_id = kAmRpcRep);
+  void add_pending(uint64_t id, Pending p);
+  bool take_pending(uint64_t id, Pending* out);
+  void fail_pending_for(uint64_t peer_uid, Code code, const std::string& msg);
+  bool next_request(IncomingRequest* out, double timeout_s);
+  void reply(const IncomingRequest& req, Code code, const char* data, size_t len);
+
+  EngineConfig cfg;
+  uint64_t uid = 0;
+  std::string address;
+  std::shared_ptr<void> ctx_holder;  // owns the ucp_context (ucp_cleanup on release)
+  ucp_context_h ctx = nullptr;
+  std::vector<std::unique_ptr<Lane>> lanes;
+  std::atomic<bool> closing{false};
+  std::atomic<bool> closed{false};
+  std::atomic<int> active{0};  // API calls in progress (close waits for them)
+  std::atomic<uint64_t> next_id{1};
+  std::atomic<uint32_t> lane_rr{0};
+
+  std::mutex peers_mu;
+  std::unordered_map<uint64_t, std::shared_ptr<Peer>> peers;
+  std::mutex rr_all_mu;
+  std::vector<std::weak_ptr<RemoteRegion>> rr_all;  // for close()
+
+  std::mutex pending_mu;
+  std::unordered_map<uint64_t, Pending> pending;
+
+  std::shared_mutex regions_mu;
+  std::map<uintptr_t, std::vector<std::shared_ptr<Region>>> regions;  // start -> live regions
+  std::map<uint64_t, std::pair<uintptr_t, uint64_t>> tombstones;     // region id -> range
+  std::mutex staging_mu;
+  Staging staging;
+
+  std::shared_mutex handlers_mu;
+  std::unordered_map<uint32_t, NativeHandler> native_handlers;
+  std::unordered_set<uint32_t> external_handlers;
+  std::mutex inq_mu;
+  std::condition_variable inq_cv;
+  std::deque<IncomingRequest> inq;
+
+  Stats st;
+};
+
+// RAII guard for public API calls: rejects calls after close, lets close() wait for
+// calls in progress.
+class ActiveGuard {
+ public:
+  explicit ActiveGuard(EngineCore* c);
+  ~ActiveGuard() { c_->active.fetch_sub(1); }
+
+ private:
+  EngineCore* c_;
+};
+
+inline Clock::time_point deadline_after(double timeout_s) {
+  if (timeout_s < 0 || timeout_s > 1e8) return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+}
+
+}  // namespace mcr

@@ -1,0 +1,399 @@
+// Peers: engine addresses, endpoints (error mode PEER), the HELLO handshake, peer
+// failure, and remote-key import.
+//
+// Connection model. Peers are keyed by the remote engine's uid (carried in its address).
+// A request arriving on our worker is answered over OUR endpoint to the sender, never
+// over UCP's internal reply endpoint: that one is destroyed by UCP when the sender dies,
+// so a late reply through a saved pointer would be a use-after-free. connect() therefore
+// sends a HELLO with the full local address on every lane; the receiver creates its own
+// endpoints back (with an error callback) before acknowledging. Two engines that connect
+// to each other share the same Peer objects on both sides.
+#include <cstring>
+
+#include "internal.h"
+
+namespace mcr {
+
+namespace {
+struct EpCtx {
+  EngineCore* core;
+  Peer* peer;
+  int lane;
+};
+
+void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* c = static_cast<EpCtx*>(arg);
+  c->core->peer_failed(c->peer, code_from_ucs(status),
+                       "peer '" + c->peer->name() + "' failed: " + ucs_status_string(status));
+}
+
+struct ParsedAddress {
+  uint64_t uid = 0;
+  std::string name;
+  std::vector<std::string> lanes;
+};
+
+ParsedAddress parse_address(const std::string& a) {
+  ParsedAddress out;
+  size_t pos = 0;
+  auto need = [&](size_t n) {
+    if (a.size() - pos < n)
+      throw Error(Code::kInvalidArgument, "malformed engine address (" + std::to_string(a.size()) + " bytes)");
+  };
+  auto u32 = [&] {
+    need(4);
+    uint32_t v;
+    memcpy(&v, a.data() + pos, 4);
+    pos += 4;
+    return v;
+  };
+  if (a.size() < 20 || u32() != kAddrMagic)
+    throw Error(Code::kInvalidArgument, "not a mooncake-ray engine address");
+  need(8);
+  memcpy(&out.uid, a.data() + pos, 8);
+  pos += 8;
+  uint32_t n = u32();
+  if (n == 0 || n > 64) throw Error(Code::kInvalidArgument, "malformed engine address (lanes)");
+  uint32_t nl = u32();
+  need(nl);
+  out.name = a.substr(pos, nl);
+  pos += nl;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t l = u32();
+    need(l);
+    out.lanes.push_back(a.substr(pos, l));
+    pos += l;
+  }
+  return out;
+}
+
+// Whether RMA get on this endpoint avoids tcp (shared memory, cma, RDMA): then a plain
+// get is fast; over tcp UCX's get runs at a fraction of put (see ANCHORS.md).
+int get_is_fast(ucp_ep_h ep) {
+  ucp_transport_entry_t entries[32];
+  ucp_ep_attr_t attr;
+  memset(&attr, 0, sizeof attr);
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries;
+  attr.transports.num_entries = 32;
+  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+  if (ucp_ep_query(ep, &attr) != UCS_OK) return -1;
+  bool other = false;
+  for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+    const char* t = entries[i].transport_name;
+    if (t && strcmp(t, "tcp") != 0 && strcmp(t, "self") != 0) other = true;
+  }
+  return other ? 1 : 0;
+}
+
+struct SendCtx {
+  std::string data;
+};
+void on_send_free(void* req, ucs_status_t, void* user) {
+  delete static_cast<SendCtx*>(user);
+  ucp_request_free(req);
+}
+}  // namespace
+
+// ---- Peer ---------------------------------------------------------------------------
+
+Peer::Peer(std::shared_ptr<EngineCore> core, uint64_t uid, std::string address,
+           std::vector<std::string> lane_addrs, std::string name)
+    : core_(std::move(core)),
+      uid_(uid),
+      address_(std::move(address)),
+      lane_addrs_(std::move(lane_addrs)),
+      name_(std::move(name)) {
+  size_t n = core_->lanes.size();
+  eps_.assign(n, nullptr);
+  ep_ctx_.assign(n, nullptr);
+  get_fast_.assign(n, -1);
+  push_rkeys_.resize(n);
+}
+
+Peer::~Peer() {
+  for (void* c : ep_ctx_) delete static_cast<EpCtx*>(c);
+}
+
+std::shared_ptr<Peer> EngineCore::find_peer(uint64_t id) {
+  std::lock_guard<std::mutex> g(peers_mu);
+  auto it = peers.find(id);
+  if (it == peers.end() || it->second->dead_.load()) return nullptr;
+  return it->second;
+}
+
+ucs_status_t EngineCore::create_ep_locked(Lane* lane, Peer* peer) {
+  if (peer->eps_[lane->idx]) return UCS_OK;
+  auto* ctx = static_cast<EpCtx*>(peer->ep_ctx_[lane->idx]);
+  if (!ctx) {
+    ctx = new EpCtx{this, peer, lane->idx};
+    peer->ep_ctx_[lane->idx] = ctx;
+  }
+  const std::string& ra = peer->lane_addrs_[lane->idx % peer->lane_addrs_.size()];
+  ucp_ep_params_t p;
+  memset(&p, 0, sizeof p);
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.address = reinterpret_cast<const ucp_address_t*>(ra.data());
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = on_ep_error;
+  p.err_handler.arg = ctx;
+  ucp_ep_h ep = nullptr;
+  ucs_status_t st = ucp_ep_create(lane->worker, &p, &ep);
+  if (st != UCS_OK) return st;
+  peer->eps_[lane->idx] = ep;
+  peer->get_fast_[lane->idx] = get_is_fast(ep);
+  return UCS_OK;
+}
+
+std::shared_ptr<Peer> EngineCore::peer_from_hello(uint64_t id, const std::string& addr) {
+  std::lock_guard<std::mutex> g(peers_mu);
+  auto it = peers.find(id);
+  if (it != peers.end() && !it->second->dead_.load()) return it->second;
+  ParsedAddress pa = parse_address(addr);
+  if (pa.uid != id) throw Error(Code::kInvalidArgument, "HELLO address does not match its uid");
+  auto p = std::make_shared<Peer>(shared_from_this(), id, addr, pa.lanes, pa.name);
+  p->hello_done_.store(true);  // it connected to us: it has endpoints on all its lanes
+  peers[id] = p;
+  return p;
+}
+
+std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeout_s) {
+  ActiveGuard guard(this);
+  ParsedAddress pa = parse_address(addr);
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> g(peers_mu);
+    auto it = peers.find(pa.uid);
+    if (it != peers.end() && !it->second->dead_.load()) {
+      peer = it->second;
+    } else {
+      peer = std::make_shared<Peer>(shared_from_this(), pa.uid, addr, pa.lanes, pa.name);
+      peers[pa.uid] = peer;
+    }
+  }
+  if (peer->hello_done_.load()) {
+    bool complete = true;
+    for (auto& l : lanes) {
+      std::lock_guard<std::mutex> g(l->mu);
+      if (!peer->eps_[l->idx]) complete = false;
+    }
+    if (complete) return peer;
+  }
+  std::lock_guard<std::mutex> hg(peer->hello_mu_);
+  for (auto& l : lanes) {
+    std::lock_guard<std::mutex> g(l->mu);
+    ucs_status_t st = create_ep_locked(l.get(), peer.get());
+    if (st != UCS_OK) {
+      std::string msg = ucs_msg(("connect to '" + pa.name + "'").c_str(), st);
+      peer_failed(peer.get(), Code::kUnreachable, msg);
+      throw Error(Code::kUnreachable, msg);
+    }
+  }
+  if (peer->hello_done_.load()) return peer;
+
+  // HELLO on every lane: the remote creates its endpoints back to us, then acknowledges.
+  auto op = std::make_shared<Op>(shared_from_this());
+  std::vector<uint64_t> ids;
+  for (auto& l : lanes) {
+    uint64_t id = next_id.fetch_add(1);
+    ids.push_back(id);
+    op->add_lane(l->idx);
+    op->add_pending();
+    add_pending(id, Pending{op, peer->uid_, {}, false});
+    HelloHdr h{uid, id};
+    auto* sc = new SendCtx{address};
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof rp);
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
+    rp.cb.send = on_send_free;
+    rp.user_data = sc;
+    std::lock_guard<std::mutex> g(l->mu);
+    void* ep = peer->eps_[l->idx];
+    void* r = ep ? ucp_am_send_nbx(static_cast<ucp_ep_h>(ep), kAmHello, &h, sizeof h,
+                                   sc->data.data(), sc->data.size(), &rp)
+                 : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
+    if (!UCS_PTR_IS_PTR(r)) delete sc;
+    if (UCS_PTR_IS_ERR(r)) {
+      Pending p;
+      if (take_pending(id, &p)) p.op->sub_done(Code::kUnreachable, ucs_msg("HELLO", UCS_PTR_STATUS(r)));
+    }
+  }
+  op->sub_done();
+  if (!op->wait(timeout_s)) {
+    for (uint64_t id : ids) {
+      Pending p;
+      take_pending(id, &p);
+    }
+    std::string msg = "peer '" + pa.name + "' did not answer the connection handshake within " +
+                      std::to_string(timeout_s) + " s";
+    peer_failed(peer.get(), Code::kUnreachable, msg);
+    throw Error(Code::kUnreachable, msg);
+  }
+  if (op->code() != Code::kOk) {
+    peer_failed(peer.get(), op->code(), op->message());
+    throw Error(Code::kUnreachable, "connect to '" + pa.name + "' failed: " + op->message());
+  }
+  peer->hello_done_.store(true);
+  return peer;
+}
+
+void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {
+  if (peer->dead_.exchange(true)) return;
+  peer->death_code_ = code;
+  peer->death_msg_ = msg;
+  st.peers_failed.fetch_add(1);
+  std::shared_ptr<Peer> sp;
+  {
+    std::lock_guard<std::mutex> g(peers_mu);
+    auto it = peers.find(peer->uid_);
+    if (it != peers.end() && it->second.get() == peer) {
+      sp = it->second;
+      peers.erase(it);
+    }
+  }
+  fail_pending_for(peer->uid_, Code::kUnreachable, msg);
+  if (!sp) return;  // already detached (engine closing)
+  {
+    std::lock_guard<std::mutex> g(sp->rr_mu_);
+    sp->rr_cache_.clear();
+  }
+  // Close the endpoints on their own lanes (we may hold only one lane's lock here).
+  for (auto& l : lanes) {
+    Lane* lp = l.get();
+    lp->post_task([sp, lp] {
+      void* ep = sp->eps_[lp->idx];
+      sp->eps_[lp->idx] = nullptr;
+      for (auto& kv : sp->push_rkeys_[lp->idx]) destroy_push_rkey(kv.second);
+      sp->push_rkeys_[lp->idx].clear();
+      if (!ep) return;
+      ucp_request_param_t rp;
+      memset(&rp, 0, sizeof rp);
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &rp);
+      if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    });
+  }
+}
+
+// ---- remote regions -----------------------------------------------------------------
+
+RemoteRegion::RemoteRegion(std::shared_ptr<Peer> peer, std::string rkey, uint64_t base,
+                           uint64_t len)
+    : peer_(std::move(peer)), rkey_bytes_(std::move(rkey)), base_(base), length_(len) {}
+
+RemoteRegion::~RemoteRegion() {
+  std::unique_lock<std::shared_mutex> lk(mu_);
+  if (destroyed_) return;
+  destroyed_ = true;
+  auto core = peer_ ? peer_->core_ : nullptr;
+  if (!core) return;
+  for (size_t i = 0; i < rkeys_.size() && i < core->lanes.size(); ++i) {
+    if (!rkeys_[i]) continue;
+    void* rk = rkeys_[i];
+    core->lanes[i]->post_task([rk] { ucp_rkey_destroy(static_cast<ucp_rkey_h>(rk)); });
+  }
+}
+
+std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Peer>& peer,
+                                                        const std::string& rkey, uint64_t base,
+                                                        uint64_t len) {
+  ActiveGuard guard(this);
+  if (!peer) throw Error(Code::kInvalidArgument, "peer is None");
+  if (peer->core_.get() != this) throw Error(Code::kInvalidArgument, "peer belongs to another engine");
+  if (peer->dead_.load()) throw Error(Code::kUnreachable, peer->death_msg_);
+  if (rkey.empty()) throw Error(Code::kNotRegistered, "empty remote key");
+  if (base + len < base) throw Error(Code::kOutOfBounds, "remote range wraps around");
+  std::string key = rkey;
+  key.append(reinterpret_cast<const char*>(&base), 8);
+  key.append(reinterpret_cast<const char*>(&len), 8);
+  {
+    std::lock_guard<std::mutex> g(peer->rr_mu_);
+    auto it = peer->rr_cache_.find(key);
+    if (it != peer->rr_cache_.end()) return it->second;
+  }
+  auto rr = std::make_shared<RemoteRegion>(peer, rkey, base, len);
+  rr->rkeys_.assign(lanes.size(), nullptr);
+  for (auto& l : lanes) {
+    std::lock_guard<std::mutex> g(l->mu);
+    void* ep = peer->eps_[l->idx];
+    if (!ep) throw Error(Code::kUnreachable, "peer '" + peer->name_ + "' is not connected");
+    ucp_rkey_h rk = nullptr;
+    ucs_status_t s = ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep), rkey.data(), &rk);
+    if (s != UCS_OK) throw Error(Code::kNotRegistered, ucs_msg("ucp_ep_rkey_unpack", s));
+    rr->rkeys_[l->idx] = rk;
+  }
+  // Same host and shared memory: map the owner's memory directly.
+  void* p0 = nullptr;
+  void* p1 = nullptr;
+  if (len > 0 && ucp_rkey_ptr(static_cast<ucp_rkey_h>(rr->rkeys_[0]), base, &p0) == UCS_OK &&
+      ucp_rkey_ptr(static_cast<ucp_rkey_h>(rr->rkeys_[0]), base + len - 1, &p1) == UCS_OK &&
+      static_cast<char*>(p1) == static_cast<char*>(p0) + (len - 1)) {
+    rr->ptr_ = static_cast<char*>(p0);
+  }
+  int fast = peer->get_fast_[0];
+  switch (cfg.read_mode) {
+    case ReadPath::kAuto:
+      rr->read_path_ = rr->ptr_ ? ReadPath::kMemcpy : (fast == 0 ? ReadPath::kPush : ReadPath::kGet);
+      break;
+    case ReadPath::kMemcpy:
+      if (!rr->ptr_)
+        throw Error(Code::kInvalidArgument,
+                    "read_mode='memcpy' but the remote region cannot be mapped (not the same "
+                    "host, not shared memory, or not allocated by UCX)");
+      rr->read_path_ = ReadPath::kMemcpy;
+      break;
+    default: rr->read_path_ = cfg.read_mode;
+  }
+  switch (cfg.write_mode) {
+    case WritePath::kAuto: rr->write_path_ = rr->ptr_ ? WritePath::kMemcpy : WritePath::kPut; break;
+    case WritePath::kMemcpy:
+      if (!rr->ptr_)
+        throw Error(Code::kInvalidArgument, "write_mode='memcpy' but the remote region cannot be mapped");
+      rr->write_path_ = WritePath::kMemcpy;
+      break;
+    default: rr->write_path_ = cfg.write_mode;
+  }
+  {
+    std::lock_guard<std::mutex> g(peer->rr_mu_);
+    auto it = peer->rr_cache_.find(key);
+    if (it != peer->rr_cache_.end()) return it->second;  // lost a race: ours is dropped
+    if (peer->rr_cache_.size() >= 4096) peer->rr_cache_.erase(peer->rr_cache_.begin());
+    peer->rr_cache_[key] = rr;
+  }
+  {
+    std::lock_guard<std::mutex> g(rr_all_mu);
+    if (rr_all.size() > 1024) {
+      std::vector<std::weak_ptr<RemoteRegion>> keep;
+      for (auto& w : rr_all)
+        if (!w.expired()) keep.push_back(w);
+      rr_all.swap(keep);
+    }
+    rr_all.push_back(rr);
+  }
+  return rr;
+}
+
+const char* read_path_name(ReadPath p) {
+  switch (p) {
+    case ReadPath::kAuto: return "auto";
+    case ReadPath::kMemcpy: return "memcpy";
+    case ReadPath::kPush: return "push";
+    case ReadPath::kGet: return "get";
+  }
+  return "?";
+}
+
+const char* write_path_name(WritePath p) {
+  switch (p) {
+    case WritePath::kAuto: return "auto";
+    case WritePath::kMemcpy: return "memcpy";
+    case WritePath::kPut: return "put";
+  }
+  return "?";
+}
+
+}  // namespace mcr

@@ -1,0 +1,455 @@
+// One-sided transfers: the read/write paths and the owner side of the push path.
+//
+// Paths (chosen per RemoteRegion in import_remote, overridable by read_mode/write_mode):
+//   memcpy  same host, remote memory mapped through ucp_rkey_ptr: a plain memcpy in the
+//           calling thread, nothing sent at all.
+//   get     ucp_get_nbx (shared memory via cma, RDMA): fast where get is one-sided in
+//           hardware or the kernel.
+//   push    over tcp UCX's get is slow (0.9 vs 4.3 GB/s put), so the reader sends a small
+//           PUSH request (its rkey + extents) and the owner's engine, in C++ on its progress
+//           thread, ucp_put_nbx'es the extents into the reader's memory, flushes, replies.
+//   put     writes without a mapping.
+// Local memory: a registered Region is used in place (zero-copy; it stays mapped until
+// the transfer completes, whatever close() says); unregistered memory bounces through
+// the staging buffer, one piece (<= chunk_bytes) at a time.
+// Striping: with num_lanes > 1, a transfer of at least stripe_min_bytes is split into
+// max(num_lanes, ceil(len / chunk_bytes)) pieces dealt round-robin to the lanes.
+#include <cstring>
+
+#include "internal.h"
+
+namespace mcr {
+
+namespace {
+
+struct PushRkey {
+  ucp_rkey_h rk = nullptr;
+  int busy = 0;  // pushes in flight using it (not evicted while > 0)
+};
+
+struct XferCtx {
+  EngineCore* core;
+  std::shared_ptr<Op> op;
+  Lane* lane;
+  std::shared_ptr<Region> region;    // registered local memory: in-flight reference
+  std::shared_ptr<RemoteRegion> rr;  // keeps the remote key alive
+  int64_t stage_off = -1;
+  uint64_t len = 0;
+  uintptr_t copy_to = 0;             // read via staging: the user's destination
+};
+
+void finish_xfer(XferCtx* x, ucs_status_t st) {
+  Code code = st == UCS_OK ? Code::kOk : code_from_ucs(st);
+  if (x->stage_off >= 0) {
+    if (code == Code::kOk && x->copy_to && x->op->enter_copy()) {
+      memcpy(reinterpret_cast<void*>(x->copy_to),
+             reinterpret_cast<char*>(x->core->staging.region()->addr()) + x->stage_off, x->len);
+      x->op->exit_copy();
+    }
+    x->core->staging.free(x->stage_off, x->len);
+  }
+  if (x->region) x->region->inflight_sub();
+  x->lane->outstanding.fetch_sub(1);
+  std::string msg;
+  if (code != Code::kOk) {
+    msg = ucs_msg("transfer", st);
+    if (x->rr && x->rr->peer_) msg += " (peer '" + x->rr->peer_->name() + "')";
+  }
+  x->op->sub_done(code, msg);
+  delete x;
+}
+
+void on_xfer(void* req, ucs_status_t st, void* user) {
+  finish_xfer(static_cast<XferCtx*>(user), st);
+  ucp_request_free(req);
+}
+
+enum class Kind { kGet, kPut, kFlush };
+
+// Posts one get / put / flush on `lane`; Lane::mu held. Takes ownership of x.
+void post_locked(Kind kind, void* ep, void* rkey, uint64_t raddr, void* laddr, void* memh,
+                 XferCtx* x) {
+  ucp_request_param_t rp;
+  memset(&rp, 0, sizeof rp);
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.send = on_xfer;
+  rp.user_data = x;
+  if (memh) {
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    rp.memh = static_cast<ucp_mem_h>(memh);
+  }
+  x->op->add_pending();
+  x->lane->outstanding.fetch_add(1);
+  auto e = static_cast<ucp_ep_h>(ep);
+  auto rk = static_cast<ucp_rkey_h>(rkey);
+  void* r;
+  switch (kind) {
+    case Kind::kGet: r = ucp_get_nbx(e, laddr, x->len, raddr, rk, &rp); break;
+    case Kind::kPut: r = ucp_put_nbx(e, laddr, x->len, raddr, rk, &rp); break;
+    default: r = ucp_ep_flush_nbx(e, &rp); break;
+  }
+  if (UCS_PTR_IS_PTR(r)) return;
+  finish_xfer(x, UCS_PTR_STATUS(r));
+}
+
+struct PushFlushCtx {
+  EngineCore* core;
+  Lane* lane;
+  std::shared_ptr<Peer> peer;
+  uint64_t call_id;
+  std::vector<std::shared_ptr<Region>> refs;
+  PushRkey* entry;
+};
+
+void push_flushed(PushFlushCtx* f, ucs_status_t st, bool in_callback) {
+  for (auto& r : f->refs) r->inflight_sub();
+  f->entry->busy--;
+  Code code = st == UCS_OK ? Code::kOk : code_from_ucs(st);
+  std::string msg = st == UCS_OK ? std::string() : ucs_msg("push to reader", st);
+  EngineCore* c = f->core;
+  Lane* lane = f->lane;
+  auto peer = f->peer;
+  uint64_t id = f->call_id;
+  delete f;
+  if (in_callback) {
+    lane->deferred.push_back([c, lane, peer, id, code, msg] {
+      c->send_reply_locked(lane, peer.get(), id, code, msg);
+    });
+  } else {
+    c->send_reply_locked(lane, peer.get(), id, code, msg);
+  }
+}
+
+void on_push_flushed(void* req, ucs_status_t st, void* user) {
+  auto* f = static_cast<PushFlushCtx*>(user);
+  f->lane->outstanding.fetch_sub(1);
+  push_flushed(f, st, true);
+  ucp_request_free(req);
+}
+
+}  // namespace
+
+void destroy_push_rkey(void* entry) {
+  auto* e = static_cast<PushRkey*>(entry);
+  if (e->rk) ucp_rkey_destroy(e->rk);
+  delete e;
+}
+
+// ---- owner side of the push path ----------------------------------------------------
+
+void EngineCore::serve_push_locked(Lane* lane, const std::shared_ptr<Peer>& peer,
+                                   const PushHdr& h, std::string body) {
+  auto fail = [&](Code c, const std::string& m) {
+    send_reply_locked(lane, peer.get(), h.call_id, c, m);
+  };
+  if (body.size() != h.rkey_len + uint64_t(h.n_ext) * sizeof(Extent))
+    return fail(Code::kInvalidArgument, "malformed push request");
+  void* ep = peer->eps_[lane->idx];
+  if (!ep || peer->dead_.load()) return;
+  std::string rkey = body.substr(0, h.rkey_len);
+  auto& cache = peer->push_rkeys_[lane->idx];
+  PushRkey* entry;
+  auto it = cache.find(rkey);
+  if (it != cache.end()) {
+    entry = static_cast<PushRkey*>(it->second);
+  } else {
+    if (cache.size() >= 256) {
+      for (auto ci = cache.begin(); ci != cache.end();) {
+        if (static_cast<PushRkey*>(ci->second)->busy == 0) {
+          destroy_push_rkey(ci->second);
+          ci = cache.erase(ci);
+        } else {
+          ++ci;
+        }
+      }
+    }
+    entry = new PushRkey;
+    ucs_status_t s = ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep), rkey.data(), &entry->rk);
+    if (s != UCS_OK) {
+      delete entry;
+      return fail(Code::kNotRegistered, ucs_msg("unpacking the reader's rkey", s));
+    }
+    cache[rkey] = entry;
+  }
+  std::vector<Extent> ext(h.n_ext);
+  if (h.n_ext) memcpy(ext.data(), body.data() + h.rkey_len, h.n_ext * sizeof(Extent));
+  // Never read outside our own registered memory, whatever the request says.
+  std::vector<std::shared_ptr<Region>> refs;
+  refs.reserve(ext.size());
+  std::shared_ptr<Region> last;
+  for (auto& e : ext) {
+    std::shared_ptr<Region> r;
+    try {
+      r = (last && e.src >= last->addr() && e.src - last->addr() <= last->length() &&
+           e.len <= last->length() - (e.src - last->addr()))
+              ? last
+              : find_local(e.src, e.len, true);
+    } catch (const Error& err) {
+      return fail(err.code(), err.what());
+    }
+    if (!r || r->mem_type() != MemType::kHost)
+      return fail(Code::kNotRegistered, "push source [" + std::to_string(e.src) + ", +" +
+                                            std::to_string(e.len) +
+                                            ") is not registered memory of engine '" +
+                                            cfg.name + "'");
+    last = r;
+    refs.push_back(r);
+  }
+  for (auto& r : refs) r->inflight_add();
+  entry->busy++;
+  auto* f = new PushFlushCtx{this, lane, peer, h.call_id, std::move(refs), entry};
+  ucs_status_t bad = UCS_OK;
+  uint64_t total = 0;
+  for (size_t i = 0; i < ext.size(); ++i) {
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof rp);
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    rp.memh = static_cast<ucp_mem_h>(f->refs[i]->memh());
+    void* r = ucp_put_nbx(static_cast<ucp_ep_h>(ep), reinterpret_cast<void*>(ext[i].src),
+                          ext[i].len, ext[i].dst, entry->rk, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      ucp_request_free(r);  // completion (and errors) are observed through the flush
+    } else if (UCS_PTR_IS_ERR(r)) {
+      bad = UCS_PTR_STATUS(r);
+      break;
+    }
+    total += ext[i].len;
+  }
+  st.push_served_bytes.fetch_add(total);
+  ucp_request_param_t rp;
+  memset(&rp, 0, sizeof rp);
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.send = on_push_flushed;
+  rp.user_data = f;
+  void* r = ucp_ep_flush_nbx(static_cast<ucp_ep_h>(ep), &rp);
+  if (UCS_PTR_IS_PTR(r)) {
+    lane->outstanding.fetch_add(1);
+    return;
+  }
+  ucs_status_t fs = UCS_PTR_STATUS(r);
+  push_flushed(f, bad != UCS_OK ? bad : fs, false);
+}
+
+// ---- reader / writer side -------------------------------------------------------------
+
+namespace {
+struct Item {
+  IoOp* io;
+  std::shared_ptr<Region> local;  // null: unregistered (staging)
+  int path;                       // ReadPath / WritePath value
+};
+}  // namespace
+
+std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
+  ActiveGuard guard(this);
+  // 1. Validate every op before anything moves.
+  std::vector<Item> items;
+  items.reserve(ops.size());
+  for (auto& io : ops) {
+    if (!io.rr) throw Error(Code::kInvalidArgument, "remote region is None");
+    RemoteRegion& rr = *io.rr;
+    if (!rr.peer_ || rr.peer_->core_.get() != this)
+      throw Error(Code::kInvalidArgument, "remote region belongs to another engine");
+    if (rr.peer_->dead_.load())
+      throw Error(Code::kUnreachable, rr.peer_->death_msg_.empty() ? "peer is gone" : rr.peer_->death_msg_);
+    if (io.remote_offset > rr.length_ || io.length > rr.length_ - io.remote_offset)
+      throw Error(Code::kOutOfBounds,
+                  "remote range [" + std::to_string(io.remote_offset) + ", +" +
+                      std::to_string(io.length) + ") is outside the remote region of " +
+                      std::to_string(rr.length_) + " bytes");
+    if (io.length == 0) continue;
+    if (io.local_addr == 0) throw Error(Code::kInvalidArgument, "local address is 0");
+    auto local = find_local(io.local_addr, io.length, false);
+    int path = is_read ? int(rr.read_path_) : int(rr.write_path_);
+    if (local && local->mem_type() != MemType::kHost)  // device memory: UCX moves it
+      path = is_read ? int(ReadPath::kGet) : int(WritePath::kPut);
+    items.push_back(Item{&io, std::move(local), path});
+  }
+
+  auto op = std::make_shared<Op>(shared_from_this());
+  const size_t nl = lanes.size();
+  const auto stage_deadline = Clock::now() + std::chrono::seconds(120);
+  std::vector<std::pair<std::shared_ptr<Peer>, int>> to_flush;  // writes: (peer, lane)
+  struct PushBatch {
+    std::shared_ptr<Peer> peer;
+    int lane;
+    std::shared_ptr<Region> region;
+    std::vector<Extent> ext;
+  };
+  std::vector<PushBatch> batches;
+
+  auto post_piece = [&](Kind kind, int li, const std::shared_ptr<RemoteRegion>& rrp,
+                        uint64_t raddr, void* laddr, uint64_t len,
+                        const std::shared_ptr<Region>& region, int64_t stage_off,
+                        uintptr_t copy_to) {
+    Lane* lane = lanes[li].get();
+    auto* x = new XferCtx{this, op, lane, nullptr, rrp, stage_off, len, copy_to};
+    void* memh = nullptr;
+    if (stage_off >= 0) {
+      memh = staging.region()->memh();
+    } else {
+      x->region = region;
+      region->inflight_add();
+      memh = region->memh();
+    }
+    op->add_lane(li);
+    std::lock_guard<std::mutex> g(lane->mu);
+    std::shared_lock<std::shared_mutex> rl(rrp->mu_);
+    void* ep = rrp->peer_->eps_[li];
+    if (rrp->destroyed_ || !ep) {
+      x->op->add_pending();
+      x->lane->outstanding.fetch_add(1);
+      finish_xfer(x, UCS_ERR_NOT_CONNECTED);
+      return;
+    }
+    post_locked(kind, ep, rrp->rkeys_[li], raddr, laddr, memh, x);
+    if (kind == Kind::kPut) {
+      bool seen = false;
+      for (auto& f : to_flush)
+        if (f.first == rrp->peer_ && f.second == li) seen = true;
+      if (!seen) to_flush.emplace_back(rrp->peer_, li);
+    }
+  };
+
+  for (auto& it : items) {
+    IoOp& io = *it.io;
+    RemoteRegion& rr = *io.rr;
+    const uint64_t raddr = rr.base_ + io.remote_offset;
+    const uint64_t len = io.length;
+    char* const laddr = reinterpret_cast<char*>(io.local_addr);
+
+    if ((is_read && it.path == int(ReadPath::kMemcpy)) ||
+        (!is_read && it.path == int(WritePath::kMemcpy))) {
+      std::shared_lock<std::shared_mutex> rl(rr.mu_);
+      if (rr.destroyed_ || !rr.ptr_) {
+        op->record_error(Code::kUnreachable, "remote mapping is gone");
+        continue;
+      }
+      char* remote = rr.ptr_ + io.remote_offset;
+      if (is_read) {
+        memcpy(laddr, remote, len);
+        st.read_memcpy_bytes.fetch_add(len);
+      } else {
+        memcpy(remote, laddr, len);
+        st.write_memcpy_bytes.fetch_add(len);
+      }
+      continue;
+    }
+
+    const bool push = is_read && it.path == int(ReadPath::kPush);
+    const Kind kind = is_read ? Kind::kGet : Kind::kPut;
+    (is_read ? (push ? st.read_push_bytes : st.read_get_bytes) : st.write_put_bytes).fetch_add(len);
+    const uint32_t start = lane_rr.fetch_add(1);
+
+    if (it.local) {  // registered: zero-copy, striped over the lanes
+      uint64_t n = 1;
+      if (nl > 1 && len >= cfg.stripe_min_bytes)
+        n = std::max<uint64_t>(nl, (len + cfg.chunk_bytes - 1) / cfg.chunk_bytes);
+      const uint64_t piece = (len + n - 1) / n;
+      for (uint64_t k = 0, off = 0; off < len; ++k, off += piece) {
+        const uint64_t plen = std::min(piece, len - off);
+        const int li = int((start + k) % nl);
+        if (push) {
+          PushBatch* b = nullptr;
+          for (auto& pb : batches)
+            if (pb.peer == rr.peer_ && pb.lane == li && pb.region == it.local &&
+                pb.ext.size() < kMaxExtentsPerPush)
+              b = &pb;
+          if (!b) {
+            batches.push_back(PushBatch{rr.peer_, li, it.local, {}});
+            b = &batches.back();
+          }
+          b->ext.push_back(Extent{raddr + off, uint64_t(io.local_addr) + off, plen});
+        } else {
+          post_piece(kind, li, io.rr, raddr + off, laddr + off, plen, it.local, -1, 0);
+        }
+      }
+      continue;
+    }
+
+    // Unregistered: bounce through staging, one piece at a time.
+    ensure_staging();
+    const uint64_t pmax = std::min<uint64_t>(cfg.chunk_bytes, staging.piece_max());
+    st.staged_bytes.fetch_add(len);
+    for (uint64_t k = 0, off = 0; off < len; ++k, off += pmax) {
+      const uint64_t plen = std::min(pmax, len - off);
+      const int li = int((start + k) % nl);
+      int64_t so = staging.alloc(plen, stage_deadline);
+      if (so < 0) {
+        op->record_error(closing.load() ? Code::kShutdown : Code::kTimeout,
+                         "no staging space for unregistered memory");
+        break;
+      }
+      char* sp = reinterpret_cast<char*>(staging.region()->addr()) + so;
+      if (!is_read) memcpy(sp, laddr + off, plen);
+      if (!push) {
+        post_piece(kind, li, io.rr, raddr + off, sp, plen, nullptr, so, is_read ? uintptr_t(laddr + off) : 0);
+        continue;
+      }
+      uintptr_t dst = uintptr_t(laddr + off);
+      auto opw = op;
+      EngineCore* self = this;
+      post_push(lanes[li].get(), rr.peer_, staging.region()->rkey(),
+                {Extent{raddr + off, uint64_t(uintptr_t(sp)), plen}}, op,
+                [self, opw, so, plen, sp, dst](Code c) {
+                  if (c == Code::kOk && opw->enter_copy()) {
+                    memcpy(reinterpret_cast<void*>(dst), sp, plen);
+                    opw->exit_copy();
+                  }
+                  self->staging.free(so, plen);
+                });
+    }
+  }
+
+  for (auto& b : batches) {
+    auto region = b.region;
+    region->inflight_add();
+    post_push(lanes[b.lane].get(), b.peer, region->rkey(), std::move(b.ext), op,
+              [region](Code) { region->inflight_sub(); });
+  }
+  for (auto& f : to_flush) {
+    Lane* lane = lanes[f.second].get();
+    auto* x = new XferCtx{this, op, lane, nullptr, nullptr, -1, 0, 0};
+    std::lock_guard<std::mutex> g(lane->mu);
+    void* ep = f.first->eps_[f.second];
+    if (!ep) {
+      x->op->add_pending();
+      lane->outstanding.fetch_add(1);
+      finish_xfer(x, UCS_ERR_NOT_CONNECTED);
+      continue;
+    }
+    post_locked(Kind::kFlush, ep, nullptr, 0, nullptr, nullptr, x);
+  }
+  op->sub_done();  // drop the submission guard
+  return op;
+}
+
+void EngineCore::post_push(Lane* lane, const std::shared_ptr<Peer>& peer, const std::string& rkey,
+                           std::vector<Extent> ext, const std::shared_ptr<Op>& op,
+                           std::function<void(Code)> on_reply) {
+  uint64_t id = next_id.fetch_add(1);
+  op->add_lane(lane->idx);
+  op->add_pending();
+  add_pending(id, Pending{op, peer->uid_, on_reply, false});
+  PushHdr h{uid, id, uint32_t(rkey.size()), uint32_t(ext.size())};
+  std::string body;
+  body.reserve(rkey.size() + ext.size() * sizeof(Extent));
+  body += rkey;
+  body.append(reinterpret_cast<const char*>(ext.data()), ext.size() * sizeof(Extent));
+  ucs_status_t err = UCS_ERR_NOT_CONNECTED;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> g(lane->mu);
+    void* ep = peer->eps_[lane->idx];
+    ok = ep && am_send_locked(this, lane, ep, kAmPushReq, &h, sizeof h, std::move(body), id, true, &err);
+  }
+  if (!ok) {
+    Pending p;
+    if (take_pending(id, &p)) {
+      if (p.on_reply) p.on_reply(code_from_ucs(err));
+      p.op->sub_done(code_from_ucs(err), ucs_msg("push request", err));
+    }
+  }
+}
+
+}  // namespace mcr
