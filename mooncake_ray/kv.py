@@ -1,0 +1,214 @@
+"""The KV layer: KV-cache pages in the store, keyed by the tokens they cover.
+
+A page holds the K and V of ``page_size`` consecutive tokens for every layer. Its key is a
+chained hash: page *i*'s hash covers the previous page's hash and its own token ids, so
+it names the whole prefix up to and including the page (the scheme SGLang's HiCache
+uses: SHA-256 over the prior hex digest, then each token as 4-byte little-endian). Two
+prompts share a page key exactly when they share every token up to the end of that page.
+
+Keys are namespaced by model, KV geometry, layout and tensor-parallel rank, so two
+models, two layouts or two ranks never read each other's pages::
+
+    kv/<model>/<layout>/<dtype>/L<layers>H<kv heads>D<head dim>/P<page size>/tp<rank>of<size>/<hash>
+
+Only full pages are stored; a prompt's partial tail page is recomputed.
+
+Layouts of the engine's page pool (the L1 cache this layer loads into):
+
+- ``page_first``: ``[pages, layers, 2, page_size, kv_heads, head_dim]``: each page is one
+  contiguous block, stored as one object, moved zero-copy (the pool is registered).
+- ``layer_first``: ``[layers, 2, pages, page_size, kv_heads, head_dim]`` (the layout of a
+  GPU KV cache): a page is strided, so it is gathered into (and scattered from) a staging
+  block: one extra copy, the same stored bytes layout as page_first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+from mooncake_ray.errors import InvalidArgumentError, MooncakeRayError, ObjectExistsError
+
+__all__ = ["KVGeometry", "PagePool", "KVStore", "page_hashes"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of one model's KV cache (per tensor-parallel rank)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    page_size: int = 64
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPE_BYTES:
+            raise InvalidArgumentError(f"dtype {self.dtype!r} not supported; allowed: {sorted(_DTYPE_BYTES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers (e.g. Qwen3-8B: 36*8*128*2*2 = 144 KiB)."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, prior: str = "") -> list[str]:
+    """Chained SHA-256 hex digests of each full page of ``tokens``."""
+    out, h = [], prior
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        d = hashlib.sha256(h.encode())
+        d.update(struct.pack(f"<{page_size}I", *tokens[start:start + page_size]))
+        h = d.hexdigest()
+        out.append(h)
+    return out
+
+
+class PagePool:
+    """An engine's page pool (its L1 KV cache) as one torch tensor on the CPU."""
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, layout: str = "page_first"):
+        import torch
+
+        g = geometry
+        self.geometry, self.num_pages, self.layout = g, num_pages, layout
+        shape_page = (g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+        if layout == "page_first":
+            self.tensor = torch.zeros((num_pages, *shape_page), dtype=g.torch_dtype())
+        elif layout == "layer_first":
+            self.tensor = torch.zeros((g.num_layers, 2, num_pages, g.page_size, g.num_kv_heads, g.head_dim),
+                                      dtype=g.torch_dtype())
+            self._staging = torch.empty((num_pages, *shape_page), dtype=g.torch_dtype())
+        else:
+            raise InvalidArgumentError(f"layout {layout!r} not supported; allowed: page_first, layer_first")
+
+    def page(self, page_id: int):
+        """A contiguous tensor holding the page's bytes (a view for page_first)."""
+        if self.layout == "page_first":
+            return self.tensor[page_id]
+        st = self._staging[page_id]
+        st.copy_(self.tensor[:, :, page_id])
+        return st
+
+    def load_target(self, page_id: int):
+        """Where a page's stored bytes should land (call ``commit`` afterwards)."""
+        return self.tensor[page_id] if self.layout == "page_first" else self._staging[page_id]
+
+    def commit(self, page_id: int) -> None:
+        if self.layout == "layer_first":
+            self.tensor[:, :, page_id].copy_(self._staging[page_id])
+
+    def layer_kv(self, layer: int, page_ids: Sequence[int]):
+        """K and V of one layer for the given pages: ``(k, v)`` of shape
+        ``[len(page_ids) * page_size, kv_heads, head_dim]``."""
+        import torch
+
+        idx = torch.as_tensor(list(page_ids), dtype=torch.long)
+        g = self.geometry
+        if self.layout == "page_first":
+            sel = self.tensor.index_select(0, idx)[:, layer]  # [n, 2, P, H, D]
+            k, v = sel[:, 0], sel[:, 1]
+        else:
+            k = self.tensor[layer, 0].index_select(0, idx)
+            v = self.tensor[layer, 1].index_select(0, idx)
+        return k.reshape(-1, g.num_kv_heads, g.head_dim), v.reshape(-1, g.num_kv_heads, g.head_dim)
+
+    def write_layer_kv(self, layer: int, page_id: int, offset: int, k, v) -> None:
+        """Store K/V of ``len(k)`` tokens of one layer at token ``offset`` of a page."""
+        n = k.shape[0]
+        if self.layout == "page_first":
+            self.tensor[page_id, layer, 0, offset:offset + n] = k
+            self.tensor[page_id, layer, 1, offset:offset + n] = v
+        else:
+            self.tensor[layer, 0, page_id, offset:offset + n] = k
+            self.tensor[layer, 1, page_id, offset:offset + n] = v
+
+
+class KVStore:
+    """KV pages of one model (and TP rank) in the distributed store.
+
+    Args:
+        client: a :class:`mooncake_ray.Client`.
+        model: model id (any string; ``/`` is kept, it only namespaces keys).
+        geometry: the KV shape; pages of different geometries never share keys.
+        layout: the engine pool's layout (also part of the namespace).
+        tp_rank, tp_size: tensor-parallel rank and size of this engine.
+    """
+
+    def __init__(self, client, model: str, geometry: KVGeometry, layout: str = "page_first",
+                 tp_rank: int = 0, tp_size: int = 1):
+        if not 0 <= tp_rank < tp_size:
+            raise InvalidArgumentError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+        g = geometry
+        self.client, self.geometry = client, g
+        self.prefix = (f"kv/{model}/{layout}/{g.dtype}/L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}/"
+                       f"P{g.page_size}/tp{tp_rank}of{tp_size}/")
+        self._registered: set[int] = set()
+
+    def keys(self, tokens: Sequence[int]) -> list[str]:
+        return [self.prefix + h for h in page_hashes(tokens, self.geometry.page_size)]
+
+    def register_pool(self, pool: PagePool) -> None:
+        """Register the pool's memory so loads and saves are zero-copy."""
+        for t in ([pool.tensor] + ([pool._staging] if pool.layout == "layer_first" else [])):
+            if t.data_ptr() not in self._registered:
+                self.client.register_buffer(t)
+                self._registered.add(t.data_ptr())
+
+    def lookup(self, tokens: Sequence[int], keys: list[str] | None = None) -> int:
+        """How many leading tokens of ``tokens`` have their pages in the store."""
+        keys = self.keys(tokens) if keys is None else keys
+        if not keys:
+            return 0
+        n = 0
+        for hit in self.client.batch_exists(keys):
+            if not hit:
+                break
+            n += 1
+        return n * self.geometry.page_size
+
+    def save(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
+        """Store the pages ``start_page..`` of ``tokens`` held in ``pool`` at ``page_ids``
+        (one pool page per full token page from ``start_page``). Pages already stored are
+        skipped. Returns how many pages were newly stored."""
+        keys = self.keys(tokens)[start_page:start_page + len(page_ids)]
+        if not keys:
+            return 0
+        present = self.client.batch_exists(keys)
+        todo = [(k, pid) for k, pid, p in zip(keys, page_ids, present) if not p]
+        if not todo:
+            return 0
+        res = self.client.batch_put_from([k for k, _ in todo], [pool.page(pid) for _, pid in todo])
+        return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
+
+    def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
+        """Read stored pages ``start_page..`` of ``tokens`` into ``pool`` at ``page_ids``, in
+        one batched call. Returns the number of leading pages loaded (stops at the first
+        miss: later pages are useless without it)."""
+        keys = self.keys(tokens)[start_page:start_page + len(page_ids)]
+        if not keys:
+            return 0
+        targets = [pool.load_target(pid) for pid in page_ids[:len(keys)]]
+        sizes = self.client.batch_get_into(keys, targets)
+        n = 0
+        for pid, size in zip(page_ids, sizes):
+            if isinstance(size, MooncakeRayError) or size != self.geometry.page_bytes:
+                break
+            pool.commit(pid)
+            n += 1
+        return n
