@@ -120,6 +120,10 @@ void bind_spill(nb::module_& m) {
         d["removes"] = s.removes;
         d["capacity_rejections"] = s.capacity_rejections;
         d["files_deleted_invalid"] = s.files_deleted_invalid;
+        d["recycled_writes"] = s.recycled_writes;
+        d["created_writes"] = s.created_writes;
+        d["free_pool_files"] = s.pool_files;
+        d["free_pool_bytes"] = s.pool_bytes;
         return d;
       });
 

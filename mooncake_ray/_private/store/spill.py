@@ -9,16 +9,20 @@ is opened again.
 On-disk layout (format version 1)::
 
     <directory>/LOCK                              flock: one SpillTier per directory
-    <directory>/<hh>/<hash:016x>-<seq:016x>       hh: top byte of a 64-bit hash of the key
+    <directory>/free/<id:016x>                    free pool: files of removed objects
+    <directory>/<h>/<hash:016x>-<seq:016x>        h: top hex digit of a 64-bit hash of the key
         [0, H)        header: magic "MCRSPILL", version, generation, length, seq, write
                       time, CRC-32C of the data, the key, CRC-32C of the header; zero
                       padded to H = 4096 (8192 for keys over 4032 bytes)
         [H, H + L')   data, zero padded to L' = length rounded up to 4096
 
-A write creates a new file under a never reused name (``seq``) and publishes it only when
-all of its I/O completed; the header goes last (with the only chunk, or after all chunks),
-so a crash leaves either a valid file or one a scan deletes. Overwriting a key writes a
-new file and then unlinks the old one: readers of the old version are never disturbed.
+A write fills a file (a free-pool file when one exists, else a new one) and publishes it
+under a never reused name (``seq``) only when all of its I/O completed; the header goes
+last (with the only chunk, or after all chunks), so a crash leaves either a valid file or
+one a scan deletes. Removing or overwriting a key moves the old file into the free pool
+instead of unlinking it, so later writes overwrite allocated blocks (the fast O_DIRECT
+path, what fio measures) and create no inodes. Pool files count against
+``capacity_bytes`` (they are deleted as needed to make room) but not in :attr:`used_bytes`.
 
 Threads: every method may be called from any thread; the blocking ones release the GIL,
 so a store node can offload on a background thread while it serves. Policy (what to

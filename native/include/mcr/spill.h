@@ -63,6 +63,9 @@ struct Stats {
   uint64_t reads = 0, read_bytes = 0, read_errors = 0, read_latency_ns = 0;
   uint64_t not_found = 0, checksum_failures = 0, removes = 0, capacity_rejections = 0;
   uint64_t files_deleted_invalid = 0;  // corrupt/torn files removed by reads and scans
+  uint64_t recycled_writes = 0;        // writes that overwrote a free-pool file
+  uint64_t created_writes = 0;         // writes that had to create (and allocate) a file
+  uint64_t pool_files = 0, pool_bytes = 0;  // the free pool now
 };
 
 class Tier {

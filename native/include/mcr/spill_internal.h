@@ -2,6 +2,7 @@
 // batch.cpp (the I/O executor). Not part of the library's interface.
 #pragma once
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -84,8 +85,9 @@ struct Op {
   uint64_t t0 = 0;
   int retries = 0;                  // reads that raced an overwrite and looked again
   bool reserved = false;            // writes: capacity reserved for entry.bytes()
-  bool created = false;             // writes: the file exists and must go on failure
-  bool failed = false, finished = false;
+  bool created = false;             // writes: a new file exists and must go on failure
+  uint64_t recycled_id = 0;         // writes: overwriting this free-pool file
+  bool failed = false, finishing = false, finished = false;
   Result result;
 };
 
@@ -104,23 +106,39 @@ struct Context {
   void put_staging(uint8_t* p) { free_staging.push_back(p); }
 };
 
+// What reserve_space granted a write: a free-pool file to overwrite (pool_id != 0, of
+// pool_size bytes) or the room to create one; and pool files to delete first.
+struct Space {
+  bool ok = false;
+  uint64_t pool_id = 0, pool_size = 0;
+  std::vector<uint64_t> trim;
+};
+
+std::string free_name(uint64_t id);  // "<id:016x>" in <dir>/free
+
 struct Counters {
   std::atomic<uint64_t> writes{0}, write_bytes{0}, write_errors{0}, write_latency_ns{0};
   std::atomic<uint64_t> reads{0}, read_bytes{0}, read_errors{0}, read_latency_ns{0};
   std::atomic<uint64_t> not_found{0}, checksum_failures{0}, removes{0}, capacity_rejections{0};
-  std::atomic<uint64_t> files_deleted_invalid{0};
+  std::atomic<uint64_t> files_deleted_invalid{0}, recycled_writes{0}, created_writes{0};
 };
 
 struct Tier::Impl {
   Options opt;
   int lock_fd = -1;
   int sub_fd[kSubdirs];
+  int free_fd = -1;
   uint64_t root_dev = 0, root_ino = 0;  // to notice the directory replaced under us
   bool uring = true;                    // false: io_uring unavailable or not wanted
   mutable std::shared_mutex life_mu;  // shared: every operation; exclusive: scan/recover/close
   mutable std::mutex mu;              // the fields below; never held across I/O
   std::unordered_map<std::string, Entry> index;
   uint64_t used = 0;                  // committed files + reservations of writes in flight
+  // Free pool: files of removed objects, kept with their blocks to be overwritten by later
+  // writes (size -> id). Disk use is used + pool_bytes <= capacity, always.
+  std::multimap<uint64_t, uint64_t> pool;
+  uint64_t pool_bytes = 0;
+  std::atomic<uint64_t> next_free_id{1};
   std::string degraded_reason;
   bool closed = false;
   std::atomic<uint64_t> next_seq{1};
@@ -138,17 +156,22 @@ struct Tier::Impl {
   void open_dirs(bool create);
   void close_dirs();
   std::string path_of(const Entry& e) const;
-  bool reserve(uint64_t bytes);
+  Space reserve_space(uint64_t bytes);
   void release(uint64_t bytes);
   void degrade(const std::string& reason);
   bool is_degraded() const;
   std::string degraded_text() const;
   uint64_t used_now() const;
   void commit_write(Op& op);
+  void retire(const Entry& e);  // after moving e.bytes() from used to pool_bytes under mu
   void drop_invalid(const std::string& key, const Entry& e, const std::string& why);
   bool lookup(const std::string& key, Entry* e) const;
   bool root_exists() const;
   std::vector<ObjectInfo> scan_locked(bool verify);
+  std::multimap<uint64_t, uint64_t> scan_pool();
+  std::vector<ObjectInfo> install_scan(std::unordered_map<std::string, Entry> best,
+                                       std::multimap<uint64_t, uint64_t> free_files,
+                                       uint64_t max_seq);
 };
 
 // batch.cpp: performs every op of the batch, filling op.result.

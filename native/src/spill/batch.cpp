@@ -62,6 +62,7 @@ class Batch {
   bool activate_write(Op& op);
   bool activate_read(Op& op);
   bool activate_header(Op& op);
+  bool open_recycled(Op& op, const Space& sp);
   void finish(Op& op);
   void finish_write(Op& op);
   void finish_read(Op& op);
@@ -179,17 +180,20 @@ bool Batch::activate_write(Op& op) {
   e.length = op.length;
   e.header_blocks = header_blocks_for(key.size());
   e.write_time_ns = wall_ns();
-  if (!t_.reserve(e.bytes())) {
+  Space sp = t_.reserve_space(e.bytes());
+  if (!sp.ok) {
     t_.ctr.capacity_rejections++;
     fail(op, Code::kNoSpace,
          "spill capacity exceeded: writing " + show_key(op.key) + " needs " +
-             std::to_string(e.bytes()) + " bytes, " + std::to_string(t_.used_now()) +
-             " of " + std::to_string(t_.opt.capacity_bytes) + " used");
+             std::to_string(e.bytes()) + " bytes, " + std::to_string(t_.used_now()) + " of " +
+             std::to_string(t_.opt.capacity_bytes) + " used");
     return false;
   }
   op.reserved = true;
+  for (uint64_t id : sp.trim) unlinkat(t_.free_fd, free_name(id).c_str(), 0);
+  e.seq = t_.next_seq++;
+  if (sp.pool_id && open_recycled(op, sp)) return true;
   for (int attempt = 0;; ++attempt) {
-    e.seq = t_.next_seq++;
     op.fd = openat(t_.sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(),
                    O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0644);
     if (op.fd >= 0) break;
@@ -197,8 +201,36 @@ bool Batch::activate_write(Op& op) {
       fail_errno(op, errno, "create " + path(op));
       return false;
     }
+    e.seq = t_.next_seq++;
   }
   op.created = true;
+  // Allocate all blocks at once: the chunk writes then stay inside the file (no extending
+  // writes serialised on the inode), and a full disk shows here, before any data moves.
+  if (fallocate(op.fd, 0, 0, static_cast<off_t>(e.bytes())) != 0 && errno != EOPNOTSUPP) {
+    fail_errno(op, errno, "allocate " + std::to_string(e.bytes()) + " bytes for " + path(op));
+    return false;
+  }
+  return true;
+}
+
+bool Batch::open_recycled(Op& op, const Space& sp) {
+  // Overwriting blocks that are already allocated and written is the fast O_DIRECT path
+  // (no allocation, no unwritten-extent conversion, no inode creation): it is what fio
+  // measures. The file keeps its free-pool name until the write is complete.
+  uint64_t need = op.entry.bytes();
+  op.fd = openat(t_.free_fd, free_name(sp.pool_id).c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  if (op.fd < 0) return false;  // gone (a scan raced us): create instead
+  int rc = 0;
+  if (sp.pool_size > need)
+    rc = ftruncate(op.fd, static_cast<off_t>(need));
+  else if (sp.pool_size < need)
+    rc = fallocate(op.fd, 0, 0, static_cast<off_t>(need));
+  if (rc != 0) {
+    fail_errno(op, errno, "resize recycled file for " + path(op));
+    op.recycled_id = sp.pool_id;  // finish_write deletes it
+    return true;
+  }
+  op.recycled_id = sp.pool_id;
   return true;
 }
 
@@ -207,7 +239,6 @@ bool Batch::activate_read(Op& op) {
     if (op.kind == OpKind::kVerify) {  // scan: the entry comes from the header, not the index
       op.length = op.entry.length;
     } else if (!t_.lookup(*op.key, &op.entry)) {
-      t_.ctr.not_found++;
       fail(op, Code::kNotFound, "spill: no object " + show_key(op.key));
       return false;
     }
@@ -241,7 +272,6 @@ bool Batch::activate_read(Op& op) {
     if (!t_.root_exists())
       t_.degrade("spill directory " + t_.opt.directory + " was removed");
     t_.drop_invalid(*op.key, op.entry, "file vanished");
-    t_.ctr.not_found++;
     fail(op, Code::kNotFound, "spill: object " + show_key(op.key) + " vanished (" + path(op) + ")");
     return false;
   }
@@ -272,7 +302,7 @@ void Batch::fail(Op& op, Code code, const std::string& msg) {
     --op.remaining;
   }
   op.next_prep = op.next_push = static_cast<uint32_t>(op.units.size());
-  if (op.remaining == 0 && !op.units.empty()) finish(op);
+  if (op.remaining == 0 && !op.units.empty() && !op.finishing) finish(op);
 }
 
 void Batch::fail_errno(Op& op, int err, const std::string& what) {
@@ -293,6 +323,7 @@ void Batch::unit_done(Unit& u) {
 }
 
 void Batch::finish(Op& op) {
+  op.finishing = true;  // a failure found while finishing must not finish it again
   if (op.fd >= 0) close(op.fd), op.fd = -1;
   if (op.kind == OpKind::kWrite)
     finish_write(op);
@@ -308,15 +339,25 @@ void Batch::finish(Op& op) {
 
 void Batch::finish_write(Op& op) {
   uint64_t dt = mono_ns() - op.t0;
+  const Entry& e = op.entry;
+  if (!op.failed && op.recycled_id &&
+      renameat(t_.free_fd, free_name(op.recycled_id).c_str(), t_.sub_fd[subdir_of(e.hash)],
+               object_name(e.hash, e.seq).c_str()) != 0) {
+    fail_errno(op, errno, "rename recycled file to " + path(op));
+  }
   if (op.failed) {
-    if (op.created)
-      unlinkat(t_.sub_fd[subdir_of(op.entry.hash)],
-               object_name(op.entry.hash, op.entry.seq).c_str(), 0);
-    if (op.reserved) t_.release(op.entry.bytes());
+    if (op.recycled_id) {
+      // Error path: the file is not worth keeping (its blocks may be the problem).
+      unlinkat(t_.free_fd, free_name(op.recycled_id).c_str(), 0);
+    } else if (op.created) {
+      unlinkat(t_.sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0);
+    }
+    if (op.reserved) t_.release(e.bytes());
     t_.ctr.write_errors++;
     return;
   }
   t_.commit_write(op);
+  (op.recycled_id ? t_.ctr.recycled_writes : t_.ctr.created_writes)++;
   t_.ctr.writes++;
   t_.ctr.write_bytes += op.length;
   t_.ctr.write_latency_ns += dt;
@@ -338,12 +379,23 @@ void Batch::finish_read(Op& op) {
       op.result.gen = op.header.gen;
   }
   if (op.kind != OpKind::kRead) return;  // kVerify: scan decides
-  if (op.failed) {
-    if (op.result.code != Code::kNotFound) t_.ctr.read_errors++;
-    if (op.result.code == Code::kChecksumMismatch) {
+  if (op.failed && op.result.code == Code::kChecksumMismatch) {
+    Entry now;
+    if (!t_.lookup(*op.key, &now) || now.seq != op.entry.seq) {
+      // Removed or overwritten while we read: its file was recycled under us. A miss, but
+      // not a corrupt file.
+      op.result.code = Code::kNotFound;
+      op.result.message = "spill: object " + show_key(op.key) + " changed while being read";
+    } else {
       t_.ctr.checksum_failures++;
       t_.drop_invalid(*op.key, op.entry, op.result.message);
     }
+  }
+  if (op.failed) {
+    if (op.result.code == Code::kNotFound)
+      t_.ctr.not_found++;
+    else
+      t_.ctr.read_errors++;
     return;
   }
   t_.ctr.reads++;

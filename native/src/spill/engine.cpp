@@ -77,6 +77,12 @@ const char* kHex = "0123456789abcdef";
 
 }  // namespace
 
+std::string free_name(uint64_t id) {
+  std::string s(16, '0');
+  for (int i = 0; i < 16; ++i) s[15 - i] = kHex[(id >> (4 * i)) & 15];
+  return s;
+}
+
 Tier::Impl::Impl(const Options& o) : opt(o) {
   for (int& fd : sub_fd) fd = -1;
   if (opt.directory.empty()) throw Error(Code::kInvalidArgument, "spill directory is empty");
@@ -113,11 +119,15 @@ void Tier::Impl::open_dirs(bool create) {
   if (stat(root.c_str(), &st) != 0) throw_errno("stat " + root, errno);
   root_dev = st.st_dev, root_ino = st.st_ino;
   for (unsigned b = 0; b < kSubdirs; ++b) {
-    std::string p = root + "/" + kHex[b >> 4] + kHex[b & 15];
+    std::string p = root + "/" + kHex[b];
     if (mkdir(p.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("create " + p, errno);
     sub_fd[b] = ::open(p.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (sub_fd[b] < 0) throw_errno("open " + p, errno);
   }
+  std::string fp = root + "/free";
+  if (mkdir(fp.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("create " + fp, errno);
+  free_fd = ::open(fp.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (free_fd < 0) throw_errno("open " + fp, errno);
   // O_DIRECT is the design (no page-cache copies, no double caching): refuse a filesystem
   // without it rather than silently buffer.
   std::string probe = root + "/.direct-probe";
@@ -133,6 +143,7 @@ void Tier::Impl::open_dirs(bool create) {
 void Tier::Impl::close_dirs() {
   for (int& fd : sub_fd)
     if (fd >= 0) ::close(fd), fd = -1;
+  if (free_fd >= 0) ::close(free_fd), free_fd = -1;
   if (lock_fd >= 0) ::close(lock_fd), lock_fd = -1;  // releases the flock
 }
 
@@ -143,14 +154,34 @@ bool Tier::Impl::root_exists() const {
 
 std::string Tier::Impl::path_of(const Entry& e) const {
   unsigned b = subdir_of(e.hash);
-  return opt.directory + "/" + kHex[b >> 4] + kHex[b & 15] + "/" + object_name(e.hash, e.seq);
+  return opt.directory + "/" + kHex[b] + "/" + object_name(e.hash, e.seq);
 }
 
-bool Tier::Impl::reserve(uint64_t bytes) {
+Space Tier::Impl::reserve_space(uint64_t need) {
+  Space s;
   std::lock_guard<std::mutex> g(mu);
-  if (used + bytes > opt.capacity_bytes) return false;
-  used += bytes;
-  return true;
+  const uint64_t cap = opt.capacity_bytes;
+  if (used + need > cap) return s;
+  // A pool file to overwrite: the same size, else the smallest larger (truncated), else
+  // the largest smaller (extended). Any of them beats creating an inode.
+  auto it = pool.lower_bound(need);
+  if (it == pool.end() && !pool.empty()) it = std::prev(pool.end());
+  if (it != pool.end()) {
+    s.pool_id = it->second;
+    s.pool_size = it->first;
+    pool_bytes -= it->first;
+    pool.erase(it);
+  }
+  // Keep the disk within capacity: delete other pool files, largest first.
+  while (used + pool_bytes + need > cap && !pool.empty()) {
+    auto last = std::prev(pool.end());
+    s.trim.push_back(last->second);
+    pool_bytes -= last->first;
+    pool.erase(last);
+  }
+  used += need;
+  s.ok = true;
+  return s;
 }
 
 void Tier::Impl::release(uint64_t bytes) {
@@ -188,9 +219,9 @@ bool Tier::Impl::lookup(const std::string& key, Entry* e) const {
 
 void Tier::Impl::commit_write(Op& op) {
   // The newest *started* write of a key wins (the largest seq), which is also what a scan
-  // concludes from the files if we crash before the loser is unlinked.
+  // concludes from the files if we crash before the loser is retired.
   Entry loser;
-  bool unlink_loser = false;
+  bool has_loser = false;
   {
     std::lock_guard<std::mutex> g(mu);
     auto [it, inserted] = index.try_emplace(*op.key, op.entry);
@@ -202,11 +233,24 @@ void Tier::Impl::commit_write(Op& op) {
         it->second = op.entry;
       }
       used -= loser.bytes();
-      unlink_loser = true;
+      pool_bytes += loser.bytes();
+      has_loser = true;
     }
   }
-  if (unlink_loser)
-    unlinkat(sub_fd[subdir_of(loser.hash)], object_name(loser.hash, loser.seq).c_str(), 0);
+  if (has_loser) retire(loser);
+}
+
+void Tier::Impl::retire(const Entry& e) {
+  uint64_t id = next_free_id++;
+  int dir = sub_fd[subdir_of(e.hash)];
+  std::string name = object_name(e.hash, e.seq);
+  bool kept = renameat(dir, name.c_str(), free_fd, free_name(id).c_str()) == 0;
+  if (!kept) unlinkat(dir, name.c_str(), 0);
+  std::lock_guard<std::mutex> g(mu);
+  if (kept)
+    pool.emplace(e.bytes(), id);
+  else
+    pool_bytes -= e.bytes();
 }
 
 void Tier::Impl::drop_invalid(const std::string& key, const Entry& e, const std::string& why) {
@@ -254,31 +298,70 @@ void Tier::Impl::execute(std::vector<Op>& ops) {
   give_context(std::move(c));
 }
 
+namespace {
+
+// Calls fn(name) for every entry of a directory (by fd; the fd stays open).
+template <typename Fn>
+void list_dir(int dir_fd, const std::string& what, Fn fn) {
+  int fd = dup(dir_fd);
+  DIR* d = fd >= 0 ? fdopendir(fd) : nullptr;
+  if (!d) {
+    if (fd >= 0) ::close(fd);
+    throw_errno("list " + what, errno);
+  }
+  rewinddir(d);
+  while (dirent* de = readdir(d))
+    if (de->d_name[0] != '.') fn(std::string(de->d_name));
+  closedir(d);
+}
+
+}  // namespace
+
+std::multimap<uint64_t, uint64_t> Tier::Impl::scan_pool() {
+  std::multimap<uint64_t, uint64_t> found;
+  uint64_t max_id = 0;
+  list_dir(free_fd, opt.directory + "/free", [&](const std::string& name) {
+    uint64_t id = 0;
+    struct stat st;
+    bool ok = name.size() == 16 && name.find_first_not_of("0123456789abcdef") == std::string::npos;
+    if (ok) id = std::stoull(name, nullptr, 16);
+    if (ok && fstatat(free_fd, name.c_str(), &st, 0) == 0 && S_ISREG(st.st_mode) &&
+        st.st_size > 0 && uint64_t(st.st_size) % kBlock == 0) {
+      found.emplace(uint64_t(st.st_size), id);
+      max_id = std::max(max_id, id);
+    } else {
+      unlinkat(free_fd, name.c_str(), 0);  // a temporary or foreign file in our free dir
+    }
+  });
+  if (next_free_id.load() <= max_id) next_free_id = max_id + 1;
+  return found;
+}
+
 std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
-  // 1. every file named like an object
+  std::multimap<uint64_t, uint64_t> free_files = scan_pool();
+  // 1. every file named like an object, and its header
   std::vector<Op> heads;
   for (unsigned b = 0; b < kSubdirs; ++b) {
-    int fd = dup(sub_fd[b]);
-    DIR* d = fd >= 0 ? fdopendir(fd) : nullptr;
-    if (!d) {
-      if (fd >= 0) ::close(fd);
-      throw_errno("list spill directory " + opt.directory, errno);
-    }
-    rewinddir(d);
-    while (dirent* de = readdir(d)) {
+    list_dir(sub_fd[b], opt.directory, [&](const std::string& name) {
       Op op;
       op.kind = OpKind::kHeader;
-      if (parse_object_name(de->d_name, &op.entry.hash, &op.entry.seq)) heads.push_back(op);
-    }
-    closedir(d);
+      if (parse_object_name(name, &op.entry.hash, &op.entry.seq)) heads.push_back(op);
+    });
   }
-  // 2. their headers; invalid files go, the newest version of each key stays
   execute(heads);
+  // 2. invalid files go; of several versions of a key the newest stays, older ones are
+  //    recycled like removed objects
   std::unordered_map<std::string, Entry> best;
   uint64_t max_seq = 0;
   auto remove_file = [this](const Entry& e) {
     if (unlinkat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0) == 0)
       ctr.files_deleted_invalid++;
+  };
+  auto to_pool = [&](const Entry& e) {
+    uint64_t id = next_free_id++;
+    if (renameat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), free_fd,
+                 free_name(id).c_str()) == 0)
+      free_files.emplace(e.bytes(), id);
   };
   for (Op& op : heads) {
     max_seq = std::max(max_seq, op.entry.seq);
@@ -291,7 +374,7 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
     auto [it, inserted] = best.try_emplace(h.key, e);
     if (!inserted) {
       Entry& cur = it->second;
-      remove_file(cur.seq > e.seq ? e : cur);
+      to_pool(cur.seq > e.seq ? e : cur);
       if (e.seq > cur.seq) cur = e;
     }
   }
@@ -313,16 +396,35 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
       best.erase(*op.key);
     }
   }
+  return install_scan(std::move(best), std::move(free_files), max_seq);
+}
+
+std::vector<ObjectInfo> Tier::Impl::install_scan(std::unordered_map<std::string, Entry> best,
+                                                 std::multimap<uint64_t, uint64_t> free_files,
+                                                 uint64_t max_seq) {
   std::vector<ObjectInfo> out;
   out.reserve(best.size());
-  std::lock_guard<std::mutex> g(mu);
-  used = 0;
-  for (auto& [key, e] : best) {
-    used += e.bytes();
-    out.push_back(ObjectInfo{key, e.gen, e.length});
+  std::vector<uint64_t> trim;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    used = 0;
+    for (auto& [key, e] : best) {
+      used += e.bytes();
+      out.push_back(ObjectInfo{key, e.gen, e.length});
+    }
+    index = std::move(best);
+    pool = std::move(free_files);
+    pool_bytes = 0;
+    for (auto& [size, id] : pool) pool_bytes += size;
+    while (used + pool_bytes > opt.capacity_bytes && !pool.empty()) {
+      auto last = std::prev(pool.end());
+      trim.push_back(last->second);
+      pool_bytes -= last->first;
+      pool.erase(last);
+    }
+    if (next_seq.load() <= max_seq) next_seq = max_seq + 1;
   }
-  index = std::move(best);
-  if (next_seq.load() <= max_seq) next_seq = max_seq + 1;
+  for (uint64_t id : trim) unlinkat(free_fd, free_name(id).c_str(), 0);
   return out;
 }
 
@@ -397,9 +499,10 @@ bool Tier::remove(const std::string& key) {
     if (it == impl_->index.end()) return false;
     e = it->second;
     impl_->used -= e.bytes();
+    impl_->pool_bytes += e.bytes();
     impl_->index.erase(it);
   }
-  unlinkat(impl_->sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0);
+  impl_->retire(e);
   impl_->ctr.removes++;
   return true;
 }
@@ -472,6 +575,11 @@ Stats Tier::stats() const {
   s.not_found = c.not_found, s.checksum_failures = c.checksum_failures;
   s.removes = c.removes, s.capacity_rejections = c.capacity_rejections;
   s.files_deleted_invalid = c.files_deleted_invalid;
+  s.recycled_writes = c.recycled_writes, s.created_writes = c.created_writes;
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    s.pool_files = impl_->pool.size(), s.pool_bytes = impl_->pool_bytes;
+  }
   return s;
 }
 
