@@ -46,6 +46,8 @@ def test_store_node_killed_during_read_loop(make_store, ray_cluster):
     t = threading.Thread(target=reader)
     t.start()
     wait_for(lambda: rounds[0] >= 3, what="reads before the kill")
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
     ray.kill(ray.get_actor(store_actor_name(victim), namespace=ns), no_restart=False)
     killed_at = time.monotonic()
     before = rounds[0]
@@ -58,6 +60,14 @@ def test_store_node_killed_during_read_loop(make_store, ray_cluster):
             break
         time.sleep(0.1)
     put_delay = time.monotonic() - killed_at
+
+    def victim_replaced():
+        now = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}
+        return now.get(victim) != old_inc
+
+    wait_for(victim_replaced, timeout_s=30, what="the master to drop the dead node's replicas")
+    before = rounds[0]
+    wait_for(lambda: rounds[0] >= before + 5, timeout_s=60, what="reads after the node came back")
     stop.set()
     t.join()
     assert res == [None] and put_delay < 10
@@ -76,11 +86,12 @@ def test_master_killed_all_keys_readable_after_it_returns(make_store):
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
     inc = ray.get(master.ping.remote())
     ray.kill(master, no_restart=False)
-    # The client waits and retries while the master restarts and rebuilds its index.
+    wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
+    # The new master is rebuilding its index from the store nodes' inventories: the
+    # client waits and retries meanwhile.
     got = s.batch_get(keys)
     assert [k for k, v in zip(keys, got) if v is None] == []
     assert all(v == val(i, 10 * KB) for i, v in enumerate(got))
-    assert ray.get(master.ping.remote()) != inc
     st = s.stats()
     assert st["keys"] == 60 and not st["recovering"]
     s.put("after-restart", b"ok")
