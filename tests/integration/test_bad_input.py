@@ -6,12 +6,24 @@ import pytest
 from mooncake_ray import InvalidArgumentError, NotRegisteredError, ObjectNotFoundError
 
 
-@pytest.fixture
-def s(make_store):
-    st = make_store(segment_size_bytes="8mb")
+@pytest.fixture(scope="module")
+def store(ray_cluster):
+    import mooncake_ray
+    from mooncake_ray._private import deploy
+    from tests.conftest import store_config
+
+    cfg = store_config(segment_size_bytes="8mb")
+    st = mooncake_ray.start(cfg)
     st.put("keep", b"precious")
     yield st
-    assert st.get("keep") == b"precious"  # nothing stored was lost
+    st.close()
+    deploy.teardown(cfg["namespace"])
+
+
+@pytest.fixture
+def s(store):
+    yield store
+    assert store.get("keep") == b"precious"  # nothing stored was lost
 
 
 @pytest.mark.parametrize("key,match", [
@@ -49,7 +61,7 @@ def test_value_larger_than_pool(s):
 
 def test_buffer_too_small_reads_nothing(s):
     buf = bytearray(b"untouched")
-    s.put("ten", b"0123456789")
+    s.upsert("ten", b"0123456789")
     with pytest.raises(InvalidArgumentError, match=r"buffer of 9 bytes is smaller than the value of 'ten' \(10 bytes\)"):
         s.get_into("ten", buf)
     assert buf == b"untouched"
