@@ -193,7 +193,7 @@ class _LoopNotifier:
     """One eventfd per event loop; the native engine writes completion tokens to it."""
 
     def __init__(self, loop: Any):
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # the loop owns us (through its reader), not the reverse
         self._n = _native.Notifier()
         self._futs: dict[int, Any] = {}
         self._next = 0
@@ -202,7 +202,7 @@ class _LoopNotifier:
     def watch(self, h: Any) -> Any:
         tok = self._next
         self._next += 1
-        fut = self._loop.create_future()
+        fut = self._loop().create_future()
         self._futs[tok] = fut
         h.set_notify(self._n, tok)
         return fut
@@ -243,7 +243,8 @@ class Engine:
         stripe_min_bytes: transfers below this stay on one lane.
         staging_bytes: bounce buffer for unregistered memory (allocated on first use).
         spin_us: a waiting caller progresses the engine itself this long before sleeping.
-        linger_us: a progress thread keeps polling this long after handling events.
+        linger_us: while this engine's requests are in flight, its progress thread keeps
+            polling until no event came for this long (0: sleep after every event).
         keepalive_s: UCX keepalive interval (detects dead peers on shared memory).
         rpc_threads: dispatcher threads running Python handlers.
         default_timeout_s: timeout of blocking calls when none is given.
@@ -266,7 +267,7 @@ class Engine:
         stripe_min_bytes: int = 1 << 20,
         staging_bytes: int = 64 << 20,
         spin_us: int = 50,
-        linger_us: int = 0,
+        linger_us: int = 100,
         keepalive_s: float = 1.0,
         rpc_threads: int = 4,
         default_timeout_s: float = 30.0,

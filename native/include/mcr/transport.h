@@ -60,7 +60,7 @@ struct EngineConfig {
   size_t stripe_min_bytes = 1u << 20;  // below this a transfer stays on one lane
   size_t staging_bytes = 64u << 20;  // bounce buffer for unregistered memory (lazy)
   int spin_us = 50;                  // a waiter progresses its lanes this long before sleeping
-  int linger_us = 0;                 // progress thread keeps polling this long after work
+  int linger_us = 100;  // while requests are in flight, a progress thread polls until idle this long
   double keepalive_s = 1.0;          // UCX keepalive (dead-peer detection without tcp)
 };
 
@@ -166,6 +166,12 @@ class Peer {
   std::vector<int> get_fast_;            // per lane: RMA get avoids tcp (1) or not (0), -1 unknown
   std::atomic<bool> dead_{false};
   std::atomic<bool> hello_done_{false};
+  // Same host (and pid namespace): endpoints use error mode NONE, because UCX's shared
+  // memory transports cannot detect peer failure under mode PEER (it would fall back to
+  // tcp); liveness is then watched through the peer's pid (EngineCore::watch_peers).
+  bool same_host_ = false;
+  uint32_t pid_ = 0;
+  uint64_t start_time_ = 0;
   std::mutex hello_mu_;
   Code death_code_ = Code::kUnreachable;
   std::string death_msg_;

@@ -129,9 +129,49 @@ void Lane::run_tasks_locked() {
   --tl_in_progress;
 }
 
+unsigned Lane::progress_count_locked() {
+  ++tl_in_progress;
+  unsigned total = 0;
+  for (;;) {
+    unsigned n;
+    while ((n = ucp_worker_progress(worker)) != 0) total += n;
+    if (deferred.empty()) break;
+    std::vector<std::function<void()>> work;
+    work.swap(deferred);
+    total += unsigned(work.size());
+    for (auto& fn : work) fn();
+  }
+  --tl_in_progress;
+  return total;
+}
+
+bool Lane::begin_caller_poll() {
+  if (thread_polling.load()) return false;  // the progress thread is already polling
+  std::lock_guard<std::mutex> g(poll_mu);
+  if (callers_polling++ == 0 && fd_watched) {
+    // Keep the sleeping progress thread out while we poll: it would only wake up to
+    // find the events consumed, and fight us for the lane lock.
+    epoll_ctl(ep_fd, EPOLL_CTL_DEL, worker_fd, nullptr);
+    fd_watched = false;
+  }
+  return true;
+}
+
+void Lane::end_caller_poll() {
+  std::lock_guard<std::mutex> g(poll_mu);
+  if (--callers_polling > 0) return;
+  arm_for_sleep();
+  epoll_event ev;
+  memset(&ev, 0, sizeof ev);
+  ev.events = EPOLLIN;
+  ev.data.fd = worker_fd;
+  epoll_ctl(ep_fd, EPOLL_CTL_ADD, worker_fd, &ev);
+  fd_watched = true;
+}
+
 void Lane::run() {
   epoll_event evs[4];
-  const int linger_us = core->cfg.linger_us;
+  const auto linger = std::chrono::microseconds(core->cfg.linger_us);
   const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
   for (;;) {
     ucs_status_t st;
@@ -140,25 +180,31 @@ void Lane::run() {
       if (stop) return;
       run_tasks_locked();
       progress_locked();
-      if (linger_us > 0) {
-        // Keep polling briefly: a reply or an ack often follows right behind.
-        g.unlock();
-        auto end = Clock::now() + std::chrono::microseconds(linger_us);
-        while (Clock::now() < end) {
-          if (mu.try_lock()) {
-            unsigned n = ucp_worker_progress(worker);
-            if (!deferred.empty() || n) {
-              progress_locked();
-              end = Clock::now() + std::chrono::microseconds(linger_us);
-            }
-            mu.unlock();
-          }
-          __builtin_ia32_pause();
+    }
+    // While our own requests are in flight (a bulk transfer, a push being served), keep
+    // polling as long as events keep coming: a wake-up per tcp segment would cost more
+    // than the segment. Callers stay out meanwhile (thread_polling).
+    if (outstanding.load() > 0 && linger.count() > 0) {
+      thread_polling.store(true);
+      auto last = Clock::now();
+      for (;;) {
+        unsigned n;
+        {
+          std::lock_guard<std::mutex> g(mu);
+          if (stop) break;
+          n = progress_count_locked();
         }
-        g.lock();
-        if (stop) return;
-        progress_locked();
+        auto now = Clock::now();
+        if (n) last = now;
+        if (outstanding.load() <= 0 || now - last > linger) break;
+        __builtin_ia32_pause();
       }
+      thread_polling.store(false);
+    }
+    {
+      std::unique_lock<std::mutex> g(mu);
+      if (stop) return;
+      progress_locked();
       st = ucp_worker_arm(worker);
     }
     if (st == UCS_ERR_BUSY) continue;
@@ -169,7 +215,9 @@ void Lane::run() {
       std::lock_guard<std::mutex> g(core->peers_mu);
       if (!core->peers.empty()) timeout = keepalive_ms;  // drives UCX keepalive
     }
+    if (idx == 0 && timeout > keepalive_ms / 2) timeout = std::max(10, keepalive_ms / 2);
     int n = epoll_wait(ep_fd, evs, 4, timeout);
+    if (idx == 0) core->watch_peers();
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.fd == wake_fd) {
         uint64_t v;
@@ -188,6 +236,9 @@ EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
   if (cfg.chunk_bytes < 4096)
     throw Error(Code::kBadConfig, "chunk_bytes must be >= 4096");
   uid = random_uid();
+  host_id = local_host_id();
+  pid = uint32_t(getpid());
+  start_time = process_start_time(pid);
 }
 
 EngineCore::~EngineCore() { close(); }
@@ -281,6 +332,10 @@ void EngineCore::start() {
   put_u32(&address, uint32_t(lanes.size()));
   put_u32(&address, uint32_t(cfg.name.size()));
   address += cfg.name;
+  put_u32(&address, uint32_t(host_id.size()));
+  address += host_id;
+  put_u32(&address, pid);
+  put_u64(&address, start_time);
   for (auto& l : lanes) {
     put_u32(&address, uint32_t(l->worker_address.size()));
     address += l->worker_address;
@@ -324,12 +379,12 @@ void EngineCore::close() {
       ucp_request_param_t rp;
       memset(&rp, 0, sizeof rp);
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      rp.flags = p->same_host_ ? 0 : UCP_EP_CLOSE_FLAG_FORCE;  // FORCE needs mode PEER
       void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(p->eps_[l->idx]), &rp);
       p->eps_[l->idx] = nullptr;
       if (UCS_PTR_IS_PTR(r)) reqs.push_back(r);
     }
-    auto until = Clock::now() + std::chrono::seconds(2);
+    auto until = Clock::now() + std::chrono::milliseconds(500);
     for (void* r : reqs) {
       while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
         progress_locked_external(l.get());

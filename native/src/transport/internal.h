@@ -79,6 +79,10 @@ inline ucp_context_h ctx_of(const std::shared_ptr<void>& h) {
 
 Code code_from_ucs(ucs_status_t st);
 bool in_progress_context();  // true inside UCP progress / lane tasks on this thread
+// Same-host identity: boot id + pid namespace (peers.cpp). Peers with the same id share
+// /proc, so a dead process is seen by its pid disappearing.
+std::string local_host_id();
+uint64_t process_start_time(uint32_t pid);  // 0 if the process is gone (or a zombie)
 std::string ucs_msg(const char* what, ucs_status_t st);
 
 // Posts an active message; `data` moves into the send context and lives until the send
@@ -106,9 +110,17 @@ struct Lane {
   std::mutex task_mu;
   std::vector<std::function<void()>> tasks;
   bool tasks_closed = false;  // under task_mu
-  std::atomic<int> outstanding{0};  // in-flight requests (shortens the idle tick)
+  std::atomic<int> outstanding{0};  // in-flight requests: the progress thread lingers
+  // Who polls the worker: at most one of {progress thread, callers} at a time.
+  std::atomic<bool> thread_polling{false};
+  std::mutex poll_mu;              // guards the two below; taken before mu
+  int callers_polling = 0;
+  bool fd_watched = true;          // worker_fd is in ep_fd
 
   void progress_locked();          // progress until idle, run deferred work
+  unsigned progress_count_locked();
+  bool begin_caller_poll();        // false: the progress thread is polling, just wait
+  void end_caller_poll();          // re-arms the worker and hands it back
   bool try_progress();             // non-blocking: false if another thread holds mu
   void arm_for_sleep();            // leave the worker armed so the progress thread wakes
   void post_task(std::function<void()> fn);
@@ -205,8 +217,14 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   bool next_request(IncomingRequest* out, double timeout_s);
   void reply(const IncomingRequest& req, Code code, const char* data, size_t len);
 
+  void watch_peers();  // lane 0: fail same-host peers whose process is gone
+
   EngineConfig cfg;
   uint64_t uid = 0;
+  std::string host_id;
+  uint32_t pid = 0;
+  uint64_t start_time = 0;
+  Clock::time_point last_watch{};
   std::string address;
   std::shared_ptr<void> ctx_holder;  // owns the ucp_context (ucp_cleanup on release)
   ucp_context_h ctx = nullptr;

@@ -201,9 +201,10 @@ std::shared_ptr<Region> EngineCore::find_local(uintptr_t addr, uint64_t len, boo
   for (auto& kv : tombstones) {
     auto [s, l] = kv.second;
     if (s < addr + len && addr < s + l)
-      throw Error(Code::kNotRegistered, "local range [" + std::to_string(addr) + ", +" +
-                                            std::to_string(len) +
-                                            ") lies in closed region " + std::to_string(kv.first));
+      throw Error(Code::kNotRegistered, "range [" + std::to_string(addr) + ", +" +
+                                            std::to_string(len) + ") lies in closed region " +
+                                            std::to_string(kv.first) + " of engine '" +
+                                            cfg.name + "'");
   }
   return nullptr;
 }

@@ -98,19 +98,24 @@ bool Op::wait(double timeout_s) {
   if (done()) return true;
   const auto deadline = deadline_after(timeout_s);
   EngineCore* c = core_.get();
-  if (c && lanes_mask_ && !c->closing.load()) {
+  if (c && lanes_mask_ && !c->closing.load() && c->cfg.spin_us > 0) {
     auto spin_end = Clock::now() + std::chrono::microseconds(c->cfg.spin_us);
     if (spin_end > deadline) spin_end = deadline;
+    uint64_t polling = 0;  // lanes this thread polls (others are polled by their thread)
+    for (size_t i = 0; i < c->lanes.size(); ++i)
+      if ((lanes_mask_ & (uint64_t(1) << i)) && c->lanes[i]->begin_caller_poll())
+        polling |= uint64_t(1) << i;
     for (;;) {
       for (size_t i = 0; i < c->lanes.size(); ++i)
-        if (lanes_mask_ & (uint64_t(1) << i)) c->lanes[i]->try_progress();
-      if (done()) return true;
+        if (polling & (uint64_t(1) << i)) c->lanes[i]->try_progress();
+      if (done()) break;
       if (Clock::now() >= spin_end) break;
       __builtin_ia32_pause();
     }
     // Hand the lanes back to their progress threads, armed.
     for (size_t i = 0; i < c->lanes.size(); ++i)
-      if (lanes_mask_ & (uint64_t(1) << i)) c->lanes[i]->arm_for_sleep();
+      if (polling & (uint64_t(1) << i)) c->lanes[i]->end_caller_poll();
+    if (done()) return true;
   }
   waiters_.fetch_add(1, std::memory_order_seq_cst);
   while (!done()) {

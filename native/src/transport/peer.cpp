@@ -8,6 +8,9 @@
 // sends a HELLO with the full local address on every lane; the receiver creates its own
 // endpoints back (with an error callback) before acknowledging. Two engines that connect
 // to each other share the same Peer objects on both sides.
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstring>
 
 #include "internal.h"
@@ -30,6 +33,9 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
 struct ParsedAddress {
   uint64_t uid = 0;
   std::string name;
+  std::string host_id;
+  uint32_t pid = 0;
+  uint64_t start_time = 0;
   std::vector<std::string> lanes;
 };
 
@@ -58,6 +64,14 @@ ParsedAddress parse_address(const std::string& a) {
   need(nl);
   out.name = a.substr(pos, nl);
   pos += nl;
+  uint32_t hl = u32();
+  need(hl);
+  out.host_id = a.substr(pos, hl);
+  pos += hl;
+  out.pid = u32();
+  need(8);
+  memcpy(&out.start_time, a.data() + pos, 8);
+  pos += 8;
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t l = u32();
     need(l);
@@ -84,6 +98,22 @@ int get_is_fast(ucp_ep_h ep) {
     if (t && strcmp(t, "tcp") != 0 && strcmp(t, "self") != 0) other = true;
   }
   return other ? 1 : 0;
+}
+
+void set_host(EngineCore* c, Peer* p, const ParsedAddress& pa) {
+  p->same_host_ = !pa.host_id.empty() && pa.host_id == c->host_id && pa.start_time != 0 &&
+                  c->cfg.protocol != "tcp";
+  p->pid_ = pa.pid;
+  p->start_time_ = pa.start_time;
+}
+
+void close_ep(void* ep, bool same_host) {
+  ucp_request_param_t rp;
+  memset(&rp, 0, sizeof rp);
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = same_host ? 0 : UCP_EP_CLOSE_FLAG_FORCE;  // FORCE needs error mode PEER
+  void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &rp);
+  if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
 }
 
 struct SendCtx {
@@ -135,7 +165,7 @@ ucs_status_t EngineCore::create_ep_locked(Lane* lane, Peer* peer) {
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
   p.address = reinterpret_cast<const ucp_address_t*>(ra.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_mode = peer->same_host_ ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = on_ep_error;
   p.err_handler.arg = ctx;
   ucp_ep_h ep = nullptr;
@@ -153,6 +183,7 @@ std::shared_ptr<Peer> EngineCore::peer_from_hello(uint64_t id, const std::string
   ParsedAddress pa = parse_address(addr);
   if (pa.uid != id) throw Error(Code::kInvalidArgument, "HELLO address does not match its uid");
   auto p = std::make_shared<Peer>(shared_from_this(), id, addr, pa.lanes, pa.name);
+  set_host(this, p.get(), pa);
   p->hello_done_.store(true);  // it connected to us: it has endpoints on all its lanes
   peers[id] = p;
   return p;
@@ -169,6 +200,9 @@ std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeou
       peer = it->second;
     } else {
       peer = std::make_shared<Peer>(shared_from_this(), pa.uid, addr, pa.lanes, pa.name);
+      set_host(this, peer.get(), pa);
+      if (peer->same_host_ && process_start_time(pa.pid) != pa.start_time)
+        throw Error(Code::kUnreachable, "peer '" + pa.name + "' (pid " + std::to_string(pa.pid) + ") is not running");
       peers[pa.uid] = peer;
     }
   }
@@ -268,14 +302,63 @@ void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {
       sp->eps_[lp->idx] = nullptr;
       for (auto& kv : sp->push_rkeys_[lp->idx]) destroy_push_rkey(kv.second);
       sp->push_rkeys_[lp->idx].clear();
-      if (!ep) return;
-      ucp_request_param_t rp;
-      memset(&rp, 0, sizeof rp);
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &rp);
-      if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+      if (ep) close_ep(ep, sp->same_host_);
     });
+  }
+}
+
+std::string local_host_id() {
+  std::string id;
+  if (FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (fgets(buf, sizeof buf, f)) id = buf;
+    fclose(f);
+    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  }
+  char ns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  if (n > 0) id += "|" + std::string(ns, size_t(n));
+  return id;
+}
+
+uint64_t process_start_time(uint32_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%u/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return 0;
+  char buf[1024];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  // Fields after the command name (which may contain spaces) start after the last ')'.
+  const char* p = strrchr(buf, ')');
+  if (!p) return 0;
+  char state = 0;
+  unsigned long long start = 0;
+  // state(3) ... starttime(22): skip fields 4..21
+  if (sscanf(p + 2, "%c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %llu",
+             &state, &start) != 2)
+    return 0;
+  if (state == 'Z' || state == 'X') return 0;
+  return start;
+}
+
+void EngineCore::watch_peers() {
+  auto now = Clock::now();
+  auto every = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::max(0.01, cfg.keepalive_s / 2)));
+  if (now - last_watch < every) return;
+  last_watch = now;
+  std::vector<std::shared_ptr<Peer>> local;
+  {
+    std::lock_guard<std::mutex> g(peers_mu);
+    for (auto& kv : peers)
+      if (kv.second->same_host_) local.push_back(kv.second);
+  }
+  for (auto& p : local) {
+    if (process_start_time(p->pid_) != p->start_time_)
+      peer_failed(p.get(), Code::kUnreachable,
+                  "peer '" + p->name_ + "' (pid " + std::to_string(p->pid_) + ") exited");
   }
 }
 

@@ -1,0 +1,193 @@
+"""Reads and writes between two processes on every path and protocol, with random
+offsets and sizes from 1 byte to 64 MiB, registered and unregistered local memory."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from tests.native.transport_util import (  # noqa: F401 - fixtures
+    PeerProcess,
+    addr_of,
+    engines,
+    expected_data,
+    spawn_peer,
+)
+
+MIB = 1 << 20
+
+# (peer/engine protocol, reader read_mode, path the arena read must take, user-buffer path)
+CONFIGS = [
+    ("shm", "auto", "memcpy", "get"),
+    ("shm", "get", "get", "get"),
+    ("shm", "push", "push", "push"),
+    ("tcp", "auto", "push", "push"),
+    ("tcp", "get", "get", "get"),
+    ("auto", "auto", "memcpy", "get"),
+]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    made: dict[str, PeerProcess] = {}
+
+    def get(protocol: str) -> PeerProcess:
+        if protocol not in made:
+            made[protocol] = PeerProcess(protocol=protocol, devices=["lo"], name=f"peer-{protocol}")
+        return made[protocol]
+
+    yield get
+    for p in made.values():
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return expected_data()
+
+
+def sizes(rng: np.random.Generator, n: int, max_size: int) -> list[int]:
+    out = [1, 4096, max_size]
+    out += [int(v) for v in np.exp(rng.uniform(0, np.log(max_size), n))]
+    return out
+
+
+@pytest.mark.parametrize("protocol,mode,arena_path,user_path", CONFIGS)
+def test_read_paths(peers, expected, engines, protocol, mode, arena_path, user_path):
+    peer = peers(protocol)
+    eng = engines(protocol=protocol, read_mode=mode)
+    exp_arena, exp_user = expected
+    rr_arena = peer.remote(eng, "arena")
+    assert rr_arena.read_path == arena_path
+    rrs = {"arena": (rr_arena, exp_arena)}
+    if mode != "memcpy":
+        rr_user = peer.remote(eng, "user")
+        assert rr_user.read_path == user_path
+        rrs["user"] = (rr_user, exp_user)
+    rng = np.random.default_rng(hash((protocol, mode)) & 0xFFFF)
+    dst = np.zeros(64 * MIB + 8192, dtype=np.uint8)
+    reg = eng.register(dst)
+    unreg = np.zeros(64 * MIB + 8192, dtype=np.uint8)  # bounced through staging
+    before = eng.stats()
+    moved = 0
+    for name, (rr, exp) in rrs.items():
+        for size in sizes(rng, 8, min(64 * MIB, rr.length)):
+            off = int(rng.integers(0, rr.length - size + 1))
+            loff = int(rng.integers(0, 4096))
+            for buf in (dst, unreg):
+                buf[loff : loff + size] = 0
+                eng.read([(rr, off, addr_of(buf) + loff, size)], timeout_s=30)
+                assert np.array_equal(buf[loff : loff + size], exp[off : off + size]), (name, size, off)
+                moved += size
+    after = eng.stats()
+    delta = {k: after[k] - before[k] for k in after}
+    got = delta["read_memcpy_bytes"] + delta["read_get_bytes"] + delta["read_push_bytes"]
+    assert got == moved
+    if arena_path == "memcpy":
+        assert delta["read_memcpy_bytes"] > 0
+    if "push" in (arena_path, user_path):
+        assert delta["read_push_bytes"] > 0
+    if "get" in (arena_path, user_path):
+        assert delta["read_get_bytes"] > 0
+    assert delta["staged_bytes"] > 0 or arena_path == "memcpy" and user_path == "memcpy"
+    reg.close()
+
+
+@pytest.mark.parametrize("protocol,write_mode", [("shm", "auto"), ("shm", "put"), ("tcp", "auto"), ("auto", "put")])
+def test_write_paths(peers, engines, protocol, write_mode):
+    peer = peers(protocol)
+    eng = engines(protocol=protocol, write_mode=write_mode)
+    rr = peer.remote(eng, "scratch")
+    expect = "memcpy" if (protocol != "tcp" and write_mode == "auto") else "put"
+    assert rr.write_path == expect
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 64 * MIB + 4096, dtype=np.uint8)
+    reg = eng.register(src)
+    unreg = src.copy()
+    for i, size in enumerate(sizes(rng, 8, 64 * MIB)):
+        off = int(rng.integers(0, rr.length - size + 1))
+        loff = int(rng.integers(0, 4096))
+        buf = src if i % 2 == 0 else unreg
+        eng.write([(rr, off, addr_of(buf) + loff, size)], timeout_s=30)
+        want = hashlib.sha256(buf[loff : loff + size]).hexdigest()
+        assert peer.sha("scratch", off, size) == want, (size, off)
+    stats = eng.stats()
+    key = "write_memcpy_bytes" if expect == "memcpy" else "write_put_bytes"
+    assert stats[key] > 0
+    reg.close()
+
+
+@pytest.mark.parametrize("protocol,mode", [("shm", "auto"), ("tcp", "auto"), ("shm", "get")])
+def test_many_outstanding(peers, expected, engines, protocol, mode):
+    peer = peers(protocol)
+    eng = engines(protocol=protocol, read_mode=mode)
+    exp_arena, exp_user = expected
+    rr = peer.remote(eng, "user")
+    n, size = 512, 4096
+    dst = np.zeros(n * size, dtype=np.uint8)
+    reg = eng.register(dst)
+    rng = np.random.default_rng(3)
+    offs = rng.integers(0, rr.length - size, n)
+    handles = [eng.read_async([(rr, int(o), addr_of(dst) + i * size, size)]) for i, o in enumerate(offs)]
+    for h in handles:
+        h.wait(30)
+    for i, o in enumerate(offs):
+        assert np.array_equal(dst[i * size : (i + 1) * size], exp_user[o : o + size])
+    # one batch of many ops
+    dst[:] = 0
+    eng.read([(rr, int(o), addr_of(dst) + i * size, size) for i, o in enumerate(offs)], timeout_s=30)
+    for i, o in enumerate(offs):
+        assert np.array_equal(dst[i * size : (i + 1) * size], exp_user[o : o + size])
+    reg.close()
+
+
+@pytest.mark.parametrize("protocol", ["shm", "tcp"])
+def test_threads(peers, expected, engines, protocol):
+    peer = peers(protocol)
+    eng = engines(protocol=protocol, num_lanes=2)
+    exp_arena, exp_user = expected
+    rrs = [peer.remote(eng, "arena"), peer.remote(eng, "user")]
+    exps = [exp_arena, exp_user]
+    failures: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            buf = np.zeros(4 * MIB, dtype=np.uint8)
+            reg = eng.register(buf) if seed % 2 else None
+            for _ in range(40):
+                k = int(rng.integers(0, 2))
+                size = int(rng.integers(1, 4 * MIB))
+                off = int(rng.integers(0, rrs[k].length - size))
+                eng.read([(rrs[k], off, addr_of(buf), size)], timeout_s=30)
+                assert np.array_equal(buf[:size], exps[k][off : off + size])
+            if reg:
+                reg.close()
+        except BaseException as e:  # noqa: BLE001
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+
+
+def test_lanes_stripe(peers, expected, engines):
+    peer = peers("tcp")
+    eng = engines(protocol="tcp", num_lanes=3, chunk_bytes=1 * MIB)
+    exp_arena, _ = expected
+    rr = peer.remote(eng, "arena")
+    wr = peer.remote(eng, "scratch")
+    dst = np.zeros(40 * MIB, dtype=np.uint8)
+    reg = eng.register(dst)
+    eng.read([(rr, 12345, addr_of(dst), 40 * MIB - 7)], timeout_s=30)
+    assert np.array_equal(dst[: 40 * MIB - 7], exp_arena[12345 : 12345 + 40 * MIB - 7])
+    src = np.random.default_rng(5).integers(0, 256, 40 * MIB, dtype=np.uint8)
+    eng.write([(wr, 999, addr_of(src), 40 * MIB)], timeout_s=30)
+    assert peer.sha("scratch", 999, 40 * MIB) == hashlib.sha256(src).hexdigest()
+    reg.close()
