@@ -29,7 +29,7 @@ sysdeps: .venv/.sysdeps
 
 .venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt
 	@command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
-	@[ -x $(PY) ] || uv venv --seed -q -p python3.11 .venv 2>/dev/null || uv venv --seed -q .venv
+	@[ -x $(PY) ] || uv venv --seed -q --allow-existing -p python3.11 .venv || uv venv --seed -q --allow-existing .venv
 	@# torch through pip: pip takes the local CPU wheel of the pinned version.
 	$(PIP) install -q -r requirements-torch.txt
 	uv pip install -q -p $(PY) "ray[serve]>=2.60,<2.61" "libucx-cu12>=1.19" "pydantic>=2.6" "msgpack>=1.0" \
