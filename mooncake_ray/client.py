@@ -84,6 +84,7 @@ class Client:
         self._nodes_lock = threading.Lock()
         self._regions: dict[int, Any] = {}
         self._metrics = ClientMetrics()
+        self._moved = 0  # bytes moved by the call being timed (per thread is not needed: metrics only)
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
         self._closed = False
@@ -276,7 +277,8 @@ class Client:
     def _timed(self, op: str, keys, fn):
         t0 = time.perf_counter()
         out = fn()
-        self._metrics.observe(op, time.perf_counter() - t0, len(keys))
+        self._metrics.observe(op, time.perf_counter() - t0, len(keys), self._moved)
+        self._moved = 0
         return out
 
     @staticmethod
@@ -397,6 +399,8 @@ class Client:
             for (i, _), r in zip(ends, done):
                 if rpc.is_err(r):
                     results[i] = rpc.to_exc(r)
+                else:
+                    self._moved += srcs[i][1]
         return results
 
     def _write(self, ops, owners) -> dict[int, Exception]:
@@ -491,6 +495,7 @@ class Client:
                     results[r[0]] = failed[j]
                 else:
                     results[r[0]] = r[4]
+                    self._moved += r[1]
             for r in pending:
                 if r[1] == 0:
                     results[r[0]] = r[4]

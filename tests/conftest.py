@@ -40,7 +40,11 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False,
+        # export metrics every second (default 10 s) so the Prometheus test is quick
+        "_system_config": {"metrics_report_interval_ms": 1000},
+    })
     workers = [cluster.add_node(num_cpus=1, resources={STORE_RESOURCE: 1}) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)

@@ -7,6 +7,9 @@ puts, and put bytes. Client side: put and get latency histograms, bytes moved.
 
 from __future__ import annotations
 
+import threading
+import time
+
 from ray.util import metrics
 
 _LAT_BOUNDS_S = [2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0, 5.0]
@@ -53,15 +56,60 @@ class MasterMetrics:
 
 
 class ClientMetrics:
+    """Client-side metrics, aggregated in-process and exported once a second by a
+    background thread, so the hot path only appends to a list: a Ray metric call per
+    operation would cost more than a 4 KiB get itself. Latencies are sampled (at most
+    ``MAX_SAMPLES`` per op and interval) for the histogram; counters are exact."""
+
+    MAX_SAMPLES = 256
+    INTERVAL_S = 1.0
+
     def __init__(self) -> None:
-        tags = ("op",)
-        self.latency = metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
-                                         boundaries=_LAT_BOUNDS_S, tag_keys=tags)
-        self.bytes = metrics.Counter("mooncake_client_bytes", "Bytes moved by clients", tag_keys=("direction",))
-        self.ops = metrics.Counter("mooncake_client_ops", "Client calls (keys)", tag_keys=tags)
+        self._lock = threading.Lock()
+        self._lat: dict[str, list[float]] = {}
+        self._ops: dict[str, int] = {}
+        self._bytes: dict[str, int] = {"read": 0, "write": 0}
+        self._exported = None
+        self._thread = threading.Thread(target=self._loop, name="mooncake-client-metrics", daemon=True)
+        self._thread.start()
 
     def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0) -> None:
-        self.latency.observe(seconds, tags={"op": op})
-        self.ops.inc(keys, tags={"op": op})
-        if nbytes:
-            self.bytes.inc(nbytes, tags={"direction": "write" if op.startswith("put") else "read"})
+        with self._lock:
+            lat = self._lat.setdefault(op, [])
+            if len(lat) < self.MAX_SAMPLES:
+                lat.append(seconds)
+            self._ops[op] = self._ops.get(op, 0) + keys
+            if nbytes:
+                self._bytes["write" if op.startswith("put") else "read"] += nbytes
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.INTERVAL_S)
+            try:
+                self.flush()
+            except Exception:  # metrics must never break the client
+                pass
+
+    def flush(self) -> None:
+        with self._lock:
+            lat, self._lat = self._lat, {}
+            ops, self._ops = self._ops, {}
+            nbytes, self._bytes = self._bytes, {"read": 0, "write": 0}
+        if not (lat or ops or any(nbytes.values())):
+            return
+        if self._exported is None:
+            self._exported = (
+                metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
+                                  boundaries=_LAT_BOUNDS_S, tag_keys=("op",)),
+                metrics.Counter("mooncake_client_ops", "Client calls (keys)", tag_keys=("op",)),
+                metrics.Counter("mooncake_client_bytes", "Bytes moved by clients", tag_keys=("direction",)),
+            )
+        hist, ops_c, bytes_c = self._exported
+        for op, values in lat.items():
+            for v in values:
+                hist.observe(v, tags={"op": op})
+        for op, n in ops.items():
+            ops_c.inc(n, tags={"op": op})
+        for direction, n in nbytes.items():
+            if n:
+                bytes_c.inc(n, tags={"direction": direction})
