@@ -9,6 +9,7 @@ and serves RPC handlers:
   1 echo (Python)              2 raise ValueError
   3 sleep float(payload) s     4 reply int(payload) bytes of a pattern
   5 nested: call handler int(payload) back on the connected test engine
+Replies are single lines prefixed with "@@" (UCX may log to stdout too).
   100 built-in C++ echo
 """
 
@@ -106,10 +107,10 @@ def main() -> None:
             res = eng.stats()
         elif op == "exit":
             eng.close()
-            out.write(json.dumps({"ok": True}) + "\n")
+            out.write("@@" + json.dumps({"ok": True}) + "\n")
             out.flush()
             return
-        out.write(json.dumps({"ok": True, **res}) + "\n")
+        out.write("@@" + json.dumps({"ok": True, **res}) + "\n")
         out.flush()
 
 

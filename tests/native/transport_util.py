@@ -61,10 +61,12 @@ class PeerProcess:
     def cmd(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer process exited ({self.proc.poll()})")
-        return json.loads(line)
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer process exited ({self.proc.poll()})")
+            if line.startswith("@@"):  # anything else is a log line
+                return json.loads(line[2:])
 
     def sha(self, region: str, off: int, length: int) -> str:
         return self.cmd("sha", region=region, off=off, len=length)["sha"]

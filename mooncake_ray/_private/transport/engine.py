@@ -245,7 +245,11 @@ class Engine:
         spin_us: a waiting caller progresses the engine itself this long before sleeping.
         linger_us: while this engine's requests are in flight, its progress thread keeps
             polling until no event came for this long (0: sleep after every event).
-        keepalive_s: UCX keepalive interval (detects dead peers on shared memory).
+        keepalive_s: liveness check interval (same-host pid watchdog, UCX keepalive).
+        error_mode: UCX endpoint error mode, "auto" | "peer" | "none". "auto" uses PEER only
+            for RDMA peers on other hosts: under PEER, UCX 1.22 drops shared memory and
+            turns tcp put into software emulation. Dead peers are still detected (tcp
+            resets, a pid watchdog on the same host, timeouts).
         rpc_threads: dispatcher threads running Python handlers.
         default_timeout_s: timeout of blocking calls when none is given.
 
@@ -269,6 +273,7 @@ class Engine:
         spin_us: int = 50,
         linger_us: int = 100,
         keepalive_s: float = 1.0,
+        error_mode: str = "auto",
         rpc_threads: int = 4,
         default_timeout_s: float = 30.0,
     ):
@@ -293,7 +298,7 @@ class Engine:
             ucx_options=opts, read_mode=read_mode, write_mode=write_mode,
             chunk_bytes=int(chunk_bytes), stripe_min_bytes=int(stripe_min_bytes),
             staging_bytes=int(staging_bytes), spin_us=int(spin_us), linger_us=int(linger_us),
-            keepalive_s=float(keepalive_s),
+            keepalive_s=float(keepalive_s), error_mode=error_mode,
         )
         self._rpc_threads = rpc_threads
         self._handlers: dict[int, Callable[[bytes], bytes]] = {}

@@ -61,7 +61,8 @@ struct EngineConfig {
   size_t staging_bytes = 64u << 20;  // bounce buffer for unregistered memory (lazy)
   int spin_us = 50;                  // a waiter progresses its lanes this long before sleeping
   int linger_us = 100;  // while requests are in flight, a progress thread polls until idle this long
-  double keepalive_s = 1.0;          // UCX keepalive (dead-peer detection without tcp)
+  double keepalive_s = 1.0;          // liveness checks (pid watchdog, UCX keepalive)
+  std::string error_mode = "auto";   // endpoint error mode: auto | peer | none (see Peer)
 };
 
 // One transfer: [remote_offset, +length) of rr <-> [local_addr, +length).
@@ -166,10 +167,15 @@ class Peer {
   std::vector<int> get_fast_;            // per lane: RMA get avoids tcp (1) or not (0), -1 unknown
   std::atomic<bool> dead_{false};
   std::atomic<bool> hello_done_{false};
-  // Same host (and pid namespace): endpoints use error mode NONE, because UCX's shared
-  // memory transports cannot detect peer failure under mode PEER (it would fall back to
-  // tcp); liveness is then watched through the peer's pid (EngineCore::watch_peers).
+  // Same host (and pid namespace): liveness is watched through the peer's pid
+  // (EngineCore::watch_peers), whatever the transport.
   bool same_host_ = false;
+  // Endpoint error mode. UCX 1.22 under mode PEER gives up its fast paths: shared memory
+  // transports are dropped (no peer-failure support: everything goes over tcp) and tcp
+  // put turns into software emulation (~1 GB/s instead of 4+). So by default only RDMA
+  // peers on other hosts use PEER; the others use NONE with the error callback still
+  // installed (tcp resets are reported through it) plus the pid watchdog.
+  bool err_peer_ = false;
   uint32_t pid_ = 0;
   uint64_t start_time_ = 0;
   std::mutex hello_mu_;

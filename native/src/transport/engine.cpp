@@ -11,6 +11,9 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <ucs/debug/log_def.h>
+
+#include <cstdarg>
 #include <cstring>
 #include <random>
 
@@ -43,6 +46,34 @@ const char* tls_for(const std::string& protocol) {
 }  // namespace
 
 bool in_progress_context() { return tl_in_progress > 0; }
+
+std::atomic<uint64_t> g_ucx_quieted{0};
+
+namespace {
+// UCX logs a peer going away (reset, refused, unreachable) at ERROR level from inside
+// the library. For us that is an expected event, reported to the caller as
+// NodeUnavailableError: keep it out of the logs (counted in stats()["ucx_errors_quieted"]).
+ucs_log_func_rc_t quiet_peer_errors(const char*, unsigned, const char*, ucs_log_level_t level,
+                                    const ucs_log_component_config_t*, const char* fmt,
+                                    va_list ap) {
+  if (level > UCS_LOG_LEVEL_WARN) return UCS_LOG_FUNC_RC_CONTINUE;
+  char buf[512];
+  va_list copy;
+  va_copy(copy, ap);
+  vsnprintf(buf, sizeof buf, fmt, copy);
+  va_end(copy);
+  static const char* expected[] = {"Connection reset by remote peer", "Connection refused",
+                                   "Destination is unreachable", "Broken pipe",
+                                   "Endpoint timeout", "error during flush"};
+  for (const char* e : expected) {
+    if (strstr(buf, e)) {
+      g_ucx_quieted.fetch_add(1);
+      return UCS_LOG_FUNC_RC_STOP;
+    }
+  }
+  return UCS_LOG_FUNC_RC_CONTINUE;
+}
+}  // namespace
 
 Code code_from_ucs(ucs_status_t st) {
   switch (st) {
@@ -171,7 +202,8 @@ void Lane::end_caller_poll() {
 
 void Lane::run() {
   epoll_event evs[4];
-  const auto linger = std::chrono::microseconds(core->cfg.linger_us);
+  const bool always_linger = core->cfg.linger_us < 0;  // experiment: linger after any event
+  const auto linger = std::chrono::microseconds(std::abs(core->cfg.linger_us));
   const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
   for (;;) {
     ucs_status_t st;
@@ -184,7 +216,7 @@ void Lane::run() {
     // While our own requests are in flight (a bulk transfer, a push being served), keep
     // polling as long as events keep coming: a wake-up per tcp segment would cost more
     // than the segment. Callers stay out meanwhile (thread_polling).
-    if (outstanding.load() > 0 && linger.count() > 0) {
+    if ((always_linger || outstanding.load() > 0) && linger.count() > 0) {
       thread_polling.store(true);
       auto last = Clock::now();
       for (;;) {
@@ -196,7 +228,7 @@ void Lane::run() {
         }
         auto now = Clock::now();
         if (n) last = now;
-        if (outstanding.load() <= 0 || now - last > linger) break;
+        if ((!always_linger && outstanding.load() <= 0) || now - last > linger) break;
         __builtin_ia32_pause();
       }
       thread_polling.store(false);
@@ -233,6 +265,8 @@ void Lane::run() {
 EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
   if (cfg.num_lanes < 1 || cfg.num_lanes > 16)
     throw Error(Code::kBadConfig, "num_lanes must be in [1, 16], got " + std::to_string(cfg.num_lanes));
+  if (cfg.error_mode != "auto" && cfg.error_mode != "peer" && cfg.error_mode != "none")
+    throw Error(Code::kBadConfig, "error_mode must be auto, peer or none; got '" + cfg.error_mode + "'");
   if (cfg.chunk_bytes < 4096)
     throw Error(Code::kBadConfig, "chunk_bytes must be >= 4096");
   uid = random_uid();
@@ -244,6 +278,8 @@ EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
 EngineCore::~EngineCore() { close(); }
 
 void EngineCore::start() {
+  static std::once_flag log_once;
+  std::call_once(log_once, [] { ucs_log_push_handler(quiet_peer_errors); });
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) throw Error(Code::kBadConfig, ucs_msg("ucp_config_read", st));
@@ -379,7 +415,7 @@ void EngineCore::close() {
       ucp_request_param_t rp;
       memset(&rp, 0, sizeof rp);
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = p->same_host_ ? 0 : UCP_EP_CLOSE_FLAG_FORCE;  // FORCE needs mode PEER
+      rp.flags = p->err_peer_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;  // FORCE needs mode PEER
       void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(p->eps_[l->idx]), &rp);
       p->eps_[l->idx] = nullptr;
       if (UCS_PTR_IS_PTR(r)) reqs.push_back(r);
@@ -541,6 +577,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"calls_sent", s.calls_sent.load()},
       {"calls_served", s.calls_served.load()},
       {"peers_failed", s.peers_failed.load()},
+      {"ucx_errors_quieted", g_ucx_quieted.load()},
   };
   {
     std::lock_guard<std::mutex> g(core_->peers_mu);

@@ -101,17 +101,18 @@ int get_is_fast(ucp_ep_h ep) {
 }
 
 void set_host(EngineCore* c, Peer* p, const ParsedAddress& pa) {
-  p->same_host_ = !pa.host_id.empty() && pa.host_id == c->host_id && pa.start_time != 0 &&
-                  c->cfg.protocol != "tcp";
+  p->same_host_ = !pa.host_id.empty() && pa.host_id == c->host_id && pa.start_time != 0;
+  const std::string& m = c->cfg.error_mode;
+  p->err_peer_ = m == "peer" || (m == "auto" && c->cfg.protocol == "rdma" && !p->same_host_);
   p->pid_ = pa.pid;
   p->start_time_ = pa.start_time;
 }
 
-void close_ep(void* ep, bool same_host) {
+void close_ep(void* ep, bool err_peer) {
   ucp_request_param_t rp;
   memset(&rp, 0, sizeof rp);
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  rp.flags = same_host ? 0 : UCP_EP_CLOSE_FLAG_FORCE;  // FORCE needs error mode PEER
+  rp.flags = err_peer ? UCP_EP_CLOSE_FLAG_FORCE : 0;  // FORCE needs error mode PEER
   void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &rp);
   if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
 }
@@ -165,7 +166,7 @@ ucs_status_t EngineCore::create_ep_locked(Lane* lane, Peer* peer) {
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
   p.address = reinterpret_cast<const ucp_address_t*>(ra.data());
-  p.err_mode = peer->same_host_ ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+  p.err_mode = peer->err_peer_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   p.err_handler.cb = on_ep_error;
   p.err_handler.arg = ctx;
   ucp_ep_h ep = nullptr;
@@ -302,7 +303,7 @@ void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {
       sp->eps_[lp->idx] = nullptr;
       for (auto& kv : sp->push_rkeys_[lp->idx]) destroy_push_rkey(kv.second);
       sp->push_rkeys_[lp->idx].clear();
-      if (ep) close_ep(ep, sp->same_host_);
+      if (ep) close_ep(ep, sp->err_peer_);
     });
   }
 }

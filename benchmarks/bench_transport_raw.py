@@ -1,0 +1,317 @@
+"""The raw transport engine between two processes vs ucx_perftest on the same transport.
+
+For each transport (shm, tcp) and size (4 KiB .. 64 MiB): ucx_perftest ucp_put_bw and
+ucp_get next to the engine's write (put / memcpy) and read paths (memcpy, get, push),
+plus latency: RPC round trip (C++ and Python handlers), a 4 KiB read per path, and
+ucx_perftest ucp_am_lat (busy-polling, both sides) for reference. Rounds alternate
+perftest and engine runs so both see the same machine noise; medians and min-max over
+rounds are reported.
+
+Run inside a network namespace:  make bench B=benchmarks/bench_transport_raw.py
+    ARGS="--rounds 3 --sizes 4k,64k,1m,4m,16m,64m"
+Writes benchmarks/results/transport_raw.json and transport_raw.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _import_engine():
+    # The transport alone: mooncake_ray/__init__ imports Ray, which this does not need.
+    if "mooncake_ray" not in sys.modules:
+        pkg = types.ModuleType("mooncake_ray")
+        pkg.__path__ = [str(ROOT / "mooncake_ray")]
+        sys.modules["mooncake_ray"] = pkg
+    from mooncake_ray._private.transport import Engine
+
+    return Engine
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def fmt_size(n: int) -> str:
+    for unit, v in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= v and n % v == 0:
+            return f"{n // v}{unit}"
+    return f"{n}B"
+
+
+# ---- the server process ---------------------------------------------------------------
+
+def serve(args) -> None:
+    Engine = _import_engine()
+    kw = json.loads(args.serve)
+    eng = Engine(**kw["engine"])
+    size = kw["size"]
+    arena = eng.alloc_arena(size)
+    user_buf = np.zeros(size, dtype=np.uint8)
+    user = eng.register(user_buf)
+    eng.serve_echo(100)
+    eng.serve(1, lambda b: b)
+    info = {
+        "address": base64.b64encode(eng.address).decode(),
+        "arena": [base64.b64encode(arena.rkey).decode(), arena.addr, arena.length],
+        "user": [base64.b64encode(user.rkey).decode(), user.addr, user.length],
+    }
+    print(json.dumps(info), flush=True)
+    sys.stdin.readline()  # until the client is done
+    eng.close()
+
+
+class Server:
+    def __init__(self, engine_kw: dict, size: int):
+        cfg = json.dumps({"engine": engine_kw, "size": size})
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", cfg],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        info = json.loads(self.proc.stdout.readline())
+        self.address = base64.b64decode(info["address"])
+        self.regions = {k: (base64.b64decode(info[k][0]), info[k][1], info[k][2]) for k in ("arena", "user")}
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+            self.proc.wait(20)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+# ---- ucx_perftest ---------------------------------------------------------------------
+
+def perftest(tls: str, test: str, size: int, iters: int, port: int) -> dict:
+    import libucx
+
+    base = Path(libucx.__file__).parent
+    env = dict(os.environ, LD_LIBRARY_PATH=str(base / "lib"), UCX_TLS=tls, UCX_NET_DEVICES="lo")
+    exe = str(base / "bin" / "ucx_perftest")
+    srv = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = ""
+    try:
+        # The server accepts exactly one connection: no probing, retry the client instead.
+        for _ in range(50):
+            time.sleep(0.05)
+            run = subprocess.run([exe, "-p", str(port), "127.0.0.1", "-t", test, "-s", str(size),
+                                  "-n", str(iters)], env=env, capture_output=True, text=True, timeout=120)
+            out = run.stdout + run.stderr
+            if "Final:" in out or "Connection refused" not in out:
+                break
+    finally:
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+    for line in out.splitlines():
+        if line.startswith("Final:"):
+            f = line.split()
+            # iterations, lat p50, lat avg, lat overall (usec), bw avg, bw overall (MB/s), ...
+            return {"lat_us": float(f[2]), "gbps": float(f[6]) * (1 << 20) / 1e9}
+    raise RuntimeError(f"ucx_perftest {test} gave no result:\n{out}")
+
+
+# ---- engine measurements --------------------------------------------------------------
+
+def bw(fn, size: int, min_bytes: int = 256 << 20, min_iters: int = 8) -> float:
+    fn()  # warm
+    n = max(min_iters, min_bytes // size)
+    n = min(n, 20000)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return n * size / (time.perf_counter() - t) / 1e9
+
+
+def lat(fn, n: int) -> tuple[float, float]:
+    for _ in range(min(200, n)):
+        fn()
+    ts = np.empty(n)
+    for i in range(n):
+        t = time.perf_counter()
+        fn()
+        ts[i] = time.perf_counter() - t
+    return float(np.percentile(ts, 50) * 1e6), float(np.percentile(ts, 99) * 1e6)
+
+
+def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: dict, lat_iters: int) -> dict:
+    Engine = _import_engine()
+    maxsize = max(sizes)
+    srv = Server({"protocol": protocol, "devices": ["lo"], "name": "bench-server", **server_kw}, maxsize)
+    out: dict = {"bw": {}, "lat": {}}
+    modes = ["auto", "get", "push"]
+    try:
+        buf = np.zeros(maxsize, dtype=np.uint8)
+        buf[:] = 1
+        for mode in modes:
+            eng = Engine(protocol=protocol, devices=["lo"], name=f"bench-{mode}", read_mode=mode, **client_kw)
+            reg = eng.register(buf)
+            peer = eng.connect(srv.address)
+            arena = eng.import_remote(peer, *srv.regions["arena"])
+            user = eng.import_remote(peer, *srv.regions["user"])
+            addr = buf.ctypes.data
+            targets = {"arena": arena}
+            if mode != "auto" or arena.read_path != "memcpy":
+                pass
+            if mode == "auto" and arena.read_path == "memcpy":
+                targets["user"] = user  # not mapped: auto picks get/push for it
+            for tname, rr in targets.items():
+                path = rr.read_path
+                key = f"read_{path}" + ("" if tname == "arena" else "_user")
+                if key in out["bw"]:
+                    continue
+                out["bw"][key] = {fmt_size(s): bw(lambda s=s: eng.read([(rr, 0, addr, s)]), s) for s in sizes}
+                out["lat"][f"{key}_4KiB"] = lat(lambda: eng.read([(rr, 0, addr, 4096)]), lat_iters)
+            if mode == "auto":
+                for tname, rr in (("arena", arena),):
+                    key = f"write_{rr.write_path}"
+                    out["bw"][key] = {fmt_size(s): bw(lambda s=s: eng.write([(rr, 0, addr, s)]), s) for s in sizes}
+                    out["lat"][f"{key}_4KiB"] = lat(lambda: eng.write([(rr, 0, addr, 4096)]), lat_iters)
+                out["lat"]["rpc_cpp_64B"] = lat(lambda: eng.call(peer, 100, b"x" * 64), lat_iters)
+                out["lat"]["rpc_py_64B"] = lat(lambda: eng.call(peer, 1, b"x" * 64), lat_iters)
+                out["lat"]["rpc_py_4KiB"] = lat(lambda: eng.call(peer, 1, b"x" * 4096), lat_iters)
+            if mode == "get" and arena.write_path != "put":
+                pass
+            reg.close()
+            eng.close()
+        # forced put (for shm, where auto writes with memcpy)
+        if protocol != "tcp":
+            eng = Engine(protocol=protocol, devices=["lo"], name="bench-put", write_mode="put", **client_kw)
+            eng.register(buf)
+            peer = eng.connect(srv.address)
+            arena = eng.import_remote(peer, *srv.regions["arena"])
+            addr = buf.ctypes.data
+            out["bw"]["write_put"] = {fmt_size(s): bw(lambda s=s: eng.write([(arena, 0, addr, s)]), s) for s in sizes}
+            eng.close()
+    finally:
+        srv.close()
+    return out
+
+
+def perftest_round(tls: str, sizes: list[int], port: int, lat_iters: int) -> dict:
+    out: dict = {"bw": {"perftest_put": {}, "perftest_get": {}}, "lat": {}}
+    for s in sizes:
+        iters = max(20, min(20000, (512 << 20) // s))
+        out["bw"]["perftest_put"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, port)["gbps"]
+        out["bw"]["perftest_get"][fmt_size(s)] = perftest(tls, "ucp_get", s, iters, port)["gbps"]
+    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters * 5, port)["lat_us"]
+    out["lat"]["perftest_am_rtt_64B"] = (2 * one_way, 2 * one_way)
+    return out
+
+
+def merge(rounds: list[dict]) -> dict:
+    """Median and [min, max] per series point across rounds."""
+    res: dict = {"bw": {}, "lat": {}}
+    for key in rounds[0]["bw"]:
+        res["bw"][key] = {}
+        for size in rounds[0]["bw"][key]:
+            vals = [r["bw"][key][size] for r in rounds if key in r["bw"]]
+            res["bw"][key][size] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    for key in rounds[0]["lat"]:
+        p50 = [r["lat"][key][0] for r in rounds if key in r["lat"]]
+        p99 = [r["lat"][key][1] for r in rounds if key in r["lat"]]
+        res["lat"][key] = {"p50_us": statistics.median(p50), "p50_range": [min(p50), max(p50)],
+                           "p99_us": statistics.median(p99), "p99_range": [min(p99), max(p99)]}
+    return res
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    protos = list(results["transports"])
+    fig, axes = plt.subplots(1, len(protos), figsize=(7 * len(protos), 5), squeeze=False)
+    for ax, proto in zip(axes[0], protos):
+        bwres = results["transports"][proto]["bw"]
+        for key, series in bwres.items():
+            sizes = list(series)
+            xs = [parse_size(s.replace("MiB", "m").replace("KiB", "k").replace("B", "")) for s in sizes]
+            med = [series[s]["median"] for s in sizes]
+            lo = [series[s]["min"] for s in sizes]
+            hi = [series[s]["max"] for s in sizes]
+            style = "--" if key.startswith("perftest") else "-"
+            ax.plot(xs, med, style, marker="o", label=key)
+            ax.fill_between(xs, lo, hi, alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("transfer size (bytes)")
+        ax.set_ylabel("GB/s (median, min-max band)")
+        ax.set_title(f"{proto}: engine vs ucx_perftest")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sizes", default="4k,64k,1m,4m,16m,64m")
+    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--lat-iters", type=int, default=2000)
+    ap.add_argument("--engine", default="{}", help="JSON engine kwargs for both sides (e.g. num_lanes)")
+    ap.add_argument("--no-perftest", action="store_true")
+    ap.add_argument("--out", default="transport_raw")
+    args = ap.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    names = sorted(n for _, n in socket.if_nameindex())
+    if names != ["lo"]:
+        sys.exit(f"run inside a private network namespace (interfaces: {names}); see the module docstring")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    ekw = json.loads(args.engine)
+    tls = {"shm": "sm", "tcp": "tcp"}
+    results: dict = {"sizes": [fmt_size(s) for s in sizes], "rounds": args.rounds, "engine_kwargs": ekw,
+                     "load_avg_start": os.getloadavg(), "transports": {}}
+    for proto in args.transports.split(","):
+        rounds = []
+        for r in range(args.rounds):
+            rd = {"bw": {}, "lat": {}}
+            if not args.no_perftest:
+                pt = perftest_round(tls[proto], sizes, 13500 + r, args.lat_iters)
+                rd["bw"].update(pt["bw"])
+                rd["lat"].update(pt["lat"])
+            eng = engine_round(proto, sizes, ekw, ekw, args.lat_iters)
+            rd["bw"].update(eng["bw"])
+            rd["lat"].update(eng["lat"])
+            rounds.append(rd)
+            print(f"[{proto}] round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", flush=True)
+        results["transports"][proto] = merge(rounds)
+    results["load_avg_end"] = os.getloadavg()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"{args.out}.png")
+    # a compact table
+    for proto, res in results["transports"].items():
+        print(f"\n== {proto} (GB/s, median [min-max])")
+        for key, series in res["bw"].items():
+            cells = "  ".join(f"{s}:{v['median']:.2f}[{v['min']:.2f}-{v['max']:.2f}]" for s, v in series.items())
+            print(f"{key:18s} {cells}")
+        print(f"-- {proto} latency (us)")
+        for key, v in res["lat"].items():
+            print(f"{key:24s} p50 {v['p50_us']:.1f} [{v['p50_range'][0]:.1f}-{v['p50_range'][1]:.1f}]  "
+                  f"p99 {v['p99_us']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
