@@ -41,7 +41,7 @@ void bind_spill(nb::module_& m) {
             new (t) Tier(mcr::spill::Options{dir, cap, qd, uring, chunk});
           },
           "directory"_a, "capacity_bytes"_a, "queue_depth"_a = 32, "use_uring"_a = true,
-          "chunk_bytes"_a = 1 << 20, Released())
+          "chunk_bytes"_a = 256 << 10, Released())
       .def(
           "write",
           [](Tier& t, const std::string& key, uint64_t gen, uintptr_t src, uint64_t len) {

@@ -80,7 +80,7 @@ class SpillTier:
         queue_depth: int = 32,
         use_uring: bool = True,
         *,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = 256 << 10,
     ) -> None:
         self._directory = str(directory)
         self._t = _native.SpillTier(

@@ -153,6 +153,7 @@ struct Tier::Impl {
   std::unique_ptr<Context> take_context();
   void give_context(std::unique_ptr<Context> c);
   void execute(std::vector<Op>& ops);  // runs a batch on a pooled context
+  void execute_in_slices(std::vector<Op>& ops, size_t slice);
   void open_dirs(bool create);
   void close_dirs();
   std::string path_of(const Entry& e) const;

@@ -192,7 +192,7 @@ bool Batch::activate_write(Op& op) {
   op.reserved = true;
   for (uint64_t id : sp.trim) unlinkat(t_.free_fd, free_name(id).c_str(), 0);
   e.seq = t_.next_seq++;
-  if (sp.pool_id && open_recycled(op, sp)) return true;
+  if (sp.pool_id && open_recycled(op, sp)) return !op.failed;
   for (int attempt = 0;; ++attempt) {
     op.fd = openat(t_.sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(),
                    O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0644);

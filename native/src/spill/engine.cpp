@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <algorithm>
+#include <iterator>
 #include <unordered_map>
 
 #include "mcr/spill_internal.h"
@@ -298,6 +300,21 @@ void Tier::Impl::execute(std::vector<Op>& ops) {
   give_context(std::move(c));
 }
 
+void Tier::Impl::execute_in_slices(std::vector<Op>& ops, size_t slice) {
+  // Units and per-op state are allocated per run: bound them for scans of many files.
+  std::vector<Op> part;
+  for (size_t b = 0; b < ops.size(); b += slice) {
+    size_t e = std::min(ops.size(), b + slice);
+    part.assign(std::make_move_iterator(ops.begin() + b), std::make_move_iterator(ops.begin() + e));
+    execute(part);
+    for (size_t i = b; i < e; ++i) {
+      ops[i] = std::move(part[i - b]);
+      ops[i].units.clear();
+      ops[i].units.shrink_to_fit();
+    }
+  }
+}
+
 namespace {
 
 // Calls fn(name) for every entry of a directory (by fd; the fd stays open).
@@ -345,10 +362,10 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
     list_dir(sub_fd[b], opt.directory, [&](const std::string& name) {
       Op op;
       op.kind = OpKind::kHeader;
-      if (parse_object_name(name, &op.entry.hash, &op.entry.seq)) heads.push_back(op);
+      if (parse_object_name(name, &op.entry.hash, &op.entry.seq)) heads.push_back(std::move(op));
     });
   }
-  execute(heads);
+  execute_in_slices(heads, 4096);
   // 2. invalid files go; of several versions of a key the newest stays, older ones are
   //    recycled like removed objects
   std::unordered_map<std::string, Entry> best;
@@ -387,9 +404,9 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
       op.kind = OpKind::kVerify;
       op.key = &key;
       op.entry = e;
-      reads.push_back(op);
+      reads.push_back(std::move(op));
     }
-    execute(reads);
+    execute_in_slices(reads, 1024);
     for (Op& op : reads) {
       if (!op.failed) continue;
       if (op.result.code == Code::kChecksumMismatch) remove_file(op.entry);
