@@ -169,7 +169,7 @@ void bind_transport(nb::module_& m) {
                           std::map<std::string, std::string> ucx_options, std::string rmode,
                           std::string wmode, uint64_t chunk_bytes, uint64_t stripe_min_bytes,
                           uint64_t staging_bytes, int spin_us, int linger_us, double keepalive_s,
-                          std::string error_mode) {
+                          std::string error_mode, uint64_t push_min_bytes) {
         mcr::EngineConfig c;
         c.name = name;
         c.protocol = protocol;
@@ -185,11 +185,12 @@ void bind_transport(nb::module_& m) {
         c.linger_us = linger_us;
         c.keepalive_s = keepalive_s;
         c.error_mode = error_mode;
+        c.push_min_bytes = push_min_bytes;
         nb::gil_scoped_release nogil;
         new (self) mcr::Engine(c);
       }, "name"_a, "protocol"_a, "devices"_a, "num_lanes"_a, "ucx_options"_a, "read_mode"_a,
          "write_mode"_a, "chunk_bytes"_a, "stripe_min_bytes"_a, "staging_bytes"_a, "spin_us"_a,
-         "linger_us"_a, "keepalive_s"_a, "error_mode"_a = "auto")
+         "linger_us"_a, "keepalive_s"_a, "error_mode"_a = "auto", "push_min_bytes"_a = 32768)
       .def_prop_ro("address", [](mcr::Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def_prop_ro("uid", &mcr::Engine::uid)
       .def_prop_ro("closed", &mcr::Engine::closed)

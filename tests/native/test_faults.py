@@ -129,13 +129,13 @@ def test_deregistered_local_memory(spawn_peer, engines):
 
 def test_remote_region_closed_by_owner(spawn_peer, engines):
     peer = spawn_peer(protocol="tcp")
-    eng = engines(protocol="tcp")  # push: the owner checks its own registry
+    eng = engines(protocol="tcp", read_mode="push")  # push: the owner checks its own registry
     rr = peer.remote(eng, "user")
-    buf = np.zeros(4096, dtype=np.uint8)
-    eng.read([(rr, 0, addr_of(buf), 4096)])
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    eng.read([(rr, 0, addr_of(buf), 1 << 16)])
     peer.cmd("close_region", region="user")
     with pytest.raises(NotRegisteredError, match="closed region"):
-        eng.read([(rr, 0, addr_of(buf), 4096)])
+        eng.read([(rr, 0, addr_of(buf), 1 << 16)])
     assert eng.call(rr.peer, 1, b"ok") == b"ok"
 
 
@@ -179,6 +179,10 @@ def test_bad_config_and_arguments(engines):
         engines(read_mode="teleport")
     with pytest.raises(ConfigError):
         engines(num_lanes=0)
+    with pytest.raises(ConfigError, match="RDMA"):
+        engines(protocol="rdma")  # no InfiniBand/RoCE here; a machine with it would pass
+    with pytest.raises(ConfigError):
+        engines(error_mode="sometimes")
     eng = engines(protocol="tcp")
     with pytest.raises(InvalidArgumentError):
         eng.register(b"read-only bytes")

@@ -177,6 +177,24 @@ def test_threads(peers, expected, engines, protocol):
     assert not failures, failures
 
 
+def test_small_tcp_reads_use_get(peers, expected, engines):
+    """Measured: below ~32 KiB a get (one round trip) beats a push (two) over tcp."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp")
+    exp_arena, _ = expected
+    rr = peer.remote(eng, "arena")
+    assert rr.read_path == "push"
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    reg = eng.register(dst)
+    eng.read([(rr, 100, addr_of(dst), 4096)])
+    eng.read([(rr, 200, addr_of(dst) + 8192, 1 << 19)])
+    s = eng.stats()
+    assert s["read_get_bytes"] == 4096 and s["read_push_bytes"] == 1 << 19
+    assert np.array_equal(dst[:4096], exp_arena[100:4196])
+    assert np.array_equal(dst[8192 : 8192 + (1 << 19)], exp_arena[200 : 200 + (1 << 19)])
+    reg.close()
+
+
 def test_lanes_stripe(peers, expected, engines):
     peer = peers("tcp")
     eng = engines(protocol="tcp", num_lanes=3, chunk_bytes=1 * MIB)

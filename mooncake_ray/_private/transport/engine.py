@@ -241,6 +241,8 @@ class Engine:
         write_mode: "auto" | "put" | "memcpy".
         chunk_bytes: stripe unit over lanes and staging piece size.
         stripe_min_bytes: transfers below this stay on one lane.
+        push_min_bytes: in read_mode "auto", reads smaller than this use get even where
+            the push path is chosen (tcp): one round trip instead of two.
         staging_bytes: bounce buffer for unregistered memory (allocated on first use).
         spin_us: a waiting caller progresses the engine itself this long before sleeping.
         linger_us: while this engine's requests are in flight, its progress thread keeps
@@ -274,6 +276,7 @@ class Engine:
         linger_us: int = 100,
         keepalive_s: float = 1.0,
         error_mode: str = "auto",
+        push_min_bytes: int = 32 << 10,
         rpc_threads: int = 4,
         default_timeout_s: float = 30.0,
     ):
@@ -299,6 +302,7 @@ class Engine:
             chunk_bytes=int(chunk_bytes), stripe_min_bytes=int(stripe_min_bytes),
             staging_bytes=int(staging_bytes), spin_us=int(spin_us), linger_us=int(linger_us),
             keepalive_s=float(keepalive_s), error_mode=error_mode,
+            push_min_bytes=int(push_min_bytes),
         )
         self._rpc_threads = rpc_threads
         self._handlers: dict[int, Callable[[bytes], bytes]] = {}

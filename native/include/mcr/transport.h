@@ -59,6 +59,7 @@ struct EngineConfig {
   size_t chunk_bytes = 4u << 20;     // stripe unit over lanes / staging piece size
   size_t stripe_min_bytes = 1u << 20;  // below this a transfer stays on one lane
   size_t staging_bytes = 64u << 20;  // bounce buffer for unregistered memory (lazy)
+  size_t push_min_bytes = 32u << 10;  // auto mode: smaller reads use get even where push wins
   int spin_us = 50;                  // a waiter progresses its lanes this long before sleeping
   int linger_us = 100;  // while requests are in flight, a progress thread polls until idle this long
   double keepalive_s = 1.0;          // liveness checks (pid watchdog, UCX keepalive)

@@ -300,6 +300,12 @@ void EngineCore::start() {
   char ka[64];
   snprintf(ka, sizeof ka, "%dms", std::max(10, int(cfg.keepalive_s * 1000)));
   modify("KEEPALIVE_INTERVAL", ka);
+  // Endpoints run in error mode NONE (see Peer::err_peer_), where UCP sends no keepalive:
+  // a peer host that vanishes without a reset is found by tcp's own keepalive instead.
+  snprintf(ka, sizeof ka, "%dms", std::max(1000, int(cfg.keepalive_s * 2000)));
+  modify("TCP_KEEPIDLE", ka);
+  snprintf(ka, sizeof ka, "%dms", std::max(200, int(cfg.keepalive_s * 1000)));
+  modify("TCP_KEEPINTVL", ka);
   for (auto& kv : cfg.ucx_options) {
     std::string k = kv.first.rfind("UCX_", 0) == 0 ? kv.first.substr(4) : kv.first;
     modify(k, kv.second);
@@ -319,6 +325,22 @@ void EngineCore::start() {
   auto holder = std::make_shared<CtxHolder>();
   holder->ctx = ctx;
   ctx_holder = holder;
+  if (cfg.protocol == "rdma") {
+    // UCX only warns when the requested transports are missing; a caller asking for RDMA
+    // should learn it is not there.
+    char* text = nullptr;
+    size_t n = 0;
+    FILE* f = open_memstream(&text, &n);
+    ucp_context_print_info(ctx, f);
+    fclose(f);
+    std::string info(text ? text : "", n);
+    free(text);
+    if (info.find("rc_") == std::string::npos && info.find("ud_") == std::string::npos &&
+        info.find("dc_") == std::string::npos)
+      throw Error(Code::kBadConfig,
+                  "protocol='rdma' but UCX found no RDMA transport (no InfiniBand/RoCE "
+                  "device, or a UCX build without verbs: see MCR_UCX=system in CMakeLists.txt)");
+  }
 
   for (int i = 0; i < cfg.num_lanes; ++i) {
     auto lane = std::make_unique<Lane>();
