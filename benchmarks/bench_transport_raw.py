@@ -98,7 +98,7 @@ class Server:
 
 # ---- ucx_perftest ---------------------------------------------------------------------
 
-def perftest(tls: str, test: str, size: int, iters: int, port: int) -> dict:
+def perftest(tls: str, test: str, size: int, iters: int, port: int, extra: tuple = ()) -> dict:
     import libucx
 
     base = Path(libucx.__file__).parent
@@ -111,7 +111,8 @@ def perftest(tls: str, test: str, size: int, iters: int, port: int) -> dict:
         for _ in range(50):
             time.sleep(0.05)
             run = subprocess.run([exe, "-p", str(port), "127.0.0.1", "-t", test, "-s", str(size),
-                                  "-n", str(iters)], env=env, capture_output=True, text=True, timeout=120)
+                                  "-n", str(iters), *extra], env=env, capture_output=True, text=True,
+                                 timeout=120)
             out = run.stdout + run.stderr
             if "Final:" in out or "Connection refused" not in out:
                 break
@@ -151,6 +152,35 @@ def lat(fn, n: int) -> tuple[float, float]:
     return float(np.percentile(ts, 50) * 1e6), float(np.percentile(ts, 99) * 1e6)
 
 
+def lanes_round(protocol: str, sizes: list[int], lanes: int, ekw: dict) -> dict:
+    """Bandwidth only, default paths, with the transfer striped over `lanes` workers."""
+    Engine = _import_engine()
+    kw = {**ekw, "num_lanes": lanes}
+    srv = Server({"protocol": protocol, "devices": ["lo"], "name": "bench-server", **kw}, max(sizes))
+    out: dict = {"bw": {}, "lat": {}}
+    try:
+        buf = np.ones(max(sizes), dtype=np.uint8)
+        for mode, wmode in (("auto", "auto"), ("get", "put")):
+            eng = Engine(protocol=protocol, devices=["lo"], name="bench-lanes", read_mode=mode,
+                         write_mode=wmode, **kw)
+            eng.register(buf)
+            peer = eng.connect(srv.address)
+            rr = eng.import_remote(peer, *srv.regions["arena"])
+            if mode == "get" and protocol == "tcp":
+                mode = "skip"  # tcp get is emulated: striping it says nothing
+            addr = buf.ctypes.data
+            if mode != "skip":
+                out["bw"][f"read_{rr.read_path}_l{lanes}"] = {
+                    fmt_size(s): bw(lambda s=s: eng.read([(rr, 0, addr, s)]), s) for s in sizes}
+            if rr.write_path == "put":
+                out["bw"][f"write_put_l{lanes}"] = {
+                    fmt_size(s): bw(lambda s=s: eng.write([(rr, 0, addr, s)]), s) for s in sizes}
+            eng.close()
+    finally:
+        srv.close()
+    return out
+
+
 def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: dict, lat_iters: int) -> dict:
     Engine = _import_engine()
     maxsize = max(sizes)
@@ -168,8 +198,6 @@ def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: di
             user = eng.import_remote(peer, *srv.regions["user"])
             addr = buf.ctypes.data
             targets = {"arena": arena}
-            if mode != "auto" or arena.read_path != "memcpy":
-                pass
             if mode == "auto" and arena.read_path == "memcpy":
                 targets["user"] = user  # not mapped: auto picks get/push for it
             for tname, rr in targets.items():
@@ -187,8 +215,6 @@ def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: di
                 out["lat"]["rpc_cpp_64B"] = lat(lambda: eng.call(peer, 100, b"x" * 64), lat_iters)
                 out["lat"]["rpc_py_64B"] = lat(lambda: eng.call(peer, 1, b"x" * 64), lat_iters)
                 out["lat"]["rpc_py_4KiB"] = lat(lambda: eng.call(peer, 1, b"x" * 4096), lat_iters)
-            if mode == "get" and arena.write_path != "put":
-                pass
             reg.close()
             eng.close()
         # forced put (for shm, where auto writes with memcpy)
@@ -206,13 +232,24 @@ def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: di
 
 
 def perftest_round(tls: str, sizes: list[int], port: int, lat_iters: int) -> dict:
-    out: dict = {"bw": {"perftest_put": {}, "perftest_get": {}}, "lat": {}}
+    """Busy-polling perftest (its best case), plus its sleep mode ("-E sleep": both sides
+    wait in epoll like the engine's progress threads) for sizes >= 1 MiB and latency."""
+    out: dict = {"bw": {"perftest_put": {}, "perftest_get": {}, "perftest_put_sleep": {},
+                        "perftest_get_sleep": {}}, "lat": {}}
     for s in sizes:
         iters = max(20, min(20000, (512 << 20) // s))
         out["bw"]["perftest_put"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, port)["gbps"]
         out["bw"]["perftest_get"][fmt_size(s)] = perftest(tls, "ucp_get", s, iters, port)["gbps"]
+        if s >= 1 << 20:
+            sl = ("-E", "sleep")
+            out["bw"]["perftest_put_sleep"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, port, sl)["gbps"]
+            out["bw"]["perftest_get_sleep"][fmt_size(s)] = perftest(tls, "ucp_get", s, iters, port, sl)["gbps"]
+    for k in [k for k, v in out["bw"].items() if not v]:
+        del out["bw"][k]
     one_way = perftest(tls, "ucp_am_lat", 64, lat_iters * 5, port)["lat_us"]
     out["lat"]["perftest_am_rtt_64B"] = (2 * one_way, 2 * one_way)
+    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters, port, ("-E", "sleep"))["lat_us"]
+    out["lat"]["perftest_am_rtt_64B_sleep"] = (2 * one_way, 2 * one_way)
     return out
 
 
@@ -268,7 +305,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="4k,64k,1m,4m,16m,64m")
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--lat-iters", type=int, default=2000)
-    ap.add_argument("--engine", default="{}", help="JSON engine kwargs for both sides (e.g. num_lanes)")
+    ap.add_argument("--engine", default="{}", help="JSON engine kwargs for both sides (e.g. spin_us)")
+    ap.add_argument("--lanes", default="2", help="extra lane counts to measure (sizes >= 1 MiB); '' for none")
     ap.add_argument("--no-perftest", action="store_true")
     ap.add_argument("--out", default="transport_raw")
     args = ap.parse_args()
@@ -294,10 +332,25 @@ def main() -> None:
             eng = engine_round(proto, sizes, ekw, ekw, args.lat_iters)
             rd["bw"].update(eng["bw"])
             rd["lat"].update(eng["lat"])
+            big = [s for s in sizes if s >= 1 << 20]
+            for lanes in [int(x) for x in args.lanes.split(",") if x.strip()]:
+                if big:
+                    rd["bw"].update(lanes_round(proto, big, lanes, ekw)["bw"])
             rounds.append(rd)
             print(f"[{proto}] round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", flush=True)
         results["transports"][proto] = merge(rounds)
     results["load_avg_end"] = os.getloadavg()
+    # Ratios at each size: engine path / perftest (put for writes, get for reads), from medians.
+    for proto, res in results["transports"].items():
+        ratios: dict = {}
+        for key, series in res["bw"].items():
+            if key.startswith("perftest"):
+                continue
+            ref = res["bw"].get("perftest_put" if key.startswith("write") else "perftest_get")
+            if ref:
+                ratios[key] = {s: round(v["median"] / ref[s]["median"], 2) for s, v in series.items()
+                               if s in ref and ref[s]["median"] > 0}
+        res["ratio_vs_perftest"] = ratios
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"{args.out}.png")
@@ -307,6 +360,9 @@ def main() -> None:
         for key, series in res["bw"].items():
             cells = "  ".join(f"{s}:{v['median']:.2f}[{v['min']:.2f}-{v['max']:.2f}]" for s, v in series.items())
             print(f"{key:18s} {cells}")
+        print(f"-- {proto} ratio vs perftest (put for writes, get for reads)")
+        for key, series in res.get("ratio_vs_perftest", {}).items():
+            print(f"{key:18s} " + "  ".join(f"{s}:{v:.2f}" for s, v in series.items()))
         print(f"-- {proto} latency (us)")
         for key, v in res["lat"].items():
             print(f"{key:24s} p50 {v['p50_us']:.1f} [{v['p50_range'][0]:.1f}-{v['p50_range'][1]:.1f}]  "
