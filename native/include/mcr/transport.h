@@ -26,6 +26,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -187,6 +188,9 @@ class Peer {
   std::map<std::string, std::shared_ptr<RemoteRegion>> rr_cache_;
   // owner side of the push path: the reader's unpacked rkeys, per lane (under Lane::mu)
   std::vector<std::map<std::string, void*>> push_rkeys_;
+  // UCX requests in flight to this peer (rma.cpp XferCtx), failed early if it dies.
+  std::mutex xfer_mu_;
+  std::unordered_set<void*> xfers_;
 };
 
 // A remote region imported from a packed rkey.

@@ -428,7 +428,10 @@ void EngineCore::close() {
     for (auto& kv : peers) all.push_back(kv.second);
     peers.clear();
   }
-  for (auto& p : all) p->dead_.store(true);
+  for (auto& p : all) {
+    p->dead_.store(true);
+    orphan_xfers(p.get(), "engine '" + cfg.name + "' closed");
+  }
   for (auto& l : lanes) {
     if (!l->worker) continue;
     std::lock_guard<std::mutex> g(l->mu);

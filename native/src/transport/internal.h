@@ -202,6 +202,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void post_push(Lane* lane, const std::shared_ptr<Peer>& peer, const std::string& rkey,
                  std::vector<Extent> ext, const std::shared_ptr<Op>& op,
                  std::function<void(Code)> on_reply);
+  void orphan_xfers(Peer* peer, const std::string& msg);  // peer died: fail its transfers
   void serve_push_locked(Lane* lane, const std::shared_ptr<Peer>& peer, const PushHdr& hdr,
                          std::string body);
 

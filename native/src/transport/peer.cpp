@@ -290,6 +290,7 @@ void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {
     }
   }
   fail_pending_for(peer->uid_, Code::kUnreachable, msg);
+  orphan_xfers(peer, msg);
   if (!sp) return;  // already detached (engine closing)
   {
     std::lock_guard<std::mutex> g(sp->rr_mu_);

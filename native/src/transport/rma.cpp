@@ -27,6 +27,10 @@ struct PushRkey {
   int busy = 0;  // pushes in flight using it (not evicted while > 0)
 };
 
+// One UCX request of a transfer. Resources (staging piece, region reference) are held
+// until UCX hands the request back; the Op may be failed earlier (orphan_xfers, when the
+// peer dies: under error mode NONE, UCX never completes e.g. an emulated get whose
+// reply will not come).
 struct XferCtx {
   EngineCore* core;
   std::shared_ptr<Op> op;
@@ -36,12 +40,21 @@ struct XferCtx {
   int64_t stage_off = -1;
   uint64_t len = 0;
   uintptr_t copy_to = 0;             // read via staging: the user's destination
+  std::shared_ptr<Peer> peer;        // set while registered in peer->xfers_
+  std::atomic<int> state{0};         // 0 running, 1 completed by UCX, 2 orphaned
 };
 
 void finish_xfer(XferCtx* x, ucs_status_t st) {
+  if (x->peer) {
+    std::lock_guard<std::mutex> g(x->peer->xfer_mu_);
+    x->peer->xfers_.erase(x);
+  }
+  int expected = 0;
+  const bool orphaned = !x->state.compare_exchange_strong(expected, 1);
   Code code = st == UCS_OK ? Code::kOk : code_from_ucs(st);
+  if (code != Code::kOk && x->core->closing.load()) code = Code::kShutdown;  // we cancelled it
   if (x->stage_off >= 0) {
-    if (code == Code::kOk && x->copy_to && x->op->enter_copy()) {
+    if (!orphaned && code == Code::kOk && x->copy_to && x->op->enter_copy()) {
       memcpy(reinterpret_cast<void*>(x->copy_to),
              reinterpret_cast<char*>(x->core->staging.region()->addr()) + x->stage_off, x->len);
       x->op->exit_copy();
@@ -50,6 +63,10 @@ void finish_xfer(XferCtx* x, ucs_status_t st) {
   }
   if (x->region) x->region->inflight_sub();
   x->lane->outstanding.fetch_sub(1);
+  if (orphaned) {  // the op was failed already
+    delete x;
+    return;
+  }
   std::string msg;
   if (code != Code::kOk) {
     msg = ucs_msg("transfer", st);
@@ -80,6 +97,10 @@ void post_locked(Kind kind, void* ep, void* rkey, uint64_t raddr, void* laddr, v
   }
   x->op->add_pending();
   x->lane->outstanding.fetch_add(1);
+  if (x->peer) {  // registered before posting: the completion may run before we return
+    std::lock_guard<std::mutex> g(x->peer->xfer_mu_);
+    x->peer->xfers_.insert(x);
+  }
   auto e = static_cast<ucp_ep_h>(ep);
   auto rk = static_cast<ucp_rkey_h>(rkey);
   void* r;
@@ -128,6 +149,19 @@ void on_push_flushed(void* req, ucs_status_t st, void* user) {
 }
 
 }  // namespace
+
+void EngineCore::orphan_xfers(Peer* peer, const std::string& msg) {
+  std::vector<std::shared_ptr<Op>> fail;
+  {
+    std::lock_guard<std::mutex> g(peer->xfer_mu_);
+    for (void* p : peer->xfers_) {
+      auto* x = static_cast<XferCtx*>(p);
+      int expected = 0;
+      if (x->state.compare_exchange_strong(expected, 2)) fail.push_back(x->op);
+    }
+  }
+  for (auto& op : fail) op->sub_done(closing.load() ? Code::kShutdown : Code::kUnreachable, msg);
+}
 
 void destroy_push_rkey(void* entry) {
   auto* e = static_cast<PushRkey*>(entry);
@@ -289,7 +323,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
                         const std::shared_ptr<Region>& region, int64_t stage_off,
                         uintptr_t copy_to) {
     Lane* lane = lanes[li].get();
-    auto* x = new XferCtx{this, op, lane, nullptr, rrp, stage_off, len, copy_to};
+    auto* x = new XferCtx{this, op, lane, nullptr, rrp, stage_off, len, copy_to, rrp->peer_};
     void* memh = nullptr;
     if (stage_off >= 0) {
       memh = staging.region()->memh();
@@ -415,7 +449,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
   }
   for (auto& f : to_flush) {
     Lane* lane = lanes[f.second].get();
-    auto* x = new XferCtx{this, op, lane, nullptr, nullptr, -1, 0, 0};
+    auto* x = new XferCtx{this, op, lane, nullptr, nullptr, -1, 0, 0, f.first};
     std::lock_guard<std::mutex> g(lane->mu);
     void* ep = f.first->eps_[f.second];
     if (!ep) {
