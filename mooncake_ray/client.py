@@ -84,6 +84,9 @@ class Client:
         self._nodes_lock = threading.Lock()
         self._regions: dict[int, Any] = {}
         self._metrics = ClientMetrics()
+        self._releases: list = []  # [key, gen, lease] of finished reads
+        self._release_lock = threading.Lock()
+        self._release_timer: threading.Timer | None = None
         self._moved = 0  # bytes moved by the call being timed (per thread is not needed: metrics only)
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
@@ -253,6 +256,7 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
+        self._flush_releases()
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -449,11 +453,12 @@ class Client:
     def _get_round(self, keys, dsts, todo, results, last: bool) -> list[int]:
         """One lookup + read round for ``todo``; returns indices to retry."""
         t0 = time.monotonic()
-        descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here)
+        descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here, self._take_releases())
         promote = [(i, keys[i], d[1], d[0], d[3][0]) for i, d in zip(todo, descs)
                    if d is not None and not rpc.is_err(d) and d[3] and d[3][0][1] == PROMOTE]
         failed_promotions = self._promote_many(promote) if promote else {}
         reads = []  # (index, size, replicas, dst_addr, keep)
+        mine = []
         for i, d in zip(todo, descs):
             if i in failed_promotions:
                 results[i] = failed_promotions[i]
@@ -464,7 +469,8 @@ class Client:
             if rpc.is_err(d):
                 results[i] = rpc.to_exc(d)
                 continue
-            size, gen, ttl, reps = d
+            size, gen, ttl, reps, lease = d
+            mine.append([keys[i], gen, lease])  # released once this round's copies are done
             if dsts is None:
                 out, addr = new_bytes(size)
                 reads.append((i, size, reps, addr, out, ttl))
@@ -508,12 +514,39 @@ class Client:
                     results[r[0]] = LeaseExpiredError(f"read of {keys[r[0]]!r} outlived its lease")
                 else:
                     retry.append(r[0])
+        with self._release_lock:
+            self._releases.extend(mine)
+        self._schedule_release_flush()
         for r in reads:
             res = results[r[0]]
             if isinstance(res, (NodeUnavailableError, TransferError)):
                 # Every replica failed: a node died. A clean miss, never wrong bytes.
                 results[r[0]] = ObjectNotFoundError(f"{keys[r[0]]!r} was lost with its store node ({res})")
         return retry
+
+    # Read leases are released as soon as the copy is done, piggybacked on the next GET
+    # (or flushed by a timer when no GET follows), so a lease lasts as long as the read,
+    # not lease_ttl_s: otherwise a scan over more data than DRAM holds stalls on leases.
+    def _take_releases(self) -> list:
+        if not self._releases:
+            return []
+        with self._release_lock:
+            out, self._releases = self._releases, []
+        return out
+
+    def _schedule_release_flush(self) -> None:
+        if self._release_timer is None or not self._release_timer.is_alive():
+            self._release_timer = threading.Timer(0.05, self._flush_releases)
+            self._release_timer.daemon = True
+            self._release_timer.start()
+
+    def _flush_releases(self) -> None:
+        done = self._take_releases()
+        if done and not self._closed:
+            try:
+                self._master.call(rpc.RELEASE, done)
+            except MooncakeRayError:
+                pass  # the leases expire by themselves
 
     def _promote_many(self, items) -> dict[int, Exception]:
         """Have the nodes holding disk copies read them into the DRAM extents the master
@@ -567,18 +600,19 @@ class Client:
 
 
 class _Backoff:
-    """Sleeps growing from 1 ms to 50 ms, until ``limit_s`` has passed."""
+    """Sleeps growing from 0.2 ms to 20 ms, until ``limit_s`` has passed (an offload of a
+    few MiB finishes in about a millisecond, so start short)."""
 
     def __init__(self, limit_s: float):
         self._deadline = time.monotonic() + limit_s
-        self._delay = 0.001
+        self._delay = 0.0002
 
     def expired(self) -> bool:
         return time.monotonic() >= self._deadline
 
     def sleep(self) -> None:
         time.sleep(self._delay)
-        self._delay = min(self._delay * 2, 0.05)
+        self._delay = min(self._delay * 1.5, 0.02)
 
 
 class _Sized:

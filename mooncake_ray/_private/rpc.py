@@ -45,6 +45,7 @@ REPORT_UNREACHABLE = 11
 PING = 12
 OFFLOAD_DONE = 13
 PROMOTE_DONE = 14
+RELEASE = 15
 
 
 def pack(obj: Any) -> bytes:

@@ -139,7 +139,7 @@ class Sim:
                         if tier == "promote":
                             self.promotions.append((node_id, key, got[1], off))
                     self.leases[key] = (got[1], self.clock.t + got[2],
-                                        {rep[0]: self.losses.get(rep[0], 0) for rep in got[3]})
+                                        {rep[0]: self.losses.get(rep[0], 0) for rep in got[3]}, got[4])
             elif r < 0.62:
                 force = rng.random() < 0.3
                 if m.remove(key, force=force) and force:
@@ -178,6 +178,10 @@ class Sim:
                 self.pending.clear()
             elif r < 0.94:
                 m.report_unreachable(rng.choice(list(self.incs)))
+            elif r < 0.98 and self.leases:  # a reader finished: release its lease
+                k = rng.choice(sorted(self.leases))
+                gen, _until, _seen, lease = self.leases.pop(k)
+                m.release(k, gen, lease)
         except MooncakeRayError:
             pass
         self.deliver()
@@ -186,12 +190,16 @@ class Sim:
         m = self.m
         m.check_invariants()
         now = self.clock.t
-        for key, (gen, until, seen) in list(self.leases.items()):
+        for key, (gen, until, seen, _lease) in list(self.leases.items()):
             if until <= now or key in self.forced:
                 self.leases.pop(key)
                 self.forced.discard(key)
                 continue
-            if not m.exists(key):  # only a forced remove or the loss of its nodes may take it
+            cur = m._objects.get(key)
+            if cur is not None and cur.gen != gen:
+                self.leases.pop(key)  # replaced by an upsert: the old extents wait out the lease
+                continue
+            if cur is None:  # only a forced remove or the loss of its nodes may take it
                 lost = any(self.losses.get(n, 0) > c for n, c in seen.items())
                 assert lost, f"leased {key} gen {gen} vanished while its nodes lived"
         for node_id, inv in self.inv.items():

@@ -52,7 +52,7 @@ def test_two_phase_put_is_invisible_until_end():
     assert not m.exists("a") and m.get("a") is None
     m.put_end("a", gen)
     m.put_end("a", gen)  # idempotent
-    size, g, ttl, reps = m.get("a")
+    size, g, ttl, reps, _lease = m.get("a")
     assert (size, g) == (10, gen) and reps[0][0] == ext[0][0]
     m.check_invariants()
 
@@ -105,7 +105,7 @@ def test_local_first_prefers_callers_node():
     for i in range(5):
         _, ext = put(m, f"k{i}", client_node="ray2")
         assert ext[0][0] == "n2"
-    _, _, _, reps = m.get("k0", client_node="ray2")
+    _, _, _, reps, _ = m.get("k0", client_node="ray2")
     assert reps[0][0] == "n2"
 
 
@@ -332,3 +332,24 @@ def test_put_start_retry_by_same_owner_is_idempotent():
         m.put_start("k", K, owner="c2")
     m.put_end("k", a[0])
     m.check_invariants()
+
+
+def test_released_leases_end_at_once_and_release_is_idempotent():
+    m, clock = make(n_nodes=1, lease_ttl_s=10)
+    put(m, "a")
+    *_, l1 = m.get("a")
+    *_, l2 = m.get("a")
+    gen = m.get("a")[1]
+    m.release("a", gen, l1)
+    m.release("a", gen, l1)  # a retried release does not end the other readers' leases
+    with pytest.raises(ObjectLeasedError):
+        m.remove("a")
+    m.release("a", gen, l2)
+    m.release("a", gen, l2 + 1)  # the third get's lease
+    assert m.remove("a")  # no reader left: no need to wait for expiry
+
+
+def test_random_strategy_spreads_over_nodes():
+    m, _ = make(n_nodes=3, allocation_strategy="random")
+    nodes = {put(m, f"k{i}")[1][0][0] for i in range(30)}
+    assert nodes == {"n0", "n1", "n2"}

@@ -62,7 +62,7 @@ def test_get_of_disk_object_promotes_it():
     with pytest.raises(NoCapacityError):
         m.put_start("e", K)
     offload_all(m)
-    size, gen, _, reps = m.get("a")
+    size, gen, _, reps, _ = m.get("a")
     (node, tier, off, ln), = reps
     assert tier == "promote" and node == "n"
     assert m.get("a")[3] == reps  # a second reader shares the promotion
@@ -81,7 +81,7 @@ def test_corrupt_disk_copy_becomes_a_miss():
     with pytest.raises(NoCapacityError):
         m.put_start("e", K)
     offload_all(m)
-    _, gen, _, ((_, _, off, _),) = m.get("a")
+    _, gen, _, ((_, _, off, _),), _ = m.get("a")
     m.promote_done("n", [("a", gen, off, "ChecksumError")])
     assert not m.exists("a")
     m.check_invariants()

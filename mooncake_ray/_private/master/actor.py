@@ -59,7 +59,8 @@ class MasterActor:
             rpc.PUT_START: self._put_start,
             rpc.PUT_END: lambda items: rpc.per_key(self.state.put_end, items),
             rpc.PUT_REVOKE: lambda items: rpc.per_key(self.state.put_revoke, items),
-            rpc.GET: lambda keys, client_node=None: rpc.per_key(self.state.get, keys, client_node),
+            rpc.GET: self._get,
+            rpc.RELEASE: self._release,
             rpc.EXISTS: lambda keys: [self.state.exists(k) for k in keys],
             rpc.REMOVE: lambda keys, force=False: rpc.per_key(self.state.remove, keys, force),
             rpc.REMOVE_PREFIX: lambda prefix, force=False: self.state.remove_prefix(prefix, force),
@@ -82,6 +83,15 @@ class MasterActor:
             return self.state.put_start(key, size, replicas, client_node, owner, upsert)
 
         return rpc.per_key(one, items)
+
+    def _release(self, done) -> None:
+        for key, gen, lease in done:
+            self.state.release(key, gen, lease)
+
+    def _get(self, keys, client_node=None, done=None):
+        if done:  # leases of the caller's finished reads, piggybacked
+            self._release(done)
+        return rpc.per_key(self.state.get, keys, client_node)
 
     def _on_rpc(self, data: bytes) -> bytes:
         with self._lock:

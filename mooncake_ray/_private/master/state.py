@@ -98,6 +98,7 @@ class MasterState(TieringMixin):
         self._deferred: list[tuple[float, str, str, int, int]] = []  # (until, incarnation, node, off, len)
         self._effects: dict[str, NodeDelta] = {}
         self._next_gen = 0
+        self._next_lease = 0
         self._expected: set[str] = set()
         self._recovery_deadline = 0.0
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
@@ -287,9 +288,7 @@ class MasterState(TieringMixin):
         self._pending[key] = obj
         for r in placed:
             self._nodes[r.node_id].keys.add(key)
-            alloc = self._alloc[r.node_id]
-            if alloc.used > self.policy.high_watermark * alloc.capacity:
-                self._evict(r.node_id, 0, now)  # one batch of evict_ratio * capacity
+            self._watermark(r.node_id, now)
         return obj.gen, [(r.node_id, r.offset, r.length) for r in placed]
 
     def put_end(self, key: str, gen: int) -> None:
@@ -339,8 +338,9 @@ class MasterState(TieringMixin):
     def get(self, key: str, client_node: str | None = None):
         """Descriptors of a stored value, with a read lease.
 
-        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length), ...])`` with
-        the caller's local replica first, or ``None`` on a miss (a miss is a value).
+        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length), ...], lease)``
+        with the caller's local replica first, or ``None`` on a miss (a miss is a value).
+        Release the lease with ``release(key, gen, lease)`` once the bytes are copied.
         """
         self._ready()
         obj = self._objects.get(key)
@@ -349,20 +349,45 @@ class MasterState(TieringMixin):
             return None
         now = self._clock()
         ttl = self.policy.lease_ttl_s
+        # Lease first: a promotion below may evict, and must not evict this object.
+        until = obj.lease_until
+        if until <= now or obj.leases is None:
+            obj.leases = set()  # earlier leases expired, released or not
+        self._next_lease += 1
+        lease = self._next_lease
+        obj.leases.add(lease)
+        obj.lease_until = max(until, now + ttl)
+        self._lru.touch(key)
         reps = [r for r in obj.replicas if r.tier is Tier.DRAM and r.ready]
         if reps:
             self.counters["hits"] += 1
             tier = Tier.DRAM.value
-        else:  # only on disk: promote it into DRAM (may raise NoCapacityError: retryable)
-            reps = [self._promotion(obj, client_node, now)]
+        else:  # only on disk: promote it into DRAM (may raise OffloadPendingError: retryable)
+            try:
+                reps = [self._promotion(obj, client_node, now)]
+            except OffloadPendingError:
+                obj.leases.discard(lease)
+                if not obj.leases:
+                    obj.lease_until = until
+                raise
             self.counters["disk_hits"] += 1
             tier = PROMOTE
-        obj.lease_until = max(obj.lease_until, now + ttl)
-        self._lru.touch(key)
         if client_node and len(reps) > 1:
             reps = sorted(reps, key=lambda r: (r.node_id != client_node and
                                                self._nodes[r.node_id].ray_node_id != client_node))
-        return obj.size, obj.gen, ttl, [(r.node_id, tier, r.offset, r.length) for r in reps]
+        return obj.size, obj.gen, ttl, [(r.node_id, tier, r.offset, r.length) for r in reps], lease
+
+    def release(self, key: str, gen: int, lease: int) -> None:
+        """A reader is done with lease ``lease`` on ``key``/``gen``. When the last one is
+        released the lease ends at once instead of at its expiry, so a scan over a
+        working set larger than DRAM never waits for leases. Idempotent (a lease id is
+        released once; retrying after a lost reply is safe)."""
+        obj = self._objects.get(key)
+        if obj is None or obj.gen != gen or not obj.leases:
+            return
+        obj.leases.discard(lease)
+        if not obj.leases:
+            obj.lease_until = min(obj.lease_until, self._clock())
 
     def exists(self, key: str) -> bool:
         self._ready()
@@ -464,7 +489,16 @@ class MasterState(TieringMixin):
         got = alloc.allocate(size)
         while got is None and self._evict(node_id, size, now):
             got = alloc.allocate(size)  # eviction frees bytes, not always a contiguous run
+        if got is not None:
+            self._watermark(node_id, now)
         return got
+
+    def _watermark(self, node_id: str, now: float) -> None:
+        """Past the high watermark, evict (or start offloading) one batch, so the next
+        allocations find room without waiting."""
+        alloc = self._alloc[node_id]
+        if alloc.used > self.policy.high_watermark * alloc.capacity:
+            self._evict(node_id, 0, now)  # one batch of evict_ratio * capacity
 
     # ---------------------------------------------------------------- internals --
     def _drop_object(self, obj: Obj, now: float) -> None:

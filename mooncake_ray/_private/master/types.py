@@ -40,6 +40,7 @@ class Obj:
     replicas: list[Replica]
     complete: bool = False
     lease_until: float = 0.0
+    leases: set | None = None  # ids of leases granted and not released (a dead reader's expire)
     pin: Pin = Pin.NONE
     pin_until: float = 0.0
     put_deadline: float = 0.0
