@@ -286,7 +286,8 @@ def plot(result: dict, png: str) -> None:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'size':>8} | {'metric':<20} | {'ours':>18} | {'pread/pwrite':>18} | {'fio':>18} | ours/fio")
+    print("\nmedian [min-max] over rounds; ours/fio: per-round ratio (GB/s: >1 is faster; ms: >1 is slower)")
+    print(f"{'size':>8} | {'metric':<20} | {'ours':>18} | {'pread/pwrite':>18} | {'fio':>18} | ours/fio")
     for r in result["sizes"]:
         label = f"{r['size'] // KiB} KiB"
         fio_of = {"write_cold_gbps": "write_gbps", "write_reuse1_gbps": "write_gbps",
@@ -320,7 +321,7 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     total = parse_size(args.total)
     os.makedirs(args.dir, exist_ok=True)
-    fs = subprocess.run(["stat", "-f", "-c", "%T", args.dir], capture_output=True, text=True).stdout.strip()
+    fs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", args.dir], capture_output=True, text=True).stdout.strip()
     if fs in ("tmpfs", "ramfs"):
         print(f"warning: {args.dir} is {fs}, not a disk", file=sys.stderr)
     src_map, src = populated(total + 16 * MiB)

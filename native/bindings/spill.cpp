@@ -37,11 +37,11 @@ void bind_spill(nb::module_& m) {
       .def(
           "__init__",
           [](Tier* t, const std::string& dir, uint64_t cap, unsigned qd, bool uring,
-             uint64_t chunk) {
-            new (t) Tier(mcr::spill::Options{dir, cap, qd, uring, chunk});
+             uint64_t chunk, uint64_t compact_min) {
+            new (t) Tier(mcr::spill::Options{dir, cap, qd, uring, chunk, compact_min});
           },
           "directory"_a, "capacity_bytes"_a, "queue_depth"_a = 32, "use_uring"_a = true,
-          "chunk_bytes"_a = 256 << 10, Released())
+          "chunk_bytes"_a = 256 << 10, "tombstone_compact_min"_a = 1 << 16, Released())
       .def(
           "write",
           [](Tier& t, const std::string& key, uint64_t gen, uintptr_t src, uint64_t len) {
@@ -104,6 +104,7 @@ void bind_spill(nb::module_& m) {
       .def_prop_ro("num_keys", &Tier::num_keys)
       .def_prop_ro("degraded", &Tier::degraded)
       .def_prop_ro("uses_uring", &Tier::uses_uring)
+      .def("_inject_io_error", &Tier::inject_io_error, "write"_a, "err"_a, "count"_a = 1)
       .def("stats", [](const Tier& t) {
         mcr::spill::Stats s = t.stats();
         nb::dict d;
@@ -124,6 +125,7 @@ void bind_spill(nb::module_& m) {
         d["created_writes"] = s.created_writes;
         d["free_pool_files"] = s.pool_files;
         d["free_pool_bytes"] = s.pool_bytes;
+        d["tombstones"] = s.tombstones;
         return d;
       });
 

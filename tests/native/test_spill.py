@@ -52,7 +52,8 @@ def random_bytes(rng: np.random.Generator, n: int, align: int = 4096, offset: in
     return a
 
 
-def object_files(root: str) -> list[str]:
+def slot_files(root: str) -> list[str]:
+    """Every slot file (live objects and free slots)."""
     return sorted(
         os.path.join(root, d, f)
         for d in os.listdir(root)
@@ -62,16 +63,18 @@ def object_files(root: str) -> list[str]:
 
 
 def file_of(tier: SpillTier, key: str) -> str:
-    before = set(object_files(tier.directory))
-    assert before, "no object files"
-    # The file of `key` is the one whose header holds the key.
-    for path in before:
+    """The slot holding the current version of `key`: its header names the key, with the
+    largest seq (a free slot may still hold an older version's header)."""
+    best, best_seq = None, -1
+    for path in slot_files(tier.directory):
         with open(path, "rb") as f:
             head = f.read(8192)
         klen = int.from_bytes(head[12:16], "little")
-        if head[64 : 64 + klen] == key.encode():
-            return path
-    raise AssertionError(f"no file holds {key!r}")
+        seq = int.from_bytes(head[32:40], "little")
+        if head[:8] == b"MCRSPILL" and head[64 : 64 + klen] == key.encode() and seq > best_seq:
+            best, best_seq = path, seq
+    assert best, f"no file holds {key!r}"
+    return best
 
 
 @pytest.fixture
@@ -226,12 +229,14 @@ def test_overwrite_keeps_newest_and_recycles(tier):
     assert tier.used_bytes == used and tier.num_keys == 1
     d = buffer(b.size)
     assert tier.read("k", d.ctypes.data, d.size) == 2 and np.array_equal(d, b)
-    assert len(object_files(tier.directory)) == 1
+    assert len(slot_files(tier.directory)) == 2
     st = tier.stats()
-    assert st["free_pool_files"] == 1  # the old file, kept for the next write
+    assert st["free_pool_files"] == 1 and st["tombstones"] == 1  # the old slot, kept
     tier.write("k2", 3, a.ctypes.data, a.size)
     assert tier.stats()["recycled_writes"] == 1 and tier.stats()["free_pool_files"] == 0
+    assert len(slot_files(tier.directory)) == 2  # no file created
     assert tier.read("k2", d.ctypes.data, d.size) == 3 and np.array_equal(d, a)
+    assert tier.read("k", d.ctypes.data, d.size) == 2 and np.array_equal(d, b)
 
 
 def test_read_errors(tier):
@@ -255,10 +260,10 @@ def test_capacity_limit(spill_dir):
     a = buffer(600 * KiB)
     with SpillTier(spill_dir, MiB) as t:
         t.write("a", 1, a.ctypes.data, a.size)
-        files = object_files(spill_dir)
+        files = slot_files(spill_dir)
         with pytest.raises(SpillError, match="capacity"):
             t.write("b", 1, a.ctypes.data, a.size)
-        assert object_files(spill_dir) == files and not t.contains("b")
+        assert slot_files(spill_dir) == files and not t.contains("b")
         assert t.degraded is None  # a full tier is not a broken one
         res = t.write_many([("c", 1, a.ctypes.data, 100 * KiB), ("d", 1, a.ctypes.data, 600 * KiB)])
         assert res[0] is None and isinstance(res[1], SpillError)
@@ -269,8 +274,7 @@ def test_capacity_limit(spill_dir):
         # pool files count against the capacity: the disk never holds more than capacity
         t.remove("b")
         t.write("e", 1, a.ctypes.data, 300 * KiB)
-        on_disk = sum(os.path.getsize(p) for p in object_files(spill_dir))
-        on_disk += sum(os.path.getsize(os.path.join(spill_dir, "free", f)) for f in os.listdir(os.path.join(spill_dir, "free")))
+        on_disk = sum(os.path.getsize(p) for p in slot_files(spill_dir))
         assert on_disk <= t.capacity_bytes
 
 
@@ -371,9 +375,49 @@ def test_scan_after_reopen_finds_exactly_the_valid_objects(spill_dir):
             d = buffer(srcs[k].size, offset=1)
             assert t.read(k, d.ctypes.data, d.size) == gens[k]
             assert np.array_equal(d, srcs[k])
-        assert len(object_files(spill_dir)) == len(expect) + 1  # + not-ours.txt
+        # + the slots of obj/1 (removed) and of obj/0's first version, free; + not-ours.txt
+        assert t.stats()["free_pool_files"] == 2
+        assert len(slot_files(spill_dir)) == len(expect) + 2 + 1
         assert os.path.exists(os.path.join(spill_dir, "0", "not-ours.txt"))
         assert t.used_bytes == sum(4096 + -(-srcs[k].size // 4096) * 4096 for k in expect)
+
+
+def test_removed_object_stays_removed_after_restart(spill_dir):
+    """A removed object's slot keeps its (valid) header until reused; the tombstone keeps
+    it from coming back, also when a reuse of the slot was cut short."""
+    rng = np.random.default_rng(19)
+    a = random_bytes(rng, 200 * KiB)
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        t.write("gone", 1, a.ctypes.data, a.size)
+        t.write("kept", 2, a.ctypes.data, a.size)
+        path = file_of(t, "gone")
+        t.remove("gone")
+    # a later write into that slot that died after its data, before its header
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(os.urandom(100 * KiB))
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        assert [k for k, _, _ in t.scan()] == ["kept"]
+        assert t.stats()["free_pool_files"] == 1
+        t.write("new", 3, a.ctypes.data, a.size)  # reuses the slot
+        assert t.stats()["recycled_writes"] == 1
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        assert sorted(k for k, _, _ in t.scan(verify_data=True)) == ["kept", "new"]
+
+
+def test_tombstone_log_is_compacted(spill_dir):
+    a = buffer(4096)
+    a[:] = 9
+    with SpillTier(spill_dir, GiB, tombstone_compact_min=64) as t:
+        for rnd in range(6):  # 600 overwrites of a few keys: 600 tombstones written
+            assert t.write_many([(f"k{i % 4}", rnd * 100 + i, a.ctypes.data, a.size) for i in range(100)]) == [None] * 100
+        st = t.stats()
+        # without compaction 600; with it, a few times the free pool (<= 32 + 4 slots)
+        assert st["tombstones"] < 300 and st["free_pool_files"] <= 36
+        size = os.path.getsize(os.path.join(spill_dir, "TOMBSTONES"))
+        assert size == 16 + 8 * st["tombstones"]
+    with SpillTier(spill_dir, GiB, tombstone_compact_min=64) as t:
+        assert sorted(t.scan()) == [(f"k{i}", 500 + 96 + i, 4096) for i in range(4)]
 
 
 def test_one_tier_per_directory(spill_dir):
@@ -412,7 +456,7 @@ def test_enospc_on_a_full_filesystem():
         assert t.degraded and "space" in t.degraded.lower()
         assert len(written) > 10
         # no partial file left behind, the rest is intact
-        assert len(object_files(t.directory)) == len(written) == t.num_keys
+        assert len(slot_files(t.directory)) == len(written) == t.num_keys
         with pytest.raises(SpillError, match="degraded"):
             t.write("after", 0, src.ctypes.data, src.size)
         dsts = [buffer(src.size) for _ in written]
@@ -443,6 +487,33 @@ def test_directory_removed_under_the_tier(spill_dir):
     t.write("k3", 0, a.ctypes.data, a.size)
     assert t.read("k3", a.ctypes.data, a.size) == 0
     t.close()
+
+
+def test_io_errors_degrade_without_losing_data(tier):
+    """EIO (injected at completion, as a failing disk reports it): a failed write leaves no
+    file behind and degrades the tier; a failed read is an error, not a corrupt object."""
+    import errno
+
+    rng = np.random.default_rng(23)
+    src = random_bytes(rng, 3 * CHUNK + 10)
+    tier.write("ok", 1, src.ctypes.data, src.size)
+    files = slot_files(tier.directory)
+    tier._inject_io_error("write", errno.EIO)
+    with pytest.raises(SpillError, match="Input/output error") as ei:
+        tier.write("bad", 2, src.ctypes.data, src.size)
+    assert not isinstance(ei.value, ChecksumError)
+    assert slot_files(tier.directory) == files and not tier.contains("bad")
+    assert tier.degraded and "Input/output" in tier.degraded
+    assert tier.used_bytes == 4096 + -(-src.size // 4096) * 4096
+    d = buffer(src.size)
+    tier._inject_io_error("read", errno.EIO)
+    with pytest.raises(SpillError, match="Input/output error") as ei:
+        tier.read("ok", d.ctypes.data, d.size)
+    assert not isinstance(ei.value, ChecksumError) and tier.contains("ok")
+    assert tier.read("ok", d.ctypes.data, d.size) == 1 and np.array_equal(d, src)
+    assert tier.recover() and tier.degraded is None
+    tier.write("bad", 2, src.ctypes.data, src.size)
+    assert tier.stats()["write_errors"] == 1 and tier.stats()["read_errors"] == 1
 
 
 # ---- concurrency ----------------------------------------------------------------------------------

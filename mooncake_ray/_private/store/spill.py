@@ -8,21 +8,24 @@ is opened again.
 
 On-disk layout (format version 1)::
 
-    <directory>/LOCK                              flock: one SpillTier per directory
-    <directory>/free/<id:016x>                    free pool: files of removed objects
-    <directory>/<h>/<hash:016x>-<seq:016x>        h: top hex digit of a 64-bit hash of the key
+    <directory>/LOCK                    flock: one SpillTier per directory
+    <directory>/TOMBSTONES              seqs of removed / superseded objects (8 bytes each)
+    <directory>/<h>/<slot:016x>         a slot file, h = slot & 15: an object, or free
         [0, H)        header: magic "MCRSPILL", version, generation, length, seq, write
                       time, CRC-32C of the data, the key, CRC-32C of the header; zero
                       padded to H = 4096 (8192 for keys over 4032 bytes)
         [H, H + L')   data, zero padded to L' = length rounded up to 4096
 
-A write fills a file (a free-pool file when one exists, else a new one) and publishes it
-under a never reused name (``seq``) only when all of its I/O completed; the header goes
-last (with the only chunk, or after all chunks), so a crash leaves either a valid file or
-one a scan deletes. Removing or overwriting a key moves the old file into the free pool
-instead of unlinking it, so later writes overwrite allocated blocks (the fast O_DIRECT
-path, what fio measures) and create no inodes. Pool files count against
-``capacity_bytes`` (they are deleted as needed to make room) but not in :attr:`used_bytes`.
+A write fills a slot (a free one when the pool has one, else a new file) and publishes it
+only when all of its I/O completed; the header goes last (with the only chunk, or after
+all chunks), so a crash leaves either a valid object or a slot a scan discards. Removing
+or overwriting a key appends the old version's seq to TOMBSTONES and keeps its slot in a
+free pool, so later writes overwrite allocated blocks (the fast O_DIRECT path, what fio
+measures) with no create, rename or unlink: on this machine's ext4 a create costs 0.3 ms
+and an unlink of 1 MiB 2 ms. Free slots count against ``capacity_bytes`` (they are
+deleted as needed to make room) but not in :attr:`used_bytes`. A tombstone is written
+with a buffered write: a killed process never brings a removed object back; after a
+power loss one may come back, and is then still checked like any other.
 
 Threads: every method may be called from any thread; the blocking ones release the GIL,
 so a store node can offload on a background thread while it serves. Policy (what to
@@ -67,6 +70,7 @@ class SpillTier:
             (see :attr:`uses_uring`).
         chunk_bytes: objects larger than this move as several I/Os of this size, so the
             checksum of one chunk overlaps the I/O of the next.
+        tombstone_compact_min: records in the tombstone log before it may be compacted.
 
     Raises:
         InvalidArgumentError: bad arguments, or a filesystem without O_DIRECT.
@@ -81,10 +85,16 @@ class SpillTier:
         use_uring: bool = True,
         *,
         chunk_bytes: int = 256 << 10,
+        tombstone_compact_min: int = 1 << 16,
     ) -> None:
         self._directory = str(directory)
         self._t = _native.SpillTier(
-            self._directory, int(capacity_bytes), int(queue_depth), bool(use_uring), int(chunk_bytes)
+            self._directory,
+            int(capacity_bytes),
+            int(queue_depth),
+            bool(use_uring),
+            int(chunk_bytes),
+            int(tombstone_compact_min),
         )
 
     # -- writes ------------------------------------------------------------------------
@@ -195,6 +205,13 @@ class SpillTier:
     @property
     def uses_uring(self) -> bool:
         return self._t.uses_uring
+
+    def _inject_io_error(self, kind: str, err: int, count: int = 1) -> None:
+        """Testing hook: the next ``count`` completed ``"read"`` or ``"write"`` I/Os fail
+        with ``err`` (an errno), as a failing disk would."""
+        if kind not in ("read", "write"):
+            raise ValueError(f"kind must be 'read' or 'write', got {kind!r}")
+        self._t._inject_io_error(kind == "write", int(err), int(count))
 
     def stats(self) -> dict[str, int]:
         """Counters: writes, reads, bytes, errors, checksum failures, latency sums (ns)."""

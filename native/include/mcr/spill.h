@@ -1,12 +1,13 @@
 // The disk (NVMe spill) tier of one store node: objects in files, io_uring + O_DIRECT.
 //
-// One file per object, named by a hash of the key and a sequence number that is unique
-// for the life of the directory (see spill_format.h for the layout). A write creates a new
-// file and publishes it in the in-memory index only when every byte is on disk; the file's
-// header, which carries the key and the CRC-32C of the data, is the commit marker. A read
-// checks the header and the CRC, so a corrupt, torn or truncated file is reported as
-// kChecksumMismatch (and deleted), never as data. After a restart the index is rebuilt from
-// the headers (scan()).
+// One file ("slot") per object (see spill_format.h for the layout). A write fills a free
+// slot or a new file and publishes it in the in-memory index only when every byte is on
+// disk; the slot's header, which carries the key, a sequence number and the CRC-32C of
+// the data, is the commit marker, written last. A read checks the header and the CRC, so
+// a corrupt, torn or truncated file is reported as kChecksumMismatch (and deleted), never
+// as data. Removed objects leave their slot to a free pool (and their seq to a tombstone
+// log) for later writes to overwrite. After a restart the index is rebuilt from the
+// headers and the tombstones (scan()).
 //
 // Threads: every public method may be called from any thread. A call takes an I/O context
 // (an io_uring with its aligned buffers) from a pool for its duration, so concurrent calls
@@ -31,6 +32,7 @@ struct Options {
   uint64_t chunk_bytes = 256 << 10;  // larger objects move as chunks this big, so the CRC
                                      // of chunk i+1 overlaps the I/O of chunk i (a single
                                      // 1 MiB write: p50 0.46 ms with 256 KiB, 0.59 with 1 MiB)
+  uint64_t tombstone_compact_min = 1 << 16;  // log records before compaction is considered
 };
 
 struct WriteRequest {
@@ -67,6 +69,7 @@ struct Stats {
   uint64_t recycled_writes = 0;        // writes that overwrote a free-pool file
   uint64_t created_writes = 0;         // writes that had to create (and allocate) a file
   uint64_t pool_files = 0, pool_bytes = 0;  // the free pool now
+  uint64_t tombstones = 0;                  // records in the tombstone log now
 };
 
 class Tier {
@@ -108,6 +111,10 @@ class Tier {
   std::optional<std::string> degraded() const;
   Stats stats() const;
   bool uses_uring() const;  // false when use_uring was off or the kernel refused io_uring
+
+  // Testing hook (targeted fault injection): the next `count` completed reads or writes
+  // report -err instead of their result, as a failing disk would.
+  void inject_io_error(bool write, int err, unsigned count);
   void close();
 
   struct Impl;

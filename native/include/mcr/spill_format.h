@@ -1,8 +1,10 @@
 // On-disk format of one spilled object (version 1). Internal to the spill tier.
 //
-//   <dir>/<h>/<hash:016x>-<seq:016x>       h = top hex digit of the key hash (16 subdirs)
-//   <dir>/free/<id:016x>                   free pool: files of removed objects, content stale
-//   <dir>/LOCK                             flock, one tier per directory
+//   <dir>/<h>/<slot:016x>      a slot file, h = slot & 15 (16 subdirs)
+//   <dir>/TOMBSTONES           seqs of objects removed or superseded (see below)
+//   <dir>/LOCK                 flock, one tier per directory
+//
+// A slot file holds one object or is free. Layout of an object:
 //
 //   offset 0            header: fixed part (64 B) + key, zero padded to 4 KiB blocks
 //   offset H            data (length bytes), zero padded to a multiple of 4 KiB
@@ -15,7 +17,7 @@
 //    12  u32      key_length (1..4096)
 //    16  u64      generation (the caller's)
 //    24  u64      data length
-//    32  u64      seq (the same as in the file name; larger = newer)
+//    32  u64      seq: unique per write for the life of the directory, larger = newer
 //    40  u64      write time, ns since the epoch (for LRU order after a restart)
 //    48  u32      CRC-32C of the data (length bytes, not the padding)
 //    52  u32      flags (0)
@@ -23,14 +25,19 @@
 //    60  u32      reserved (0)
 //    64  key bytes
 //
-// A file is valid when: magic, version and header CRC match, the name's hash and seq equal
-// the header's, the file size is exactly H + round_up(length), and (checked on read) the
-// data CRC matches. A write either creates the file under its final, never reused name, or
-// overwrites a free-pool file and renames it to that name once all of its I/O completed;
-// it becomes visible in the index only then. After a crash, a file whose header or data
-// did not reach the disk fails one of these checks and is deleted. Removed and superseded
-// objects are not unlinked but renamed into free/: overwriting allocated blocks is the fast
-// O_DIRECT path, and ext4 inode creation after heavy unlink churn can cost 0.3 ms each.
+// A slot holds a live object when: magic, version and header CRC match, the file size is
+// exactly H + round_up(length), its seq is not in TOMBSTONES, no other slot holds the same
+// key with a larger seq, and (checked on read) the data CRC matches. A write fills a slot
+// (a free one, overwriting its blocks, or a new file) and writes the header last (with the
+// only chunk, or after all chunks); the object enters the index only when all of its I/O
+// completed, so after a crash a slot whose header or data did not reach the disk fails a
+// check. Removing or superseding an object appends its seq to TOMBSTONES (a buffered
+// 8-byte append) and puts the slot in the free pool: no unlink, no rename, no inode churn.
+// On this machine's ext4 a create costs 0.3 ms, an unlink of 1 MiB 2 ms, a rename ~6 us
+// of CPU, and overwriting allocated blocks is the fast O_DIRECT path that fio measures.
+//
+//   TOMBSTONES: "MCRTOMB1" + 8 zero bytes, then u64 seqs. Rewritten (compacted) at every
+//   scan and when it outgrows the pool, to the seqs whose stale headers are still on disk.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +52,8 @@ constexpr size_t kMaxKeyBytes = 4096;
 constexpr uint16_t kFormatVersion = 1;
 constexpr size_t kMaxHeaderBytes = 2 * kBlock;
 constexpr size_t kSubdirs = 16;  // spreads directory locks; more only slows scans
+constexpr char kTombMagic[8] = {'M', 'C', 'R', 'T', 'O', 'M', 'B', '1'};
+constexpr size_t kTombHeader = 16;
 
 inline uint64_t round_up(uint64_t n, uint64_t a = kBlock) { return (n + a - 1) / a * a; }
 
@@ -74,11 +83,8 @@ void encode_header(const Header& h, uint8_t* buf);
 // On failure returns false with the reason in *why.
 bool decode_header(const uint8_t* buf, size_t avail, Header* out, std::string* why);
 
-// 64-bit hash of a key (file naming only: a collision costs nothing, the key is in the header).
-uint64_t key_hash(std::string_view key);
-
-std::string object_name(uint64_t hash, uint64_t seq);        // "<hash:016x>-<seq:016x>"
-inline unsigned subdir_of(uint64_t hash) { return static_cast<unsigned>(hash >> 60); }
-bool parse_object_name(std::string_view name, uint64_t* hash, uint64_t* seq);
+std::string slot_name(uint64_t slot);  // "<slot:016x>"
+inline unsigned subdir_of(uint64_t slot) { return static_cast<unsigned>(slot & 15); }
+bool parse_slot_name(std::string_view name, uint64_t* slot);
 
 }  // namespace mcr::spill

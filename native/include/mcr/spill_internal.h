@@ -3,6 +3,7 @@
 #pragma once
 #include <atomic>
 #include <map>
+#include <unordered_set>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -36,7 +37,7 @@ class AlignedBuf {
 
 // What the index knows of one object on disk.
 struct Entry {
-  uint64_t hash = 0, seq = 0, gen = 0, length = 0, write_time_ns = 0;
+  uint64_t slot = 0, seq = 0, gen = 0, length = 0, write_time_ns = 0;
   uint32_t header_blocks = 1;
   uint64_t header_bytes() const { return header_blocks * kBlock; }
   uint64_t bytes() const { return header_bytes() + round_up(length); }
@@ -85,8 +86,9 @@ struct Op {
   uint64_t t0 = 0;
   int retries = 0;                  // reads that raced an overwrite and looked again
   bool reserved = false;            // writes: capacity reserved for entry.bytes()
-  bool created = false;             // writes: a new file exists and must go on failure
-  uint64_t recycled_id = 0;         // writes: overwriting this free-pool file
+  bool created = false;             // writes: the slot file exists and must go on failure
+  bool recycled = false;            // writes: overwriting a free-pool slot
+  uint64_t stale_seq = 0;           // writes: the seq of the stale header in that slot
   bool failed = false, finishing = false, finished = false;
   Result result;
 };
@@ -106,15 +108,19 @@ struct Context {
   void put_staging(uint8_t* p) { free_staging.push_back(p); }
 };
 
-// What reserve_space granted a write: a free-pool file to overwrite (pool_id != 0, of
-// pool_size bytes) or the room to create one; and pool files to delete first.
-struct Space {
-  bool ok = false;
-  uint64_t pool_id = 0, pool_size = 0;
-  std::vector<uint64_t> trim;
+// A free slot: its file size and the seq of the stale header it still holds (0: none).
+struct PoolFile {
+  uint64_t slot = 0, stale_seq = 0;
 };
 
-std::string free_name(uint64_t id);  // "<id:016x>" in <dir>/free
+// What reserve_space granted a write: a free slot to overwrite (from_pool, of pool_size
+// bytes) or the room to create one; and pool files to delete first.
+struct Space {
+  bool ok = false, from_pool = false;
+  PoolFile file;
+  uint64_t pool_size = 0;
+  std::vector<PoolFile> trim;
+};
 
 struct Counters {
   std::atomic<uint64_t> writes{0}, write_bytes{0}, write_errors{0}, write_latency_ns{0};
@@ -127,24 +133,34 @@ struct Tier::Impl {
   Options opt;
   int lock_fd = -1;
   int sub_fd[kSubdirs];
-  int free_fd = -1;
+  int tomb_fd = -1;
   uint64_t root_dev = 0, root_ino = 0;  // to notice the directory replaced under us
   bool uring = true;                    // false: io_uring unavailable or not wanted
   mutable std::shared_mutex life_mu;  // shared: every operation; exclusive: scan/recover/close
-  mutable std::mutex mu;              // the fields below; never held across I/O
+  mutable std::mutex mu;              // the fields below; never held across data I/O
   std::unordered_map<std::string, Entry> index;
   uint64_t used = 0;                  // committed files + reservations of writes in flight
-  // Free pool: files of removed objects, kept with their blocks to be overwritten by later
-  // writes (size -> id). Disk use is used + pool_bytes <= capacity, always.
-  std::multimap<uint64_t, uint64_t> pool;
+  // Free pool: slots of removed objects, kept with their blocks for later writes to
+  // overwrite (size -> slot). Disk use is used + pool_bytes <= capacity, always.
+  std::multimap<uint64_t, PoolFile> pool;
   uint64_t pool_bytes = 0;
-  std::atomic<uint64_t> next_free_id{1};
+  std::unordered_multiset<uint64_t> rewriting;  // stale seqs of slots being overwritten
+  uint64_t tomb_records = 0;
   std::string degraded_reason;
   bool closed = false;
-  std::atomic<uint64_t> next_seq{1};
+  std::atomic<uint64_t> next_seq{1}, next_slot{1};
   std::mutex ctx_mu;
   std::vector<std::unique_ptr<Context>> idle;
   Counters ctr;
+  std::atomic<int> inject_err[2] = {0, 0};          // [read, write]
+  std::atomic<unsigned> inject_count[2] = {0, 0};
+
+  int take_injected(bool write) {  // an armed error for this completion, else 0
+    unsigned n = inject_count[write].load();
+    while (n && !inject_count[write].compare_exchange_weak(n, n - 1)) {
+    }
+    return n ? inject_err[write].load() : 0;
+  }
 
   explicit Impl(const Options& o);
   ~Impl();
@@ -156,23 +172,31 @@ struct Tier::Impl {
   void execute_in_slices(std::vector<Op>& ops, size_t slice);
   void open_dirs(bool create);
   void close_dirs();
-  std::string path_of(const Entry& e) const;
+  int dir_of(uint64_t slot) const { return sub_fd[subdir_of(slot)]; }
+  std::string path_of(uint64_t slot) const;
   Space reserve_space(uint64_t bytes);
+  void end_write(const Op& op);  // a write's slot is no longer being rewritten
   void release(uint64_t bytes);
   void degrade(const std::string& reason);
   bool is_degraded() const;
   std::string degraded_text() const;
   uint64_t used_now() const;
   void commit_write(Op& op);
-  void retire(const Entry& e);  // after moving e.bytes() from used to pool_bytes under mu
-  void drop_invalid(const std::string& key, const Entry& e, const std::string& why);
+  // Under mu, after moving e.bytes() from used to pool_bytes: tombstone and pool the slot.
+  void retire_locked(const Entry& e, std::vector<uint64_t>* unlink);
+  void unlink_slots(const std::vector<uint64_t>& slots);
+  // A read found the object invalid: if the index still holds that version, drop it and
+  // delete its file (true); false if it was removed or replaced meanwhile.
+  bool drop_invalid(const std::string& key, const Entry& e, bool unlink_file);
   bool lookup(const std::string& key, Entry* e) const;
   bool root_exists() const;
+
+  // scan.cpp
   std::vector<ObjectInfo> scan_locked(bool verify);
-  std::multimap<uint64_t, uint64_t> scan_pool();
-  std::vector<ObjectInfo> install_scan(std::unordered_map<std::string, Entry> best,
-                                       std::multimap<uint64_t, uint64_t> free_files,
-                                       uint64_t max_seq);
+  void tomb_open();
+  bool tomb_append_locked(uint64_t seq);
+  void tomb_rewrite(const std::vector<uint64_t>& seqs);
+  void maybe_compact_locked();
 };
 
 // batch.cpp: performs every op of the batch, filling op.result.

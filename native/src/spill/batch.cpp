@@ -55,7 +55,7 @@ class Batch {
   uint64_t chunk_len(const Op& op, uint32_t i) const {
     return std::min<uint64_t>(c_.chunk, op.length - uint64_t(i) * c_.chunk);
   }
-  std::string path(const Op& op) const { return t_.path_of(op.entry); }
+  std::string path(const Op& op) const { return t_.path_of(op.entry.slot); }
 
   bool can_activate() const;
   void activate(Op& op);
@@ -175,11 +175,11 @@ bool Batch::activate_write(Op& op) {
     return false;
   }
   Entry& e = op.entry;
-  e.hash = key_hash(key);
   e.gen = op.gen;
   e.length = op.length;
   e.header_blocks = header_blocks_for(key.size());
   e.write_time_ns = wall_ns();
+  e.seq = t_.next_seq++;
   Space sp = t_.reserve_space(e.bytes());
   if (!sp.ok) {
     t_.ctr.capacity_rejections++;
@@ -190,18 +190,21 @@ bool Batch::activate_write(Op& op) {
     return false;
   }
   op.reserved = true;
-  for (uint64_t id : sp.trim) unlinkat(t_.free_fd, free_name(id).c_str(), 0);
-  e.seq = t_.next_seq++;
-  if (sp.pool_id && open_recycled(op, sp)) return !op.failed;
+  if (!sp.trim.empty()) {
+    std::vector<uint64_t> slots;
+    for (const PoolFile& f : sp.trim) slots.push_back(f.slot);
+    t_.unlink_slots(slots);
+  }
+  if (sp.from_pool) return open_recycled(op, sp);
   for (int attempt = 0;; ++attempt) {
-    op.fd = openat(t_.sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(),
+    e.slot = t_.next_slot++;
+    op.fd = openat(t_.dir_of(e.slot), slot_name(e.slot).c_str(),
                    O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0644);
     if (op.fd >= 0) break;
     if (errno != EEXIST || attempt > 3) {
       fail_errno(op, errno, "create " + path(op));
       return false;
     }
-    e.seq = t_.next_seq++;
   }
   op.created = true;
   // Allocate all blocks at once: the chunk writes then stay inside the file (no extending
@@ -215,22 +218,28 @@ bool Batch::activate_write(Op& op) {
 
 bool Batch::open_recycled(Op& op, const Space& sp) {
   // Overwriting blocks that are already allocated and written is the fast O_DIRECT path
-  // (no allocation, no unwritten-extent conversion, no inode creation): it is what fio
-  // measures. The file keeps its free-pool name until the write is complete.
+  // (no allocation, no unwritten-extent conversion, no inode creation): what fio measures.
+  // The slot's stale header stays tombstoned until ours replaces it, last.
   uint64_t need = op.entry.bytes();
-  op.fd = openat(t_.free_fd, free_name(sp.pool_id).c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
-  if (op.fd < 0) return false;  // gone (a scan raced us): create instead
+  op.entry.slot = sp.file.slot;
+  op.recycled = true;
+  op.stale_seq = sp.file.stale_seq;
+  op.fd = openat(t_.dir_of(op.entry.slot), slot_name(op.entry.slot).c_str(),
+                 O_WRONLY | O_DIRECT | O_CLOEXEC);
+  if (op.fd < 0) {
+    fail_errno(op, errno, "open free slot " + path(op));
+    return false;
+  }
+  op.created = true;  // from here on ours: deleted if the write fails
   int rc = 0;
   if (sp.pool_size > need)
     rc = ftruncate(op.fd, static_cast<off_t>(need));
   else if (sp.pool_size < need)
     rc = fallocate(op.fd, 0, 0, static_cast<off_t>(need));
   if (rc != 0) {
-    fail_errno(op, errno, "resize recycled file for " + path(op));
-    op.recycled_id = sp.pool_id;  // finish_write deletes it
-    return true;
+    fail_errno(op, errno, "resize free slot " + path(op));
+    return false;
   }
-  op.recycled_id = sp.pool_id;
   return true;
 }
 
@@ -253,8 +262,7 @@ bool Batch::activate_read(Op& op) {
       return false;
     }
     op.length = op.entry.length;
-    op.fd = openat(t_.sub_fd[subdir_of(op.entry.hash)],
-                   object_name(op.entry.hash, op.entry.seq).c_str(),
+    op.fd = openat(t_.dir_of(op.entry.slot), slot_name(op.entry.slot).c_str(),
                    O_RDONLY | O_DIRECT | O_CLOEXEC);
     if (op.fd >= 0) return true;
     int err = errno;
@@ -266,20 +274,20 @@ bool Batch::activate_read(Op& op) {
       fail(op, Code::kNotFound, "file vanished: " + path(op));
       return false;
     }
-    // Overwritten or removed since the lookup: look again, the new version has a new name.
+    // Replaced since the lookup: look again. Else the file was deleted under us.
     Entry now;
     if (t_.lookup(*op.key, &now) && now.seq != op.entry.seq && ++op.retries < 8) continue;
     if (!t_.root_exists())
       t_.degrade("spill directory " + t_.opt.directory + " was removed");
-    t_.drop_invalid(*op.key, op.entry, "file vanished");
+    t_.drop_invalid(*op.key, op.entry, false);
     fail(op, Code::kNotFound, "spill: object " + show_key(op.key) + " vanished (" + path(op) + ")");
     return false;
   }
 }
 
 bool Batch::activate_header(Op& op) {
-  op.fd = openat(t_.sub_fd[subdir_of(op.entry.hash)],
-                 object_name(op.entry.hash, op.entry.seq).c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  op.fd = openat(t_.dir_of(op.entry.slot), slot_name(op.entry.slot).c_str(),
+                 O_RDONLY | O_DIRECT | O_CLOEXEC);
   struct stat st;
   if (op.fd < 0 || fstat(op.fd, &st) != 0) {
     fail_errno(op, errno, "open " + path(op));
@@ -340,24 +348,18 @@ void Batch::finish(Op& op) {
 void Batch::finish_write(Op& op) {
   uint64_t dt = mono_ns() - op.t0;
   const Entry& e = op.entry;
-  if (!op.failed && op.recycled_id &&
-      renameat(t_.free_fd, free_name(op.recycled_id).c_str(), t_.sub_fd[subdir_of(e.hash)],
-               object_name(e.hash, e.seq).c_str()) != 0) {
-    fail_errno(op, errno, "rename recycled file to " + path(op));
-  }
   if (op.failed) {
-    if (op.recycled_id) {
-      // Error path: the file is not worth keeping (its blocks may be the problem).
-      unlinkat(t_.free_fd, free_name(op.recycled_id).c_str(), 0);
-    } else if (op.created) {
-      unlinkat(t_.sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0);
-    }
+    // Error path: the slot is not worth keeping (its blocks may be the problem). Deleted
+    // before its stale header stops being protected by a tombstone.
+    if (op.created) t_.unlink_slots({e.slot});
+    if (op.recycled) t_.end_write(op);
     if (op.reserved) t_.release(e.bytes());
     t_.ctr.write_errors++;
     return;
   }
+  if (op.recycled) t_.end_write(op);  // our header replaced the stale one
   t_.commit_write(op);
-  (op.recycled_id ? t_.ctr.recycled_writes : t_.ctr.created_writes)++;
+  (op.recycled ? t_.ctr.recycled_writes : t_.ctr.created_writes)++;
   t_.ctr.writes++;
   t_.ctr.write_bytes += op.length;
   t_.ctr.write_latency_ns += dt;
@@ -380,15 +382,13 @@ void Batch::finish_read(Op& op) {
   }
   if (op.kind != OpKind::kRead) return;  // kVerify: scan decides
   if (op.failed && op.result.code == Code::kChecksumMismatch) {
-    Entry now;
-    if (!t_.lookup(*op.key, &now) || now.seq != op.entry.seq) {
-      // Removed or overwritten while we read: its file was recycled under us. A miss, but
-      // not a corrupt file.
+    if (t_.drop_invalid(*op.key, op.entry, true)) {
+      t_.ctr.checksum_failures++;
+    } else {
+      // Removed or replaced while we read, and its slot reused under us: a miss, but not
+      // a corrupt file.
       op.result.code = Code::kNotFound;
       op.result.message = "spill: object " + show_key(op.key) + " changed while being read";
-    } else {
-      t_.ctr.checksum_failures++;
-      t_.drop_invalid(*op.key, op.entry, op.result.message);
     }
   }
   if (op.failed) {
@@ -514,6 +514,7 @@ void Batch::reap(bool wait) {
 
 void Batch::complete(Unit& u, int res) {
   Op& op = *u.op;
+  if (int injected = t_.take_injected(u.write)) res = -injected;
   if (op.failed) return unit_done(u);
   if (res < 0) {
     fail_errno(op, -res, std::string(u.write ? "write " : "read ") + path(op));
@@ -585,9 +586,7 @@ void Batch::post_header(Unit& u) {
     return;
   }
   uint64_t want = uint64_t(h.header_blocks) * kBlock + round_up(h.length);
-  if (key_hash(h.key) != op.entry.hash || h.seq != op.entry.seq)
-    fail(op, Code::kChecksumMismatch, "file name does not match its header");
-  else if (op.file_size != want)
+  if (op.file_size != want)
     fail(op, Code::kChecksumMismatch,
          "file size " + std::to_string(op.file_size) + ", header says " + std::to_string(want) +
              " (torn or truncated)");

@@ -79,12 +79,6 @@ const char* kHex = "0123456789abcdef";
 
 }  // namespace
 
-std::string free_name(uint64_t id) {
-  std::string s(16, '0');
-  for (int i = 0; i < 16; ++i) s[15 - i] = kHex[(id >> (4 * i)) & 15];
-  return s;
-}
-
 Tier::Impl::Impl(const Options& o) : opt(o) {
   for (int& fd : sub_fd) fd = -1;
   if (opt.directory.empty()) throw Error(Code::kInvalidArgument, "spill directory is empty");
@@ -126,10 +120,7 @@ void Tier::Impl::open_dirs(bool create) {
     sub_fd[b] = ::open(p.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (sub_fd[b] < 0) throw_errno("open " + p, errno);
   }
-  std::string fp = root + "/free";
-  if (mkdir(fp.c_str(), 0755) != 0 && errno != EEXIST) throw_errno("create " + fp, errno);
-  free_fd = ::open(fp.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (free_fd < 0) throw_errno("open " + fp, errno);
+  tomb_open();
   // O_DIRECT is the design (no page-cache copies, no double caching): refuse a filesystem
   // without it rather than silently buffer.
   std::string probe = root + "/.direct-probe";
@@ -145,7 +136,7 @@ void Tier::Impl::open_dirs(bool create) {
 void Tier::Impl::close_dirs() {
   for (int& fd : sub_fd)
     if (fd >= 0) ::close(fd), fd = -1;
-  if (free_fd >= 0) ::close(free_fd), free_fd = -1;
+  if (tomb_fd >= 0) ::close(tomb_fd), tomb_fd = -1;
   if (lock_fd >= 0) ::close(lock_fd), lock_fd = -1;  // releases the flock
 }
 
@@ -154,9 +145,8 @@ bool Tier::Impl::root_exists() const {
   return stat(opt.directory.c_str(), &st) == 0 && st.st_dev == root_dev && st.st_ino == root_ino;
 }
 
-std::string Tier::Impl::path_of(const Entry& e) const {
-  unsigned b = subdir_of(e.hash);
-  return opt.directory + "/" + kHex[b] + "/" + object_name(e.hash, e.seq);
+std::string Tier::Impl::path_of(uint64_t slot) const {
+  return opt.directory + "/" + kHex[subdir_of(slot)] + "/" + slot_name(slot);
 }
 
 Space Tier::Impl::reserve_space(uint64_t need) {
@@ -164,17 +154,19 @@ Space Tier::Impl::reserve_space(uint64_t need) {
   std::lock_guard<std::mutex> g(mu);
   const uint64_t cap = opt.capacity_bytes;
   if (used + need > cap) return s;
-  // A pool file to overwrite: the same size, else the smallest larger (truncated), else
+  // A free slot to overwrite: the same size, else the smallest larger (truncated), else
   // the largest smaller (extended). Any of them beats creating an inode.
   auto it = pool.lower_bound(need);
   if (it == pool.end() && !pool.empty()) it = std::prev(pool.end());
   if (it != pool.end()) {
-    s.pool_id = it->second;
+    s.from_pool = true;
+    s.file = it->second;
     s.pool_size = it->first;
     pool_bytes -= it->first;
     pool.erase(it);
+    if (s.file.stale_seq) rewriting.insert(s.file.stale_seq);
   }
-  // Keep the disk within capacity: delete other pool files, largest first.
+  // Keep the disk within capacity: delete other free slots, largest first.
   while (used + pool_bytes + need > cap && !pool.empty()) {
     auto last = std::prev(pool.end());
     s.trim.push_back(last->second);
@@ -184,6 +176,17 @@ Space Tier::Impl::reserve_space(uint64_t need) {
   used += need;
   s.ok = true;
   return s;
+}
+
+void Tier::Impl::end_write(const Op& op) {
+  if (!op.stale_seq) return;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = rewriting.find(op.stale_seq);
+  if (it != rewriting.end()) rewriting.erase(it);
+}
+
+void Tier::Impl::unlink_slots(const std::vector<uint64_t>& slots) {
+  for (uint64_t slot : slots) unlinkat(dir_of(slot), slot_name(slot).c_str(), 0);
 }
 
 void Tier::Impl::release(uint64_t bytes) {
@@ -220,53 +223,47 @@ bool Tier::Impl::lookup(const std::string& key, Entry* e) const {
 }
 
 void Tier::Impl::commit_write(Op& op) {
-  // The newest *started* write of a key wins (the largest seq), which is also what a scan
-  // concludes from the files if we crash before the loser is retired.
-  Entry loser;
-  bool has_loser = false;
+  // The newest write of a key wins (the largest seq), which is also what a scan concludes
+  // from the slots if we crash before the loser's tombstone is written.
+  std::vector<uint64_t> unlink;
   {
     std::lock_guard<std::mutex> g(mu);
     auto [it, inserted] = index.try_emplace(*op.key, op.entry);
     if (!inserted) {
-      if (it->second.seq > op.entry.seq) {
-        loser = op.entry;
-      } else {
-        loser = it->second;
-        it->second = op.entry;
-      }
+      Entry loser = op.entry;
+      if (it->second.seq < op.entry.seq) std::swap(loser, it->second);
       used -= loser.bytes();
       pool_bytes += loser.bytes();
-      has_loser = true;
+      retire_locked(loser, &unlink);
     }
   }
-  if (has_loser) retire(loser);
+  unlink_slots(unlink);
 }
 
-void Tier::Impl::retire(const Entry& e) {
-  uint64_t id = next_free_id++;
-  int dir = sub_fd[subdir_of(e.hash)];
-  std::string name = object_name(e.hash, e.seq);
-  bool kept = renameat(dir, name.c_str(), free_fd, free_name(id).c_str()) == 0;
-  if (!kept) unlinkat(dir, name.c_str(), 0);
-  std::lock_guard<std::mutex> g(mu);
-  if (kept)
-    pool.emplace(e.bytes(), id);
-  else
+void Tier::Impl::retire_locked(const Entry& e, std::vector<uint64_t>* unlink) {
+  // The tombstone is in the log (page cache) before the slot can be reused, so a crashed
+  // process never brings a removed object back. If it cannot be written, delete the file.
+  if (!tomb_append_locked(e.seq)) {
     pool_bytes -= e.bytes();
+    unlink->push_back(e.slot);
+    return;
+  }
+  pool.emplace(e.bytes(), PoolFile{e.slot, e.seq});
+  maybe_compact_locked();
 }
 
-void Tier::Impl::drop_invalid(const std::string& key, const Entry& e, const std::string& why) {
+bool Tier::Impl::drop_invalid(const std::string& key, const Entry& e, bool unlink_file) {
   {
     std::lock_guard<std::mutex> g(mu);
     auto it = index.find(key);
-    if (it != index.end() && it->second.seq == e.seq) {
-      used -= it->second.bytes();
-      index.erase(it);
-    }
+    if (it == index.end() || it->second.seq != e.seq) return false;
+    used -= it->second.bytes();
+    index.erase(it);
   }
-  // The name is unique to this version, so this never removes a newer write of the key.
-  if (unlinkat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0) == 0)
+  // Out of the index and never pooled, the slot is ours alone: no one can reuse it.
+  if (unlink_file && unlinkat(dir_of(e.slot), slot_name(e.slot).c_str(), 0) == 0)
     ctr.files_deleted_invalid++;
+  return true;
 }
 
 std::unique_ptr<Context> Tier::Impl::take_context() {
@@ -313,136 +310,6 @@ void Tier::Impl::execute_in_slices(std::vector<Op>& ops, size_t slice) {
       ops[i].units.shrink_to_fit();
     }
   }
-}
-
-namespace {
-
-// Calls fn(name) for every entry of a directory (by fd; the fd stays open).
-template <typename Fn>
-void list_dir(int dir_fd, const std::string& what, Fn fn) {
-  int fd = dup(dir_fd);
-  DIR* d = fd >= 0 ? fdopendir(fd) : nullptr;
-  if (!d) {
-    if (fd >= 0) ::close(fd);
-    throw_errno("list " + what, errno);
-  }
-  rewinddir(d);
-  while (dirent* de = readdir(d))
-    if (de->d_name[0] != '.') fn(std::string(de->d_name));
-  closedir(d);
-}
-
-}  // namespace
-
-std::multimap<uint64_t, uint64_t> Tier::Impl::scan_pool() {
-  std::multimap<uint64_t, uint64_t> found;
-  uint64_t max_id = 0;
-  list_dir(free_fd, opt.directory + "/free", [&](const std::string& name) {
-    uint64_t id = 0;
-    struct stat st;
-    bool ok = name.size() == 16 && name.find_first_not_of("0123456789abcdef") == std::string::npos;
-    if (ok) id = std::stoull(name, nullptr, 16);
-    if (ok && fstatat(free_fd, name.c_str(), &st, 0) == 0 && S_ISREG(st.st_mode) &&
-        st.st_size > 0 && uint64_t(st.st_size) % kBlock == 0) {
-      found.emplace(uint64_t(st.st_size), id);
-      max_id = std::max(max_id, id);
-    } else {
-      unlinkat(free_fd, name.c_str(), 0);  // a temporary or foreign file in our free dir
-    }
-  });
-  if (next_free_id.load() <= max_id) next_free_id = max_id + 1;
-  return found;
-}
-
-std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
-  std::multimap<uint64_t, uint64_t> free_files = scan_pool();
-  // 1. every file named like an object, and its header
-  std::vector<Op> heads;
-  for (unsigned b = 0; b < kSubdirs; ++b) {
-    list_dir(sub_fd[b], opt.directory, [&](const std::string& name) {
-      Op op;
-      op.kind = OpKind::kHeader;
-      if (parse_object_name(name, &op.entry.hash, &op.entry.seq)) heads.push_back(std::move(op));
-    });
-  }
-  execute_in_slices(heads, 4096);
-  // 2. invalid files go; of several versions of a key the newest stays, older ones are
-  //    recycled like removed objects
-  std::unordered_map<std::string, Entry> best;
-  uint64_t max_seq = 0;
-  auto remove_file = [this](const Entry& e) {
-    if (unlinkat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), 0) == 0)
-      ctr.files_deleted_invalid++;
-  };
-  auto to_pool = [&](const Entry& e) {
-    uint64_t id = next_free_id++;
-    if (renameat(sub_fd[subdir_of(e.hash)], object_name(e.hash, e.seq).c_str(), free_fd,
-                 free_name(id).c_str()) == 0)
-      free_files.emplace(e.bytes(), id);
-  };
-  for (Op& op : heads) {
-    max_seq = std::max(max_seq, op.entry.seq);
-    if (op.failed) {
-      if (op.result.code == Code::kChecksumMismatch) remove_file(op.entry);
-      continue;
-    }
-    const Header& h = op.header;
-    Entry e{op.entry.hash, h.seq, h.gen, h.length, h.write_time_ns, h.header_blocks};
-    auto [it, inserted] = best.try_emplace(h.key, e);
-    if (!inserted) {
-      Entry& cur = it->second;
-      to_pool(cur.seq > e.seq ? e : cur);
-      if (e.seq > cur.seq) cur = e;
-    }
-  }
-  // 3. optionally every byte
-  if (verify) {
-    std::vector<Op> reads;
-    reads.reserve(best.size());
-    for (auto& [key, e] : best) {
-      Op op;
-      op.kind = OpKind::kVerify;
-      op.key = &key;
-      op.entry = e;
-      reads.push_back(std::move(op));
-    }
-    execute_in_slices(reads, 1024);
-    for (Op& op : reads) {
-      if (!op.failed) continue;
-      if (op.result.code == Code::kChecksumMismatch) remove_file(op.entry);
-      best.erase(*op.key);
-    }
-  }
-  return install_scan(std::move(best), std::move(free_files), max_seq);
-}
-
-std::vector<ObjectInfo> Tier::Impl::install_scan(std::unordered_map<std::string, Entry> best,
-                                                 std::multimap<uint64_t, uint64_t> free_files,
-                                                 uint64_t max_seq) {
-  std::vector<ObjectInfo> out;
-  out.reserve(best.size());
-  std::vector<uint64_t> trim;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    used = 0;
-    for (auto& [key, e] : best) {
-      used += e.bytes();
-      out.push_back(ObjectInfo{key, e.gen, e.length});
-    }
-    index = std::move(best);
-    pool = std::move(free_files);
-    pool_bytes = 0;
-    for (auto& [size, id] : pool) pool_bytes += size;
-    while (used + pool_bytes > opt.capacity_bytes && !pool.empty()) {
-      auto last = std::prev(pool.end());
-      trim.push_back(last->second);
-      pool_bytes -= last->first;
-      pool.erase(last);
-    }
-    if (next_seq.load() <= max_seq) next_seq = max_seq + 1;
-  }
-  for (uint64_t id : trim) unlinkat(free_fd, free_name(id).c_str(), 0);
-  return out;
 }
 
 // ---- public face -------------------------------------------------------------------
@@ -510,6 +377,7 @@ bool Tier::remove(const std::string& key) {
   std::shared_lock<std::shared_mutex> life(impl_->life_mu);
   check_open(*impl_);
   Entry e;
+  std::vector<uint64_t> unlink;
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     auto it = impl_->index.find(key);
@@ -518,8 +386,9 @@ bool Tier::remove(const std::string& key) {
     impl_->used -= e.bytes();
     impl_->pool_bytes += e.bytes();
     impl_->index.erase(it);
+    impl_->retire_locked(e, &unlink);
   }
-  impl_->retire(e);
+  impl_->unlink_slots(unlink);
   impl_->ctr.removes++;
   return true;
 }
@@ -596,11 +465,17 @@ Stats Tier::stats() const {
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     s.pool_files = impl_->pool.size(), s.pool_bytes = impl_->pool_bytes;
+    s.tombstones = impl_->tomb_records;
   }
   return s;
 }
 
 bool Tier::uses_uring() const { return impl_->uring; }
+
+void Tier::inject_io_error(bool write, int err, unsigned count) {
+  impl_->inject_err[write] = err;
+  impl_->inject_count[write] = count;
+}
 
 void Tier::close() {
   std::unique_lock<std::shared_mutex> life(impl_->life_mu);

@@ -99,39 +99,13 @@ bool decode_header(const uint8_t* b, size_t avail, Header* out, std::string* why
   return true;
 }
 
-uint64_t key_hash(std::string_view key) {
-  // 64-bit multiply-xorshift over 8-byte words; quality only matters for spreading files
-  // over the 256 subdirectories.
-  uint64_t h = 0x9E3779B97F4A7C15ull ^ key.size();
-  size_t i = 0;
-  for (; i + 8 <= key.size(); i += 8) {
-    uint64_t w;
-    std::memcpy(&w, key.data() + i, 8);
-    h = (h ^ w) * 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 31;
-  }
-  uint64_t w = 0;
-  std::memcpy(&w, key.data() + i, key.size() - i);
-  h = (h ^ w) * 0x94D049BB133111EBull;
-  h ^= h >> 29;
-  h *= 0xBF58476D1CE4E5B9ull;
-  h ^= h >> 32;
-  return h;
-}
-
-std::string object_name(uint64_t hash, uint64_t seq) {
+std::string slot_name(uint64_t slot) {
   static const char* digits = "0123456789abcdef";
-  std::string s(33, '-');
-  for (int i = 0; i < 16; ++i) {
-    s[15 - i] = digits[(hash >> (4 * i)) & 15];
-    s[32 - i] = digits[(seq >> (4 * i)) & 15];
-  }
+  std::string s(16, '0');
+  for (int i = 0; i < 16; ++i) s[15 - i] = digits[(slot >> (4 * i)) & 15];
   return s;
 }
 
-bool parse_object_name(std::string_view name, uint64_t* hash, uint64_t* seq) {
-  return name.size() == 33 && name[16] == '-' && parse_hex16(name.substr(0, 16), hash) &&
-         parse_hex16(name.substr(17), seq);
-}
+bool parse_slot_name(std::string_view name, uint64_t* slot) { return parse_hex16(name, slot); }
 
 }  // namespace mcr::spill
