@@ -195,7 +195,8 @@ bool Batch::activate_write(Op& op) {
     for (const PoolFile& f : sp.trim) slots.push_back(f.slot);
     t_.unlink_slots(slots);
   }
-  if (sp.from_pool) return open_recycled(op, sp);
+  if (sp.from_pool && open_recycled(op, sp)) return !op.failed;
+  if (op.failed) return false;
   for (int attempt = 0;; ++attempt) {
     e.slot = t_.next_slot++;
     op.fd = openat(t_.dir_of(e.slot), slot_name(e.slot).c_str(),
@@ -216,6 +217,8 @@ bool Batch::activate_write(Op& op) {
   return true;
 }
 
+// True when the slot was taken (opened, or failed for good: see op.failed); false when it
+// vanished and the caller should create a new file.
 bool Batch::open_recycled(Op& op, const Space& sp) {
   // Overwriting blocks that are already allocated and written is the fast O_DIRECT path
   // (no allocation, no unwritten-extent conversion, no inode creation): what fio measures.
@@ -227,8 +230,15 @@ bool Batch::open_recycled(Op& op, const Space& sp) {
   op.fd = openat(t_.dir_of(op.entry.slot), slot_name(op.entry.slot).c_str(),
                  O_WRONLY | O_DIRECT | O_CLOEXEC);
   if (op.fd < 0) {
-    fail_errno(op, errno, "open free slot " + path(op));
-    return false;
+    int err = errno;
+    if (err == ENOENT && t_.root_exists()) {  // deleted behind our back: create instead
+      t_.end_write(op);
+      op.recycled = false;
+      op.stale_seq = 0;
+      return false;
+    }
+    fail_errno(op, err, "open free slot " + path(op));
+    return true;
   }
   op.created = true;  // from here on ours: deleted if the write fails
   int rc = 0;
@@ -238,7 +248,6 @@ bool Batch::open_recycled(Op& op, const Space& sp) {
     rc = fallocate(op.fd, 0, 0, static_cast<off_t>(need));
   if (rc != 0) {
     fail_errno(op, errno, "resize free slot " + path(op));
-    return false;
   }
   return true;
 }
