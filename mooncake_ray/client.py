@@ -308,9 +308,15 @@ class Client:
                 f"key of {len(key.encode())} bytes is longer than max_key_bytes={self._max_key}: {key[:64]!r}...")
 
     # ---------------------------------------------------------------- nodes ------
-    def _node(self, node_id: str, refresh: bool = False) -> _Node:
+    def _node(self, node_id: str, inc: str | None = None, refresh: bool = False) -> _Node:
+        """The cached view of a store node; refreshed from the master when it is missing
+        or older than incarnation ``inc``.
+
+        Raises:
+            NodeUnavailableError: the node is not mounted, or not as incarnation ``inc``.
+        """
         node = self._nodes.get(node_id)
-        if node is not None and not refresh:
+        if node is not None and not refresh and (inc is None or node.incarnation == inc):
             return node
         with self._nodes_lock:
             infos = {n["node_id"]: n for n in self._master.call(rpc.NODES)}
@@ -327,6 +333,8 @@ class Client:
         node = self._nodes.get(node_id)
         if node is None:
             raise NodeUnavailableError(f"store node {node_id} is not mounted")
+        if inc is not None and node.incarnation != inc:
+            raise NodeUnavailableError(f"store node {node_id} restarted (incarnation {inc} is gone)")
         return node
 
     def _report(self, node_id: str) -> None:
@@ -382,9 +390,9 @@ class Client:
                 continue
             _, extents = a
             addr, n, _ = srcs[i]
-            for node_id, offset, _length in extents:
+            for node_id, offset, _length, inc in extents:
                 if n:
-                    ops.append((node_id, offset, addr, n))
+                    ops.append((node_id, offset, addr, n, inc))
                     owners.append(i)
         failed = self._write(ops, owners)
         ends, revokes = [], []
@@ -416,18 +424,16 @@ class Client:
             by_node.setdefault(node_id, []).append(j)
         failed: dict[int, Exception] = {}
         try:
-            self.engine.write([(self._node(nid).region, off, addr, n) for nid, off, addr, n in ops],
+            self.engine.write([(self._node(nid, inc).region, off, addr, n) for nid, off, addr, n, inc in ops],
                               timeout_s=self._timeout)
             return failed
         except (NodeUnavailableError, TransferError, NotRegisteredError):
             pass  # find the culprit node(s) below
         for node_id, idxs in by_node.items():
             try:
-                node = self._node(node_id)
-                self.engine.write([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs],
-                                  timeout_s=self._timeout)
+                self._on_node(node_id, ops[idxs[0]][4], lambda node: self.engine.write(
+                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
             except (NodeUnavailableError, TransferError, NotRegisteredError) as e:
-                self._report(node_id)
                 err = e if isinstance(e, (NodeUnavailableError, TransferError)) else NodeUnavailableError(str(e))
                 for j in idxs:
                     failed[owners[j]] = err
@@ -489,8 +495,8 @@ class Client:
             ops, idx = [], []
             for r in pending:
                 if rank < len(r[2]) and r[1]:
-                    node_id, _tier, offset, _ln = r[2][rank]
-                    ops.append((node_id, offset, r[3], r[1]))
+                    node_id, _tier, offset, _ln, inc = r[2][rank]
+                    ops.append((node_id, offset, r[3], r[1], inc))
                     idx.append(r)
             failed = self._read(ops)
             still = []
@@ -559,11 +565,9 @@ class Client:
         for node_id, its in by_node.items():
             req = [[key, gen, rep[2], size] for _i, key, gen, size, rep in its]
             try:
-                node = self._node(node_id)
-                errs = rpc.unpack(self.engine.call(node.peer, rpc.NODE_PROMOTE_RPC, rpc.pack(req),
-                                                   timeout_s=self._timeout))
+                errs = rpc.unpack(self._on_node(node_id, its[0][4][4], lambda node: self.engine.call(
+                    node.peer, rpc.NODE_PROMOTE_RPC, rpc.pack(req), timeout_s=self._timeout)))
             except (NodeUnavailableError, TransferError) as e:
-                self._report(node_id)
                 for i, key, *_ in its:
                     errors[i] = ObjectNotFoundError(f"{key!r} was lost with its store node ({e})")
                 continue
@@ -578,25 +582,34 @@ class Client:
         if not ops:
             return {}
         try:
-            self.engine.read([(self._node(nid).region, off, addr, n) for nid, off, addr, n in ops],
+            self.engine.read([(self._node(nid, inc).region, off, addr, n) for nid, off, addr, n, inc in ops],
                              timeout_s=self._timeout)
             return {}
         except (NodeUnavailableError, TransferError, NotRegisteredError):
             pass
         failed: dict[int, Exception] = {}
-        by_node: dict[str, list[int]] = {}
+        by_node: dict[tuple, list[int]] = {}
         for j, op in enumerate(ops):
-            by_node.setdefault(op[0], []).append(j)
-        for node_id, idxs in by_node.items():
+            by_node.setdefault((op[0], op[4]), []).append(j)
+        for (node_id, inc), idxs in by_node.items():
             try:
-                node = self._node(node_id)
-                self.engine.read([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs],
-                                 timeout_s=self._timeout)
+                self._on_node(node_id, inc, lambda node: self.engine.read(
+                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
             except (NodeUnavailableError, TransferError, NotRegisteredError) as e:
-                self._report(node_id)
                 for j in idxs:
                     failed[j] = e
         return failed
+
+    def _on_node(self, node_id: str, inc: str, fn):
+        """``fn(node)`` on incarnation ``inc`` of a node (the one the master's descriptor
+        names). A failure reports the node unreachable and raises; a descriptor naming
+        an incarnation that is gone never touches the new one's arena, where its offsets
+        may belong to other keys."""
+        try:
+            return fn(self._node(node_id, inc))
+        except (NodeUnavailableError, TransferError, NotRegisteredError):
+            self._report(node_id)
+            raise
 
 
 class _Backoff:

@@ -63,11 +63,11 @@ def test_get_of_disk_object_promotes_it():
         m.put_start("e", K)
     offload_all(m)
     size, gen, _, reps, _ = m.get("a")
-    (node, tier, off, ln), = reps
+    (node, tier, off, ln, _inc), = reps
     assert tier == "promote" and node == "n"
     assert m.get("a")[3] == reps  # a second reader shares the promotion
     m.promote_done("n", [("a", gen, off, "")])
-    assert m.get("a")[3] == [("n", "dram", off, ln)]
+    assert m.get("a")[3] == [("n", "dram", off, ln, "i")]
     assert sorted(m.where("a")) == [("n", "disk", True), ("n", "dram", True)]
     assert m.stats()["promotions"] == 1
     m.check_invariants()
@@ -81,7 +81,7 @@ def test_corrupt_disk_copy_becomes_a_miss():
     with pytest.raises(NoCapacityError):
         m.put_start("e", K)
     offload_all(m)
-    _, gen, _, ((_, _, off, _),), _ = m.get("a")
+    _, gen, _, ((_, _, off, _, _),), _ = m.get("a")
     m.promote_done("n", [("a", gen, off, "ChecksumError")])
     assert not m.exists("a")
     m.check_invariants()

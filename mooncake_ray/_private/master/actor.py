@@ -168,6 +168,11 @@ class MasterActor:
         with self._lock:
             return self.state.stats()
 
+    def where(self, keys: list) -> list:
+        """``[(node_id, tier, ready), ...]`` per key (tools and tests)."""
+        with self._lock:
+            return [self.state.where(k) for k in keys]
+
     def nodes(self) -> list:
         with self._lock:
             return self.state.nodes()

@@ -230,7 +230,7 @@ class MasterState(TieringMixin):
                   owner: str = "", upsert: bool = False) -> tuple[int, list[tuple[str, int, int]]]:
         """Reserve extents for a new value on up to ``replicas`` distinct nodes.
 
-        Returns ``(gen, [(node_id, offset, length), ...])``; the client writes ``size``
+        Returns ``(gen, [(node_id, offset, length, incarnation), ...])``; the client writes ``size``
         bytes at each extent, then calls ``put_end(key, gen)``.
 
         Raises:
@@ -250,7 +250,7 @@ class MasterState(TieringMixin):
         if pending is not None:
             if owner and pending.owner == owner and pending.size == size and not pending.failed:
                 # The same client retrying after a lost reply: hand back its allocation.
-                return pending.gen, [(r.node_id, r.offset, r.length) for r in pending.replicas]
+                return pending.gen, self._extents(pending.replicas)
             raise ObjectPendingError(f"a put of {key!r} is already in flight")
         if key in self._objects and not upsert:
             raise ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
@@ -289,7 +289,12 @@ class MasterState(TieringMixin):
         for r in placed:
             self._nodes[r.node_id].keys.add(key)
             self._watermark(r.node_id, now)
-        return obj.gen, [(r.node_id, r.offset, r.length) for r in placed]
+        return obj.gen, self._extents(placed)
+
+    def _extents(self, reps) -> list[tuple[str, int, int, str]]:
+        """``(node_id, offset, length, incarnation)``: the incarnation pins the extent to
+        the arena it was allocated in (a restarted node has a new one)."""
+        return [(r.node_id, r.offset, r.length, self._nodes[r.node_id].incarnation) for r in reps]
 
     def put_end(self, key: str, gen: int) -> None:
         """Publish a pending put. Idempotent: ending an already published ``gen`` is a no-op.
@@ -338,7 +343,7 @@ class MasterState(TieringMixin):
     def get(self, key: str, client_node: str | None = None):
         """Descriptors of a stored value, with a read lease.
 
-        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length), ...], lease)``
+        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length, incarnation), ...], lease)``
         with the caller's local replica first, or ``None`` on a miss (a miss is a value).
         Release the lease with ``release(key, gen, lease)`` once the bytes are copied.
         """
@@ -375,7 +380,8 @@ class MasterState(TieringMixin):
         if client_node and len(reps) > 1:
             reps = sorted(reps, key=lambda r: (r.node_id != client_node and
                                                self._nodes[r.node_id].ray_node_id != client_node))
-        return obj.size, obj.gen, ttl, [(r.node_id, tier, r.offset, r.length) for r in reps], lease
+        return (obj.size, obj.gen, ttl,
+                [(r.node_id, tier, r.offset, r.length, self._nodes[r.node_id].incarnation) for r in reps], lease)
 
     def release(self, key: str, gen: int, lease: int) -> None:
         """A reader is done with lease ``lease`` on ``key``/``gen``. When the last one is
