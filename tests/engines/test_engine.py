@@ -1,0 +1,126 @@
+"""The reference engine: exact greedy results whether KV is computed, reused from L1, or
+loaded from L3, in both pool layouts; degradation when the store fails. L3 here is an
+in-memory stand-in with the client's batch interface (the real store is exercised by the
+integration tests)."""
+
+import numpy as np
+import pytest
+import torch
+
+from mooncake_ray.errors import MasterUnavailableError, ObjectNotFoundError
+from mooncake_ray.engines.engine import InferenceEngine
+from mooncake_ray.engines.model import ByteTokenizer, ModelConfig
+from mooncake_ray.kv import KVGeometry, page_hashes
+
+
+class DictStore:
+    """Stores real bytes; same batch calls as mooncake_ray.Client."""
+
+    def __init__(self):
+        self.data, self.fail = {}, False
+
+    def _check(self):
+        if self.fail:
+            raise MasterUnavailableError("master is down (injected)")
+
+    def register_buffer(self, buf):
+        pass
+
+    def batch_exists(self, keys):
+        self._check()
+        return [k in self.data for k in keys]
+
+    def batch_put_from(self, keys, bufs):
+        self._check()
+        for k, b in zip(keys, bufs):
+            self.data[k] = b.contiguous().view(torch.uint8).numpy().tobytes()
+        return [None] * len(keys)
+
+    def batch_get_into(self, keys, bufs):
+        self._check()
+        out = []
+        for k, b in zip(keys, bufs):
+            if k not in self.data:
+                out.append(ObjectNotFoundError(k))
+                continue
+            b.view(torch.uint8).numpy()[:] = np.frombuffer(self.data[k], np.uint8).reshape(b.view(torch.uint8).shape)
+            out.append(len(self.data[k]))
+        return out
+
+
+CFG = ModelConfig(num_layers=3, num_kv_heads=2, head_dim=16, num_q_heads=4, hidden=64, ffn=128, page_size=8,
+                  kv_dtype="bfloat16")
+PROMPT = ByteTokenizer().encode("The quick brown fox jumps over the lazy dog; " * 3)  # 139 tokens
+
+
+def run(engine, prompt=PROMPT, n=12):
+    steps = list(engine.generate(prompt, n, stop_at_eos=False))
+    return [s.token for s in steps], torch.stack([s.logits for s in steps]), steps[0]
+
+
+def test_l1_reuse_is_bit_exact():
+    e = InferenceEngine(CFG, pool_pages=128)
+    toks, logits, first = run(e)
+    assert first.cached_tokens == 0
+    toks2, logits2, first2 = run(e)
+    assert first2.cached_l1 == (len(PROMPT) - 1) // 8 * 8
+    assert toks == toks2 and torch.equal(logits, logits2)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_l3_load_is_bit_exact_across_engines(layout):
+    store = DictStore()
+    a = InferenceEngine(CFG, pool_pages=128, store=store, layout=layout)
+    toks, logits, _ = run(a)
+    assert a.stats["l3_saved_pages"] >= len(PROMPT) // 8
+    b = InferenceEngine(CFG, pool_pages=128, store=store, layout=layout)  # another engine: cold L1
+    toks2, logits2, first = run(b)
+    assert first.cached_l3 == (len(PROMPT) - 1) // 8 * 8 and first.cached_l1 == 0
+    assert toks == toks2 and torch.equal(logits, logits2)
+    plain = InferenceEngine(CFG, pool_pages=128, layout=layout)  # no cache at all
+    toks3, logits3, _ = run(plain)
+    assert torch.equal(logits, logits3)
+
+
+def test_layouts_agree():
+    _, l1, _ = run(InferenceEngine(CFG, pool_pages=64, layout="page_first"))
+    _, l2, _ = run(InferenceEngine(CFG, pool_pages=64, layout="layer_first"))
+    assert torch.equal(l1, l2)
+
+
+def test_prefix_sharing_and_partial_hits():
+    store = DictStore()
+    a = InferenceEngine(CFG, pool_pages=128, store=store)
+    run(a, PROMPT[:64])
+    b = InferenceEngine(CFG, pool_pages=128, store=store)
+    toks, logits, first = run(b, PROMPT)  # first 64 tokens' pages come from L3
+    assert first.cached_l3 == 64
+    _, ref, _ = run(InferenceEngine(CFG, pool_pages=128), PROMPT)
+    assert torch.equal(logits, ref)
+
+
+def test_store_failure_degrades_to_recompute():
+    store = DictStore()
+    a = InferenceEngine(CFG, pool_pages=128, store=store)
+    toks, logits, _ = run(a)
+    store.fail = True
+    b = InferenceEngine(CFG, pool_pages=128, store=store, l3_backoff_s=60)
+    toks2, logits2, first = run(b)
+    assert first.cached_tokens == 0 and b.stats["l3_errors"] == 1
+    assert toks == toks2 and torch.equal(logits, logits2)
+
+
+def test_small_pool_evicts_unreferenced_l1_pages():
+    e = InferenceEngine(CFG, pool_pages=24)
+    run(e, PROMPT[:100])
+    run(e, ByteTokenizer().encode("something else entirely, long enough to need pages " * 2))
+    toks, logits, first = run(e, PROMPT[:100])
+    _, ref, _ = run(InferenceEngine(CFG, pool_pages=64), PROMPT[:100])
+    assert torch.equal(logits, ref)
+
+
+def test_geometry_bytes_per_token():
+    assert KVGeometry(36, 8, 128, "bfloat16").bytes_per_token == 144 * 1024
+    assert len(page_hashes(list(range(20)), 8)) == 2
+    # chained: a page's hash depends on every earlier token
+    assert page_hashes([1] * 16, 8)[1] != page_hashes([2] * 8 + [1] * 8, 8)[1]
