@@ -233,13 +233,16 @@ class Engine:
         protocol: "auto" (UCX chooses; here shared memory + tcp), "tcp", "shm" or "rdma".
         devices: network devices (UCX_NET_DEVICES), e.g. ["lo"]; None = UCX default.
         num_lanes: UCP workers (each with its own endpoints and progress thread) that large
-            transfers are striped over.
+            transfers are striped over. Default 2, measured on 2 vCPUs over tcp: 4 MiB push
+            read 3.2 -> 3.6 GB/s, put 2.4 -> 3.7 GB/s, 64 MiB 3.1 -> 4.8 / 2.6 -> 4.5 GB/s
+            (shared memory: no change; 4 lanes: no better than 2). Idle lanes sleep.
         ucx_options: extra UCX settings, e.g. {"RNDV_THRESH": "8k"} (applied to this
             engine's context only, never through the environment).
         name: shown in errors and in peers' views of this engine.
         read_mode: "auto" | "get" | "push" | "memcpy": force a read path (tests, benchmarks).
         write_mode: "auto" | "put" | "memcpy".
-        chunk_bytes: stripe unit over lanes and staging piece size.
+        chunk_bytes: stripe unit over lanes and staging piece size (1-4 MiB measured
+            alike over 2 lanes, 16 MiB worse: fewer pieces than lanes-in-flight).
         stripe_min_bytes: transfers below this stay on one lane.
         push_min_bytes: in read_mode "auto", reads smaller than this use get even where
             the push path is chosen (tcp): one round trip instead of two.
@@ -263,7 +266,7 @@ class Engine:
         self,
         protocol: str = "auto",
         devices: Sequence[str] | None = None,
-        num_lanes: int = 1,
+        num_lanes: int = 2,
         ucx_options: dict[str, Any] | None = None,
         name: str = "client",
         *,
