@@ -72,7 +72,7 @@ class TransportConfig(_Model):
     force one family."""
     devices: list[str] | None = None
     """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]."""
-    num_lanes: int = Field(1, ge=1, le=16)
+    num_lanes: int = Field(2, ge=1, le=16)
     """Workers/endpoints a large transfer is striped over."""
     read_mode: Literal["auto", "memcpy", "push", "get"] = "auto"
     ucx_options: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible front door and the application builders.
+
+Disaggregated: ingress -> prefill pool (prefix-aware routing) -> decode pool; the KV of
+the prompt moves from prefill to decode through the store. Aggregated: ingress -> one
+pool of engines doing both. Deployed with ``serve run serve_configs/<name>.yaml``, whose
+``import_path`` is ``mooncake_ray.serve:build_app`` and whose ``args`` are::
+
+    mode: disaggregated | aggregated
+    model: {...}            # ModelConfig fields (KV geometry, sizes, seed, model_id)
+    store: {enabled: true, namespace: mooncake_ray, config: {...StoreConfig...}}
+    prefill: {num_replicas: 2, engine: {...}, ray_actor_options: {...}}
+    decode:  {num_replicas: 1, engine: {...}, ray_actor_options: {...}}
+    router: {imbalance: 4}
+"""
+
+
+import codecs
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from mooncake_ray.engines.model import ByteTokenizer, ModelConfig
+from mooncake_ray.serve import openai
+from mooncake_ray.serve.deployments import EngineServer
+from mooncake_ray.serve.router import PrefixAwareRouter
+
+log = logging.getLogger(__name__)
+
+api = FastAPI(title="mooncake-ray")
+
+
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, first, decode, model: dict, mode: str):
+        self.cfg = ModelConfig(**model)
+        self.first, self.decode, self.mode = first, decode, mode
+        self.tok = ByteTokenizer()
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "owned_by": "mooncake-ray",
+                                            "created": 0}]}
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "mode": self.mode}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(await request.body(), "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(await request.body(), "chat")
+
+    async def _serve(self, body: bytes, kind: str) -> Response:
+        try:
+            r = openai.parse(body, kind, self.cfg.model_id, self.cfg.max_context, self.tok)
+        except openai.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        req = r.to_dict()
+        if self.mode == "disaggregated":
+            pre = await self.first.prefill.remote(req)
+            events = self.decode.options(stream=True).generate.remote(req, pre)
+        else:
+            events = self.first.options(stream=True).generate.remote(req, None)
+        if r.stream:
+            return StreamingResponse(self._stream(r, events), media_type="text/event-stream")
+        return await self._collect(r, events)
+
+    async def _collect(self, r: openai.GenRequest, events) -> Response:
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text, n, cached, prompt, last = [], 0, 0, len(r.tokens), None
+        async for ev in events:
+            n += 1
+            cached, prompt, last = ev["cached_tokens"], ev["prompt_tokens"], ev["token"]
+            if ev["token"] < 256:
+                text.append(dec.decode(bytes([ev["token"]])))
+        text.append(dec.decode(b"", final=True))
+        finish = "stop" if last == 257 and not r.ignore_eos else "length"
+        return JSONResponse(openai.full_response(r, "".join(text), finish, prompt, n, cached))
+
+    async def _stream(self, r: openai.GenRequest, events):
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        n, cached, prompt, last = 0, 0, len(r.tokens), None
+        try:
+            async for ev in events:
+                piece = dec.decode(bytes([ev["token"]])) if ev["token"] < 256 else ""
+                cached, prompt, last = ev["cached_tokens"], ev["prompt_tokens"], ev["token"]
+                yield openai.sse(openai.chunk(r, piece, None, first=n == 0))
+                n += 1
+            finish = "stop" if last == 257 and not r.ignore_eos else "length"
+            yield openai.sse(openai.chunk(r, dec.decode(b"", final=True), finish))
+            if r.include_usage:
+                yield openai.sse(openai.usage_chunk(r, prompt, n, cached))
+        except Exception as e:  # noqa: BLE001 - a stream cannot change its status any more
+            log.exception("stream failed")
+            yield openai.sse({"error": {"message": str(e), "type": "server_error"}})
+        yield openai.sse("[DONE]")
+
+
+def _engine_deployment(name: str, role: str, spec: dict, model: dict, store: dict | None, router: dict):
+    opts = {"num_cpus": 0, **spec.get("ray_actor_options", {})}
+    router_cfg = RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={"page_size": model.get("page_size", 16), **router})
+    return serve.deployment(EngineServer, name=name).options(
+        num_replicas=spec.get("num_replicas", 1), max_ongoing_requests=spec.get("max_ongoing_requests", 32),
+        ray_actor_options=opts, request_router_config=router_cfg,
+    ).bind(role, model, spec.get("engine", {}), store)
+
+
+def build_app(args: dict):
+    """Build the Serve application (``serve run`` calls this with the YAML's args).
+    Starts (or reuses) the store on the cluster first when ``store.enabled``."""
+    args = dict(args or {})
+    mode = args.get("mode", "disaggregated")
+    if mode not in ("disaggregated", "aggregated"):
+        raise ValueError(f"mode must be disaggregated or aggregated, got {mode!r}")
+    model = ModelConfig(**args.get("model", {})).to_dict()
+    store = args.get("store", {"enabled": False})
+    if store.get("enabled", True):
+        import mooncake_ray
+
+        cfg = {**store.get("config", {}), "namespace": store.get("namespace", "mooncake_ray")}
+        mooncake_ray.start(cfg).close()
+    router = args.get("router", {})
+    if mode == "disaggregated":
+        first = _engine_deployment("Prefill", "prefill", args.get("prefill", {}), model, store, router)
+        decode = _engine_deployment("Decode", "decode", args.get("decode", {}), model, store, router)
+    else:
+        first = _engine_deployment("LLM", "both", args.get("engines", args.get("prefill", {})), model, store, router)
+        decode = None
+    return OpenAIIngress.bind(first, decode, model, mode)

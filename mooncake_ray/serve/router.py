@@ -1,0 +1,81 @@
+"""Prefix-aware routing across engine replicas (a Ray Serve request router).
+
+The store (L3) lets any replica hit any cached prefix, but a replica whose own page pool
+(L1) already holds the prefix skips even the load. So requests go to the replica that
+served the longest prefix of the prompt before, as long as its queue is not longer than
+the shortest queue plus ``imbalance``; otherwise to the least loaded replica.
+
+The router remembers, per page hash, which replicas it sent that prefix to (bounded LRU;
+the replicas' pools are bounded too, so old entries are guesses that may have gone cold,
+which costs a load from L3, never correctness).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from mooncake_ray.kv import page_hashes
+
+
+def _tokens(req: Optional[PendingRequest]) -> list[int] | None:
+    if req is None or not req.args:
+        return None
+    first = req.args[0]
+    return first.get("tokens") if isinstance(first, dict) else None
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, page_size: int = 16, imbalance: int = 4, max_entries: int = 200_000):
+        self._page_size, self._imbalance, self._max = page_size, imbalance, max_entries
+        self._owners: OrderedDict[str, set] = OrderedDict()
+        self._hashes: dict[str, list[str]] = {}
+
+    def _queue(self, r: RunningReplica) -> int:
+        q = self._replica_queue_len_cache.get(r.replica_id)
+        return q if q is not None else 0
+
+    def match(self, hashes: list[str], replica_id: ReplicaID) -> int:
+        n = 0
+        for h in hashes:
+            owners = self._owners.get(h)
+            if owners is None or replica_id not in owners:
+                break
+            n += 1
+        return n
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        tokens = _tokens(pending_request)
+        if not candidate_replicas:
+            return []
+        by_load = sorted(candidate_replicas, key=self._queue)
+        if not tokens or len(candidate_replicas) == 1:
+            return [by_load]
+        hashes = page_hashes(tokens, self._page_size)
+        self._hashes[pending_request.metadata.request_id] = hashes
+        while len(self._hashes) > 10_000:  # requests routed elsewhere never come back here
+            self._hashes.pop(next(iter(self._hashes)))
+        floor = self._queue(by_load[0]) + self._imbalance
+        eligible = [r for r in by_load if self._queue(r) <= floor]
+        best = max(eligible, key=lambda r: (self.match(hashes, r.replica_id), -self._queue(r)))
+        if self.match(hashes, best.replica_id) == 0:
+            return [by_load]
+        return [[best], [r for r in by_load if r is not best]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        hashes = self._hashes.pop(pending_request.metadata.request_id, None)
+        if hashes is None:
+            tokens = _tokens(pending_request)
+            hashes = page_hashes(tokens, self._page_size) if tokens else []
+        for h in hashes:
+            owners = self._owners.get(h)
+            if owners is None:
+                owners = self._owners[h] = set()
+            else:
+                self._owners.move_to_end(h)
+            owners.add(replica_id)
+        while len(self._owners) > self._max:
+            self._owners.popitem(last=False)
