@@ -183,3 +183,21 @@ def test_start_is_idempotent_and_connect_finds_it(make_store):
     assert other.get("k") == b"v"
     again.close()
     other.close()
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_public_api_through_each_transport(make_store, protocol):
+    s = make_store(transport={"protocol": protocol, "devices": ["lo"], "rpc_timeout_s": 2.0,
+                              "transfer_timeout_s": 5.0})
+    sizes = [1, 4096, 100_000, 3 << 20]
+    vals = [rand(n, n) for n in sizes]
+    assert s.batch_put([f"t{n}" for n in sizes], vals, replicas=2) == [None] * 4
+    assert s.batch_get([f"t{n}" for n in sizes]) == vals
+    buf = np.zeros(3 << 20, dtype=np.uint8)
+    s.register_buffer(buf)
+    assert s.get_into(f"t{3 << 20}", buf) == 3 << 20 and buf.tobytes() == vals[-1]
+    paths = s.engine.stats()
+    if protocol == "tcp":
+        assert not any(v for k, v in paths.items() if "memcpy" in k), paths
+    else:
+        assert any(v for k, v in paths.items() if "memcpy" in k), paths
