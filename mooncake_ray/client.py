@@ -84,6 +84,8 @@ class Client:
         self._nodes_lock = threading.Lock()
         self._regions: dict[int, Any] = {}
         self._metrics = ClientMetrics()
+        self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0}
+        """This client's own counts: values read, of which promoted from disk, misses."""
         self._releases: list = []  # [key, gen, lease] of finished reads
         self._release_lock = threading.Lock()
         self._release_timer: threading.Timer | None = None
@@ -463,6 +465,7 @@ class Client:
         promote = [(i, keys[i], d[1], d[0], d[3][0]) for i, d in zip(todo, descs)
                    if d is not None and not rpc.is_err(d) and d[3] and d[3][0][1] == PROMOTE]
         failed_promotions = self._promote_many(promote) if promote else {}
+        self.local_stats["disk_reads"] += len(promote) - len(failed_promotions)
         reads = []  # (index, size, replicas, dst_addr, keep)
         mine = []
         for i, d in zip(todo, descs):
@@ -471,6 +474,7 @@ class Client:
                 continue
             if d is None:
                 results[i] = ObjectNotFoundError(f"{keys[i]!r} is not in the store")
+                self.local_stats["misses"] += 1
                 continue
             if rpc.is_err(d):
                 results[i] = rpc.to_exc(d)
@@ -508,6 +512,7 @@ class Client:
                 else:
                     results[r[0]] = r[4]
                     self._moved += r[1]
+                    self.local_stats["reads"] += 1
             for r in pending:
                 if r[1] == 0:
                     results[r[0]] = r[4]
