@@ -63,7 +63,7 @@ async def one_request(http, url, tokens, out_len):
     return ttft, usage, time.perf_counter() - t0
 
 
-async def run_workload(url, args, seed):
+async def run_workload(url, args, seed, probe=None):
     import httpx
 
     rng = random.Random(seed)
@@ -98,7 +98,7 @@ async def run_workload(url, args, seed):
                            "p90_ttft_s": sorted(r["ttft"] for r in recs)[int(0.9 * (len(recs) - 1))],
                            "cache_hit_rate": sum(r["cached"] for r in recs) / prompt,
                            "prompt_tokens": prompt, "input_throughput_tok_s": prompt / dt, "duration_s": dt,
-                           "requests": recs})
+                           "evictions_so_far": probe() if probe else None, "requests": recs})
             print(f"  round {rnd}: ttft {rounds[-1]['mean_ttft_s']:.3f}s hit {rounds[-1]['cache_hit_rate']:.2f} "
                   f"in {dt:.1f}s", flush=True)
             await asyncio.sleep(args.barrier_s)
@@ -134,7 +134,7 @@ def deploy(mode, args, port):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-clients", type=int, default=12)
-    ap.add_argument("--num-rounds", type=int, default=8)
+    ap.add_argument("--num-rounds", type=int, default=10)
     ap.add_argument("--request-length", type=int, default=384)
     ap.add_argument("--sub-question-length", type=int, default=64)
     ap.add_argument("--output-length", type=int, default=1)
@@ -165,7 +165,13 @@ def main() -> None:
     for mode in args.configs.split(","):
         print(f"config {mode}", flush=True)
         name, ns = deploy(mode, args, port)
-        res = asyncio.run(run_workload(url, args, args.seed))
+        probe = None
+        if mode != "engine":
+            master = store_deploy.find_master(ns)
+
+            def probe():
+                return ray.get(master.stats.remote())["evictions"]
+        res = asyncio.run(run_workload(url, args, args.seed, probe))
         if mode != "engine":
             st = ray.get(store_deploy.find_master(ns).stats.remote())
             res["store"] = {k: st[k] for k in ("capacity", "used", "keys", "evictions", "offloads", "promotions",
@@ -189,10 +195,12 @@ def summarize(results) -> dict:
     out = {m: {"mean_ttft_s": r["mean_ttft_s"], "cache_hit_rate": r["cache_hit_rate"],
                "input_throughput_tok_s": r["input_throughput_tok_s"]} for m, r in c.items()}
     if {"engine", "dram", "spill"} <= set(c):
-        # "after DRAM runs out": rounds after the first eviction in the DRAM-only run
+        # "after DRAM runs out": the rounds after the first one that evicted from the
+        # DRAM-only pool (its evictions hurt the next round's reads)
         dram_rounds = c["dram"]["rounds"]
         n = len(dram_rounds)
-        late = range(n // 2, n)
+        first = next((r["round"] for r in dram_rounds if r["evictions_so_far"]), n - 1)
+        late = range(min(first + 1, n - 1), n)
         out["after_dram_full"] = {
             "rounds": list(late),
             "spill_hit_rate": statistics.mean(c["spill"]["rounds"][i]["cache_hit_rate"] for i in late),
