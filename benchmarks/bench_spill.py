@@ -307,7 +307,7 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(HERE, ".spill-tmp"), help="working directory (on the disk under test)")
     ap.add_argument("--sizes", default="128k,1m,4m,16m")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--total", default="512m", help="bytes per round and size (our object set; fio's file)")
+    ap.add_argument("--total", default="2g", help="bytes per round and size (our object set; fio's file)")
     ap.add_argument("--qd", type=int, default=32)
     ap.add_argument("--singles", type=int, default=100, help="objects timed one by one per round")
     ap.add_argument("--fio-runtime", type=float, default=2.0)
@@ -337,6 +337,7 @@ def main() -> int:
         "qd": args.qd,
         "total_bytes": total,
         "crc32c_gbps": checksum_speed(),
+        "load_avg_start": os.getloadavg(),
         "sizes": [],
     }
     print(f"crc32c: {result['crc32c_gbps']:.1f} GB/s (256 MiB, from DRAM)")
@@ -349,8 +350,14 @@ def main() -> int:
         for size in sizes:
             ours, sync, peers = [], [], []
             for rep in range(args.reps):
-                ours.append(measure_tier(tier_dir, size, total, src, dst, args.qd, True, args.singles))
-                peers.append(measure_fio(fio_file, size, total, args.qd, args.fio_runtime))
+                # alternate who goes first, so a burst of load from other tenants is not
+                # always charged to the same side
+                if rep % 2 == 0:
+                    ours.append(measure_tier(tier_dir, size, total, src, dst, args.qd, True, args.singles))
+                    peers.append(measure_fio(fio_file, size, total, args.qd, args.fio_runtime))
+                else:
+                    peers.append(measure_fio(fio_file, size, total, args.qd, args.fio_runtime))
+                    ours.append(measure_tier(tier_dir, size, total, src, dst, args.qd, True, args.singles))
                 if not args.no_sync_peer:
                     sync.append(measure_tier(tier_dir, size, total // 2, src, dst, args.qd, False, args.singles // 2))
                 o, f = ours[-1], peers[-1]
@@ -368,6 +375,7 @@ def main() -> int:
             os.unlink(fio_file)
         if args.dir == os.path.join(HERE, ".spill-tmp"):
             shutil.rmtree(args.dir, ignore_errors=True)
+    result["load_avg_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

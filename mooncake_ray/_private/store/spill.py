@@ -173,8 +173,10 @@ class SpillTier:
         return self._t.scan(verify_data)
 
     def recover(self) -> bool:
-        """After a disk error: recreates missing directories, rescans and clears
-        :attr:`degraded` if the directory is usable. Returns whether it is healthy."""
+        """After a disk error: clears :attr:`degraded` so writes are tried again (a
+        persisting ENOSPC or EIO degrades the tier again on the next write). Cheap, may be
+        called periodically. A removed or replaced directory is recreated and rescanned
+        first (its objects are gone). Returns False if that fails."""
         return self._t.recover()
 
     # -- state -------------------------------------------------------------------------

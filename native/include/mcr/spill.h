@@ -101,8 +101,9 @@ class Tier {
   // invalid, torn and superseded files, rebuilds the index and returns it.
   std::vector<ObjectInfo> scan(bool verify_data = false);
 
-  // After a disk error: re-creates missing directories, rescans, and clears the degraded
-  // state if the directory is usable again. Returns true when healthy.
+  // After a disk error: clears the degraded state (cheap: the next write re-detects a
+  // persisting error); a removed or replaced directory is first recreated and rescanned.
+  // Returns false if that fails.
   bool recover();
 
   uint64_t capacity_bytes() const;

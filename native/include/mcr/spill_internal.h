@@ -190,6 +190,7 @@ struct Tier::Impl {
   bool drop_invalid(const std::string& key, const Entry& e, bool unlink_file);
   bool lookup(const std::string& key, Entry* e) const;
   bool root_exists() const;
+  bool dirs_intact() const;  // root and every subdir are still the ones we opened
 
   // scan.cpp
   std::vector<ObjectInfo> scan_locked(bool verify);

@@ -422,12 +422,27 @@ std::vector<ObjectInfo> Tier::scan(bool verify_data) {
   return impl_->scan_locked(verify_data);
 }
 
+bool Tier::Impl::dirs_intact() const {
+  if (!root_exists()) return false;
+  struct stat a, b;
+  for (unsigned i = 0; i < kSubdirs; ++i) {
+    std::string p = opt.directory + "/" + kHex[i];
+    if (stat(p.c_str(), &a) != 0 || fstat(sub_fd[i], &b) != 0 || a.st_ino != b.st_ino)
+      return false;
+  }
+  return true;
+}
+
 bool Tier::recover() {
   std::unique_lock<std::shared_mutex> life(impl_->life_mu);
   check_open(*impl_);
   try {
-    impl_->open_dirs(true);
-    impl_->scan_locked(false);
+    // Cheap when the directory is intact (ENOSPC, EIO): clear the flag and let the next
+    // write find out. A removed or replaced directory is recreated and rescanned.
+    if (!impl_->dirs_intact()) {
+      impl_->open_dirs(true);
+      impl_->scan_locked(false);
+    }
   } catch (const Error& e) {
     impl_->degrade(e.what());
     return false;
