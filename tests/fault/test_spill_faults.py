@@ -31,12 +31,19 @@ def disk_only(s, keys):
 
 
 def spill_file_of(root: Path, key: str) -> Path:
+    """The live spill file of ``key``: among slot files whose header names it (free slots
+    may still hold an old header), the one with the highest sequence number."""
+    best, best_seq = None, -1
     for f in root.rglob("*"):
-        if f.is_file() and f.name != "LOCK" and key.encode() + b"\0" in f.read_bytes()[:8192] + b"\0":
-            head = f.read_bytes()[:8192]
-            if key.encode() in head:
-                return f
-    raise AssertionError(f"no spill file holds {key}")
+        if not f.is_file() or f.name in ("LOCK", "TOMBSTONES"):
+            continue
+        head = f.read_bytes()[:8192]
+        if head[:8] == b"MCRSPILL" and key.encode() in head:
+            seq = int.from_bytes(head[32:40], "little")
+            if seq > best_seq:
+                best, best_seq = f, seq
+    assert best is not None, f"no spill file holds {key}"
+    return best
 
 
 def test_corrupt_spill_file_is_a_miss_never_wrong_bytes(make_store, tmp_path):

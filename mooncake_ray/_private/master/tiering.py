@@ -31,11 +31,13 @@ PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent
 DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
 
 
-def disk_length(size: int) -> int:
-    """Disk bytes one object of ``size`` bytes takes: header plus 4 KiB-padded data."""
+def disk_length(size: int, key: str = "") -> int:
+    """Disk bytes one object takes: its header (one 4 KiB block, two for keys over 4032
+    bytes) plus 4 KiB-padded data (see store/spill.py)."""
     from mooncake_ray._private.master.allocator import align_up
 
-    return align_up(size) + DISK_HEADER
+    header = DISK_HEADER if len(key.encode("utf-8", "surrogatepass")) <= 4032 else 2 * DISK_HEADER
+    return align_up(size) + header
 
 
 class TieringMixin:
@@ -44,7 +46,7 @@ class TieringMixin:
         """Start offloading ``rep`` instead of dropping it; False if the disk can't take it."""
         if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
             return False  # already on this node's disk: dropping the DRAM copy is enough
-        length = disk_length(obj.size)
+        length = disk_length(obj.size, obj.key)
         if not node.spill_usable() or not self._reserve_disk(node, length, now):
             return False
         node.disk_pending[(obj.key, obj.gen)] = length

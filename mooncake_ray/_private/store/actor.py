@@ -82,7 +82,7 @@ class StoreNodeActor:
         cap = sp.capacity_bytes or int(shutil.disk_usage(directory).free * 0.95)
         tier = SpillTier(directory, cap, queue_depth=sp.queue_depth, use_uring=sp.use_uring)
         for key, gen, length in tier.keys():  # opening the tier scanned the headers
-            self.inventory[(key, DISK)] = InventoryEntry(key, gen, length, DISK, 0, disk_length(length))
+            self.inventory[(key, DISK)] = InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key))
         log.info("spill tier %s: %d objects found", directory, tier.num_keys)
         return tier
 
@@ -149,9 +149,9 @@ class StoreNodeActor:
             ok = not isinstance(res, BaseException)
             if ok:
                 with self._lock:
-                    self.inventory[(key, DISK)] = InventoryEntry(key, gen, size, DISK, 0, disk_length(size))
+                    self.inventory[(key, DISK)] = InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
-            report.append([key, gen, disk_length(size), ok, "" if ok else (degraded or "")])
+            report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
         self._master_rpc.call(rpc.OFFLOAD_DONE, self.node_id, report)
 
     # ---------------------------------------------------------------- inventory --

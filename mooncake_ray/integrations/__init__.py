@@ -1,0 +1,1 @@
+"""Integrations of mooncake-ray with other frameworks (each imported on demand)."""
