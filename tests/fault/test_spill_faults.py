@@ -38,7 +38,8 @@ def spill_file_of(root: Path, key: str) -> Path:
         if not f.is_file() or f.name in ("LOCK", "TOMBSTONES"):
             continue
         head = f.read_bytes()[:8192]
-        if head[:8] == b"MCRSPILL" and key.encode() in head:
+        klen = int.from_bytes(head[12:16], "little")
+        if head[:8] == b"MCRSPILL" and head[64:64 + klen] == key.encode():
             seq = int.from_bytes(head[32:40], "little")
             if seq > best_seq:
                 best, best_seq = f, seq
@@ -63,7 +64,7 @@ def test_corrupt_spill_file_is_a_miss_never_wrong_bytes(make_store, tmp_path):
     got = s.batch_get(keys)
     for i, (k, g) in enumerate(zip(keys, got)):
         if k in victims:
-            assert g is None, f"{k}: corrupt copy returned"
+            assert g is None, f"{k}: corrupt copy returned (equal to the original: {g == val(i)})"
         else:
             assert g == val(i), f"{k}: wrong bytes"
     assert not any(s.exists(k) for k in victims)  # removed, not retried forever
