@@ -200,9 +200,9 @@ class InferenceEngine:
             self._l3_failed(e)
 
     # ------------------------------------------------------------------ steps ----
-    def prefill(self, tokens: Sequence[int], use_l3: bool = True) -> tuple[Sequence_, StepInfo]:
-        """Compute (or load) the prompt's KV and the first token's logits."""
-        t_start = time.monotonic()
+    def _begin(self, tokens: Sequence[int]) -> tuple[Sequence_, int]:
+        """Validate, and take the prompt's L1 prefix; returns the sequence and how many of
+        its pages may come from a cache (the page holding the last token never does)."""
         ps, n = self.cfg.page_size, len(tokens)
         if n == 0:
             raise ValueError("empty prompt")
@@ -210,34 +210,61 @@ class InferenceEngine:
             raise ValueError(f"prompt of {n} tokens exceeds max_context={self.cfg.max_context}")
         seq = Sequence_(list(tokens))
         seq.hashes = page_hashes(seq.tokens, ps)
-        reusable = (n - 1) // ps  # the page holding the last token is always computed
-        i = 0
-        while i < reusable and seq.hashes[i] in self._l1:  # L1 prefix
-            page = self._l1[seq.hashes[i]]
-            self._l1.move_to_end(seq.hashes[i])
-            self._hold(page)
-            seq.pages.append(page)
-            i += 1
-        seq.cached_l1 = i * ps
+        reusable = (n - 1) // ps
+        while len(seq.pages) < reusable and seq.hashes[len(seq.pages)] in self._l1:
+            h = seq.hashes[len(seq.pages)]
+            self._l1.move_to_end(h)
+            self._hold(self._l1[h])
+            seq.pages.append(self._l1[h])
+        seq.cached_l1 = len(seq.pages) * ps
+        seq.registered = len(seq.pages)
+        return seq, reusable
+
+    def prefill(self, tokens: Sequence[int], use_l3: bool = True) -> tuple[Sequence_, StepInfo]:
+        """Compute (or load) the prompt's KV and the first token's logits."""
+        t_start = time.monotonic()
+        seq, reusable = self._begin(tokens)
+        i = len(seq.pages)
         t_load = time.monotonic()
         loaded = self._load_l3(seq, i, reusable - i) if use_l3 else 0
-        load_s = time.monotonic() - t_load
-        seq.cached_l3 = loaded * ps
-        seq.computed = (i + loaded) * ps
-        seq.registered = i
-        self._index(seq)  # loaded pages join L1
-        logits = self._compute(seq, seq.computed, n)
-        new = self._index(seq)
-        self._save_l3(seq, new)
+        seq.cached_l3 = loaded * self.cfg.page_size
+        return seq, self._finish(seq, (i + loaded) * self.cfg.page_size, t_start, time.monotonic() - t_load)
+
+    def reserve(self, tokens: Sequence[int]) -> tuple[Sequence_, int]:
+        """Decode side of a direct handoff: take the L1 prefix and allocate pool pages for
+        the rest of the prompt's reusable pages, for a prefill engine to write into.
+        Returns the sequence and the index of its first page to be filled."""
+        seq, reusable = self._begin(tokens)
+        first = len(seq.pages)
+        try:
+            while len(seq.pages) < reusable:
+                seq.pages.append(self._alloc())
+        except PoolExhausted:
+            self.release(seq)
+            raise
+        return seq, first
+
+    def prefill_reserved(self, seq: Sequence_, filled: int) -> StepInfo:
+        """After a peer wrote ``filled`` pages into a reserved sequence: compute the rest."""
+        t_start = time.monotonic()
+        first = seq.cached_l1 // self.cfg.page_size
+        seq.cached_l3 = filled * self.cfg.page_size  # handed over, not computed here
+        return self._finish(seq, (first + filled) * self.cfg.page_size, t_start, 0.0)
+
+    def _finish(self, seq: Sequence_, cached: int, t_start: float, load_s: float) -> StepInfo:
+        n = len(seq.tokens)
+        seq.computed = cached
+        self._index(seq)  # loaded or handed-over pages join L1
+        logits = self._compute(seq, cached, n)
+        self._save_l3(seq, self._index(seq))
         st = self.stats
         st["requests"] += 1
         st["prompt_tokens"] += n
         st["cached_l1"] += seq.cached_l1
         st["cached_l3"] += seq.cached_l3
         st["computed"] += n - seq.cached_l1 - seq.cached_l3
-        token = int(torch.argmax(logits))
-        return seq, StepInfo(token, logits, n, seq.cached_l1 + seq.cached_l3, seq.cached_l1, seq.cached_l3,
-                             time.monotonic() - t_start, load_s)
+        return StepInfo(int(torch.argmax(logits)), logits, n, seq.cached_l1 + seq.cached_l3, seq.cached_l1,
+                        seq.cached_l3, time.monotonic() - t_start, load_s)
 
     def _compute(self, seq: Sequence_, start: int, end: int) -> torch.Tensor:
         ps = self.cfg.page_size

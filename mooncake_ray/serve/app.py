@@ -8,6 +8,8 @@ pool of engines doing both. Deployed with ``serve run serve_configs/<name>.yaml`
     mode: disaggregated | aggregated
     model: {...}            # ModelConfig fields (KV geometry, sizes, seed, model_id)
     store: {enabled: true, namespace: mooncake_ray, config: {...StoreConfig...}}
+    handoff: store | direct  # how the prompt's KV goes from prefill to decode
+    transport: {devices: [...]}  # for the direct handoff's transport engine
     prefill: {num_replicas: 2, engine: {...}, ray_actor_options: {...}}
     decode:  {num_replicas: 1, engine: {...}, ray_actor_options: {...}}
     router: {imbalance: 4}
@@ -35,9 +37,9 @@ api = FastAPI(title="mooncake-ray")
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, first, decode, model: dict, mode: str):
+    def __init__(self, first, decode, model: dict, mode: str, handoff: str = "store"):
         self.cfg = ModelConfig(**model)
-        self.first, self.decode, self.mode = first, decode, mode
+        self.first, self.decode, self.mode, self.handoff = first, decode, mode, handoff
         self.tok = ByteTokenizer()
 
     @api.get("/v1/models")
@@ -64,7 +66,10 @@ class OpenAIIngress:
             return JSONResponse(e.body(), status_code=e.status)
         req = r.to_dict()
         if self.mode == "disaggregated":
-            pre = await self.first.prefill.remote(req)
+            target = await self.decode.reserve.remote(req) if self.handoff == "direct" else None
+            if target is not None:
+                req = {**req, "pin_replica": target["replica"]}  # decode where the pages wait
+            pre = await self.first.prefill.remote(req, target)
             events = self.decode.options(stream=True).generate.remote(req, pre)
         else:
             events = self.first.options(stream=True).generate.remote(req, None)
@@ -103,7 +108,8 @@ class OpenAIIngress:
         yield openai.sse("[DONE]")
 
 
-def _engine_deployment(name: str, role: str, spec: dict, model: dict, store: dict | None, router: dict):
+def _engine_deployment(name: str, role: str, spec: dict, model: dict, store: dict | None, router: dict,
+                       handoff: str = "store", transport: dict | None = None):
     opts = {"num_cpus": 0, **spec.get("ray_actor_options", {})}
     router_cfg = RequestRouterConfig(
         request_router_class=PrefixAwareRouter,
@@ -111,7 +117,7 @@ def _engine_deployment(name: str, role: str, spec: dict, model: dict, store: dic
     return serve.deployment(EngineServer, name=name).options(
         num_replicas=spec.get("num_replicas", 1), max_ongoing_requests=spec.get("max_ongoing_requests", 32),
         ray_actor_options=opts, request_router_config=router_cfg,
-    ).bind(role, model, spec.get("engine", {}), store)
+    ).bind(role, model, spec.get("engine", {}), store, handoff, transport)
 
 
 def build_app(args: dict):
@@ -129,10 +135,15 @@ def build_app(args: dict):
         cfg = {**store.get("config", {}), "namespace": store.get("namespace", "mooncake_ray")}
         mooncake_ray.start(cfg).close()
     router = args.get("router", {})
+    handoff, transport = args.get("handoff", "store"), args.get("transport")
+    if handoff not in ("store", "direct"):
+        raise ValueError(f"handoff must be store or direct, got {handoff!r}")
     if mode == "disaggregated":
-        first = _engine_deployment("Prefill", "prefill", args.get("prefill", {}), model, store, router)
-        decode = _engine_deployment("Decode", "decode", args.get("decode", {}), model, store, router)
+        first = _engine_deployment("Prefill", "prefill", args.get("prefill", {}), model, store, router,
+                                   handoff, transport)
+        decode = _engine_deployment("Decode", "decode", args.get("decode", {}), model, store, router,
+                                    handoff, transport)
     else:
         first = _engine_deployment("LLM", "both", args.get("engines", args.get("prefill", {})), model, store, router)
         decode = None
-    return OpenAIIngress.bind(first, decode, model, mode)
+    return OpenAIIngress.bind(first, decode, model, mode, handoff)

@@ -4,10 +4,20 @@
 
 - ``prefill``: compute the prompt's KV (reusing L1/L3), write its full pages through to
   the store, answer with the first token and the handoff parameters;
-- ``decode``: load the prompt's pages from the store (the prefill engine just wrote
-  them), compute the partial last page, check it reaches the same first token, and
-  stream the rest;
+- ``decode``: get the prompt's pages, compute the partial last page, check it reaches
+  the same first token, and stream the rest;
 - ``both`` (aggregated mode): prefill and decode in one replica.
+
+Two ways to hand the prompt's KV from prefill to decode (``handoff``):
+
+- ``store`` (default): prefill writes its pages into the store, decode loads them. Two
+  copies, but the pages stay as L3 for every later request, and any decode replica can
+  take the request.
+- ``direct``: decode first reserves pool pages (``reserve``), prefill writes its pages
+  straight into them over the transport (one one-sided write per request), and the
+  request is pinned to that decode replica. Measured about twice the store path's
+  bandwidth (benchmarks/bench_pd_transfer.py). Pages are still written through to the
+  store for later reuse. Page-first pools only.
 
 Steps run on a worker thread under an asyncio lock, one engine step at a time: a
 prefill holds the engine for its whole prompt, decode steps of concurrent requests
@@ -44,7 +54,8 @@ def connect_store(store: dict | None):
 
 
 class EngineServer:
-    def __init__(self, role: str, model: dict, engine: dict | None = None, store: dict | None = None):
+    def __init__(self, role: str, model: dict, engine: dict | None = None, store: dict | None = None,
+                 handoff: str = "store", transport: dict | None = None):
         if role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {role!r}")
         self.role = role
@@ -56,23 +67,81 @@ class EngineServer:
         self.engine = InferenceEngine(self.cfg, store=self.client, **opts)
         self._lock = asyncio.Lock()
         self.mismatches = 0
+        if handoff not in ("store", "direct"):
+            raise ValueError(f"handoff must be store or direct, got {handoff!r}")
+        self.handoff = handoff if self.engine.pool.layout == "page_first" else "store"
+        self._xfer = self._peers = None
+        self._reserved: dict[str, tuple] = {}
+        if self.handoff == "direct" and role != "both":
+            from mooncake_ray._private.transport import Engine
+
+            t = transport or {}
+            self._xfer = Engine(protocol=t.get("protocol", "auto"), devices=t.get("devices"), name=f"{role}-kv")
+            self._region = self._xfer.register(self.engine.pool.tensor)
+            self._peers = {}
 
     async def _run(self, fn, *args):
         async with self._lock:
             return await asyncio.to_thread(fn, *args)
 
-    async def prefill(self, req: dict) -> dict:
-        """Prefill role: the prompt's KV goes to the store; returns the handoff."""
+    async def prefill(self, req: dict, target: dict | None = None) -> dict:
+        """Prefill role: compute the prompt's KV; it reaches decode through the store, or
+        (``target`` from a decode replica's ``reserve``) written straight into its pool."""
         seq, info = await self._run(self.engine.prefill, req["tokens"])
-        self.engine.release(seq)
+        params = {"mode": "store", "pages": (len(req["tokens"]) - 1) // self.cfg.page_size}
+        try:
+            if target is not None and self._xfer is not None:
+                t0 = time.monotonic()
+                params = {"mode": "direct", "filled": await asyncio.to_thread(self._write_pages, seq, target),
+                          "transfer_s": None}
+                params["transfer_s"] = time.monotonic() - t0
+        except Exception as e:  # noqa: BLE001 - decode falls back to the store / recompute
+            log.warning("direct KV handoff failed (%s): decode falls back to the store", e)
+        finally:
+            self.engine.release(seq)
         return {"first_token": info.token, "prompt_tokens": info.prompt_tokens,
-                "cached_tokens": info.cached_tokens, "prefill_s": info.prefill_s,
-                "kv_transfer_params": {"mode": "store", "pages": (len(req["tokens"]) - 1) // self.cfg.page_size}}
+                "cached_tokens": info.cached_tokens, "prefill_s": info.prefill_s, "kv_transfer_params": params}
+
+    def _write_pages(self, seq, target: dict) -> int:
+        peer = self._peers.get(target["address"])
+        if peer is None:
+            peer = self._peers[target["address"]] = self._xfer.connect(target["address"])
+        rr = self._xfer.import_remote(peer, target["rkey"], target["base"], target["length"])
+        pb, base, first = target["page_bytes"], self._region.addr, target["first_page"]
+        ops = [(rr, dst * pb, base + seq.pages[first + k] * pb, pb) for k, dst in enumerate(target["page_ids"])]
+        if ops:
+            self._xfer.write(ops, timeout_s=30)
+        return len(ops)
+
+    async def reserve(self, req: dict) -> dict | None:
+        """Decode role, direct handoff: reserve pool pages for the prompt and say where a
+        prefill engine should write them. None when direct handoff is off."""
+        if self._xfer is None:
+            return None
+        now = time.monotonic()
+        for rid in [r for r, v in self._reserved.items() if now - v[2] > 120]:  # abandoned
+            self.engine.release(self._reserved.pop(rid)[0])
+        async with self._lock:
+            seq, first = self.engine.reserve(req["tokens"])
+        self._reserved[req["request_id"]] = (seq, first, now)
+        from ray import serve
+
+        return {"address": self._xfer.address, "rkey": self._region.rkey, "base": self._region.addr,
+                "length": self._region.length, "page_bytes": self.engine.pool.geometry.page_bytes,
+                "first_page": first, "page_ids": seq.pages[first:],
+                "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def generate(self, req: dict, prefilled: dict | None = None):
         """Stream ``{"token", "cached_tokens", "prompt_tokens"}`` events, one per new token."""
         t0 = time.monotonic()
-        seq, info = await self._run(self.engine.prefill, req["tokens"])
+        reserved = self._reserved.pop(req["request_id"], None)
+        params = (prefilled or {}).get("kv_transfer_params", {})
+        if reserved is not None and params.get("mode") == "direct":
+            seq, info = reserved[0], await self._run(self.engine.prefill_reserved, reserved[0], params["filled"])
+        else:
+            if reserved is not None:  # the direct write did not happen: use the store
+                self.engine.release(reserved[0])
+            seq, info = await self._run(self.engine.prefill, req["tokens"])
         cached = info.cached_tokens
         if prefilled is not None:
             if info.token != prefilled["first_token"]:  # exactness says this never happens
@@ -92,4 +161,4 @@ class EngineServer:
 
     def stats(self) -> dict:
         return {**self.engine.stats, "role": self.role, "mismatches": self.mismatches,
-                "l3": self.client is not None}
+                "l3": self.client is not None, "handoff": self.handoff, "reserved": len(self._reserved)}

@@ -7,7 +7,8 @@ the shortest queue plus ``imbalance``; otherwise to the least loaded replica.
 
 The router remembers, per page hash, which replicas it sent that prefix to (bounded LRU;
 the replicas' pools are bounded too, so old entries are guesses that may have gone cold,
-which costs a load from L3, never correctness).
+which costs a load from L3, never correctness). A request carrying ``pin_replica`` (a
+direct KV handoff reserved pages there) goes to that replica while it lives.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class PrefixAwareRouter(RequestRouter):
         tokens = _tokens(pending_request)
         if not candidate_replicas:
             return []
+        pin = pending_request.args[0].get("pin_replica") if pending_request and pending_request.args \
+            and isinstance(pending_request.args[0], dict) else None
+        if pin is not None:  # its KV pages wait in that replica's pool (direct handoff)
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pin]
+            if pinned:
+                return [pinned]
         by_load = sorted(candidate_replicas, key=self._queue)
         if not tokens or len(candidate_replicas) == 1:
             return [by_load]

@@ -124,3 +124,20 @@ def test_geometry_bytes_per_token():
     assert len(page_hashes(list(range(20)), 8)) == 2
     # chained: a page's hash depends on every earlier token
     assert page_hashes([1] * 16, 8)[1] != page_hashes([2] * 8 + [1] * 8, 8)[1]
+
+
+def test_direct_handoff_into_reserved_pages_is_bit_exact():
+    a = InferenceEngine(CFG, pool_pages=128)
+    seq_a, info_a = a.prefill(PROMPT)
+    b = InferenceEngine(CFG, pool_pages=128)
+    seq_b, first = b.reserve(PROMPT)
+    n = len(seq_b.pages) - first
+    assert first == 0 and n == (len(PROMPT) - 1) // 8
+    for i in range(first, first + n):  # what the transport does: page bytes, prefill -> decode
+        b.pool.tensor[seq_b.pages[i]].copy_(a.pool.tensor[seq_a.pages[i]])
+    info_b = b.prefill_reserved(seq_b, n)
+    assert info_b.token == info_a.token and torch.equal(info_b.logits, info_a.logits)
+    assert info_b.cached_tokens == n * 8
+    toks_a = [s.token for s in a.continue_(seq_a, info_a, 6, False)]
+    toks_b = [s.token for s in b.continue_(seq_b, info_b, 6, False)]
+    assert toks_a == toks_b

@@ -27,13 +27,13 @@ def _port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
+@pytest.fixture(scope="module", params=["store", "direct"])
+def app(ray_cluster, request):
     cfg = store_config()
     ns = cfg.pop("namespace")
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    args = {"mode": "disaggregated", "model": MODEL,
+    args = {"mode": "disaggregated", "model": MODEL, "handoff": request.param, "transport": {"devices": ["lo"]},
             "store": {"enabled": True, "namespace": ns, "config": cfg, "retry_timeout_s": 1.0},
             "prefill": {"num_replicas": 2, "engine": {"pool_pages": 256}},
             "decode": {"num_replicas": 1, "engine": {"pool_pages": 256}}}
@@ -41,7 +41,7 @@ def app(ray_cluster):
     serve.run(build_app(args), name=name, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, timeout_s=120, what="serve")
-    yield url, ns
+    yield url, ns, name, request.param
     serve.delete(name)
     serve.shutdown()
     deploy.teardown(ns)
@@ -76,13 +76,13 @@ def expected(messages, max_tokens=8):
 
 
 def test_models_endpoint(app):
-    url, _ = app
+    url = app[0]
     r = httpx.get(f"{url}/v1/models", timeout=30)
     assert r.json()["data"][0]["id"] == "test/tiny"
 
 
 def test_multi_turn_cached_tokens_rise_and_output_is_exact(app):
-    url, _ = app
+    url = app[0]
     msgs = [{"role": "user", "content": "Tell me about KV caches and why prefill is expensive. " * 4}]
     text1, u1 = chat(url, msgs)
     assert text1 == expected(msgs)  # prefill->decode handoff through the store is exact
@@ -92,10 +92,13 @@ def test_multi_turn_cached_tokens_rise_and_output_is_exact(app):
     assert u1["prompt_tokens_details"]["cached_tokens"] == 0
     assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"] // 8 * 8 - 8
     assert u2["prompt_tokens"] > u1["prompt_tokens"]
+    decode = serve.get_deployment_handle("Decode", app_name=app[2]).stats.remote().result()
+    assert decode["handoff"] == app[3] and decode["mismatches"] == 0
+    assert decode["cached_l3"] > 0  # the prompt's pages came from prefill, not recomputed
 
 
 def test_completions_with_token_ids_and_ignore_eos(app):
-    url, _ = app
+    url = app[0]
     body = {"model": "test/tiny", "prompt": list(range(40, 140)), "max_tokens": 5, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200
@@ -110,7 +113,7 @@ def test_completions_with_token_ids_and_ignore_eos(app):
     ({"model": "test/tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
 ])
 def test_bad_requests_get_openai_errors(app, body, status, code):
-    url, _ = app
+    url = app[0]
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == status
     err = r.json()["error"]
@@ -118,14 +121,14 @@ def test_bad_requests_get_openai_errors(app, body, status, code):
 
 
 def test_bad_json(app):
-    url, _ = app
+    url = app[0]
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
 def test_master_killed_mid_conversation_requests_still_succeed(app):
-    url, ns = app
+    url, ns = app[0], app[1]
     msgs = [{"role": "user", "content": "A conversation that survives the cache going away. " * 3}]
     text1, _ = chat(url, msgs)
     ray.kill(ray.get_actor(MASTER_NAME, namespace=ns), no_restart=False)
