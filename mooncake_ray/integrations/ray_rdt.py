@@ -73,15 +73,22 @@ What Ray 2.60 requires, found by reading ``ray/experimental/rdt`` and ``ray/acto
   ``_ray_system`` concurrency group that registers every custom transport known to the
   creator (our class is pickled by reference, or by value when :func:`register` was given
   settings), and waits for it before the first RDT call or transfer involving the actor.
-  Consequences: (1) a *receiving* actor also needs ``enable_tensor_transport=True``
-  (``__ray_recv__`` and the registration run on that concurrency group, which only exists
-  then); (2) actors created by another process (an actor that creates actors, the Serve
-  controller's replicas, another driver) are only covered if that process called
-  :func:`register` too; (3) Ray registers once per actor handle, so an actor restarted
-  after a crash loses the registration. For (2) and (3) run :func:`register` in every
-  worker: ``ray.init(runtime_env={"worker_process_setup_hook":
-  "mooncake_ray.integrations.ray_rdt.register"})``, or call it in the actor's
-  ``__init__``.
+  Consequences: (1) a *receiving* actor also needs ``enable_tensor_transport=True``.
+  Without it, ``__ray_recv__`` runs on the actor's only task thread; when the consumer
+  task gets there first it blocks waiting for tensors the queued receive would deliver,
+  until Ray's RDT timeout (60 s) kills both actors. Seen here with Ray's GLOO and with this
+  transport alike, intermittently (ray-project/ray#66264); we log and warn when we see
+  such a receiver (``get_communicator_metadata``), but cannot refuse it safely, since Ray
+  also calls that hook from a native callback. (2) Actors created by another process (an
+  actor that creates actors, the Serve controller's replicas, another driver) are only
+  covered if that process called :func:`register` too; otherwise the RDT call fails with
+  "ValueError: Unsupported tensor transport protocol: MOONCAKE" (seen here with an actor
+  creating the producer and consumer). (3) Ray registers once per actor handle, so an
+  actor restarted after a crash loses the registration (read in the code, not tried).
+  For (2) and (3) run :func:`register` in every worker:
+  ``ray.init(runtime_env={"worker_process_setup_hook":
+  "mooncake_ray.integrations.ray_rdt.register"})`` (the nested case above then works),
+  or call it in the actor's ``__init__``.
 * ``actor_has_tensor_transport`` is called by Ray on *every* ``.remote()`` of an RDT
   method (NIXL answers with a blocking actor round trip each time); we ask each actor
   once — the question also registers the transport there and creates its engine, so the
@@ -105,6 +112,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -408,6 +416,10 @@ class MooncakeTensorTransport(TensorTransportManager):
         # kept until the engine is done with it
         self._limbo: List[Tuple[Any, Any]] = []
         self._actors_ok: set = set()
+        self._warned: set = set()
+        self.reads = 0  # completed reads, their bytes and seconds (start to completion)
+        self.read_bytes = 0
+        self.read_seconds = 0.0
 
     # -- identity ----------------------------------------------------------------------
     def tensor_transport_backend(self) -> str:
@@ -441,6 +453,19 @@ class MooncakeTensorTransport(TensorTransportManager):
         return bool(ok)
 
     def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+        if dst_actor is not None and not getattr(dst_actor, "_ray_enable_tensor_transport", True):
+            key = dst_actor._actor_id.hex()
+            if key not in self._warned:
+                self._warned.add(key)
+                # Not raised: Ray also calls this from a native callback (a transfer queued
+                # until the source's task finishes), where an exception would crash.
+                msg = (f"mooncake RDT: the receiving actor {dst_actor} was created without "
+                       "enable_tensor_transport=True: the transfer then runs on the thread "
+                       "of its tasks, and a task waiting for the tensors deadlocks it until "
+                       "Ray's RDT timeout (RAY_rdt_fetch_fail_timeout_milliseconds, 60 s). "
+                       "Declare the receiver with @ray.remote(enable_tensor_transport=True).")
+                logger.error(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return MooncakeCommunicatorMetadata()
 
     # -- source side -------------------------------------------------------------------
@@ -550,6 +575,7 @@ class MooncakeTensorTransport(TensorTransportManager):
         tensor_meta = meta.tensor_meta
         if not tensor_meta:
             return MooncakeFetchRequest(obj_id=obj_id, tensors=[], finished=True)
+        started = time.monotonic()
         eng = self.engine()
         src = meta.engine_name or "?"
         timeout = _engine_config["timeout_s"] if _engine_config else _DEFAULTS["timeout_s"]
@@ -612,7 +638,7 @@ class MooncakeTensorTransport(TensorTransportManager):
                 "(the source actor may have died, or freed the object)", e)
         return MooncakeFetchRequest(
             obj_id=obj_id, tensors=tensors, handle=handle, source=src, nbytes=sum(sizes),
-            started=time.monotonic(), temp_regions=temp_regions, transport=self)
+            started=started, temp_regions=temp_regions, transport=self)
 
     def wait_fetch_complete(self, fetch_request: FetchRequest, timeout: float = -1) -> List[Any]:
         req = fetch_request
@@ -656,7 +682,7 @@ class MooncakeTensorTransport(TensorTransportManager):
                     f"mooncake RDT transfer of object {req.obj_id} ({req.nbytes} bytes) from "
                     f"source engine {req.source!r} failed (the source actor may have died "
                     "mid-transfer)", e)
-        self._finish(req)
+        self._finish(req, ok=True)
         return req.tensors
 
     def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
@@ -665,8 +691,12 @@ class MooncakeTensorTransport(TensorTransportManager):
                                           communicator_metadata, target_buffers)
         return self.wait_fetch_complete(req)
 
-    def _finish(self, req: MooncakeFetchRequest) -> None:
+    def _finish(self, req: MooncakeFetchRequest, ok: bool = False) -> None:
         req.finished = True
+        if ok:
+            self.reads += 1
+            self.read_bytes += req.nbytes
+            self.read_seconds += time.monotonic() - req.started
         for r in req.temp_regions:
             r.close()
         req.temp_regions = []
@@ -835,4 +865,10 @@ def engine_stats() -> Dict[str, Any]:
     if pool is not None:
         out.update(pool.stats())
     out["config"] = dict(_engine_config or {})
+    from ray.experimental.rdt import util as rdt_util
+
+    mgr = rdt_util.transport_managers.get(TRANSPORT_NAME)
+    if mgr is not None:
+        out.update(rdt_reads=mgr.reads, rdt_read_bytes=mgr.read_bytes,
+                   rdt_read_seconds=mgr.read_seconds, rdt_live_objects=len(mgr._objects))
     return out
