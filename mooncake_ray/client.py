@@ -129,7 +129,7 @@ class Client:
             ObjectNotFoundError: a miss (a ``KeyError``).
             MasterUnavailableError, TransferError: retryable.
         """
-        out = self._timed("get", [key], lambda: self._get_many([key], None))[0]
+        out = self._timed("get", [key], lambda: self._get_one(key, None))
         if isinstance(out, BaseException):
             raise out
         return out
@@ -142,7 +142,7 @@ class Client:
             ObjectNotFoundError: a miss.
             InvalidArgumentError: the buffer is smaller than the value (nothing is read).
         """
-        out = self._timed("get", [key], lambda: self._get_many([key], [buffer]))[0]
+        out = self._timed("get", [key], lambda: self._get_one(key, buffer))
         if isinstance(out, BaseException):
             raise out
         return out
@@ -442,6 +442,46 @@ class Client:
         return failed
 
     # ----------------------------------------------------------------- gets ------
+    def _get_one(self, key: str, buffer: Any):
+        """A single get without the batch machinery (the hot path of small reads): one
+        lookup, one read of the first replica. Anything unusual (a promotion from disk, a
+        failed read, a lease outlived) takes the general path."""
+        self._check_key(key)
+        dst = writable(buffer) if buffer is not None else None
+        t0 = time.monotonic()
+        d = self._master.call(rpc.GET, [key], self._here, self._take_releases())[0]
+        if d is None:
+            self.local_stats["misses"] += 1
+            return ObjectNotFoundError(f"{key!r} is not in the store")
+        if rpc.is_err(d):
+            return rpc.to_exc(d)
+        size, gen, ttl, reps, lease = d
+        node_id, tier, offset, _length, inc = reps[0]
+        if tier != "dram":
+            self._release_later([key, gen, lease])
+            return self._get_many([key], None if buffer is None else [buffer])[0]
+        if dst is None:
+            out, addr = new_bytes(size)
+        else:
+            addr, cap, _ = dst
+            if cap < size:
+                self._release_later([key, gen, lease])
+                return InvalidArgumentError(
+                    f"buffer of {cap} bytes is smaller than the value of {key!r} ({size} bytes)")
+            out = size
+        try:
+            if size:
+                self.engine.read([(self._node(node_id, inc).region, offset, addr, size)], timeout_s=self._timeout)
+            ok = time.monotonic() - t0 <= ttl
+        except (NodeUnavailableError, TransferError, NotRegisteredError):
+            ok = False
+        self._release_later([key, gen, lease])
+        if not ok:  # a node failed, or the lease may have ended: the careful path
+            return self._get_many([key], None if buffer is None else [buffer])[0]
+        self.local_stats["reads"] += 1
+        self._moved += size
+        return out
+
     def _get_many(self, keys, buffers) -> list:
         for k in keys:
             self._check_key(k)
@@ -544,6 +584,11 @@ class Client:
         with self._release_lock:
             out, self._releases = self._releases, []
         return out
+
+    def _release_later(self, entry: list) -> None:
+        with self._release_lock:
+            self._releases.append(entry)
+        self._schedule_release_flush()
 
     def _schedule_release_flush(self) -> None:
         if self._release_timer is None or not self._release_timer.is_alive():

@@ -51,7 +51,7 @@ def readable(value: Any) -> tuple[int, int, Any]:
     if isinstance(value, np.ndarray):
         if not value.flags.c_contiguous:
             raise InvalidArgumentError("numpy array is not C-contiguous: use np.ascontiguousarray")
-        return value.ctypes.data, value.nbytes, value
+        return value.__array_interface__["data"][0], value.nbytes, value
     if _is_torch(value):
         return _torch_view(value, False)
     if isinstance(value, str):
@@ -73,7 +73,7 @@ def writable(buf: Any) -> tuple[int, int, Any]:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise InvalidArgumentError("numpy buffer must be C-contiguous and writeable")
-        return buf.ctypes.data, buf.nbytes, buf
+        return buf.__array_interface__["data"][0], buf.nbytes, buf
     if _is_torch(buf):
         return _torch_view(buf, True)
     if isinstance(buf, tuple) and len(buf) == 2 and all(isinstance(v, int) for v in buf):

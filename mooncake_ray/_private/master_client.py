@@ -60,6 +60,20 @@ class MasterChannel:
     def call(self, op: int, *args: Any) -> Any:
         """One RPC to the master, retried across restarts within the retry window."""
         payload = rpc.pack([op, *args])
+        peer = self._peer
+        if peer is not None:  # the common case: connected; any trouble takes the slow path
+            try:
+                data = self._engine.call(peer, rpc.MASTER_RPC, payload, timeout_s=self._rpc_timeout_s)
+            except (NodeUnavailableError, TransferError):
+                self._reset(peer)
+            else:
+                try:
+                    return rpc.decode_reply(data)
+                except MasterUnavailableError:
+                    pass
+        return self._call_retrying(payload)
+
+    def _call_retrying(self, payload: bytes) -> Any:
         deadline = time.monotonic() + self._retry_timeout_s
         delay, last = 0.01, None
         while True:

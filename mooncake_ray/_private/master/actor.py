@@ -95,11 +95,12 @@ class MasterActor:
 
     def _on_rpc(self, data: bytes) -> bytes:
         with self._lock:
-            if self.state.recovering:
+            if self.state._expected and self.state.recovering:
                 return rpc.pack(rpc.err_entry(MasterUnavailableError(
                     "master is rebuilding its index from the store nodes; retry")))
             reply = rpc.serve_request(self._table, data)
-            self._deliver()
+            if self.state._effects:
+                self._deliver()
             return reply
 
     def _deliver(self) -> None:

@@ -211,7 +211,7 @@ class MasterState(TieringMixin):
         return bool(self._expected)
 
     def _ready(self) -> None:
-        if self.recovering:
+        if self._expected and self.recovering:
             raise MasterUnavailableError(
                 f"master is rebuilding its index; waiting for store nodes {sorted(self._expected)}")
 
