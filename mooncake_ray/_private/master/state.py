@@ -119,8 +119,10 @@ class MasterState(TieringMixin):
         node.last_heartbeat, node.keys = now, set()
         self._nodes[node.node_id] = node
         self._alloc[node.node_id] = ExtentAllocator(node.capacity)
-        for e in inventory:
-            self._restore(node, InventoryEntry(*e), now)
+        # Newest allocation first: if two entries overlap (a drop that never reached the
+        # node before a crash, then the extent reused), the newer one wins.
+        for e in sorted((InventoryEntry(*e) for e in inventory), key=lambda e: -e.gen):
+            self._restore(node, e, now)
         self._expected.discard(node.node_id)
 
     def _restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
@@ -151,6 +153,7 @@ class MasterState(TieringMixin):
             self._lru.touch(e.key)
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length))
         node.keys.add(e.key)
+        node.tier_keys[tier.value] += 1
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
                   spill_degraded: str | None = None) -> bool:
@@ -324,7 +327,9 @@ class MasterState(TieringMixin):
         self.counters["puts"] += 1
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
-            self._nodes[r.node_id].keys.add(key)  # dropping the old value may have unindexed it
+            node = self._nodes[r.node_id]
+            node.keys.add(key)  # dropping the old value may have unindexed it
+            node.tier_keys[r.tier.value] += 1
             self._delta(r.node_id).add.append(self._entry(obj, r))
 
     def put_revoke(self, key: str, gen: int) -> bool:
@@ -527,6 +532,8 @@ class MasterState(TieringMixin):
         if node is None:
             return
         self._delta(r.node_id).drop.append((obj.key, obj.gen, r.tier.value))
+        if obj.complete and r.ready:
+            node.tier_keys[r.tier.value] -= 1
         if r.tier is Tier.DISK:
             node.disk_used -= r.length
         else:
@@ -592,12 +599,7 @@ class MasterState(TieringMixin):
         nodes = {}
         for node_id, node in self._nodes.items():
             a = self._alloc[node_id]
-            keys = {"dram": 0, "disk": 0}
-            for k in node.keys:
-                obj = self._objects.get(k)
-                for r in obj.replicas if obj else ():
-                    if r.node_id == node_id and r.ready:
-                        keys[r.tier.value] += 1
+            keys = node.tier_keys
             nodes[node_id] = {
                 "ray_node_id": node.ray_node_id,
                 "suspect": node.suspect,
@@ -621,6 +623,17 @@ class MasterState(TieringMixin):
             "nodes": nodes,
             **self.counters,
         }
+
+    def gauges(self) -> dict:
+        """What the metrics need, in O(nodes): no scan of the objects (the master holds its
+        lock meanwhile; a scan of a million keys every second would stall every client)."""
+        nodes = {}
+        for node_id, node in self._nodes.items():
+            a = self._alloc[node_id]
+            nodes[node_id] = {"dram": {"capacity": a.capacity, "used": a.used, "keys": node.tier_keys["dram"]},
+                              "disk": {"capacity": node.spill_capacity, "used": node.disk_used,
+                                       "keys": node.tier_keys["disk"]}}
+        return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters}
 
     # --------------------------------------------------------------- checking --
     def check_invariants(self) -> None:
@@ -649,6 +662,13 @@ class MasterState(TieringMixin):
             if self._nodes[node_id].incarnation == inc:
                 live[node_id].append((off, length))
         for node_id, node in self._nodes.items():
+            counted = {"dram": 0, "disk": 0}
+            for key in node.keys:
+                obj = self._objects.get(key)
+                for r in obj.replicas if obj else ():
+                    if r.node_id == node_id and r.ready:
+                        counted[r.tier.value] += 1
+            assert node.tier_keys == counted, f"{node_id}: key counters {node.tier_keys} != {counted}"
             want = disk[node_id] + sum(node.disk_pending.values())
             assert node.disk_used == want, f"{node_id}: disk_used {node.disk_used} != {want}"
             assert node.offload_inflight == inflight[node_id], f"{node_id}: offload bytes out of sync"

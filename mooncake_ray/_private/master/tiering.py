@@ -94,6 +94,7 @@ class TieringMixin:
             node.offload_inflight -= rep.length
             if ok:
                 obj.replicas.append(Replica(node_id, Tier.DISK, 0, reserved))
+                node.tier_keys["disk"] += 1
                 self.counters["offloads"] += 1
             else:
                 node.disk_used -= reserved
@@ -116,6 +117,7 @@ class TieringMixin:
         obj.replicas.append(Replica(node.node_id, Tier.DISK, 0, length))
         node.disk_used += length
         node.keys.add(key)
+        node.tier_keys["disk"] += 1
 
     # -------------------------------------------------------------- promote ----
     def _promotion(self, obj: Obj, client_node: str | None, now: float):
@@ -153,6 +155,7 @@ class TieringMixin:
             if not error:
                 if rep is not None:
                     rep.ready = True
+                    self._nodes[node_id].tier_keys["dram"] += 1
                     self.counters["promotions"] += 1
                     self._delta(node_id).add.append(self._entry(obj, rep))
                 continue

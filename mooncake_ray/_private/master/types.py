@@ -105,6 +105,7 @@ class NodeInfo:
     disk_used: int = 0  # the master's account: disk replicas + offloads in flight
     disk_pending: dict = field(default_factory=dict)  # (key, gen) -> bytes reserved for an offload
     offload_inflight: int = 0  # DRAM bytes that will be freed when offloads complete
+    tier_keys: dict = field(default_factory=lambda: {"dram": 0, "disk": 0})  # readable replicas here
 
     def spill_usable(self) -> bool:
         return self.spill_capacity > 0 and not self.spill_degraded

@@ -156,7 +156,11 @@ class StoreNodeActor:
 
     # ---------------------------------------------------------------- inventory --
     def _on_inventory(self, data: bytes) -> bytes:
-        adds, drops, offloads = rpc.unpack(data)
+        for delta in rpc.unpack(data):  # in the order the master made them
+            self._apply_delta(*delta)
+        return b""
+
+    def _apply_delta(self, adds, drops, offloads) -> None:
         with self._lock:
             for key, gen, tier in drops:
                 if tier == DRAM:
@@ -170,7 +174,6 @@ class StoreNodeActor:
                 self._work.put(("drop", (key, gen)))
         for item in offloads:
             self._work.put(("offload", tuple(item)))
-        return b""
 
     def info(self) -> dict:
         sp = self.cfg.spill
