@@ -148,6 +148,7 @@ def main() -> None:
     import mooncake_ray
 
     lengths = [int(x) for x in args.lengths.split(",")]
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     store = mooncake_ray.start({"segment_size_bytes": "3gb", "transport": {"devices": ["lo"]}})
     ns = store.config.namespace
     maxt = max(lengths)

@@ -113,8 +113,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "bench_store.json"))
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
     import mooncake_ray
 
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     store = mooncake_ray.start({"segment_size_bytes": args.segment,
                                 "transport": {"protocol": args.protocol, "devices": ["lo"]}})
     rng = np.random.default_rng(0)
@@ -134,7 +137,7 @@ def main() -> None:
         results["batch"][f"{batch}x{size}"] = row
         print(f"batch {batch} x {size >> 10} KiB: put {row['put']['keys_per_s']['median']:.0f} keys/s, "
               f"get {row['get']['keys_per_s']['median']:.0f} keys/s", flush=True)
-    mooncake_ray.shutdown()
+    mooncake_ray.shutdown(stop_ray=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

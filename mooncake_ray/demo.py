@@ -15,6 +15,10 @@ def main() -> None:
     import mooncake_ray
     from mooncake_ray.cli import format_status
 
+    import ray
+
+    # A fresh embedded Ray: never attach to some other cluster this machine may run.
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     spill_dir = tempfile.mkdtemp(prefix="mooncake-ray-demo-spill-", dir=os.environ.get("DEMO_SPILL_DIR"))
     t0 = time.perf_counter()
     store = mooncake_ray.start({
@@ -60,7 +64,7 @@ def main() -> None:
     print(format_status(store.stats()))
     store.close()
     chat_demo()
-    mooncake_ray.shutdown()
+    mooncake_ray.shutdown(stop_ray=True)
 
 
 def chat_demo(turns: int = 4) -> None:

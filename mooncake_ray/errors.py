@@ -80,8 +80,10 @@ class NoCapacityError(MooncakeRayError):
 
 
 class OffloadPendingError(NoCapacityError):
-    """DRAM is full until offloads to disk in flight complete; clients wait and retry this
-    one automatically (bounded by ``client.backpressure_timeout_s``)."""
+    """DRAM is momentarily full: its room is held by offloads to disk in flight, by puts in
+    progress or by replaced values waiting for their readers. Clients wait and retry this
+    one automatically (bounded by ``client.backpressure_timeout_s``); a plain
+    NoCapacityError means everything left is pinned."""
 
     retryable = True
 

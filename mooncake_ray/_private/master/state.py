@@ -284,6 +284,10 @@ class MasterState(TieringMixin):
             if any(n.offload_inflight for n in usable):
                 raise OffloadPendingError(
                     f"no room for {size} bytes of {key!r} until offloads to disk finish; retry")
+            if self._pending or self._deferred:
+                raise OffloadPendingError(
+                    f"no room for {size} bytes of {key!r} while other puts are in flight or "
+                    "replaced values wait for their readers; retry")
             raise NoCapacityError(
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")
         self._next_gen = max(self._next_gen + 1, self._wall_ns())
@@ -482,6 +486,11 @@ class MasterState(TieringMixin):
         """Make room on one node's DRAM; returns the bytes freed now (offloads started
         free their bytes later and count toward ``need`` meanwhile)."""
         node, alloc = self._nodes[node_id], self._alloc[node_id]
+        if need and node.spill_usable():
+            # Offloads free their room only when the disk write is done: start enough for
+            # the next few allocations of this size, so a batch of puts does not wait once
+            # per object (at most a quarter of the arena).
+            need = max(need, min(8 * need, alloc.capacity // 4))
         need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
         freed = 0
         if need <= 0:
