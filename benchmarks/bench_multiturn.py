@@ -157,7 +157,7 @@ def main() -> None:
 
     from mooncake_ray._private import deploy as store_deploy
 
-    ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"
