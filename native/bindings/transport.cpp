@@ -292,6 +292,34 @@ void bind_transport(nb::module_& m) {
         return out;
       }, "calls"_a, "timeout_s"_a = nb::none())
       .def("serve_external", &mcr::Engine::serve_external, "handler_id"_a)
+      // A Python handler run inline on the progress thread (GIL taken for the call):
+      // one thread hop less than serve_external. The handler must not make engine calls
+      // nor wait on anything that does (the progress thread is busy running it).
+      .def("serve_inline", [](mcr::Engine& e, uint32_t hid, nb::callable fn) {
+        std::shared_ptr<nb::object> holder(new nb::object(fn), [](nb::object* o) {
+          if (Py_IsInitialized()) {
+            nb::gil_scoped_acquire g;
+            delete o;
+          }
+        });
+        e.serve_native(hid, [holder](const std::string& in, std::string* out) -> Code {
+          nb::gil_scoped_acquire g;
+          try {
+            nb::object r = (*holder)(nb::bytes(in.data(), in.size()));
+            if (!r.is_none()) {
+              nb::bytes b = nb::cast<nb::bytes>(r);
+              out->assign(b.c_str(), b.size());
+            }
+            return Code::kOk;
+          } catch (nb::python_error& err) {
+            *out = err.what();
+            return Code::kRpcHandlerError;
+          } catch (const std::exception& err) {
+            *out = err.what();
+            return Code::kRpcHandlerError;
+          }
+        });
+      }, "handler_id"_a, "fn"_a)
       .def("serve_echo", [](mcr::Engine& e, uint32_t hid) {
         e.serve_native(hid, [](const std::string& in, std::string* out) {
           *out = in;

@@ -75,7 +75,8 @@ class MasterActor:
             rpc.OFFLOAD_DONE: self.state.offload_done,
             rpc.PROMOTE_DONE: self.state.promote_done,
         }
-        self.engine.serve(rpc.MASTER_RPC, self._on_rpc)
+        # Inline: the handler never calls the engine (deliveries have their own thread).
+        self.engine.serve(rpc.MASTER_RPC, self._on_rpc, inline=True)
         self._stop = threading.Event()
         self._outbox: list = []
         self._outbox_cv = threading.Condition()
@@ -132,8 +133,7 @@ class MasterActor:
                 per_node.setdefault(node_id, []).append(delta)
             calls, ids = [], []
             for node_id, deltas in per_node.items():
-                with self._lock:
-                    peer = self._peer(node_id)
+                peer = self._peer(node_id)
                 if peer is not None:
                     calls.append((peer, rpc.NODE_INVENTORY_RPC, rpc.pack(deltas)))
                     ids.append(node_id)
@@ -159,13 +159,17 @@ class MasterActor:
         return False
 
     def _peer(self, node_id: str):
+        """The endpoint to a store node (delivery thread only; connects without the lock:
+        the RPC handler runs on the progress thread and may be waiting for that lock)."""
         peer = self._peers.get(node_id)
         if peer is None:
-            node = self.state._nodes.get(node_id)
-            if node is None:
+            with self._lock:
+                node = self.state._nodes.get(node_id)
+                address = node.address if node is not None else None
+            if address is None:
                 return None
             try:
-                peer = self._peers[node_id] = self.engine.connect(node.address)
+                peer = self._peers[node_id] = self.engine.connect(address)
             except MooncakeRayError as e:
                 log.warning("cannot reach store node %s: %s", node_id, e)
                 return None

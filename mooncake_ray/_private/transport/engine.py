@@ -406,12 +406,21 @@ class Engine:
         return Handle(self._native.transfer_async(ops, True), False)
 
     # ---- RPC ------------------------------------------------------------------------
-    def serve(self, handler_id: int, fn: Callable[[bytes], bytes]) -> None:
+    def serve(self, handler_id: int, fn: Callable[[bytes], bytes], inline: bool = False) -> None:
         """Serves ``fn(payload) -> bytes`` under ``handler_id``. It runs on a dispatcher
         thread (never the progress thread) holding the GIL only for the call, so it may
-        itself make engine calls. An exception reaches the caller as RemoteHandlerError."""
+        itself make engine calls. An exception reaches the caller as RemoteHandlerError.
+
+        ``inline=True`` runs it on the progress thread instead (one thread hand-off less
+        per call, ~10 µs here): only for handlers that make no engine calls and never wait
+        on a thread that does."""
         if not callable(fn):
             raise errors.InvalidArgumentError("handler must be callable")
+        if inline:
+            with self._lock:
+                self._handlers.pop(int(handler_id), None)
+                self._native.serve_inline(int(handler_id), fn)
+            return
         with self._lock:
             self._handlers[int(handler_id)] = fn
             self._native.serve_external(int(handler_id))

@@ -1,5 +1,6 @@
 // Completion of user-level operations: counting, waiting (spin, then futex), abandonment,
 // asyncio notification.
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
@@ -110,7 +111,10 @@ bool Op::wait(double timeout_s) {
         if (polling & (uint64_t(1) << i)) c->lanes[i]->try_progress();
       if (done()) break;
       if (Clock::now() >= spin_end) break;
-      __builtin_ia32_pause();
+      // Yield, not just pause: on a machine with few cores the peer we wait for (the
+      // master's progress thread, a store node) may be runnable on this very CPU; a pure
+      // spin would hold it off for the whole spin (measured: RTT 28 vs 50 µs, bimodal).
+      sched_yield();
     }
     // Hand the lanes back to their progress threads, armed.
     for (size_t i = 0; i < c->lanes.size(); ++i)
