@@ -125,7 +125,8 @@ def ttft_sweep(namespace: str, lengths: list[int], repeats: int) -> dict:
     for n in lengths:
         runs = []
         for _ in range(repeats):
-            req = {"tokens": [int(x) for x in rng.integers(1, 256, n)], "max_tokens": 1, "ignore_eos": True}
+            req = {"tokens": [int(x) for x in rng.integers(1, 256, n)], "max_tokens": 1, "ignore_eos": True,
+                   "request_id": f"r{n}-{len(runs)}"}
             t = time.perf_counter()
             p = ray.get(pre.prefill.remote(req))
             ev = ray.get(dec.first.remote(req, p))

@@ -86,13 +86,14 @@ def chat_demo(turns: int = 4) -> None:
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     t0 = time.perf_counter()
-    serve.run(build_app({"mode": "disaggregated", "model": model,
+    serve.run(build_app({"mode": "disaggregated", "model": model, "handoff": "direct",
+                         "transport": {"devices": ["lo"]},
                          "store": {"enabled": True, "namespace": "mooncake_ray"},
                          "prefill": {"num_replicas": 1, "engine": {"pool_pages": 512}},
                          "decode": {"num_replicas": 1, "engine": {"pool_pages": 512}}}),
               name="demo-chat", route_prefix="/")
     print(f"\ndisaggregated Serve app up in {time.perf_counter() - t0:.1f}s "
-          f"(prefill -> decode, KV handed over through the store)")
+          f"(prefill -> decode: prompt KV written straight into the decode pool, and through to the store)")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     questions = ["Explain why a KV cache makes LLM serving cheaper. " * 6, "What happens when DRAM runs out?",
                  "And how does prefill/decode disaggregation use the store?", "Summarise in one line."]

@@ -134,7 +134,7 @@ class EngineServer:
     async def generate(self, req: dict, prefilled: dict | None = None):
         """Stream ``{"token", "cached_tokens", "prompt_tokens"}`` events, one per new token."""
         t0 = time.monotonic()
-        reserved = self._reserved.pop(req["request_id"], None)
+        reserved = self._reserved.pop(req.get("request_id"), None)
         params = (prefilled or {}).get("kv_transfer_params", {})
         if reserved is not None and params.get("mode") == "direct":
             seq, info = reserved[0], await self._run(self.engine.prefill_reserved, reserved[0], params["filled"])
