@@ -54,14 +54,20 @@ def test_evicted_objects_go_to_disk_not_away():
     m.check_invariants()
 
 
-def test_get_of_disk_object_promotes_it():
+def a_on_disk():
+    """DRAM full of a, b, c, d (oldest first); a put makes room by offloading "a"."""
     m, clock = make()
     for k in "abcd":
         put(m, k)
         clock.t += 1
     with pytest.raises(NoCapacityError):
         m.put_start("e", K)
-    offload_all(m)
+    assert offload_all(m) == ["a"]
+    return m, clock
+
+
+def test_get_of_disk_object_promotes_it():
+    m, clock = a_on_disk()
     size, gen, _, reps, _ = m.get("a")
     (node, tier, off, ln, _inc), = reps
     assert tier == "promote" and node == "n"
@@ -74,13 +80,7 @@ def test_get_of_disk_object_promotes_it():
 
 
 def test_corrupt_disk_copy_becomes_a_miss():
-    m, clock = make()
-    for k in "abcd":
-        put(m, k)
-        clock.t += 1
-    with pytest.raises(NoCapacityError):
-        m.put_start("e", K)
-    offload_all(m)
+    m, clock = a_on_disk()
     _, gen, _, ((_, _, off, _, _),), _ = m.get("a")
     m.promote_done("n", [("a", gen, off, "ChecksumError")])
     assert not m.exists("a")
