@@ -220,9 +220,9 @@ def plot(result, path) -> None:
     rows = result["rows"]
     xs = [r["kv_bytes"] / 2**20 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for path in ("store", "direct"):
-        a.plot(xs, [r[path]["transfer_ms"] for r in rows], marker="o", label=path)
-        b.plot(xs, [r[path]["share_of_ceiling"] for r in rows], marker="o", label=path)
+    for mode in ("store", "direct"):
+        a.plot(xs, [r[mode]["transfer_ms"] for r in rows], marker="o", label=mode)
+        b.plot(xs, [r[mode]["share_of_ceiling"] for r in rows], marker="o", label=mode)
     a.set_xscale("log"), a.set_yscale("log"), a.set_xlabel("KV bytes (MiB)"), a.set_ylabel("transfer time (ms)")
     b.set_xscale("log"), b.set_xlabel("KV bytes (MiB)"), b.set_ylabel("share of transport ceiling")
     b.axhline(0.6, ls="--", c="gray"), b.axhline(0.3, ls=":", c="gray")
