@@ -107,16 +107,15 @@ and the engine's own error; a timeout given by Ray (``ray.get(timeout=...)``) ra
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from mooncake_ray.integrations._rdt_pool import ALIGN, RecvPool
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
     FetchRequest,
@@ -128,7 +127,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     import ray
-    from mooncake_ray._private.transport.engine import Engine, Region
+    from mooncake_ray._private.transport.engine import Engine
 
 __all__ = [
     "TRANSPORT_NAME",
@@ -155,8 +154,6 @@ _DEFAULTS: Dict[str, Any] = {
     "recv_pool_bytes": 1 << 30,
     "timeout_s": 60.0,
 }
-_ALIGN = 256  # offset of every tensor inside a receive block (>= any dtype's alignment)
-_POOL_ARENA_MIN = 64 << 20
 _POLL_S = 0.05  # wait_fetch_complete re-checks aborts this often
 
 
@@ -185,7 +182,7 @@ def _effective_config(overrides: Dict[str, Any]) -> Dict[str, Any]:
 _engine_lock = threading.Lock()
 _engine: Optional["Engine"] = None
 _engine_config: Optional[Dict[str, Any]] = None
-_pool: Optional["_RecvPool"] = None
+_pool: Optional["RecvPool"] = None
 
 
 def _process_label() -> str:
@@ -220,118 +217,13 @@ def _get_engine(overrides: Dict[str, Any]) -> "Engine":
             default_timeout_s=cfg["timeout_s"],
         )
         _engine_config = cfg
-        _pool = _RecvPool(eng, int(cfg["recv_pool_bytes"]))
+        _pool = RecvPool(eng, int(cfg["recv_pool_bytes"]))
         _engine = eng
         return eng
 
 
-def _get_pool() -> Optional["_RecvPool"]:
+def _get_pool() -> Optional["RecvPool"]:
     return _pool
-
-
-class _Arena:
-    __slots__ = ("region", "mv", "base", "length", "free")
-
-    def __init__(self, region: "Region"):
-        self.region = region
-        self.mv = region.view()
-        self.base = region.addr
-        self.length = region.length
-        self.free: List[List[int]] = [[0, region.length]]  # sorted [offset, length]
-
-
-class _RecvPool:
-    """Pre-faulted, registered arenas that received tensors are carved from.
-
-    A block is handed out as a memoryview slice; ``torch.frombuffer`` keeps that slice
-    alive for as long as any storage views it, and a ``weakref.finalize`` on the slice
-    queues the block for return. Returns are only queued in the finalizer (it may run in
-    any thread, inside a garbage collection) and applied under the lock by ``alloc``.
-    """
-
-    def __init__(self, engine: "Engine", limit_bytes: int):
-        self._engine = engine
-        self.limit = max(0, int(limit_bytes))
-        self._arenas: List[_Arena] = []
-        self._lock = threading.Lock()
-        self._returns: collections.deque = collections.deque()
-        self.allocated = 0
-
-    @property
-    def reserved(self) -> int:
-        return sum(a.length for a in self._arenas)
-
-    def _drain_returns(self) -> None:
-        while self._returns:
-            idx, off, length = self._returns.popleft()
-            fl = self._arenas[idx].free
-            fl.append([off, length])
-            fl.sort()
-            merged: List[List[int]] = []
-            for o, n in fl:
-                if merged and merged[-1][0] + merged[-1][1] == o:
-                    merged[-1][1] += n
-                else:
-                    merged.append([o, n])
-            self._arenas[idx].free = merged
-            self.allocated -= length
-
-    def _take(self, idx: int, nbytes: int) -> Optional[int]:
-        fl = self._arenas[idx].free
-        for i, (off, n) in enumerate(fl):
-            if n >= nbytes:
-                if n == nbytes:
-                    fl.pop(i)
-                else:
-                    fl[i] = [off + nbytes, n - nbytes]
-                return off
-        return None
-
-    def alloc(self, nbytes: int) -> Optional[Tuple[memoryview, int]]:
-        """A block of at least ``nbytes`` as (memoryview, address), or None (no room)."""
-        if self.limit <= 0 or nbytes <= 0:
-            return None
-        nbytes = -(-nbytes // _ALIGN) * _ALIGN
-        with self._lock:
-            self._drain_returns()
-            idx = off = None
-            for i in range(len(self._arenas)):
-                off = self._take(i, nbytes)
-                if off is not None:
-                    idx = i
-                    break
-            if idx is None:
-                size = max(_POOL_ARENA_MIN, -(-nbytes // (2 << 20)) * (2 << 20))
-                if self.reserved + size > self.limit:
-                    size = nbytes
-                    if self.reserved + size > self.limit:
-                        return None
-                try:
-                    arena = _Arena(self._engine.alloc_arena(size))
-                except Exception:  # noqa: BLE001 - out of memory: fall back to torch.empty
-                    logger.warning("mooncake RDT: cannot allocate a %d-byte receive arena", size,
-                                   exc_info=True)
-                    return None
-                self._arenas.append(arena)
-                idx = len(self._arenas) - 1
-                off = self._take(idx, nbytes)
-            self.allocated += nbytes
-            arena = self._arenas[idx]
-            mv = arena.mv[off:off + nbytes]
-        weakref.finalize(mv, self._returns.append, (idx, off, nbytes))
-        return mv, arena.base + off
-
-    def stats(self) -> Dict[str, int]:
-        with self._lock:
-            self._drain_returns()
-            return {"recv_pool_reserved": self.reserved, "recv_pool_allocated": self.allocated}
-
-    def find(self, addr: int, length: int) -> Optional["Region"]:
-        """The arena region holding [addr, addr+length), if any."""
-        for a in self._arenas:
-            if a.base <= addr and addr + length <= a.base + a.length:
-                return a.region
-        return None
 
 
 # ---- metadata ------------------------------------------------------------------------
@@ -603,7 +495,7 @@ class MooncakeTensorTransport(TensorTransportManager):
             offsets, total = [], 0
             for n in sizes:
                 offsets.append(total)
-                total += -(-n // _ALIGN) * _ALIGN
+                total += -(-n // ALIGN) * ALIGN
             pool = _get_pool()
             block = pool.alloc(total) if (pool is not None and total) else None
             if block is not None:

@@ -2,12 +2,9 @@
 filesystem degrades to DRAM-only without losing what fit, and a restarted store node
 finds its spilled keys again."""
 
-import os
-import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import ray
 
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name

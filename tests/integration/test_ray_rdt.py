@@ -201,10 +201,10 @@ def test_receive_pool_reuses_and_coalesces_freed_blocks():
     import gc
 
     from mooncake_ray._private.transport.engine import Engine
-    from mooncake_ray.integrations.ray_rdt import _RecvPool
+    from mooncake_ray.integrations._rdt_pool import RecvPool
 
     with Engine(devices=["lo"], name="pool-test") as eng:
-        pool = _RecvPool(eng, limit_bytes=96 * MiB)
+        pool = RecvPool(eng, limit_bytes=96 * MiB)
         a, a_addr = pool.alloc(16 * MiB)
         b, b_addr = pool.alloc(16 * MiB)
         assert b_addr == a_addr + 16 * MiB and pool.stats()["recv_pool_reserved"] == 64 * MiB

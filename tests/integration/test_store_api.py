@@ -2,7 +2,6 @@
 1 client-only head)."""
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
@@ -12,11 +11,9 @@ import torch
 import mooncake_ray
 from mooncake_ray import (
     InvalidArgumentError,
-    NoCapacityError,
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from tests.conftest import wait_for
 
 MB = 1 << 20
 
