@@ -128,6 +128,12 @@ class MasterConfig(_Model):
     """Default replica count of a put (on distinct store nodes)."""
     recovery_timeout_s: float = Field(15.0, gt=0)
     """After a restart, how long the master waits for known store nodes to remount."""
+    put_slab_bytes: Size = 32 << 20
+    """DRAM a client reserves at a time on one node to put values with one master call
+    each (capped at 1/16 of the node's arena; 0 disables: every put takes two calls)."""
+    put_slab_ttl_s: float = Field(2.0, gt=0, le=60)
+    """A client starts writes into a slab only this long after asking for it; a restarted
+    master allocates nothing for this long."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
     max_restarts: int = Field(-1, ge=-1)
     num_cpus: float = Field(0.0, ge=0)

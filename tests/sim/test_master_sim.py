@@ -50,6 +50,8 @@ class Sim:
         self.pending = {}
         self.leases = {}
         self.forced = set()
+        self.slabs = {}  # slab_id -> [next free offset, end, owner]: the client's view
+        self.owner = "client0"  # a restarted master sees a new client (the old one's slabs are dead)
 
     def _new_master(self):
         m = MasterState(self.policy, clock=self.clock, wall_ns=lambda: 0,
@@ -121,7 +123,9 @@ class Sim:
         key = f"k{rng.randrange(60)}"
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
         try:
-            if r < 0.33:
+            if r < 0.13:
+                self.slab_put(key)
+            elif r < 0.33:
                 size = rng.choice([1, 100, ALIGN, 3 * ALIGN, 9 * ALIGN, 20 * ALIGN])
                 gen, _ = m.put_start(key, size, client_node=rng.choice([None, "rn0", "rn1"]),
                                      upsert=rng.random() < 0.3)
@@ -176,6 +180,9 @@ class Sim:
                 for n in self.incs:
                     self.remount(n)
                 self.pending.clear()
+                self.owner = f"client{rng.randrange(1 << 30)}"
+            elif r < 0.915 and self.slabs:
+                m.slab_return(rng.choice(sorted(self.slabs)))
             elif r < 0.94:
                 m.report_unreachable(rng.choice(list(self.incs)))
             elif r < 0.98 and self.leases:  # a reader finished: release its lease
@@ -185,6 +192,25 @@ class Sim:
         except MooncakeRayError:
             pass
         self.deliver()
+
+    def slab_put(self, key):
+        """A one-call put through a slab, as the client does it: carve, (write), commit;
+        sometimes into a dead slab, sometimes never committed (the client died)."""
+        m, rng = self.m, self.rng
+        size = rng.choice([1, 100, ALIGN, 3 * ALIGN])
+        length = -(-size // ALIGN) * ALIGN if size else ALIGN
+        fits = [sid for sid, (cur, end, _o) in self.slabs.items() if end - cur >= length]
+        if not fits or rng.random() < 0.2:
+            sid, _n, off, ln, _inc, _ttl = m.slab_grant(self.owner, rng.choice([None, "rn0", "rn1"]),
+                                                       rng.choice([0, size]))
+            self.slabs[sid] = [off, off + ln, self.owner]
+            fits = [sid]
+        sid = rng.choice(fits)
+        cur, _end, owner = self.slabs[sid]
+        self.slabs[sid][0] = cur + length
+        if rng.random() < 0.1:
+            return  # carved, never committed: the slab's expiry reclaims it
+        m.put_commit(key, sid, cur, size, rng.random() < 0.3, owner)
 
     def check(self):
         m = self.m

@@ -288,6 +288,7 @@ def test_effects_carry_inventory_and_rebuild_restores_everything():
     assert m2.get("a")[0] == 3 * K and len(m2.get("a")[3]) == 2
     assert m2.exists("b") and not m2.exists("c")
     assert m2.stats()["used"] == m.stats()["used"] and m2.stats()["pinned"] == 1
+    clock.t += m2.policy.put_slab_ttl_s  # allocations wait until old put slabs are dead
     gen, _ = m2.put_start("d", K)
     assert gen > max(e.gen for d in inv.values() for e in d.values())
     m2.check_invariants()

@@ -9,6 +9,8 @@ Life of an object::
         ├─ put_end ──► COMPLETE (visible; replaces an older value on upsert)
         └─ put_revoke / put_timeout_s passes / a replica's node dies ──► gone, extents freed
 
+    put_commit (into a client's put slab, see slabs.py) ──► COMPLETE in one call
+
 A get of a COMPLETE object grants a read lease (``lease_ttl_s``): until it ends the
 object is not evicted and its extents are not reused, even if it is removed or
 replaced meanwhile (the extents wait in ``_deferred``).
@@ -48,6 +50,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
 from mooncake_ray._private.master.placement import order_nodes
+from mooncake_ray._private.master.slabs import SlabMixin
 from mooncake_ray._private.master.tiering import PROMOTE, TieringMixin
 from mooncake_ray._private.master.types import (
     InventoryEntry,
@@ -74,14 +77,17 @@ class Policy:
     replicas: int = 1
     max_key_bytes: int = 4096
     recovery_timeout_s: float = 15.0
+    put_slab_bytes: int = 32 << 20
+    put_slab_ttl_s: float = 2.0
 
     @classmethod
     def from_config(cls, cfg) -> "Policy":
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-class MasterState(TieringMixin):
-    """See the module docstring (and ``tiering.py`` for the disk tier). Not thread-safe:
+class MasterState(TieringMixin, SlabMixin):
+    """See the module docstring (``tiering.py`` for the disk tier, ``slabs.py`` for
+    one-call puts). Not thread-safe:
     the actor serialises calls."""
 
     def __init__(self, policy: Policy | None = None, clock: Callable[[], float] = time.monotonic,
@@ -101,6 +107,10 @@ class MasterState(TieringMixin):
         self._next_lease = 0
         self._expected: set[str] = set()
         self._recovery_deadline = 0.0
+        self._slabs: dict = {}  # slab_id -> Slab (see slabs.py)
+        self._next_slab = 0
+        self._restarted_at = 0.0
+        self._alloc_gate_until = 0.0
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0}
@@ -179,6 +189,7 @@ class MasterState(TieringMixin):
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._effects.pop(node_id, None)
+        self._drop_node_slabs(node_id)
         if node is None:
             return 0
         self._deferred = [d for d in self._deferred if d[2] != node_id]
@@ -205,7 +216,9 @@ class MasterState(TieringMixin):
     def begin_recovery(self, expected_nodes: set[str]) -> None:
         """A restarted master: refuse calls until these nodes remount or the timeout."""
         self._expected = set(expected_nodes) - set(self._nodes)
-        self._recovery_deadline = self._clock() + self.policy.recovery_timeout_s
+        self._restarted_at = self._clock()
+        self._recovery_deadline = self._restarted_at + self.policy.recovery_timeout_s
+        self._alloc_gate_until = self._restarted_at + self.policy.put_slab_ttl_s
 
     @property
     def recovering(self) -> bool:
@@ -248,6 +261,7 @@ class MasterState(TieringMixin):
         if not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
         now = self._clock()
+        self._allocation_gate(now)
         self._release_deferred(now)
         pending = self._pending.get(key)
         if pending is not None:
@@ -320,8 +334,12 @@ class MasterState(TieringMixin):
         if obj.failed or not obj.replicas:
             self.put_revoke(key, gen)
             raise NodeUnavailableError(f"put of {key!r} failed: {obj.failed or 'no replica left'}")
-        now = self._clock()
         del self._pending[key]
+        self._publish(obj, self._clock())
+
+    def _publish(self, obj: Obj, now: float) -> None:
+        """Make a written value visible, replacing the key's old value if any."""
+        key = obj.key
         old = self._objects.get(key)
         if old is not None:
             self._drop_object(old, now)
@@ -595,12 +613,14 @@ class MasterState(TieringMixin):
         now = self._clock()
         self._release_deferred(now)
         self._expire_promotions(now)
+        slabs = self._expire_slabs(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
         for key, gen in expired:
             self.put_revoke(key, gen)
         silent = [n for n in self._nodes.values() if now - n.last_heartbeat > self.policy.node_ttl_s]
         lost = sum(self.unmount(n.node_id, f"silent for {now - n.last_heartbeat:.1f}s") for n in silent)
-        return {"revoked": len(expired), "unmounted": [n.node_id for n in silent], "lost": lost}
+        return {"revoked": len(expired), "unmounted": [n.node_id for n in silent], "lost": lost,
+                "slabs_expired": slabs}
 
     # ------------------------------------------------------------------- stats --
     def stats(self) -> dict:
@@ -626,6 +646,8 @@ class MasterState(TieringMixin):
             "disk_used": sum(n.disk_used for n in self._nodes.values()),
             "keys": len(self._objects),
             "pending": len(self._pending),
+            "slabs": len(self._slabs),
+            "slab_bytes": self.slab_bytes(),
             "pinned": pinned,
             "soft_pinned": soft,
             "recovering": self.recovering,
@@ -670,6 +692,12 @@ class MasterState(TieringMixin):
         for _, inc, node_id, off, length in self._deferred:
             if self._nodes[node_id].incarnation == inc:
                 live[node_id].append((off, length))
+        for slab in self._slabs.values():
+            assert slab.node_id in self._nodes, f"slab {slab.slab_id} on unmounted {slab.node_id}"
+            for off, length in slab.free.items():
+                assert slab.offset <= off and off + length <= slab.offset + slab.length, \
+                    f"slab {slab.slab_id}: piece {off} outside the slab"
+                live[slab.node_id].append((off, length))
         for node_id, node in self._nodes.items():
             counted = {"dram": 0, "disk": 0}
             for key in node.keys:

@@ -1,0 +1,153 @@
+"""Put slabs in the master state machine (one master call per put): grant, commit,
+conflicts, expiry, node loss, and the allocation gate after a master restart."""
+
+import pytest
+
+from mooncake_ray.errors import (
+    InvalidArgumentError,
+    LeaseExpiredError,
+    MasterUnavailableError,
+    NoCapacityError,
+    ObjectExistsError,
+    ObjectPendingError,
+)
+from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.state import MasterState, Policy
+from tests.unit.test_master_state import Clock, make, node
+
+K = ALIGN
+
+
+def commit(m, key, slab_id, offset, size, upsert=False, owner="c1"):
+    return m.put_commit(key, slab_id, offset, size, upsert, owner)
+
+
+def grant(m, need=0, owner="c1", client_node=None):
+    slab_id, node_id, off, length, inc, ttl = m.slab_grant(owner, client_node, need)
+    return slab_id, node_id, off, length
+
+
+def test_commit_publishes_in_one_call_and_pieces_are_carved():
+    m, _ = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+    sid, nid, off, length = grant(m)
+    assert length == 16 * K  # min(put_slab_bytes, capacity / 16)
+    assert m.stats()["used"] == 16 * K and m.stats()["slab_bytes"] == 16 * K
+    gen_b = commit(m, "b", sid, off + 4 * K, 5000)  # out of order: another thread's value
+    gen_a = commit(m, "a", sid, off, 100)
+    assert gen_a > gen_b
+    size, g, _ttl, reps, _lease = m.get("a")
+    assert (size, g, reps[0][:3]) == (100, gen_a, (nid, "dram", off))
+    assert m.get("b")[3][0][2] == off + 4 * K and m.get("b")[3][0][3] == 2 * K
+    assert m.stats()["slab_bytes"] == 16 * K - 3 * K
+    delta = m.drain_effects()[nid]
+    assert {e.key for e in delta.add} == {"a", "b"}  # the node's inventory learns both
+    m.check_invariants()
+
+
+def test_commit_of_a_used_or_outside_extent_is_refused():
+    m, _ = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+    sid, _nid, off, _ = grant(m)
+    commit(m, "a", sid, off, K)
+    for bad in (off, off + 100, off + 16 * K, off - K):
+        with pytest.raises(InvalidArgumentError, match="not an uncommitted part"):
+            commit(m, "x", sid, bad, K)
+    with pytest.raises(InvalidArgumentError, match="uncommitted"):
+        commit(m, "x", sid, off + K, 20 * K)  # longer than what is left
+    with pytest.raises(InvalidArgumentError, match="size"):
+        commit(m, "x", sid, off + K, -1)
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        commit(m, "", sid, off + K, 1)
+    assert not m.exists("x")
+    m.check_invariants()
+
+
+def test_commit_conflicts_free_their_extent_and_keep_the_stored_value():
+    m, _ = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+    sid, _nid, off, _ = grant(m)
+    gen = commit(m, "a", sid, off, K)
+    used = m.stats()["used"]
+    with pytest.raises(ObjectExistsError):
+        commit(m, "a", sid, off + K, K)
+    assert m.stats()["used"] == used - K and m.get("a")[1] == gen  # freed, old value kept
+    pgen, _ = m.put_start("p", K)  # a two-call put of "p" in flight
+    with pytest.raises(ObjectPendingError):
+        commit(m, "p", sid, off + 2 * K, K)
+    m.put_end("p", pgen)
+    new = commit(m, "a", sid, off + 3 * K, 2 * K, True)  # upsert replaces
+    assert m.get("a")[:2] == (2 * K, new)
+    m.check_invariants()
+
+
+def test_unknown_returned_or_expired_slab_raises_lease_expired():
+    m, clock = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K, put_slab_ttl_s=2, put_timeout_s=10,
+              node_ttl_s=1000)
+    with pytest.raises(LeaseExpiredError, match="slab 99"):
+        commit(m, "a", 99, 0, K)
+    sid, _nid, off, _ = grant(m)
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "a", sid, off, K, owner="c2")  # someone else's slab
+    commit(m, "a", sid, off, K)
+    assert m.slab_return(sid) == 15 * K and m.slab_return(sid) == 0  # idempotent
+    assert m.stats()["used"] == K
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "b", sid, off + K, K)
+    sid2, *_ = grant(m, owner="dead-client")
+    clock.t += 11.9
+    m.tick()
+    assert m.stats()["slabs"] == 1  # ttl + put_timeout_s not passed yet
+    clock.t += 0.2
+    assert m.tick()["slabs_expired"] == 1
+    assert m.stats()["used"] == K and m.exists("a")
+    m.check_invariants()
+
+
+def test_node_loss_drops_its_slabs():
+    m, _ = make(n_nodes=2, cap=256 * K, put_slab_bytes=16 * K)
+    sid, nid, off, _ = grant(m)
+    m.unmount(nid, "killed")
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "a", sid, off, K)
+    m.mount(node(int(nid[1:]), 256 * K, inc="b"))  # back with a new arena: nothing reserved
+    assert m.stats()["nodes"][nid]["dram"]["used"] == 0
+    m.check_invariants()
+
+
+def test_grant_size_placement_and_refusals():
+    m, _ = make(n_nodes=2, cap=256 * K, put_slab_bytes=1 << 30, allocation_strategy="local_first")
+    sid, nid, _off, length = grant(m, client_node="ray1")
+    assert nid == "n1" and length == 16 * K  # capped at 1/16 of the arena, on the caller's node
+    assert grant(m, need=40 * K)[3] == 40 * K  # a larger need gets what it asks
+    with pytest.raises(NoCapacityError):
+        m.slab_grant("c1", None, 100 * K)  # more than a quarter of any arena
+    m2, _ = make(n_nodes=1, put_slab_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="disabled"):
+        m2.slab_grant("c1")
+    m.check_invariants()
+
+
+def test_grant_evicts_like_a_put_when_the_node_is_full():
+    m, _ = make(n_nodes=1, cap=64 * K, put_slab_bytes=4 * K, high_watermark=1.0)
+    for i in range(64):
+        gen, _ = m.put_start(f"k{i}", K)
+        m.put_end(f"k{i}", gen)
+    sid, _nid, off, length = grant(m)
+    assert length == 4 * K and m.counters["evictions"] >= 1
+    commit(m, "new", sid, off, K)
+    m.check_invariants()
+
+
+def test_restarted_master_allocates_nothing_until_old_slabs_are_dead():
+    clock = Clock()
+    m = MasterState(Policy(put_slab_ttl_s=2.0, put_slab_bytes=16 * K), clock=clock, wall_ns=lambda: 0)
+    m.begin_recovery({"n0"})
+    m.mount(node(0, 256 * K))
+    assert not m.recovering
+    with pytest.raises(MasterUnavailableError, match="put_slab_ttl_s"):
+        m.slab_grant("c1")
+    with pytest.raises(MasterUnavailableError, match="put_slab_ttl_s"):
+        m.put_start("a", K)
+    assert m.get("a") is None and not m.exists("a")  # reads are not held up
+    clock.t += 2.0
+    grant(m)
+    m.put_start("a", K)
+    m.check_invariants()
