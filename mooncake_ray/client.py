@@ -32,6 +32,8 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import (
     InvalidArgumentError,
     LeaseExpiredError,
+    MasterUnavailableError,
+    NoCapacityError,
     MooncakeRayError,
     NodeUnavailableError,
     NotRegisteredError,
@@ -41,6 +43,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private import rpc
 from mooncake_ray._private.buffers import new_bytes, readable, writable
+from mooncake_ray._private.master.allocator import align_up
 from mooncake_ray._private.master.tiering import PROMOTE
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.metrics import ClientMetrics
@@ -51,6 +54,18 @@ __all__ = ["Client"]
 
 _PUT_ATTEMPTS = 3
 _GET_ATTEMPTS = 3
+
+
+@dataclass
+class _Slab:
+    """A run of one node's DRAM this client carves extents from (see master/slabs.py)."""
+
+    slab_id: int
+    node_id: str
+    incarnation: str
+    cur: int  # next free offset
+    end: int
+    use_until: float  # monotonic; no write into the slab starts after this
 
 
 @dataclass
@@ -92,6 +107,12 @@ class Client:
         self._moved = 0  # bytes moved by the call being timed (per thread is not needed: metrics only)
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
+        # Put slabs: one master call per put (single replica, up to half a slab).
+        self._slab_max = config.master.put_slab_bytes
+        self._slab: _Slab | None = None
+        self._slab_lock = threading.Lock()
+        self._slab_returns: list[int] = []
+        self._slab_timer: threading.Timer | None = None
         self._closed = False
 
     # ================================================================ public API ==
@@ -259,6 +280,7 @@ class Client:
         if self._closed:
             return
         self._flush_releases()
+        self._return_slab(expired_only=False)
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -364,6 +386,8 @@ class Client:
             srcs.append((addr, n, keep))
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
+        if self._slab_max and (replicas or self.config.master.replicas) == 1:
+            todo = self._put_slabbed(keys, srcs, upsert, results)
         failures, backoff = 0, _Backoff(self.config.client.backpressure_timeout_s)
         while todo:
             retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert)
@@ -380,6 +404,119 @@ class Client:
             if todo and not transfer_failed:
                 backoff.sleep()
         return results
+
+    def _put_slabbed(self, keys, srcs, upsert, results) -> list[int]:
+        """Put what fits into this client's slab with one master call for all of them
+        (carve, write, commit). Returns the indices left for the two-call path: values too
+        large for a slab, no slab to be had, or a retryable failure here."""
+        limit = self._slab_max // 2
+        idxs = [i for i, s in enumerate(srcs) if align_up(s[1]) <= limit]
+        rest = [i for i, s in enumerate(srcs) if align_up(s[1]) > limit]
+        if not idxs:
+            return rest
+        placed = self._carve([align_up(srcs[i][1]) for i in idxs])
+        ops, owners, items = [], [], []
+        for i, got in zip(idxs, placed):
+            if got is None:
+                rest.append(i)
+                continue
+            slab, off = got
+            items.append((i, slab, off))
+            if srcs[i][1]:
+                ops.append((slab.node_id, off, srcs[i][0], srcs[i][1], slab.incarnation))
+                owners.append(i)
+        if not items:
+            return sorted(rest)
+        failed = self._write(ops, owners)
+        if failed:  # the slab's node failed us: give the slab up, retry those the two-call way
+            with self._slab_lock:
+                bad = {s.slab_id for i, s, _ in items if i in failed}
+                if self._slab is not None and self._slab.slab_id in bad:
+                    self._slab = None
+                self._slab_returns.extend(bad)
+        commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
+                   if i not in failed]
+        rest.extend(failed)
+        if commits:
+            with self._slab_lock:
+                returns = self._take_slab_returns()
+            try:
+                done = self._master.call(rpc.PUT_COMMIT, [c for _, c in commits], self._owner, returns)
+            except MasterUnavailableError as e:
+                for i, _ in commits:
+                    results[i] = e
+                return sorted(rest)
+            for (i, _), r in zip(commits, done):
+                if not rpc.is_err(r):
+                    self._moved += srcs[i][1]
+                    continue
+                exc = rpc.to_exc(r)
+                if isinstance(exc, LeaseExpiredError):
+                    rest.append(i)  # the slab died under us (master restart, node loss)
+                else:
+                    results[i] = exc
+        return sorted(rest)
+
+    def _carve(self, lengths: list[int]) -> list:
+        """``(slab, offset)`` per length from this client's slab, asking the master for a
+        new one when it runs out; ``None`` for lengths that got no room."""
+        out: list = []
+        with self._slab_lock:
+            grants = 0
+            for j, n in enumerate(lengths):
+                s = self._slab
+                if s is None or s.end - s.cur < n or time.monotonic() > s.use_until:
+                    if grants >= 8 or not self._new_slab(min(sum(lengths[j:]), self._slab_max)):
+                        out.extend([None] * (len(lengths) - j))
+                        break
+                    grants += 1
+                    s = self._slab
+                    if s.end - s.cur < n:
+                        out.append(None)
+                        continue
+                out.append((s, s.cur))
+                s.cur += n
+        return out
+
+    def _new_slab(self, need: int) -> bool:
+        """Replace the current slab (lock held). False if the master has none to give."""
+        if self._slab is not None:
+            self._slab_returns.append(self._slab.slab_id)
+            self._slab = None
+        sent = time.monotonic()
+        try:
+            slab_id, node_id, off, length, inc, ttl = self._master.call(
+                rpc.SLAB_GRANT, self._owner, self._here, need, self._take_slab_returns())
+        except (NoCapacityError, MasterUnavailableError, InvalidArgumentError):
+            return False
+        # Writes start at most 3/4 of the ttl after the request left: the master's window
+        # (counted from when it granted) ends later still.
+        self._slab = _Slab(slab_id, node_id, inc, off, off + length, sent + 0.75 * ttl)
+        if self._slab_timer is None or not self._slab_timer.is_alive():
+            self._slab_timer = threading.Timer(ttl, self._return_slab)
+            self._slab_timer.daemon = True
+            self._slab_timer.start()
+        return True
+
+    def _take_slab_returns(self) -> list[int]:
+        out, self._slab_returns = self._slab_returns, []
+        return out
+
+    def _return_slab(self, expired_only: bool = True) -> None:
+        """Give back a slab this client can no longer write into (or every slab, on close),
+        so its unused room is free at once rather than when the master expires it."""
+        with self._slab_lock:
+            s = self._slab
+            if s is not None and (not expired_only or time.monotonic() > s.use_until):
+                self._slab_returns.append(s.slab_id)
+                self._slab = s = None
+            ids = self._take_slab_returns()
+            if s is not None and not self._closed:  # still in use: look again when it runs out
+                self._slab_timer = threading.Timer(max(0.05, s.use_until - time.monotonic()), self._return_slab)
+                self._slab_timer.daemon = True
+                self._slab_timer.start()
+        if ids and not self._closed:
+            self._master.try_call(rpc.SLAB_RETURN, ids)  # if it is lost, the master expires them
 
     def _put_round(self, keys, srcs, replicas, upsert) -> list:
         reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]

@@ -19,6 +19,7 @@ import ray
 from mooncake_ray.errors import (
     EngineClosedError,
     MasterUnavailableError,
+    MooncakeRayError,
     NodeUnavailableError,
     TransferError,
 )
@@ -72,6 +73,18 @@ class MasterChannel:
                 except MasterUnavailableError:
                     pass
         return self._call_retrying(payload)
+
+    def try_call(self, op: int, *args: Any) -> Any:
+        """One attempt over the current connection, no retry; None if it fails
+        (best-effort messages, such as giving slabs back at close)."""
+        peer = self._peer
+        if peer is None:
+            return None
+        try:
+            data = self._engine.call(peer, rpc.MASTER_RPC, rpc.pack([op, *args]), timeout_s=self._rpc_timeout_s)
+            return rpc.decode_reply(data)
+        except MooncakeRayError:
+            return None
 
     def _call_retrying(self, payload: bytes) -> Any:
         deadline = time.monotonic() + self._retry_timeout_s

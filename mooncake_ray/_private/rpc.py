@@ -7,9 +7,11 @@ failures come back inside the payload as ``[ERR, class_name, message]`` entries,
 bad key never fails its neighbours.
 
 Which calls are safe to retry after a lost reply (the client does so across a master
-restart): GET, EXISTS, NODES, PUT_END, PUT_REVOKE, PIN, OFFLOAD_DONE, PROMOTE_DONE are
-idempotent; PUT_START is made
-idempotent by the owner id (a retry from the same client returns the same allocation);
+restart): GET, EXISTS, NODES, PUT_END, PUT_REVOKE, PIN, OFFLOAD_DONE, PROMOTE_DONE,
+SLAB_RETURN are idempotent; PUT_START is made idempotent by the owner id (a retry from
+the same client returns the same allocation), PUT_COMMIT by its extent (a value already
+committed at that extent answers with its generation); a retried SLAB_GRANT at worst
+grants a second slab, which expires unused;
 REMOVE* answers "not found" the second time, which the client treats as done.
 """
 
@@ -46,6 +48,9 @@ PING = 12
 OFFLOAD_DONE = 13
 PROMOTE_DONE = 14
 RELEASE = 15
+SLAB_GRANT = 16
+PUT_COMMIT = 17
+SLAB_RETURN = 18
 
 
 def pack(obj: Any) -> bytes:

@@ -22,7 +22,9 @@ def val(i, n=64 * KB):
 
 
 def test_store_node_killed_during_read_loop(make_store, ray_cluster):
-    s = make_store(master={"allocation_strategy": "free_ratio_first"})
+    # Placement per object (no put slabs, which place a client's small puts per slab), so
+    # the single-replica keys spread over both nodes.
+    s = make_store(master={"allocation_strategy": "free_ratio_first", "put_slab_bytes": 0})
     ns = s.config.namespace
     both = [f"both{i}" for i in range(20)]
     single = [f"one{i}" for i in range(20)]
@@ -94,8 +96,13 @@ def test_master_killed_all_keys_readable_after_it_returns(make_store):
     assert all(v == val(i, 10 * KB) for i, v in enumerate(got))
     st = s.stats()
     assert st["keys"] == 60 and not st["recovering"]
+    # Puts resume (after the new master's allocation gate); the client's slab from the
+    # old master is refused at commit and those values go the two-call way.
+    more = [f"after{i}" for i in range(20)]
+    assert s.batch_put(more, [val(100 + i, 6 * KB) for i in range(20)]) == [None] * 20
     s.put("after-restart", b"ok")
     assert s.get("after-restart") == b"ok"
+    assert s.batch_get(keys + more) == [val(i, 10 * KB) for i in range(60)] + [val(100 + i, 6 * KB) for i in range(20)]
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -2,7 +2,8 @@
 
 Two doors lead in:
 
-- the per-operation RPC (put_start/end/revoke, get, exists, remove, pin, batch forms),
+- the per-operation RPC (put_start/end/revoke, slab grant and put_commit, get, exists,
+  remove, pin, batch forms),
   served by the native engine on its dispatcher thread (``_on_rpc``);
 - Ray actor calls for the lifecycle: the RPC address, mount, heartbeat, stats, nodes.
 
@@ -75,6 +76,9 @@ class MasterActor:
             rpc.PING: lambda *pad: self.incarnation,
             rpc.OFFLOAD_DONE: self.state.offload_done,
             rpc.PROMOTE_DONE: self.state.promote_done,
+            rpc.SLAB_GRANT: self._slab_grant,
+            rpc.PUT_COMMIT: self._put_commit,
+            rpc.SLAB_RETURN: lambda ids: [self.state.slab_return(i) for i in ids],
         }
         # Inline: the handler never calls the engine (deliveries have their own thread).
         self.engine.serve(rpc.MASTER_RPC, self._on_rpc, inline=True)
@@ -88,6 +92,20 @@ class MasterActor:
     def _put_start(self, items, client_node=None, owner=""):
         def one(key, size, replicas=None, upsert=False):
             return self.state.put_start(key, size, replicas, client_node, owner, upsert)
+
+        return rpc.per_key(one, items)
+
+    def _slab_grant(self, owner, client_node=None, need=0, returns=()):
+        for slab_id in returns:  # the caller's used-up slabs, piggybacked
+            self.state.slab_return(slab_id)
+        return self.state.slab_grant(owner, client_node, need)
+
+    def _put_commit(self, items, owner, returns=()):
+        for slab_id in returns:
+            self.state.slab_return(slab_id)
+
+        def one(key, slab_id, offset, size, upsert=False):
+            return self.state.put_commit(key, slab_id, offset, size, upsert, owner)
 
         return rpc.per_key(one, items)
 

@@ -117,8 +117,8 @@ class SlabMixin:
     def put_commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool = False,
                    owner: str = "") -> int:
         """Publish ``size`` bytes the caller wrote at ``offset`` of slab ``slab_id`` as
-        ``key``. Returns the value's generation. Not idempotent by itself: the client
-        never resends a commit whose reply was lost (it puts the value again).
+        ``key``. Returns the value's generation. Idempotent: a retry of a commit that
+        went through answers with the same generation.
 
         Raises:
             LeaseExpiredError: the slab is unknown (expired, returned, its node gone,
@@ -139,6 +139,10 @@ class SlabMixin:
         length = align_up(size)
         piece = self._carve(slab, offset, length)
         if piece is None:
+            done = self._objects.get(key)
+            if done is not None and any(r.node_id == slab.node_id and r.tier is Tier.DRAM and r.offset == offset
+                                        and r.length == length for r in done.replicas):
+                return done.gen  # a retry after a lost reply: already committed
             raise InvalidArgumentError(
                 f"extent ({offset}, {length}) of {key!r} is not an uncommitted part of put slab {slab_id}")
         now = self._clock()

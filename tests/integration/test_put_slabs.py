@@ -1,0 +1,125 @@
+"""Put slabs on a real cluster: one master call per put, the same answers as the
+two-call path, slabs given back when idle or at close, and a dead client's slab
+reclaimed by the master."""
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import mooncake_ray
+from mooncake_ray import ObjectExistsError
+from mooncake_ray._private import rpc
+from tests.conftest import wait_for
+
+KB, MB = 1 << 10, 1 << 20
+
+
+def rand(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class CallCounter:
+    def __init__(self, client):
+        self.ops: list[int] = []
+        real = client._master.call
+
+        def call(op, *args):
+            self.ops.append(op)
+            return real(op, *args)
+
+        client._master.call = call
+        real_try = client._master.try_call
+
+        def try_call(op, *args):
+            self.ops.append(op)
+            return real_try(op, *args)
+
+        client._master.try_call = try_call
+
+
+def test_small_puts_take_one_master_call_each_and_read_back(make_store):
+    s = make_store(master={"put_slab_bytes": "1mb"})
+    calls = CallCounter(s)
+    values = {f"s{i}": rand(1 + (i * 7919) % (300 * KB), i) for i in range(60)}
+    for k, v in values.items():
+        s.put(k, v)
+    commits = calls.ops.count(rpc.PUT_COMMIT)
+    grants = calls.ops.count(rpc.SLAB_GRANT)
+    assert commits == 60 and rpc.PUT_START not in calls.ops and rpc.PUT_END not in calls.ops
+    assert 1 <= grants <= 20  # a 1 MiB slab holds several of these values
+    assert s.batch_get(list(values)) == list(values.values())
+    st = s.stats()
+    assert st["slabs"] == 1 and 0 < st["slab_bytes"] <= MB
+
+
+def test_mixed_batch_large_values_take_two_calls_and_errors_match(make_store):
+    s = make_store(master={"put_slab_bytes": "2mb"})
+    s.put("exists", b"old")
+    calls = CallCounter(s)
+    keys = ["a", "big", "b", "exists", "c"]
+    vals = [rand(10 * KB, 1), rand(3 * MB, 2), b"", b"new", rand(KB, 3)]  # 3 MiB > half a slab
+    res = s.batch_put(keys, vals)
+    assert [type(r) for r in res] == [type(None), type(None), type(None), ObjectExistsError, type(None)]
+    assert calls.ops.count(rpc.PUT_START) == 1 and calls.ops.count(rpc.PUT_COMMIT) == 1  # one commit for 4
+    st = s.stats()  # the refused commit freed its extent: what is used is what is stored
+    assert st["used"] - st["slab_bytes"] == 4 * KB + 12 * KB + 3 * MB + 4 * KB + 4 * KB
+    assert s.batch_get(keys) == [vals[0], vals[1], b"", b"old", vals[4]]
+    with pytest.raises(ObjectExistsError):
+        s.put("a", b"again")
+    s.upsert("a", b"replaced")
+    assert s.get("a") == b"replaced"
+
+
+def test_idle_client_gives_its_slab_back(make_store):
+    s = make_store(master={"put_slab_ttl_s": 0.5})
+    calls = CallCounter(s)
+    s.put("k", b"v")
+    assert calls.ops.count(rpc.SLAB_GRANT) == 1
+    wait_for(lambda: s.stats()["slabs"] == 0, timeout_s=10, what="the idle slab to come back")
+    assert calls.ops.count(rpc.SLAB_RETURN) == 1 and s.stats()["used"] == 4 * KB
+    s.put("k2", b"v")  # and a new one is granted when needed
+    assert s.batch_get(["k", "k2"]) == [b"v"] * 2
+
+
+def test_closing_client_gives_its_slab_back(make_store):
+    s = make_store(master={"put_slab_ttl_s": 30})
+    s.put("k", b"v")
+    other = mooncake_ray.connect(namespace=s.config.namespace)
+    other.put("k2", b"v")
+    assert s.stats()["slabs"] == 2
+    other.close()
+    assert s.stats()["slabs"] == 1
+    assert s.batch_get(["k", "k2"]) == [b"v"] * 2
+
+
+def test_disabled_slabs_use_two_calls(make_store):
+    s = make_store(master={"put_slab_bytes": 0})
+    calls = CallCounter(s)
+    s.put("k", b"v")
+    assert rpc.SLAB_GRANT not in calls.ops and calls.ops.count(rpc.PUT_END) == 1
+    assert s.get("k") == b"v" and s.stats()["slabs"] == 0
+
+
+@ray.remote(num_cpus=0)
+class Putter:
+    def __init__(self, namespace):
+        self.s = mooncake_ray.connect(namespace=namespace)
+
+    def put(self, key, n):
+        self.s.put(key, b"y" * n)
+
+
+def test_dead_clients_slab_is_reclaimed(make_store):
+    s = make_store(master={"put_slab_ttl_s": 0.5, "put_timeout_s": 1.5, "put_slab_bytes": "4mb"})
+    base = s.stats()["used"]
+    p = Putter.remote(s.config.namespace)
+    ray.get(p.put.remote("from-dead", 5000))
+    st = s.stats()
+    assert st["slabs"] == 1 and st["used"] >= base + 4 * MB
+    ray.kill(p)  # no close, no return: the master's expiry must do it
+    t0 = time.monotonic()
+    wait_for(lambda: s.stats()["slabs"] == 0, timeout_s=15, what="the dead client's slab to expire")
+    assert time.monotonic() - t0 < 10
+    assert s.stats()["used"] == base + 8 * KB and s.get("from-dead") == b"y" * 5000
