@@ -274,6 +274,7 @@ EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
   host_id = local_host_id();
   pid = uint32_t(getpid());
   start_time = process_start_time(pid);
+  if (cfg.num_lanes > 1) copier = std::make_unique<CopyPool>(cfg.num_lanes - 1);
 }
 
 EngineCore::~EngineCore() { close(); }

@@ -168,6 +168,30 @@ struct Stats {
   std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};
 };
 
+// Splits large memcpy transfers over helper threads (copy.cpp).
+class CopyPool {
+ public:
+  explicit CopyPool(int helpers);
+  ~CopyPool();
+  void copy(char* dst, const char* src, size_t len);
+
+ private:
+  struct Piece {
+    char* dst = nullptr;
+    const char* src = nullptr;
+    size_t len = 0;
+    std::atomic<int>* left = nullptr;
+  };
+  void start_locked();
+  void run();
+  const int helpers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Piece> queue_;
+  std::vector<std::thread> threads_;
+  bool stop_ = false;
+};
+
 class EngineCore : public std::enable_shared_from_this<EngineCore> {
  public:
   explicit EngineCore(const EngineConfig& cfg);
@@ -258,6 +282,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::deque<IncomingRequest> inq;
 
   Stats st;
+  std::unique_ptr<CopyPool> copier;  // num_lanes - 1 helpers (none with one lane)
 };
 
 // RAII guard for public API calls: rejects calls after close, lets close() wait for

@@ -366,13 +366,13 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
         continue;
       }
       char* remote = rr.ptr_ + io.remote_offset;
-      if (is_read) {
-        memcpy(laddr, remote, len);
-        st.read_memcpy_bytes.fetch_add(len);
-      } else {
-        memcpy(remote, laddr, len);
-        st.write_memcpy_bytes.fetch_add(len);
-      }
+      char* dst = is_read ? laddr : remote;
+      const char* src = is_read ? remote : laddr;
+      if (copier && len >= cfg.stripe_min_bytes)
+        copier->copy(dst, src, len);  // striped over helper threads, like lanes
+      else
+        memcpy(dst, src, len);
+      (is_read ? st.read_memcpy_bytes : st.write_memcpy_bytes).fetch_add(len);
       continue;
     }
 
