@@ -6,6 +6,10 @@ bytes go straight between the caller's memory and the store nodes' arenas (a mem
 through shared memory on the same host, UCX across hosts), never through the Ray object
 store.
 
+Puts of single-replica values up to half a put slab take one master call: the client
+carves their extents from a slab of one node's DRAM it holds (see master/slabs.py) and
+commits them after writing; larger or replicated values take put_start / put_end.
+
 Reads are validated: a get's descriptors come with a read lease, and bytes are only
 returned if the copy finished before the lease could have ended (measured from before
 the request was sent), so extents reallocated to another key are never returned.
