@@ -128,3 +128,37 @@ def test_client_killed_mid_put_space_reclaimed(make_store):
     assert not s.exists("orphan")
     s.put("orphan", b"now it works")
     assert s.get("orphan") == b"now it works"
+
+
+def test_store_node_killed_under_a_clients_put_slab(make_store, ray_cluster):
+    """The node holding a client's put slab dies: puts go on (a new slab elsewhere, or the
+    two-call path), nothing reads back wrong, and what is put once the master has dropped
+    the dead incarnation is all readable."""
+    s = make_store(master={"allocation_strategy": "free_ratio_first", "put_slab_bytes": "8mb"})
+    ns = s.config.namespace
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    s.put("first", val(0, 8 * KB))
+    victim = s._slab.node_id
+    old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
+    ray.kill(ray.get_actor(store_actor_name(victim), namespace=ns), no_restart=False)
+
+    def gone():
+        return {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim) != old_inc
+
+    done, i, deadline = [], 0, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        i += 1
+        try:
+            s.put(f"after{i}", val(i, 8 * KB))
+            done.append(i)
+        except (mooncake_ray.NodeUnavailableError, mooncake_ray.TransferError, mooncake_ray.NoCapacityError):
+            time.sleep(0.05)
+        if i % 20 == 0 and gone():
+            break
+    assert gone(), "the master never dropped the killed node"
+    late = list(range(i + 1, i + 51))
+    assert s.batch_put([f"after{j}" for j in late], [val(j, 8 * KB) for j in late]) == [None] * 50
+    got = s.batch_get([f"after{j}" for j in done + late])
+    assert [j for j, v in zip(done + late, got) if v is not None and v != val(j, 8 * KB)] == []
+    assert all(v is not None for v in got[len(done):]), "puts after the node was dropped got lost"
+    assert len(done) >= 20  # puts kept going while the node was dying
