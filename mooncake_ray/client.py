@@ -497,10 +497,13 @@ class Client:
         # (counted from when it granted) ends later still.
         self._slab = _Slab(slab_id, node_id, inc, off, off + length, sent + 0.75 * ttl)
         if self._slab_timer is None or not self._slab_timer.is_alive():
-            self._slab_timer = threading.Timer(ttl, self._return_slab)
-            self._slab_timer.daemon = True
-            self._slab_timer.start()
+            self._arm_slab_timer(ttl)
         return True
+
+    def _arm_slab_timer(self, delay_s: float) -> None:
+        self._slab_timer = threading.Timer(delay_s, self._return_slab)
+        self._slab_timer.daemon = True
+        self._slab_timer.start()
 
     def _take_slab_returns(self) -> list[int]:
         out, self._slab_returns = self._slab_returns, []
@@ -516,9 +519,7 @@ class Client:
                 self._slab = s = None
             ids = self._take_slab_returns()
             if s is not None and not self._closed:  # still in use: look again when it runs out
-                self._slab_timer = threading.Timer(max(0.05, s.use_until - time.monotonic()), self._return_slab)
-                self._slab_timer.daemon = True
-                self._slab_timer.start()
+                self._arm_slab_timer(max(0.05, s.use_until - time.monotonic()))
         if ids and not self._closed:
             self._master.try_call(rpc.SLAB_RETURN, ids)  # if it is lost, the master expires them
 

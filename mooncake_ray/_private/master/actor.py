@@ -79,7 +79,7 @@ class MasterActor:
             rpc.PROMOTE_DONE: self.state.promote_done,
             rpc.SLAB_GRANT: self._slab_grant,
             rpc.PUT_COMMIT: self._put_commit,
-            rpc.SLAB_RETURN: lambda ids: [self.state.slab_return(i) for i in ids],
+            rpc.SLAB_RETURN: self._return_slabs,
         }
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
@@ -98,14 +98,15 @@ class MasterActor:
 
         return rpc.per_key(one, items)
 
+    def _return_slabs(self, ids) -> list:
+        return [self.state.slab_return(i) for i in ids]
+
     def _slab_grant(self, owner, client_node=None, need=0, returns=()):
-        for slab_id in returns:  # the caller's used-up slabs, piggybacked
-            self.state.slab_return(slab_id)
+        self._return_slabs(returns)  # the caller's used-up slabs, piggybacked
         return self.state.slab_grant(owner, client_node, need)
 
     def _put_commit(self, items, owner, returns=()):
-        for slab_id in returns:
-            self.state.slab_return(slab_id)
+        self._return_slabs(returns)
 
         def one(key, slab_id, offset, size, upsert=False):
             return self.state.put_commit(key, slab_id, offset, size, upsert, owner)

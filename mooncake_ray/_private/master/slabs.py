@@ -146,14 +146,12 @@ class SlabMixin:
             raise InvalidArgumentError(
                 f"extent ({offset}, {length}) of {key!r} is not an uncommitted part of put slab {slab_id}")
         now = self._clock()
-        try:
-            if key in self._pending:
-                raise ObjectPendingError(f"a put of {key!r} is already in flight")
-            if key in self._objects and not upsert:
-                raise ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
-        except (ObjectPendingError, ObjectExistsError):
+        conflict = (ObjectPendingError(f"a put of {key!r} is already in flight") if key in self._pending
+                    else ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
+                    if key in self._objects and not upsert else None)
+        if conflict is not None:
             self._alloc[slab.node_id].release(offset, length)
-            raise
+            raise conflict
         self._next_gen = max(self._next_gen + 1, self._wall_ns())
         obj = Obj(key, size, self._next_gen, [Replica(slab.node_id, Tier.DRAM, offset, length)])
         self._nodes[slab.node_id].keys.add(key)
