@@ -93,6 +93,8 @@ class MasterActor:
 
     # ------------------------------------------------------------------- RPC door --
     def _put_start(self, items, client_node=None, owner=""):
+        # Whole-call, so the client's channel waits and retries (per key it would be an answer).
+        self.state._allocation_gate(self.state._clock())
         def one(key, size, replicas=None, upsert=False):
             return self.state.put_start(key, size, replicas, client_node, owner, upsert)
 
