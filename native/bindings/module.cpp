@@ -7,6 +7,7 @@ namespace nb = nanobind;
 
 void bind_transport(nb::module_& m);
 void bind_spill(nb::module_& m);
+void bind_master(nb::module_& m);
 
 NB_MODULE(_native, m) {
   m.doc() = "mooncake-ray native engine (UCX transport, io_uring spill)";
@@ -28,4 +29,5 @@ NB_MODULE(_native, m) {
   m.def("code_name", [](int c) { return mcr::code_name(static_cast<mcr::Code>(c)); });
   bind_transport(m);
   bind_spill(m);
+  bind_master(m);
 }

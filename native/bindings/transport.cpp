@@ -14,6 +14,7 @@
 
 #include <optional>
 
+#include "mcr/master_index.h"
 #include "mcr/transport.h"
 
 namespace nb = nanobind;
@@ -50,6 +51,34 @@ std::vector<mcr::IoOp> parse_ops(nb::handle ops) {
     out.push_back(mcr::IoOp{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)});
   }
   return out;
+}
+
+// A Python callable as a native handler: run on the progress thread with the GIL taken
+// for the call only.
+mcr::NativeHandler python_handler(nb::callable fn) {
+  std::shared_ptr<nb::object> holder(new nb::object(fn), [](nb::object* o) {
+    if (Py_IsInitialized()) {
+      nb::gil_scoped_acquire g;
+      delete o;
+    }
+  });
+  return [holder](const std::string& in, std::string* out) -> Code {
+    nb::gil_scoped_acquire g;
+    try {
+      nb::object r = (*holder)(nb::bytes(in.data(), in.size()));
+      if (!r.is_none()) {
+        nb::bytes b = nb::cast<nb::bytes>(r);
+        out->assign(b.c_str(), b.size());
+      }
+      return Code::kOk;
+    } catch (nb::python_error& err) {
+      *out = err.what();
+      return Code::kRpcHandlerError;
+    } catch (const std::exception& err) {
+      *out = err.what();
+      return Code::kRpcHandlerError;
+    }
+  };
 }
 
 void wait_op(mcr::Op& op, double timeout_s, const char* what) {
@@ -172,7 +201,7 @@ void bind_transport(nb::module_& m) {
                           std::map<std::string, std::string> ucx_options, std::string rmode,
                           std::string wmode, uint64_t chunk_bytes, uint64_t stripe_min_bytes,
                           uint64_t staging_bytes, int spin_us, int linger_us, double keepalive_s,
-                          std::string error_mode, uint64_t push_min_bytes) {
+                          std::string error_mode, uint64_t push_min_bytes, int serve_linger_us) {
         mcr::EngineConfig c;
         c.name = name;
         c.protocol = protocol;
@@ -189,11 +218,13 @@ void bind_transport(nb::module_& m) {
         c.keepalive_s = keepalive_s;
         c.error_mode = error_mode;
         c.push_min_bytes = push_min_bytes;
+        c.serve_linger_us = serve_linger_us;
         nb::gil_scoped_release nogil;
         new (self) mcr::Engine(c);
       }, "name"_a, "protocol"_a, "devices"_a, "num_lanes"_a, "ucx_options"_a, "read_mode"_a,
          "write_mode"_a, "chunk_bytes"_a, "stripe_min_bytes"_a, "staging_bytes"_a, "spin_us"_a,
-         "linger_us"_a, "keepalive_s"_a, "error_mode"_a = "auto", "push_min_bytes"_a = 32768)
+         "linger_us"_a, "keepalive_s"_a, "error_mode"_a = "auto", "push_min_bytes"_a = 32768,
+         "serve_linger_us"_a = 0)
       .def_prop_ro("address", [](mcr::Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def_prop_ro("uid", &mcr::Engine::uid)
       .def_prop_ro("closed", &mcr::Engine::closed)
@@ -296,30 +327,18 @@ void bind_transport(nb::module_& m) {
       // one thread hop less than serve_external. The handler must not make engine calls
       // nor wait on anything that does (the progress thread is busy running it).
       .def("serve_inline", [](mcr::Engine& e, uint32_t hid, nb::callable fn) {
-        std::shared_ptr<nb::object> holder(new nb::object(fn), [](nb::object* o) {
-          if (Py_IsInitialized()) {
-            nb::gil_scoped_acquire g;
-            delete o;
-          }
-        });
-        e.serve_native(hid, [holder](const std::string& in, std::string* out) -> Code {
-          nb::gil_scoped_acquire g;
-          try {
-            nb::object r = (*holder)(nb::bytes(in.data(), in.size()));
-            if (!r.is_none()) {
-              nb::bytes b = nb::cast<nb::bytes>(r);
-              out->assign(b.c_str(), b.size());
-            }
-            return Code::kOk;
-          } catch (nb::python_error& err) {
-            *out = err.what();
-            return Code::kRpcHandlerError;
-          } catch (const std::exception& err) {
-            *out = err.what();
-            return Code::kRpcHandlerError;
-          }
-        });
+        e.serve_native(hid, python_handler(fn));
       }, "handler_id"_a, "fn"_a)
+      // The master's RPC: GET, EXISTS and RELEASE answered by the native index when it
+      // can, everything else (and whatever it declines) by ``fn`` inline, as above.
+      .def("serve_master", [](mcr::Engine& e, uint32_t hid, std::shared_ptr<mcr::MasterIndex> index,
+                              nb::callable fn) {
+        mcr::NativeHandler py = python_handler(fn);
+        e.serve_native(hid, [index, py](const std::string& in, std::string* out) -> Code {
+          if (index->serve(in.data(), in.size(), out)) return Code::kOk;
+          return py(in, out);
+        });
+      }, "handler_id"_a, "index"_a, "fn"_a)
       .def("serve_echo", [](mcr::Engine& e, uint32_t hid) {
         e.serve_native(hid, [](const std::string& in, std::string* out) {
           *out = in;

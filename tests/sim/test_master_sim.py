@@ -3,6 +3,11 @@ master restarts, and the disk tier (offloads and promotions completing, failing 
 racing with removals); invariants checked after every step. A failure prints its seed:
 rerun one with MCR_SIM_SEED=<seed>.
 
+Half the gets and releases go through the read index (``PyIndex``, the reference of the
+native one) as the actor's RPC handler would send them; its log is applied before every
+other operation, as the actor's lock does. The invariants include the index matching the
+objects, and leases granted through it must protect their objects like any other.
+
 The simulated store nodes keep inventories exactly as the real ones do: DRAM entries
 written only by the master's deltas, disk entries written when an offload succeeds and
 deleted by the master's drops."""
@@ -13,6 +18,8 @@ import random
 import pytest
 
 from mooncake_ray.errors import MooncakeRayError
+from mooncake_ray._private import rpc
+from mooncake_ray._private.master.fastpath import PyIndex
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.tiering import disk_length
@@ -64,7 +71,16 @@ class Sim:
             return real_unmount(node_id, reason)
 
         m.unmount = unmount
+        m.index = PyIndex()
+        m.index.clock = self.clock
+        m.index.set_lease_ttl(self.policy.lease_ttl_s)
+        m.index.set_enabled(True)
         return m
+
+    def native(self, request):
+        """What the actor's handler answers natively, in a list (None: Python's turn)."""
+        reply = self.m.index.serve(rpc.pack(request))
+        return None if reply is None else [rpc.decode_reply(reply)]
 
     def info(self, n):
         return NodeInfo(n, self.incs[n], b"", b"", 0, self.caps[n], ray_node_id="r" + n,
@@ -122,6 +138,37 @@ class Sim:
         r, m, rng = self.rng.random(), self.m, self.rng
         key = f"k{rng.randrange(60)}"
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
+        if 0.33 <= r < 0.55 and rng.random() < 0.5:
+            got = self.native([rpc.GET, [key], rng.choice([None, "rn0", "n1"])])
+            if got is not None:
+                self.took(key, got[0][0])
+                return
+        elif 0.94 <= r < 0.98 and self.leases and rng.random() < 0.5:
+            k = rng.choice(sorted(self.leases))
+            gen, _until, _seen, lease = self.leases.pop(k)
+            if self.native([rpc.RELEASE, [[k, gen, lease]]]) is not None:
+                return
+            m.apply_index_log(*m.index.drain())
+            m.release(k, gen, lease)
+            return
+        # Python's turn: the actor's lock applies what the index granted first.
+        m.apply_index_log(*m.index.drain())
+        try:
+            self.python_step(r, key)
+        finally:
+            m = self.m
+            m.index.set_enabled(not (m._expected and m.recovering))
+
+    def took(self, key, got):
+        if got:
+            for node_id, tier, off, _, _inc in got[3]:
+                if tier == "promote":
+                    self.promotions.append((node_id, key, got[1], off))
+            self.leases[key] = (got[1], self.clock.t + got[2],
+                                {rep[0]: self.losses.get(rep[0], 0) for rep in got[3]}, got[4])
+
+    def python_step(self, r, key):
+        m, rng = self.m, self.rng
         try:
             if r < 0.13:
                 self.slab_put(key)
@@ -137,13 +184,7 @@ class Sim:
                     m.put_revoke(key, gen)
                     self.pending.pop(key)
             elif r < 0.55:
-                got = m.get(key)
-                if got:
-                    for node_id, tier, off, _, _inc in got[3]:
-                        if tier == "promote":
-                            self.promotions.append((node_id, key, got[1], off))
-                    self.leases[key] = (got[1], self.clock.t + got[2],
-                                        {rep[0]: self.losses.get(rep[0], 0) for rep in got[3]}, got[4])
+                self.took(key, m.get(key, rng.choice([None, "rn0", "n1"])))
             elif r < 0.62:
                 force = rng.random() < 0.3
                 if m.remove(key, force=force) and force:

@@ -7,7 +7,9 @@ Two doors lead in:
   served by the native engine on its progress thread (``_serve_rpc``);
 - Ray actor calls for the lifecycle: the RPC address, mount, heartbeat, stats, nodes.
 
-Both take ``_lock`` around the state machine. Inventory changes the state machine queues
+Both take ``_lock`` around the state machine. GET, EXISTS and lease releases are mostly
+answered without it, in C++ from a mirror of the index (``fastpath.py``): ``_lock`` also
+holds that mirror's mutex and first applies what it granted. Inventory changes the state machine queues
 for store nodes go to an outbox under that lock and a delivery thread sends them, in
 order, per node (over the same transport). A client's put does not wait for them: the
 window in which a just-acknowledged put is not yet in its store node's inventory is one
@@ -15,7 +17,8 @@ coalescing interval plus one delivery (about a millisecond). A master killed ins
 those puts on rebuild: they become misses, never wrong bytes (overlapping inventory
 entries are resolved in favour of the newer allocation).
 
-Lock order: ``_lock`` before ``_outbox_cv``; nothing is held while calling out.
+Lock order: ``_lock`` (the Python lock, then the index mutex) before ``_outbox_cv``;
+nothing is held while calling out.
 """
 
 from __future__ import annotations
@@ -44,13 +47,19 @@ DELIVERY_COALESCE_S = 0.001
 class MasterActor:
     def __init__(self, config: dict):
         self.cfg = StoreConfig.model_validate(config)
-        self._lock = threading.RLock()
         self.state = MasterState(Policy.from_config(self.cfg.master))
         t = self.cfg.transport
         from mooncake_ray._private.transport import Engine  # the native module: load on use
+        from mooncake_ray._private.native import _native
+
+        self.index = _native.MasterIndex()
+        self.index.set_lease_ttl(self.cfg.master.lease_ttl_s)
+        self.state.index = self.index
+        self._lock = _StateLock(self.state, self.index)
 
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
-                             ucx_options=t.ucx_options, name="master")
+                             ucx_options=t.ucx_options, name="master",
+                             serve_linger_us=self.cfg.master.rpc_linger_us)
         self._peers: dict[str, object] = {}
         self._metrics = MasterMetrics()
         self.incarnation = f"{time.time_ns():x}"
@@ -84,7 +93,13 @@ class MasterActor:
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
         # in a tracing shim, which would run on every call (~4% of the master's time).
-        self.engine.serve(rpc.MASTER_RPC, functools.partial(_serve_rpc, self), inline=True)
+        handler = functools.partial(_serve_rpc, self)
+        if self.cfg.master.native_reads:
+            self.engine.serve_master(rpc.MASTER_RPC, self.index, handler)
+        else:
+            self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
+        with self._lock:  # enables the index unless the master is rebuilding
+            pass
         self._stop = threading.Event()
         self._outbox: list = []
         self._outbox_cv = threading.Condition()
@@ -253,6 +268,38 @@ class MasterActor:
                 self._metrics.update(stats)
             except Exception:  # keep ticking: a bug here must not stop liveness checks
                 log.exception("master tick failed")
+
+
+class _StateLock:
+    """The master's lock: a reentrant Python lock, then the read index's mutex. The
+    outermost acquire applies what the index granted since the last section; the
+    outermost release turns the index on, or off while the master rebuilds its index."""
+
+    def __init__(self, state: MasterState, index) -> None:
+        self._rlock = threading.RLock()
+        self._state = state
+        self._index = index
+        self._depth = 0  # changed only by the thread holding _rlock
+
+    def __enter__(self):
+        self._rlock.acquire()
+        self._depth += 1
+        if self._depth == 1:
+            self._index.lock()
+            try:
+                self._state.apply_index_log(*self._index.drain())
+            except BaseException:
+                self.__exit__()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._depth == 1:
+            state = self._state
+            self._index.set_enabled(not (state._expected and state.recovering))
+            self._index.unlock()
+        self._depth -= 1
+        self._rlock.release()
 
 
 def _serve_rpc(master: MasterActor, data: bytes) -> bytes:

@@ -49,6 +49,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
+from mooncake_ray._private.master.fastpath import ReadIndexMixin
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.slabs import SlabMixin
 from mooncake_ray._private.master.tiering import PROMOTE, TieringMixin
@@ -85,9 +86,9 @@ class Policy:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-class MasterState(TieringMixin, SlabMixin):
+class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
     """See the module docstring (``tiering.py`` for the disk tier, ``slabs.py`` for
-    one-call puts). Not thread-safe:
+    one-call puts, ``fastpath.py`` for the mirror that answers reads natively). Not thread-safe:
     the actor serialises calls."""
 
     def __init__(self, policy: Policy | None = None, clock: Callable[[], float] = time.monotonic,
@@ -164,6 +165,7 @@ class MasterState(TieringMixin, SlabMixin):
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length))
         node.keys.add(e.key)
         node.tier_keys[tier.value] += 1
+        self._mirror_key(e.key)
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
                   spill_degraded: str | None = None) -> bool:
@@ -203,10 +205,12 @@ class MasterState(TieringMixin, SlabMixin):
                 obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
                 if table is self._pending:
                     obj.failed = f"store node {node_id} {reason}"
-                elif not obj.replicas:
-                    del self._objects[key]
-                    self._lru.discard(key)
-                    lost += 1
+                else:
+                    if not obj.replicas:
+                        del self._objects[key]
+                        self._lru.discard(key)
+                        lost += 1
+                    self._mirror_key(key)
         return lost
 
     def nodes(self) -> list[dict]:
@@ -353,6 +357,7 @@ class MasterState(TieringMixin, SlabMixin):
             node.keys.add(key)  # dropping the old value may have unindexed it
             node.tier_keys[r.tier.value] += 1
             self._delta(r.node_id).add.append(self._entry(obj, r))
+        self._mirror_key(key)
 
     def put_revoke(self, key: str, gen: int) -> bool:
         """Abandon a pending put and free its extents. Idempotent (False if nothing to do)."""
@@ -410,7 +415,7 @@ class MasterState(TieringMixin, SlabMixin):
         return (obj.size, obj.gen, ttl,
                 [(r.node_id, tier, r.offset, r.length, self._nodes[r.node_id].incarnation) for r in reps], lease)
 
-    def release(self, key: str, gen: int, lease: int) -> None:
+    def release(self, key: str, gen: int, lease: int, now: float | None = None) -> None:
         """A reader is done with lease ``lease`` on ``key``/``gen``. When the last one is
         released the lease ends at once instead of at its expiry, so a scan over a
         working set larger than DRAM never waits for leases. Idempotent (a lease id is
@@ -420,7 +425,7 @@ class MasterState(TieringMixin, SlabMixin):
             return
         obj.leases.discard(lease)
         if not obj.leases:
-            obj.lease_until = min(obj.lease_until, self._clock())
+            obj.lease_until = min(obj.lease_until, self._clock() if now is None else now)
 
     def exists(self, key: str) -> bool:
         self._ready()
@@ -543,6 +548,7 @@ class MasterState(TieringMixin, SlabMixin):
         """Forget a complete object; its extents wait for its lease to end."""
         del self._objects[obj.key]
         self._lru.discard(obj.key)
+        self._mirror_key(obj.key)
         for r in obj.replicas:
             self._release_replica(obj, r)
 
@@ -550,9 +556,11 @@ class MasterState(TieringMixin, SlabMixin):
         """Drop one replica; an object left with none is gone (a miss from now on)."""
         obj.replicas.remove(rep)
         self._release_replica(obj, rep)
-        if obj.complete and not obj.replicas and self._objects.get(obj.key) is obj:
-            del self._objects[obj.key]
-            self._lru.discard(obj.key)
+        if self._objects.get(obj.key) is obj:
+            if not obj.replicas:
+                del self._objects[obj.key]
+                self._lru.discard(obj.key)
+            self._mirror_key(obj.key)
 
     def _release_replica(self, obj: Obj, r: Replica) -> None:
         node = self._nodes.get(r.node_id)
@@ -651,6 +659,7 @@ class MasterState(TieringMixin, SlabMixin):
             "pinned": pinned,
             "soft_pinned": soft,
             "recovering": self.recovering,
+            "native_calls": self.index.served() if self.index is not None else 0,
             "nodes": nodes,
             **self.counters,
         }
@@ -718,3 +727,4 @@ class MasterState(TieringMixin, SlabMixin):
             for off, ln in extents:
                 assert not a._overlaps_free(off, ln), f"{node_id}: live extent {off} is free"
         assert set(self._lru.keys()) == set(self._objects), "recency index out of sync"
+        self._check_index()

@@ -155,6 +155,7 @@ class TieringMixin:
             if not error:
                 if rep is not None:
                     rep.ready = True
+                    self._mirror_key(key)
                     self._nodes[node_id].tier_keys["dram"] += 1
                     self.counters["promotions"] += 1
                     self._delta(node_id).add.append(self._entry(obj, rep))

@@ -250,6 +250,9 @@ class Engine:
         spin_us: a waiting caller progresses the engine itself this long before sleeping.
         linger_us: while this engine's requests are in flight, its progress thread keeps
             polling until no event came for this long (0: sleep after every event).
+        serve_linger_us: after serving a call, the progress thread polls this long for
+            the next before sleeping (0: sleep at once). Saves a wake-up per call for a
+            server answering a stream of small calls (the master); costs a core meanwhile.
         keepalive_s: liveness check interval (same-host pid watchdog, UCX keepalive).
         error_mode: UCX endpoint error mode, "auto" | "peer" | "none". "auto" uses PEER only
             for RDMA peers on other hosts: under PEER, UCX 1.22 drops shared memory and
@@ -280,6 +283,7 @@ class Engine:
         keepalive_s: float = 1.0,
         error_mode: str = "auto",
         push_min_bytes: int = 32 << 10,
+        serve_linger_us: int = 0,
         rpc_threads: int = 4,
         default_timeout_s: float = 30.0,
     ):
@@ -305,7 +309,7 @@ class Engine:
             chunk_bytes=int(chunk_bytes), stripe_min_bytes=int(stripe_min_bytes),
             staging_bytes=int(staging_bytes), spin_us=int(spin_us), linger_us=int(linger_us),
             keepalive_s=float(keepalive_s), error_mode=error_mode,
-            push_min_bytes=int(push_min_bytes),
+            push_min_bytes=int(push_min_bytes), serve_linger_us=int(serve_linger_us),
         )
         self._rpc_threads = rpc_threads
         self._handlers: dict[int, Callable[[bytes], bytes]] = {}
@@ -431,6 +435,13 @@ class Engine:
                 )
                 t.start()
                 self._dispatchers.append(t)
+
+    def serve_master(self, handler_id: int, index, fn: Callable[[bytes], bytes]) -> None:
+        """Serves the master's RPC: ``index`` (a native ``MasterIndex``) answers the calls
+        it can in C++, ``fn`` the rest, inline on the progress thread (see ``serve``)."""
+        with self._lock:
+            self._handlers.pop(int(handler_id), None)
+            self._native.serve_master(int(handler_id), index, fn)
 
     def serve_echo(self, handler_id: int) -> None:
         """Serves a built-in C++ echo handler (runs on the progress thread; benchmarks)."""

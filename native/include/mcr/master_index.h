@@ -1,0 +1,93 @@
+// The master's read fast path: GET, EXISTS and RELEASE answered in C++ on the RPC
+// progress thread, without waking Python.
+//
+// The Python state machine (mooncake_ray/_private/master/state.py) stays the only
+// authority. This index is its mirror: one entry per complete object, holding exactly
+// what a GET answers (size, generation, the ready DRAM replicas), written by the state
+// machine each time that answer changes. An entry with no replicas means "present, but
+// ask Python" (only on disk, being promoted).
+//
+// What a native GET grants (a read lease, a recency touch, a hit) is appended to a log
+// instead of being applied; Python drains the log at the start of every section in which
+// it reads or changes its state, and applies it as if it had served those calls itself.
+//
+// Locking: the Python side holds lock() for its whole section (after its own lock, so
+// the order is python-lock -> index mutex). A native GET takes the same mutex, so it is
+// serialised either wholly before a Python section (and drained at its start) or wholly
+// after it (and sees its changes): a lease is never granted on extents Python is freeing.
+// The mutex is recursive so the mirror's setters can be called inside a section.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace mcr {
+
+struct IndexReplica {
+  std::string node_id;
+  std::string ray_node_id;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::string incarnation;
+};
+
+struct IndexEntry {
+  uint64_t size = 0;
+  uint64_t gen = 0;
+  std::vector<IndexReplica> reps;  // empty: present, but Python answers for it
+};
+
+// A lease granted or released natively, for Python to apply (kind: kGrant / kRelease).
+struct IndexLogEntry {
+  int kind = 0;
+  std::string key;
+  uint64_t gen = 0;
+  uint64_t lease = 0;
+  double now = 0;  // CLOCK_MONOTONIC seconds (Python's time.monotonic)
+};
+
+class MasterIndex {
+ public:
+  static constexpr int kGrant = 0;
+  static constexpr int kRelease = 1;
+  // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
+  static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15;
+  // Native lease ids start here, far above the ids Python's counter hands out.
+  static constexpr uint64_t kFirstLease = 1ull << 40;
+
+  void set(const std::string& key, uint64_t size, uint64_t gen, std::vector<IndexReplica> reps);
+  void drop(const std::string& key);
+  void clear();
+  void lock() { mu_.lock(); }
+  void unlock() { mu_.unlock(); }
+  // Off while the master is rebuilding its index (every call goes to Python).
+  void set_enabled(bool on);
+  void set_lease_ttl(double ttl_s);
+  void set_max_log(size_t n);
+  // Takes the log and the number of misses answered since the last drain.
+  std::vector<IndexLogEntry> drain(uint64_t* misses);
+  size_t size();
+  uint64_t served();  // calls answered natively so far
+  bool lookup(const std::string& key, IndexEntry* out);
+
+  // Answers a master RPC request (msgpack ``[op, *args]``) when it can: true with the
+  // msgpack reply in *out. False when Python must answer: another operation, an entry
+  // Python answers for, a request it cannot parse, the index disabled or its log full.
+  bool serve(const char* data, size_t len, std::string* out);
+
+ private:
+  std::recursive_mutex mu_;
+  std::unordered_map<std::string, IndexEntry> map_;
+  std::vector<IndexLogEntry> log_;
+  uint64_t misses_ = 0;
+  uint64_t served_ = 0;
+  uint64_t next_lease_ = kFirstLease;
+  double ttl_s_ = 10.0;
+  bool enabled_ = false;
+  size_t max_log_ = 1u << 17;
+};
+
+}  // namespace mcr

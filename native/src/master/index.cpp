@@ -1,0 +1,303 @@
+// The master's native read path (see mcr/master_index.h), with the small msgpack subset
+// its requests and replies use.
+#include "mcr/master_index.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace mcr {
+namespace {
+
+// ---- msgpack: a bounds-checked reader and a writer for the types the master RPC uses --
+class Reader {
+ public:
+  Reader(const char* p, size_t n) : p_(reinterpret_cast<const uint8_t*>(p)), end_(p_ + n) {}
+  bool ok() const { return ok_; }
+  bool at_end() const { return p_ == end_; }
+
+  bool array(uint32_t* n) {
+    uint8_t t;
+    if (!byte(&t)) return false;
+    if ((t & 0xf0) == 0x90) return (*n = t & 0x0f), true;
+    if (t == 0xdc) return be(2, n);
+    if (t == 0xdd) return be(4, n);
+    return fail();
+  }
+  bool uint(uint64_t* v) {
+    uint8_t t;
+    if (!byte(&t)) return false;
+    if (t < 0x80) return (*v = t), true;
+    switch (t) {
+      case 0xcc: return be(1, v);
+      case 0xcd: return be(2, v);
+      case 0xce: return be(4, v);
+      case 0xcf: return be(8, v);
+      default: return fail();  // negative or not an integer
+    }
+  }
+  bool str(std::string* s) {
+    uint8_t t;
+    uint32_t n;
+    if (!byte(&t)) return false;
+    if ((t & 0xe0) == 0xa0) {
+      n = t & 0x1f;
+    } else if (t == 0xd9 || t == 0xda || t == 0xdb) {
+      if (!be(t == 0xd9 ? 1 : t == 0xda ? 2 : 4, &n)) return false;
+    } else {
+      return fail();
+    }
+    if (size_t(end_ - p_) < n) return fail();
+    s->assign(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    return true;
+  }
+  bool nil() {
+    if (p_ < end_ && *p_ == 0xc0) return ++p_, true;
+    return false;  // not nil: nothing consumed
+  }
+
+ private:
+  bool fail() { return ok_ = false; }
+  bool byte(uint8_t* b) {
+    if (!ok_ || p_ >= end_) return fail();
+    *b = *p_++;
+    return true;
+  }
+  template <typename T>
+  bool be(int width, T* v) {
+    if (size_t(end_ - p_) < size_t(width)) return fail();
+    uint64_t x = 0;
+    for (int i = 0; i < width; i++) x = (x << 8) | *p_++;
+    *v = static_cast<T>(x);
+    return true;
+  }
+  const uint8_t* p_;
+  const uint8_t* end_;
+  bool ok_ = true;
+};
+
+class Writer {
+ public:
+  explicit Writer(std::string* out) : o_(out) {}
+  void array(uint32_t n) {
+    if (n < 16) return put(uint8_t(0x90 | n));
+    if (n < 65536) return put(uint8_t(0xdc)), be(n, 2);
+    put(uint8_t(0xdd)), be(n, 4);
+  }
+  void uint(uint64_t v) {
+    if (v < 0x80) return put(uint8_t(v));
+    if (v <= 0xff) return put(uint8_t(0xcc)), be(v, 1);
+    if (v <= 0xffff) return put(uint8_t(0xcd)), be(v, 2);
+    if (v <= 0xffffffffu) return put(uint8_t(0xce)), be(v, 4);
+    put(uint8_t(0xcf)), be(v, 8);
+  }
+  void f64(double d) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    put(uint8_t(0xcb)), be(bits, 8);
+  }
+  void str(const std::string& s) {
+    size_t n = s.size();
+    if (n < 32) put(uint8_t(0xa0 | n));
+    else if (n < 256) put(uint8_t(0xd9)), be(n, 1);
+    else if (n < 65536) put(uint8_t(0xda)), be(n, 2);
+    else put(uint8_t(0xdb)), be(n, 4);
+    o_->append(s);
+  }
+  void nil() { put(uint8_t(0xc0)); }
+  void boolean(bool b) { put(uint8_t(b ? 0xc3 : 0xc2)); }
+
+ private:
+  void put(uint8_t b) { o_->push_back(char(b)); }
+  void be(uint64_t v, int width) {
+    for (int i = width - 1; i >= 0; i--) o_->push_back(char((v >> (8 * i)) & 0xff));
+  }
+  std::string* o_;
+};
+
+double monotonic_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+struct Release {
+  std::string key;
+  uint64_t gen = 0, lease = 0;
+};
+
+bool read_keys(Reader& r, std::vector<std::string>* keys) {
+  uint32_t n;
+  if (!r.array(&n)) return false;
+  keys->resize(n);
+  for (auto& k : *keys)
+    if (!r.str(&k)) return false;
+  return true;
+}
+
+// ``[[key, gen, lease], ...]``: leases a client is done with.
+bool read_releases(Reader& r, std::vector<Release>* out) {
+  uint32_t n;
+  if (!r.array(&n)) return false;
+  out->resize(n);
+  for (auto& rel : *out) {
+    uint32_t m;
+    if (!r.array(&m) || m != 3 || !r.str(&rel.key) || !r.uint(&rel.gen) || !r.uint(&rel.lease))
+      return false;
+  }
+  return true;
+}
+
+constexpr uint64_t kOk = 0;  // rpc.OK
+}  // namespace
+
+void MasterIndex::set(const std::string& key, uint64_t size, uint64_t gen,
+                      std::vector<IndexReplica> reps) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  auto& e = map_[key];
+  e.size = size;
+  e.gen = gen;
+  e.reps = std::move(reps);
+}
+
+void MasterIndex::drop(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  map_.erase(key);
+}
+
+void MasterIndex::clear() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  map_.clear();
+}
+
+void MasterIndex::set_enabled(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  enabled_ = on;
+}
+
+void MasterIndex::set_lease_ttl(double ttl_s) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  ttl_s_ = ttl_s;
+}
+
+void MasterIndex::set_max_log(size_t n) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  max_log_ = n;
+}
+
+std::vector<IndexLogEntry> MasterIndex::drain(uint64_t* misses) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  *misses = misses_;
+  misses_ = 0;
+  std::vector<IndexLogEntry> out;
+  out.swap(log_);
+  return out;
+}
+
+size_t MasterIndex::size() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return map_.size();
+}
+
+uint64_t MasterIndex::served() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return served_;
+}
+
+bool MasterIndex::lookup(const std::string& key, IndexEntry* out) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
+  Reader r(data, len);
+  uint32_t nargs;
+  uint64_t op;
+  if (!r.array(&nargs) || nargs < 2 || !r.uint(&op)) return false;
+  std::vector<std::string> keys;
+  std::vector<Release> releases;
+  std::string client_node;
+  if (op == kOpGet) {  // [GET, keys, client_node?, done?]
+    if (nargs > 4 || !read_keys(r, &keys)) return false;
+    if (nargs >= 3 && !r.nil() && !r.str(&client_node)) return false;
+    if (nargs == 4 && !r.nil() && !read_releases(r, &releases)) return false;
+  } else if (op == kOpExists) {  // [EXISTS, keys]
+    if (nargs != 2 || !read_keys(r, &keys)) return false;
+  } else if (op == kOpRelease) {  // [RELEASE, done]
+    if (nargs != 2 || !read_releases(r, &releases)) return false;
+  } else {
+    return false;
+  }
+  if (!r.ok() || !r.at_end()) return false;
+
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (!enabled_ || log_.size() + keys.size() + releases.size() > max_log_) return false;
+  std::vector<const IndexEntry*> found(keys.size(), nullptr);
+  for (size_t i = 0; i < keys.size(); i++) {
+    auto it = map_.find(keys[i]);
+    if (it == map_.end()) continue;  // a miss
+    if (op == kOpGet && it->second.reps.empty()) return false;  // Python promotes it
+    found[i] = &it->second;
+  }
+  served_++;
+  out->clear();
+  Writer w(out);
+  w.array(2);
+  w.uint(kOk);
+  if (op == kOpExists) {
+    w.array(uint32_t(keys.size()));
+    for (auto* e : found) w.boolean(e != nullptr);
+    return true;
+  }
+  double now = monotonic_s();
+  // Releases first, as Python's handler does: a reader's earlier leases end before this
+  // call grants new ones.
+  for (auto& rel : releases)
+    log_.push_back(IndexLogEntry{kRelease, std::move(rel.key), rel.gen, rel.lease, now});
+  if (op == kOpRelease) {
+    w.nil();
+    return true;
+  }
+  w.array(uint32_t(keys.size()));
+  std::vector<const IndexReplica*> order;
+  for (size_t i = 0; i < keys.size(); i++) {
+    const IndexEntry* e = found[i];
+    if (e == nullptr) {
+      misses_++;
+      w.nil();
+      continue;
+    }
+    uint64_t lease = next_lease_++;
+    log_.push_back(IndexLogEntry{kGrant, keys[i], e->gen, lease, now});
+    // The caller's own replicas first (by store-node id or Ray node id), otherwise in
+    // the state machine's order, as its get() does.
+    order.clear();
+    for (auto& rep : e->reps) order.push_back(&rep);
+    if (!client_node.empty() && order.size() > 1)
+      std::stable_partition(order.begin(), order.end(), [&](const IndexReplica* x) {
+        return x->node_id == client_node || x->ray_node_id == client_node;
+      });
+    w.array(5);
+    w.uint(e->size);
+    w.uint(e->gen);
+    w.f64(ttl_s_);
+    w.array(uint32_t(order.size()));
+    for (auto* x : order) {
+      w.array(5);
+      w.str(x->node_id);
+      w.str("dram");
+      w.uint(x->offset);
+      w.uint(x->length);
+      w.str(x->incarnation);
+    }
+    w.uint(lease);
+  }
+  return true;
+}
+
+}  // namespace mcr

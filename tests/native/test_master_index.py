@@ -1,0 +1,169 @@
+"""The master's native read index (``mcr::MasterIndex``) against its Python reference
+(``PyIndex``): the same replies, lease ids and logs on random streams of mirror updates
+and requests, malformed ones included; its mutex; and its place in front of the master's
+Python handler on a real engine."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import msgpack
+import pytest
+
+from mooncake_ray._private import rpc
+from mooncake_ray._private.master.fastpath import FIRST_LEASE, GRANT, RELEASE, PyIndex
+from mooncake_ray._private.native import _native
+from tests.native.transport_util import engines  # noqa: F401 - fixture
+
+
+def random_key(rng: random.Random) -> str:
+    # short (fixstr), str8 and str16 encodings, and non-ASCII
+    return rng.choice([f"k{rng.randrange(40)}", "é" * rng.randrange(1, 3) + str(rng.randrange(5)),
+                       "x" * 40 + str(rng.randrange(3)), "y" * 300 + str(rng.randrange(3))])
+
+
+def random_reps(rng: random.Random) -> list:
+    n = rng.choice([0, 1, 1, 2, 3])
+    return [(f"n{i}", f"ray{i % 2}", rng.randrange(1 << 40) & ~4095, 4096 * rng.randrange(1, 1 << 12),
+             f"inc{rng.randrange(1 << 30):x}") for i in rng.sample(range(5), n)]
+
+
+def random_request(rng: random.Random, leases: list):
+    keys = [random_key(rng) for _ in range(rng.choice([1, 1, 2, 5, 20, 70000 if rng.random() < 0.002 else 3]))]
+    done = [list(x) for x in rng.sample(leases, min(len(leases), rng.randrange(4)))]
+    r = rng.random()
+    if r < 0.45:
+        args = [keys, rng.choice([None, "", "n1", "ray0", "ray1"]), done][:rng.choice([1, 2, 3, 3])]
+        return [rpc.GET, *args]
+    if r < 0.6:
+        return [rpc.EXISTS, keys]
+    if r < 0.75:
+        return [rpc.RELEASE, done]
+    bad = [  # everything here is Python's to answer (or to reject)
+        [rpc.PUT_START, [[keys[0], 10]]], [rpc.GET], [rpc.GET, keys, None, done, "extra"],
+        [rpc.GET, [b"bytes-key"]], [rpc.GET, [1, 2]], [rpc.GET, "notalist"], [rpc.EXISTS, keys, 1],
+        [rpc.RELEASE, [["k", -1, 5]]], [rpc.RELEASE, [["k", 1]]], [rpc.RELEASE, [["k", True, 1]]],
+        [rpc.GET, keys, 7], [rpc.GET, keys, None, [["k", 1, 2.5]]], [-4, keys], [4.0, keys],
+        {"op": 4}, "GET", [], [rpc.REMOVE, keys],
+    ]
+    return rng.choice(bad)
+
+
+def decode(reply):
+    return None if reply is None else msgpack.unpackb(reply, raw=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_index_matches_reference(seed):
+    rng = random.Random(seed)
+    native, ref = _native.MasterIndex(), PyIndex()
+    max_log = rng.choice([50, 1 << 17])
+    for ix in (native, ref):
+        ix.set_lease_ttl(2.5)
+        ix.set_enabled(True)
+        ix.set_max_log(max_log)
+    leases: list = []
+    answered = 0
+    for step in range(2500):
+        r = rng.random()
+        if r < 0.25:
+            key, size, gen = random_key(rng), rng.randrange(1 << 34), rng.randrange(1 << 50)
+            reps = random_reps(rng)
+            native.set(key, size, gen, reps)
+            ref.set(key, size, gen, reps)
+        elif r < 0.32:
+            key = random_key(rng)
+            native.drop(key)
+            ref.drop(key)
+        elif r < 0.33:
+            on = rng.random() < 0.7
+            native.set_enabled(on)
+            ref.set_enabled(on)
+        elif r < 0.36:
+            t0 = time.monotonic()
+            (m1, log1), (m2, log2) = native.drain(), ref.drain()
+            assert m1 == m2
+            assert [e[:4] for e in log1] == [e[:4] for e in log2]
+            assert all(0 <= t0 - e[4] < 60 for e in log1), "native times are CLOCK_MONOTONIC seconds"
+        elif r < 0.362:
+            native.clear()
+            ref.clear()
+        else:
+            req = random_request(rng, leases)
+            data = msgpack.packb(req, use_bin_type=True)
+            got, want = decode(native.serve(data)), decode(ref.serve(data))
+            assert got == want, f"step {step}: {req!r}"
+            if got is not None:
+                answered += 1
+                if req[0] == rpc.GET:
+                    leases += [(k, d[1], d[4]) for k, d in zip(req[1], got[1]) if d is not None]
+        assert len(native) == len(ref) and native.served() == ref.served()
+    assert answered > 300 and leases, "the stream must exercise the native answers"
+    assert min(lease for *_, lease in leases) >= FIRST_LEASE
+
+
+def test_entries_without_replicas_are_pythons():
+    ix = _native.MasterIndex()
+    ix.set_enabled(True)
+    ix.set("disk-only", 10, 3, [])
+    ix.set("dram", 10, 4, [("n0", "r0", 4096, 4096, "i0")])
+    ask = lambda req: decode(ix.serve(msgpack.packb(req)))  # noqa: E731
+    assert ask([rpc.GET, ["dram", "disk-only"]]) is None  # promotion: Python answers the call
+    assert ask([rpc.EXISTS, ["disk-only", "dram", "nope"]]) == [rpc.OK, [True, True, False]]
+    assert ask([rpc.GET, ["dram", "nope"]])[1][1] is None
+    ix.set_enabled(False)
+    assert ask([rpc.EXISTS, ["dram"]]) is None
+    ix.set_enabled(True)
+    misses, log = ix.drain()
+    assert misses == 1 and [(k, key, g) for k, key, g, _, _ in log] == [(GRANT, "dram", 4)]
+    assert ask([rpc.RELEASE, [["dram", 4, log[0][3]]]]) == [rpc.OK, None]
+    assert [e[:4] for e in ix.drain()[1]] == [(RELEASE, "dram", 4, log[0][3])]
+    assert ix.lookup("dram") == (10, 4, [("n0", "r0", 4096, 4096, "i0")]) and ix.lookup("nope") is None
+
+
+def test_a_held_lock_holds_native_calls_back():
+    ix = _native.MasterIndex()
+    ix.set_enabled(True)
+    ix.set("k", 1, 1, [("n0", "r0", 0, 4096, "i0")])
+    req = msgpack.packb([rpc.GET, ["k"]])
+    ix.lock()
+    ix.lock()  # reentrant: the mirror's setters run inside the master's sections
+    ix.set("k2", 1, 1, [])
+    out = []
+    t = threading.Thread(target=lambda: out.append(ix.serve(req)))
+    t.start()
+    time.sleep(0.2)
+    assert not out, "a native GET ran while the master held the index"
+    ix.unlock()
+    time.sleep(0.1)
+    assert not out
+    ix.unlock()
+    t.join(5)
+    assert out and decode(out[0])[1][0][1] == 1
+
+
+def test_serve_master_answers_reads_natively_and_hands_the_rest_to_python(engines):  # noqa: F811
+    server, client = engines(protocol="tcp"), engines(protocol="tcp")
+    ix = _native.MasterIndex()
+    ix.set_enabled(True)
+    ix.set("k", 4096, 7, [("n0", "r0", 8192, 4096, "i0")])
+    python_calls = []
+
+    def handler(data: bytes) -> bytes:
+        python_calls.append(rpc.unpack(data))
+        return rpc.pack([rpc.OK, "from python"])
+
+    server.serve_master(rpc.MASTER_RPC, ix, handler)
+    peer = client.connect(server.address, timeout_s=10)
+    call = lambda *req: rpc.decode_reply(client.call(peer, rpc.MASTER_RPC, rpc.pack(list(req))))  # noqa: E731
+    size, gen, ttl, reps, lease = call(rpc.GET, ["k"], "r0", [])[0]
+    assert (size, gen, reps) == (4096, 7, [["n0", "dram", 8192, 4096, "i0"]]) and lease >= FIRST_LEASE
+    assert call(rpc.EXISTS, ["k", "x"]) == [True, False]
+    assert not python_calls
+    assert call(rpc.PUT_START, [["k2", 1]]) == "from python"
+    ix.set("k", 4096, 7, [])  # now on disk only
+    assert call(rpc.GET, ["k"]) == "from python"
+    assert [c[0] for c in python_calls] == [rpc.PUT_START, rpc.GET]
+    assert ix.served() == 2
