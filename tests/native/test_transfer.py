@@ -195,6 +195,56 @@ def test_small_tcp_reads_use_get(peers, expected, engines):
     reg.close()
 
 
+def test_batches_of_small_tcp_reads_are_pushed(peers, expected, engines):
+    """One push carries many extents: a batch of small reads from one owner whose sum is
+    past push_min_bytes is pushed, not read by one emulated get each."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp")
+    exp_arena, _ = expected
+    rr = peer.remote(eng, "arena")
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    reg = eng.register(dst)
+    offs = [int(o) for o in np.random.default_rng(3).integers(0, rr.length - 4096, 64)]
+    eng.read([(rr, o, addr_of(dst) + i * 4096, 4096) for i, o in enumerate(offs)])
+    s = eng.stats()
+    assert s["read_push_bytes"] == 64 * 4096 and s["read_get_bytes"] == 0
+    for i, o in enumerate(offs):
+        assert np.array_equal(dst[i * 4096 : (i + 1) * 4096], exp_arena[o : o + 4096]), i
+    reg.close()
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_small_writes_into_consecutive_ranges_are_gathered(peers, engines, registered):
+    """A batch of small writes into consecutive remote ranges (values carved from one put
+    slab) goes as one put from staging; runs break at gaps, at another region, and at
+    large writes, and every byte lands where it was sent."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp")
+    rr = peer.remote(eng, "scratch")
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 8 * MIB, dtype=np.uint8)
+    reg = eng.register(src) if registered else None
+    lens = [int(n) for n in rng.integers(1, 64 << 10, 120)] + [2 * MIB, 4096, 4096]
+    ops, want, roff, loff = [], [], 4096, 0
+    for i, n in enumerate(lens):
+        if i % 37 == 36:
+            roff += 8192  # a gap: a new run starts
+        ops.append((rr, roff, addr_of(src) + loff, n))
+        want.append((roff, hashlib.sha256(src[loff : loff + n]).hexdigest(), n))
+        roff += n
+        loff = (loff + n + 13) % (4 * MIB)  # sources are anywhere, not consecutive
+    before = eng.stats()
+    eng.write(ops, timeout_s=30)
+    after = eng.stats()
+    assert after["write_put_bytes"] - before["write_put_bytes"] == sum(lens)
+    # every run has 2 or more values: all is gathered but the 2 MiB write
+    assert after["write_gathered_bytes"] - before["write_gathered_bytes"] == sum(lens) - 2 * MIB
+    for off, digest, n in want:
+        assert peer.sha("scratch", off, n) == digest, (off, n)
+    if reg is not None:
+        reg.close()
+
+
 def test_lanes_stripe(peers, expected, engines):
     peer = peers("tcp")
     eng = engines(protocol="tcp", num_lanes=3, chunk_bytes=1 * MIB)

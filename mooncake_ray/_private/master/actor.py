@@ -59,7 +59,7 @@ class MasterActor:
 
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
                              ucx_options=t.ucx_options, name="master",
-                             serve_linger_us=self.cfg.master.rpc_linger_us)
+                             serve_linger_us=t.linger_us())
         self._peers: dict[str, object] = {}
         self._metrics = MasterMetrics()
         self.incarnation = f"{time.time_ns():x}"

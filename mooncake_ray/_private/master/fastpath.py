@@ -41,6 +41,7 @@ from mooncake_ray._private import rpc
 from mooncake_ray._private.master.types import Obj, Tier
 
 GRANT, RELEASE = 0, 1
+_DRAM = Tier.DRAM
 FIRST_LEASE = 1 << 40  # native lease ids; the state machine's own counter stays far below
 
 
@@ -50,9 +51,12 @@ class ReadIndexMixin:
     index = None  # a MasterIndex (native) or PyIndex; None: no mirror
 
     def _index_entry(self, obj: Obj) -> list:
-        return [(r.node_id, self._nodes[r.node_id].ray_node_id, r.offset, r.length,
-                 self._nodes[r.node_id].incarnation)
-                for r in obj.replicas if r.tier is Tier.DRAM and r.ready]
+        nodes, out = self._nodes, []
+        for r in obj.replicas:
+            if r.tier is _DRAM and r.ready:
+                node = nodes[r.node_id]
+                out.append((r.node_id, node.ray_node_id, r.offset, r.length, node.incarnation))
+        return out
 
     def _mirror_key(self, key: str) -> None:
         """Tell the index what a GET of ``key`` answers now."""

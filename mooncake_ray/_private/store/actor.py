@@ -52,7 +52,8 @@ class StoreNodeActor:
         from mooncake_ray._private.transport import Engine  # the native module: load on use
 
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
-                             ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}")
+                             ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}",
+                             serve_linger_us=t.linger_us())
         self.arena = self.engine.alloc_arena(self.cfg.segment_size_bytes)
         self._lock = threading.Lock()
         self.inventory: dict[tuple[str, str], InventoryEntry] = {}

@@ -63,8 +63,8 @@ struct EngineConfig {
   size_t push_min_bytes = 32u << 10;  // auto mode: smaller reads use get even where push wins
   int spin_us = 50;                  // a waiter progresses its lanes this long before sleeping
   int linger_us = 100;  // while requests are in flight, a progress thread polls until idle this long
-  // After serving a call, a progress thread polls this long for the next one before it
-  // sleeps (0: sleep at once). For a server answering a stream of small calls.
+  // A progress thread woken by events polls until none came for this long before it
+  // sleeps again (0: sleep at once). For servers (the master, store nodes).
   int serve_linger_us = 0;
   double keepalive_s = 1.0;          // liveness checks (pid watchdog, UCX keepalive)
   std::string error_mode = "auto";   // endpoint error mode: auto | peer | none (see Peer)

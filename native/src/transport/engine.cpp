@@ -202,49 +202,45 @@ void Lane::end_caller_poll() {
 
 void Lane::run() {
   epoll_event evs[4];
-  // Lingering after every event (not only with requests in flight) was measured to hurt:
-  // on 2 vCPUs the polling thread competes with the Python dispatcher and the client.
+  // Lingering after every event was measured to hurt clients: on 2 vCPUs the polling
+  // thread competes with the Python dispatcher and the caller, who spins itself (spin_us).
+  // Servers opt in (serve_linger_us): their callers wait on them.
   const auto linger = std::chrono::microseconds(std::max(0, core->cfg.linger_us));
   const auto serve_linger = std::chrono::microseconds(std::max(0, core->cfg.serve_linger_us));
-  uint64_t served_seen = core->st.calls_served.load();
   const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
   for (;;) {
     ucs_status_t st;
+    unsigned events;
     {
       std::unique_lock<std::mutex> g(mu);
       if (stop) return;
       run_tasks_locked();
-      progress_locked();
+      events = progress_count_locked();
     }
-    // While our own requests are in flight (a bulk transfer, a push being served), keep
-    // polling as long as events keep coming: a wake-up per tcp segment would cost more
-    // than the segment. Callers stay out meanwhile (thread_polling).
-    // A server that just answered a call polls a little for the next one: a client in a
-    // loop sends it within microseconds, and a wake-up from epoll costs tens of them on
-    // a VM. Served calls count as events, so a steady stream keeps the thread polling.
-    uint64_t served = core->st.calls_served.load();
-    if (serve_linger.count() > 0 && served != served_seen) {
+    // A server woken by work (a call, a get or push to serve) polls a little for the
+    // next: a client in a loop sends it within microseconds, and a wake-up from epoll
+    // costs tens of them on a VM. A steady stream keeps the thread polling.
+    if (serve_linger.count() > 0 && events > 0) {
       thread_polling.store(true);
       auto last = Clock::now();
       for (;;) {
+        unsigned n;
         {
           std::lock_guard<std::mutex> g(mu);
           if (stop) break;
           run_tasks_locked();
-          progress_count_locked();
+          n = progress_count_locked();
         }
         auto now = Clock::now();
-        uint64_t s = core->st.calls_served.load();
-        if (s != served) {
-          served = s;
-          last = now;
-        }
+        if (n) last = now;
         if (now - last > serve_linger) break;
         __builtin_ia32_pause();
       }
       thread_polling.store(false);
     }
-    served_seen = served;
+    // While our own requests are in flight (a bulk transfer, a push being served), keep
+    // polling as long as events keep coming: a wake-up per tcp segment would cost more
+    // than the segment. Callers stay out meanwhile (thread_polling).
     if (outstanding.load() > 0 && linger.count() > 0) {
       thread_polling.store(true);
       auto last = Clock::now();
@@ -632,6 +628,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"push_served_bytes", s.push_served_bytes.load()},
       {"calls_sent", s.calls_sent.load()},
       {"calls_served", s.calls_served.load()},
+      {"write_gathered_bytes", s.write_gathered_bytes.load()},
       {"peers_failed", s.peers_failed.load()},
       {"ucx_errors_quieted", g_ucx_quieted.load()},
   };

@@ -164,16 +164,22 @@ struct Pending {
 struct Stats {
   std::atomic<uint64_t> read_memcpy_bytes{0}, read_get_bytes{0}, read_push_bytes{0};
   std::atomic<uint64_t> write_memcpy_bytes{0}, write_put_bytes{0};
-  std::atomic<uint64_t> staged_bytes{0}, push_served_bytes{0};
+  std::atomic<uint64_t> staged_bytes{0}, push_served_bytes{0}, write_gathered_bytes{0};
   std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};
 };
+
+// Plain and non-temporal copies (copy.cpp).
+void copy_plain(char* dst, const char* src, size_t len);
+void copy_stream(char* dst, const char* src, size_t len);
+constexpr size_t kStreamMinBytes = 256u << 10;  // smaller writes stay in cache
 
 // Splits large memcpy transfers over helper threads (copy.cpp).
 class CopyPool {
  public:
   explicit CopyPool(int helpers);
   ~CopyPool();
-  void copy(char* dst, const char* src, size_t len);
+  // stream: non-temporal stores (writes into a peer's arena).
+  void copy(char* dst, const char* src, size_t len, bool stream);
 
  private:
   struct Piece {
@@ -181,6 +187,7 @@ class CopyPool {
     const char* src = nullptr;
     size_t len = 0;
     std::atomic<int>* left = nullptr;
+    bool stream = false;
   };
   void start_locked();
   void run();
