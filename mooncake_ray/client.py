@@ -414,11 +414,12 @@ class Client:
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
         limit = self._slab_max // 2
-        idxs = [i for i, s in enumerate(srcs) if align_up(s[1]) <= limit]
-        rest = [i for i, s in enumerate(srcs) if align_up(s[1]) > limit]
+        lengths = [align_up(s[1]) for s in srcs]
+        idxs = [i for i, n in enumerate(lengths) if n <= limit]
+        rest = [i for i, n in enumerate(lengths) if n > limit]
         if not idxs:
             return rest
-        placed = self._carve([align_up(srcs[i][1]) for i in idxs])
+        placed = self._carve([lengths[i] for i in idxs])
         ops, owners, items = [], [], []
         for i, got in zip(idxs, placed):
             if got is None:
