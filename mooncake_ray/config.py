@@ -145,9 +145,9 @@ class MasterConfig(_Model):
     put_slab_ttl_s: float = Field(2.0, gt=0, le=60)
     """A client starts writes into a slab only this long after asking for it; a restarted
     master allocates nothing for this long."""
-    native_reads: bool = True
-    """Answer GET, EXISTS and lease releases in C++ on the RPC thread from a mirror of
-    the index (False: every call runs the Python state machine; for comparison)."""
+    native_calls: bool = True
+    """Answer GET, EXISTS, lease releases and clean one-call put commits in C++ on the RPC
+    thread from a mirror of the index (False: every call runs the Python state machine)."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
     max_restarts: int = Field(-1, ge=-1)
     num_cpus: float = Field(0.0, ge=0)

@@ -2,7 +2,9 @@
 // (mooncake_ray/_private/master/fastpath.py) keeps it in step with the state machine.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mcr/master_index.h"
 
@@ -32,14 +34,44 @@ void bind_master(nb::module_& m) {
       .def("set_enabled", &mcr::MasterIndex::set_enabled, "on"_a)
       .def("set_lease_ttl", &mcr::MasterIndex::set_lease_ttl, "ttl_s"_a)
       .def("set_max_log", &mcr::MasterIndex::set_max_log, "n"_a)
-      // -> (misses, [(kind, key, gen, lease, now), ...])
+      // -> (misses, [(kind, key, gen, lease_or_slab, now, offset, size), ...])
       .def("drain", [](mcr::MasterIndex& ix) {
         uint64_t misses = 0;
         auto log = ix.drain(&misses);
         nb::list out;
-        for (auto& e : log) out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now));
+        for (auto& e : log)
+          out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size));
         return nb::make_tuple(misses, out);
       })
+      .def("set_commits", &mcr::MasterIndex::set_commits, "on"_a)
+      .def("set_max_key_bytes", &mcr::MasterIndex::set_max_key_bytes, "n"_a)
+      .def("set_slab", [](mcr::MasterIndex& ix, uint64_t id, const std::string& owner,
+                          const std::string& node_id, const std::string& ray_node_id,
+                          const std::string& incarnation,
+                          const std::vector<std::pair<uint64_t, uint64_t>>& free) {
+        mcr::IndexSlab s;
+        s.owner = owner;
+        s.node = mcr::IndexReplica{node_id, ray_node_id, 0, 0, incarnation};
+        for (auto& p : free) s.free[p.first] = p.second;
+        ix.set_slab(id, std::move(s));
+      }, "slab_id"_a, "owner"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "free"_a)
+      .def("drop_slab", &mcr::MasterIndex::drop_slab, "slab_id"_a)
+      // -> (owner, node_id, ray_node_id, incarnation, [(offset, length), ...] sorted) or None
+      .def("lookup_slab", [](mcr::MasterIndex& ix, uint64_t id) -> nb::object {
+        mcr::IndexSlab s;
+        if (!ix.lookup_slab(id, &s)) return nb::none();
+        nb::list free;
+        for (auto& p : s.free) free.append(nb::make_tuple(p.first, p.second));
+        return nb::make_tuple(s.owner, s.node.node_id, s.node.ray_node_id, s.node.incarnation, free);
+      }, "slab_id"_a)
+      .def("slab_count", &mcr::MasterIndex::slab_count)
+      .def("add_pending", &mcr::MasterIndex::add_pending, "key"_a)
+      .def("drop_pending", &mcr::MasterIndex::drop_pending, "key"_a)
+      .def("pending_count", &mcr::MasterIndex::pending_count)
+      .def("is_pending", &mcr::MasterIndex::is_pending, "key"_a)
+      .def("set_next_gen", &mcr::MasterIndex::set_next_gen, "gen"_a)
+      .def("wait_commits", &mcr::MasterIndex::wait_commits, "timeout_s"_a,
+           nb::call_guard<nb::gil_scoped_release>())
       .def("__len__", &mcr::MasterIndex::size)
       .def("served", &mcr::MasterIndex::served)
       // -> (size, gen, [(node_id, ray_node_id, offset, length, incarnation), ...]) or None

@@ -30,6 +30,17 @@ def random_reps(rng: random.Random) -> list:
              f"inc{rng.randrange(1 << 30):x}") for i in rng.sample(range(5), n)]
 
 
+def random_commit(rng: random.Random, slabs: dict):
+    sid = rng.choice(list(slabs) + [999]) if slabs else 999
+    base = slabs.get(sid, 0)
+    items = [[random_key(rng) if rng.random() < 0.3 else f"new{rng.randrange(1 << 40)}", sid,
+              base + 4096 * rng.choice([-1, 0, 0, 1, 4, 4, 5, 8, 8, 11]) + (1 if rng.random() < 0.03 else 0),
+              rng.choice([0, 1, 4096, 5000, 20000]), *([rng.random() < 0.3] if rng.random() < 0.8 else [])]
+             for _ in range(rng.choice([1, 1, 1, 2, 4]))]
+    owner = "c2" if rng.random() < 0.1 else "c1"
+    return [rpc.PUT_COMMIT, items, owner, *rng.choice([[], [[]], [[]], [None], [[sid]]])]
+
+
 def random_request(rng: random.Random, leases: list):
     keys = [random_key(rng) for _ in range(rng.choice([1, 1, 2, 5, 20, 70000 if rng.random() < 0.002 else 3]))]
     done = [list(x) for x in rng.sample(leases, min(len(leases), rng.randrange(4)))]
@@ -64,11 +75,41 @@ def test_native_index_matches_reference(seed):
         ix.set_lease_ttl(2.5)
         ix.set_enabled(True)
         ix.set_max_log(max_log)
+        ix.set_commits(True)
+        ix.set_next_gen(1 << 62)  # above the wall clock: generations are the counter's
     leases: list = []
-    answered = 0
+    slabs: dict = {}
+    answered = commits = 0
     for step in range(2500):
         r = rng.random()
-        if r < 0.25:
+        if r < 0.05:
+            sid, base = rng.randrange(1, 6), 4096 * rng.randrange(100)
+            slabs[sid] = base
+            pieces = [(base + 4096 * i, 4096 * rng.randrange(1, 4)) for i in (0, 4, 8)]
+            for ix in (native, ref):
+                ix.set_slab(sid, rng.choice(["c1"]), f"n{sid % 3}", "ray0", "inc", pieces)
+        elif r < 0.07 and slabs:
+            sid = rng.choice(list(slabs))
+            slabs.pop(sid)
+            native.drop_slab(sid)
+            ref.drop_slab(sid)
+        elif r < 0.10:
+            key = random_key(rng)
+            if rng.random() < 0.5:
+                native.add_pending(key)
+                ref.add_pending(key)
+            else:
+                native.drop_pending(key)
+                ref.drop_pending(key)
+        elif r < 0.18:
+            req = random_commit(rng, slabs)
+            data = msgpack.packb(req, use_bin_type=True)
+            got, want = decode(native.serve(data)), decode(ref.serve(data))
+            assert got == want, f"step {step}: {req!r}"
+            commits += got is not None
+            for sid in slabs:
+                assert native.lookup_slab(sid) == ref.lookup_slab(sid)
+        elif r < 0.25:
             key, size, gen = random_key(rng), rng.randrange(1 << 34), rng.randrange(1 << 50)
             reps = random_reps(rng)
             native.set(key, size, gen, reps)
@@ -85,7 +126,7 @@ def test_native_index_matches_reference(seed):
             t0 = time.monotonic()
             (m1, log1), (m2, log2) = native.drain(), ref.drain()
             assert m1 == m2
-            assert [e[:4] for e in log1] == [e[:4] for e in log2]
+            assert [e[:4] + e[5:] for e in log1] == [e[:4] + e[5:] for e in log2]
             assert all(0 <= t0 - e[4] < 60 for e in log1), "native times are CLOCK_MONOTONIC seconds"
         elif r < 0.362:
             native.clear()
@@ -100,7 +141,7 @@ def test_native_index_matches_reference(seed):
                 if req[0] == rpc.GET:
                     leases += [(k, d[1], d[4]) for k, d in zip(req[1], got[1]) if d is not None]
         assert len(native) == len(ref) and native.served() == ref.served()
-    assert answered > 300 and leases, "the stream must exercise the native answers"
+    assert answered > 300 and leases and commits > 5, "the stream must exercise the native answers"
     assert min(lease for *_, lease in leases) >= FIRST_LEASE
 
 
@@ -117,7 +158,7 @@ def test_entries_without_replicas_are_pythons():
     assert ask([rpc.EXISTS, ["dram"]]) is None
     ix.set_enabled(True)
     misses, log = ix.drain()
-    assert misses == 1 and [(k, key, g) for k, key, g, _, _ in log] == [(GRANT, "dram", 4)]
+    assert misses == 1 and [(k, key, g) for k, key, g, *_ in log] == [(GRANT, "dram", 4)]
     assert ask([rpc.RELEASE, [["dram", 4, log[0][3]]]]) == [rpc.OK, None]
     assert [e[:4] for e in ix.drain()[1]] == [(RELEASE, "dram", 4, log[0][3])]
     assert ix.lookup("dram") == (10, 4, [("n0", "r0", 4096, 4096, "i0")]) and ix.lookup("nope") is None

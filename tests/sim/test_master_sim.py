@@ -3,7 +3,7 @@ master restarts, and the disk tier (offloads and promotions completing, failing 
 racing with removals); invariants checked after every step. A failure prints its seed:
 rerun one with MCR_SIM_SEED=<seed>.
 
-Half the gets and releases go through the read index (``PyIndex``, the reference of the
+Half the gets, releases and one-call put commits go through the read index (``PyIndex``, the reference of the
 native one) as the actor's RPC handler would send them; its log is applied before every
 other operation, as the actor's lock does. The invariants include the index matching the
 objects, and leases granted through it must protect their objects like any other.
@@ -73,9 +73,24 @@ class Sim:
         m.unmount = unmount
         m.index = PyIndex()
         m.index.clock = self.clock
+        m.index.wall_ns = m._wall_ns
         m.index.set_lease_ttl(self.policy.lease_ttl_s)
+        m.index.set_max_key_bytes(self.policy.max_key_bytes)
+        m.index.set_commits(True)
         m.index.set_enabled(True)
         return m
+
+    def python(self, fn):
+        """A call the index declined: the actor's lock applies the log first, and pushes
+        the state back to the index when it ends."""
+        m = self.m
+        m.apply_index_log(*m.index.drain())
+        try:
+            return fn()
+        finally:
+            m = self.m
+            m.index.set_enabled(not (m._expected and m.recovering))
+            m.index.set_next_gen(m._next_gen)
 
     def native(self, request):
         """What the actor's handler answers natively, in a list (None: Python's turn)."""
@@ -138,6 +153,16 @@ class Sim:
         r, m, rng = self.rng.random(), self.m, self.rng
         key = f"k{rng.randrange(60)}"
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
+        if rng.random() < 0.1:  # the actor's applier: the log applied, decisions left for later
+            m.apply_index_log(*m.index.drain(), decide=False)
+            self.deliver()
+        if r < 0.13:
+            try:
+                self.slab_put(key, native=rng.random() < 0.5)
+            except MooncakeRayError:
+                pass
+            self.deliver()
+            return
         if 0.33 <= r < 0.55 and rng.random() < 0.5:
             got = self.native([rpc.GET, [key], rng.choice([None, "rn0", "n1"])])
             if got is not None:
@@ -148,16 +173,9 @@ class Sim:
             gen, _until, _seen, lease = self.leases.pop(k)
             if self.native([rpc.RELEASE, [[k, gen, lease]]]) is not None:
                 return
-            m.apply_index_log(*m.index.drain())
-            m.release(k, gen, lease)
+            self.python(lambda: m.release(k, gen, lease))
             return
-        # Python's turn: the actor's lock applies what the index granted first.
-        m.apply_index_log(*m.index.drain())
-        try:
-            self.python_step(r, key)
-        finally:
-            m = self.m
-            m.index.set_enabled(not (m._expected and m.recovering))
+        self.python(lambda: self.python_step(r, key))
 
     def took(self, key, got):
         if got:
@@ -170,9 +188,7 @@ class Sim:
     def python_step(self, r, key):
         m, rng = self.m, self.rng
         try:
-            if r < 0.13:
-                self.slab_put(key)
-            elif r < 0.33:
+            if r < 0.33:
                 size = rng.choice([1, 100, ALIGN, 3 * ALIGN, 9 * ALIGN, 20 * ALIGN])
                 gen, _ = m.put_start(key, size, client_node=rng.choice([None, "rn0", "rn1"]),
                                      upsert=rng.random() < 0.3)
@@ -234,7 +250,7 @@ class Sim:
             pass
         self.deliver()
 
-    def slab_put(self, key):
+    def slab_put(self, key, native=False):
         """A one-call put through a slab, as the client does it: carve, (write), commit;
         sometimes into a dead slab, sometimes never committed (the client died)."""
         m, rng = self.m, self.rng
@@ -242,8 +258,8 @@ class Sim:
         length = -(-size // ALIGN) * ALIGN if size else ALIGN
         fits = [sid for sid, (cur, end, _o) in self.slabs.items() if end - cur >= length]
         if not fits or rng.random() < 0.2:
-            sid, _n, off, ln, _inc, _ttl = m.slab_grant(self.owner, rng.choice([None, "rn0", "rn1"]),
-                                                       rng.choice([0, size]))
+            sid, _n, off, ln, _inc, _ttl = self.python(lambda: m.slab_grant(
+                self.owner, rng.choice([None, "rn0", "rn1"]), rng.choice([0, size])))
             self.slabs[sid] = [off, off + ln, self.owner]
             fits = [sid]
         sid = rng.choice(fits)
@@ -251,11 +267,20 @@ class Sim:
         self.slabs[sid][0] = cur + length
         if rng.random() < 0.1:
             return  # carved, never committed: the slab's expiry reclaims it
-        m.put_commit(key, sid, cur, size, rng.random() < 0.3, owner)
+        upsert = rng.random() < 0.3
+        if native and self.native([rpc.PUT_COMMIT, [[key, sid, cur, size, upsert]], owner, []]) is not None:
+            return
+        self.python(lambda: m.put_commit(key, sid, cur, size, upsert, owner))
 
     def check(self):
         m = self.m
-        m.check_invariants()
+        index = m.index
+        if index._log:  # commits not applied yet: the mirror is ahead of the objects
+            m.index = None
+        try:
+            m.check_invariants()
+        finally:
+            m.index = index
         now = self.clock.t
         for key, (gen, until, seen, _lease) in list(self.leases.items()):
             if until <= now or key in self.forced:
@@ -263,6 +288,9 @@ class Sim:
                 self.forced.discard(key)
                 continue
             cur = m._objects.get(key)
+            native = index.lookup(key)
+            if cur is None and native is not None and native[1] == gen:
+                continue  # committed natively, applied at the next Python section
             if cur is not None and cur.gen != gen:
                 self.leases.pop(key)  # replaced by an upsert: the old extents wait out the lease
                 continue

@@ -7,9 +7,10 @@ Two doors lead in:
   served by the native engine on its progress thread (``_serve_rpc``);
 - Ray actor calls for the lifecycle: the RPC address, mount, heartbeat, stats, nodes.
 
-Both take ``_lock`` around the state machine. GET, EXISTS and lease releases are mostly
-answered without it, in C++ from a mirror of the index (``fastpath.py``): ``_lock`` also
-holds that mirror's mutex and first applies what it granted. Inventory changes the state machine queues
+Both take ``_lock`` around the state machine. GET, EXISTS, lease releases and clean
+one-call put commits are mostly answered without it, in C++ from a mirror of the index
+(``fastpath.py``): ``_lock`` also holds that mirror's mutex and first applies what it did;
+a thread woken by logged commits applies them within milliseconds. Inventory changes the state machine queues
 for store nodes go to an outbox under that lock and a delivery thread sends them, in
 order, per node (over the same transport). A client's put does not wait for them: the
 window in which a just-acknowledged put is not yet in its store node's inventory is one
@@ -54,8 +55,10 @@ class MasterActor:
 
         self.index = _native.MasterIndex()
         self.index.set_lease_ttl(self.cfg.master.lease_ttl_s)
+        self.index.set_max_key_bytes(self.cfg.master.max_key_bytes)
+        self.index.set_commits(self.cfg.master.native_calls)
         self.state.index = self.index
-        self._lock = _StateLock(self.state, self.index)
+        self._lock = _StateLock(self.state, self.index, self._deliver)
 
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
                              ucx_options=t.ucx_options, name="master",
@@ -90,20 +93,21 @@ class MasterActor:
             rpc.PUT_COMMIT: self._put_commit,
             rpc.SLAB_RETURN: self._return_slabs,
         }
+        self._stop = threading.Event()
+        self._outbox: list = []
+        self._outbox_cv = threading.Condition()
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
         # in a tracing shim, which would run on every call (~4% of the master's time).
         handler = functools.partial(_serve_rpc, self)
-        if self.cfg.master.native_reads:
+        if self.cfg.master.native_calls:
             self.engine.serve_master(rpc.MASTER_RPC, self.index, handler)
         else:
             self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
         with self._lock:  # enables the index unless the master is rebuilding
             pass
-        self._stop = threading.Event()
-        self._outbox: list = []
-        self._outbox_cv = threading.Condition()
-        for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver")):
+        for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
+                             (self._apply_loop, "master-apply")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     # ------------------------------------------------------------------- RPC door --
@@ -139,6 +143,22 @@ class MasterActor:
             self._release(done)
         return rpc.per_key(self.state.get, keys, client_node)
 
+
+    def _apply_loop(self) -> None:
+        """Apply commits the index answered natively (publish, inventory delta) soon after
+        they happen, not at the next Python call: a store node's inventory must follow."""
+        while not self._stop.is_set():
+            if not self.index.wait_commits(0.5):
+                continue
+            # Publishing frees nothing, so native calls may go on meanwhile: the Python
+            # lock only (and the deltas queued at once). Then under both locks: the rest of
+            # the log, and the watermark checks, which may evict, so they must see every
+            # lease granted before them.
+            with self._lock.python_only():
+                self.state.apply_index_log(*self.index.drain(), decide=False)
+                self._deliver()
+            with self._lock:
+                pass
 
     def _deliver(self) -> None:
         """Queue the state machine's inventory deltas for the delivery thread (lock held)."""
@@ -272,13 +292,15 @@ class MasterActor:
 
 class _StateLock:
     """The master's lock: a reentrant Python lock, then the read index's mutex. The
-    outermost acquire applies what the index granted since the last section; the
-    outermost release turns the index on, or off while the master rebuilds its index."""
+    outermost acquire applies what the index did since the last section; the outermost
+    release queues the inventory deltas, hands the generation counter to the index, and
+    turns it on (off while the master rebuilds its index)."""
 
-    def __init__(self, state: MasterState, index) -> None:
+    def __init__(self, state: MasterState, index, deliver) -> None:
         self._rlock = threading.RLock()
         self._state = state
         self._index = index
+        self._deliver = deliver
         self._depth = 0  # changed only by the thread holding _rlock
 
     def __enter__(self):
@@ -293,9 +315,16 @@ class _StateLock:
                 raise
         return self
 
+    def python_only(self):
+        """The Python lock without the index mutex (only for applying the log)."""
+        return self._rlock
+
     def __exit__(self, *exc) -> None:
         if self._depth == 1:
             state = self._state
+            if state._effects:
+                self._deliver()
+            self._index.set_next_gen(state._next_gen)
             self._index.set_enabled(not (state._expected and state.recovering))
             self._index.unlock()
         self._depth -= 1

@@ -90,6 +90,7 @@ class SlabMixin:
             slab = Slab(self._next_slab, node.node_id, got[0], got[1], owner,
                         now + self.policy.put_slab_ttl_s + self.policy.put_timeout_s, {got[0]: got[1]})
             self._slabs[slab.slab_id] = slab
+            self._mirror_slab(slab.slab_id)
             return (slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
                     self.policy.put_slab_ttl_s)
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more")
@@ -99,6 +100,7 @@ class SlabMixin:
         slab = self._slabs.pop(slab_id, None)
         if slab is None:
             return 0
+        self._mirror_slab(slab_id)
         alloc = self._alloc.get(slab.node_id)
         freed = 0
         for off, ln in slab.free.items():
@@ -138,7 +140,9 @@ class SlabMixin:
                                     f"put {key!r} again")
         length = align_up(size)
         piece = self._carve(slab, offset, length)
-        if piece is None:
+        if piece is not None:
+            self._mirror_slab(slab_id)
+        else:
             done = self._objects.get(key)
             if done is not None and any(r.node_id == slab.node_id and r.tier is Tier.DRAM and r.offset == offset
                                         and r.length == length for r in done.replicas):
@@ -186,6 +190,7 @@ class SlabMixin:
     def _drop_node_slabs(self, node_id: str) -> None:
         for slab_id in [s.slab_id for s in self._slabs.values() if s.node_id == node_id]:
             del self._slabs[slab_id]  # the node's allocator is gone with it
+            self._mirror_slab(slab_id)
 
     def slab_bytes(self) -> int:
         return sum(ln for s in self._slabs.values() for ln in s.free.values())

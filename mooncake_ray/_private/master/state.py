@@ -311,6 +311,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         self._next_gen = max(self._next_gen + 1, self._wall_ns())
         obj = Obj(key, size, self._next_gen, placed, put_deadline=now + self.policy.put_timeout_s, owner=owner)
         self._pending[key] = obj
+        self._mirror_pending(key)
         for r in placed:
             self._nodes[r.node_id].keys.add(key)
             self._watermark(r.node_id, now)
@@ -339,6 +340,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
             self.put_revoke(key, gen)
             raise NodeUnavailableError(f"put of {key!r} failed: {obj.failed or 'no replica left'}")
         del self._pending[key]
+        self._mirror_pending(key)
         self._publish(obj, self._clock())
 
     def _publish(self, obj: Obj, now: float) -> None:
@@ -365,6 +367,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         if obj is None or obj.gen != gen:
             return False
         del self._pending[key]
+        self._mirror_pending(key)
         for r in obj.replicas:
             self._free_extent(r, 0.0)
             self._unindex(r.node_id, key)
@@ -566,7 +569,12 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         node = self._nodes.get(r.node_id)
         if node is None:
             return
-        self._delta(r.node_id).drop.append((obj.key, obj.gen, r.tier.value))
+        d = self._delta(r.node_id)
+        if d.add:
+            # A node applies a delta's drops before its adds: an add of this same replica
+            # still in the delta (published, then evicted before delivery) must go too.
+            d.add[:] = [e for e in d.add if not (e.key == obj.key and e.gen == obj.gen and e.tier == r.tier.value)]
+        d.drop.append((obj.key, obj.gen, r.tier.value))
         if obj.complete and r.ready:
             node.tier_keys[r.tier.value] -= 1
         if r.tier is Tier.DISK:

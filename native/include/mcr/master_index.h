@@ -18,10 +18,13 @@
 // The mutex is recursive so the mirror's setters can be called inside a section.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace mcr {
@@ -40,21 +43,33 @@ struct IndexEntry {
   std::vector<IndexReplica> reps;  // empty: present, but Python answers for it
 };
 
-// A lease granted or released natively, for Python to apply (kind: kGrant / kRelease).
+// A client's put slab as the state machine holds it (slabs.py): its uncommitted pieces.
+struct IndexSlab {
+  std::string owner;
+  IndexReplica node;  // node_id, ray_node_id, incarnation (offset/length unused)
+  std::map<uint64_t, uint64_t> free;  // offset -> length
+};
+
+// What a native call did, for Python to apply: kGrant / kRelease (lease = the lease id),
+// kCommit (lease = the slab id; offset, size of the committed value).
 struct IndexLogEntry {
   int kind = 0;
   std::string key;
   uint64_t gen = 0;
   uint64_t lease = 0;
   double now = 0;  // CLOCK_MONOTONIC seconds (Python's time.monotonic)
+  uint64_t offset = 0;
+  uint64_t size = 0;
 };
 
 class MasterIndex {
  public:
   static constexpr int kGrant = 0;
   static constexpr int kRelease = 1;
+  static constexpr int kCommit = 2;
   // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
-  static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15;
+  static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15, kOpPutCommit = 17;
+  static constexpr uint64_t kAlign = 4096;  // the allocator's granule (allocator.py ALIGN)
   // Native lease ids start here, far above the ids Python's counter hands out.
   static constexpr uint64_t kFirstLease = 1ull << 40;
 
@@ -69,6 +84,24 @@ class MasterIndex {
   void set_max_log(size_t n);
   // Takes the log and the number of misses answered since the last drain.
   std::vector<IndexLogEntry> drain(uint64_t* misses);
+
+  // One-call puts (PUT_COMMIT into a put slab): the mirror of the slabs, of the keys with
+  // a two-call put in flight, and of the generation counter. A clean commit (new key,
+  // extent an uncommitted part of the caller's slab) is answered here: the value is
+  // visible to native GETs at once and logged for Python; anything else goes to Python.
+  void set_commits(bool on);
+  void set_max_key_bytes(size_t n);
+  void set_slab(uint64_t id, IndexSlab slab);
+  void drop_slab(uint64_t id);
+  bool lookup_slab(uint64_t id, IndexSlab* out);
+  size_t slab_count();
+  void add_pending(const std::string& key);
+  void drop_pending(const std::string& key);
+  size_t pending_count();
+  bool is_pending(const std::string& key);
+  void set_next_gen(uint64_t g);  // the state machine's counter, at the end of its sections (max)
+  // Waits until a commit is logged (true) or the timeout passes (false).
+  bool wait_commits(double timeout_s);
   size_t size();
   uint64_t served();  // calls answered natively so far
   bool lookup(const std::string& key, IndexEntry* out);
@@ -79,6 +112,8 @@ class MasterIndex {
   bool serve(const char* data, size_t len, std::string* out);
 
  private:
+  bool serve_commit(const char* data, size_t len, std::string* out);
+
   std::recursive_mutex mu_;
   std::unordered_map<std::string, IndexEntry> map_;
   std::vector<IndexLogEntry> log_;
@@ -88,6 +123,13 @@ class MasterIndex {
   double ttl_s_ = 10.0;
   bool enabled_ = false;
   size_t max_log_ = 1u << 17;
+  bool commits_ = false;
+  bool commit_logged_ = false;
+  std::condition_variable_any commit_cv_;
+  size_t max_key_bytes_ = 4096;
+  uint64_t next_gen_ = 0;
+  std::unordered_map<uint64_t, IndexSlab> slabs_;
+  std::unordered_set<std::string> pending_;
 };
 
 }  // namespace mcr

@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 namespace mcr {
@@ -56,6 +57,13 @@ class Reader {
   bool nil() {
     if (p_ < end_ && *p_ == 0xc0) return ++p_, true;
     return false;  // not nil: nothing consumed
+  }
+  bool boolean(bool* b) {
+    uint8_t t;
+    if (!byte(&t)) return false;
+    if (t != 0xc2 && t != 0xc3) return fail();
+    *b = t == 0xc3;
+    return true;
   }
 
  private:
@@ -121,6 +129,31 @@ double monotonic_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+uint64_t wall_ns() {  // Python's time.time_ns()
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+uint64_t align_up(uint64_t n) {  // allocator.py align_up: at least one granule
+  uint64_t a = MasterIndex::kAlign;
+  return std::max(a, (n + a - 1) / a * a);
+}
+
+// slabs.py _carve: take [offset, offset+length) out of the uncommitted pieces.
+bool carve(std::map<uint64_t, uint64_t>& free, uint64_t offset, uint64_t length) {
+  if (offset % MasterIndex::kAlign) return false;
+  auto it = free.upper_bound(offset);
+  if (it == free.begin()) return false;
+  --it;
+  const uint64_t start = it->first, len = it->second;
+  if (offset + length > start + len) return false;
+  free.erase(it);
+  if (offset > start) free[start] = offset - start;
+  if (offset + length < start + len) free[offset + length] = start + len - offset - length;
+  return true;
 }
 
 struct Release {
@@ -191,6 +224,7 @@ std::vector<IndexLogEntry> MasterIndex::drain(uint64_t* misses) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   *misses = misses_;
   misses_ = 0;
+  commit_logged_ = false;
   std::vector<IndexLogEntry> out;
   out.swap(log_);
   return out;
@@ -214,11 +248,145 @@ bool MasterIndex::lookup(const std::string& key, IndexEntry* out) {
   return true;
 }
 
+void MasterIndex::set_commits(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  commits_ = on;
+}
+
+void MasterIndex::set_max_key_bytes(size_t n) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  max_key_bytes_ = n;
+}
+
+void MasterIndex::set_slab(uint64_t id, IndexSlab slab) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  slabs_[id] = std::move(slab);
+}
+
+void MasterIndex::drop_slab(uint64_t id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  slabs_.erase(id);
+}
+
+bool MasterIndex::lookup_slab(uint64_t id, IndexSlab* out) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  auto it = slabs_.find(id);
+  if (it == slabs_.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+size_t MasterIndex::slab_count() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return slabs_.size();
+}
+
+void MasterIndex::add_pending(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  pending_.insert(key);
+}
+
+void MasterIndex::drop_pending(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  pending_.erase(key);
+}
+
+size_t MasterIndex::pending_count() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return pending_.size();
+}
+
+bool MasterIndex::is_pending(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return pending_.count(key) > 0;
+}
+
+void MasterIndex::set_next_gen(uint64_t gen) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  next_gen_ = std::max(next_gen_, gen);
+}
+
+bool MasterIndex::wait_commits(double timeout_s) {
+  std::unique_lock<std::recursive_mutex> g(mu_);
+  return commit_cv_.wait_for(g, std::chrono::duration<double>(timeout_s),
+                             [this] { return commit_logged_; });
+}
+
+// ``[PUT_COMMIT, [[key, slab_id, offset, size, upsert?], ...], owner, returns?]``. Only the
+// clean case: every key new (not stored, no put in flight, not twice in the call), every
+// extent an uncommitted part of the caller's slab, no slabs given back. All or nothing.
+bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
+  Reader r(data, len);
+  uint32_t nargs, nitems;
+  uint64_t op;
+  if (!r.array(&nargs) || (nargs != 3 && nargs != 4) || !r.uint(&op) || !r.array(&nitems))
+    return false;
+  struct Item {
+    std::string key;
+    uint64_t slab = 0, offset = 0, size = 0;
+  };
+  std::vector<Item> items(nitems);
+  for (auto& it : items) {
+    uint32_t m;
+    bool upsert = false;  // of a key not stored: a plain put
+    if (!r.array(&m) || (m != 4 && m != 5) || !r.str(&it.key) || !r.uint(&it.slab) ||
+        !r.uint(&it.offset) || !r.uint(&it.size) || (m == 5 && !r.boolean(&upsert)))
+      return false;
+  }
+  std::string owner;
+  if (!r.str(&owner)) return false;
+  if (nargs == 4 && !r.nil()) {
+    uint32_t nret;
+    if (!r.array(&nret) || nret != 0) return false;
+  }
+  if (!r.ok() || !r.at_end() || items.empty()) return false;
+
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (!enabled_ || !commits_ || log_.size() + items.size() > max_log_) return false;
+  std::unordered_map<uint64_t, std::map<uint64_t, uint64_t>> scratch;  // carved copies
+  std::unordered_set<std::string> seen;
+  for (auto& it : items) {
+    if (it.key.empty() || it.key.size() > max_key_bytes_ || !seen.insert(it.key).second) return false;
+    if (pending_.count(it.key) || map_.count(it.key)) return false;
+    auto s = slabs_.find(it.slab);
+    if (s == slabs_.end() || s->second.owner != owner) return false;
+    auto sc = scratch.find(it.slab);
+    if (sc == scratch.end()) sc = scratch.emplace(it.slab, s->second.free).first;
+    if (!carve(sc->second, it.offset, align_up(it.size))) return false;
+  }
+  for (auto& kv : scratch) slabs_[kv.first].free = std::move(kv.second);
+  const double now = monotonic_s();
+  const uint64_t wall = wall_ns();
+  out->clear();
+  Writer w(out);
+  w.array(2);
+  w.uint(kOk);
+  w.array(uint32_t(items.size()));
+  for (auto& it : items) {
+    const uint64_t gen = std::max(next_gen_ + 1, wall);  // as put_commit numbers values
+    next_gen_ = gen;
+    IndexReplica rep = slabs_[it.slab].node;
+    rep.offset = it.offset;
+    rep.length = align_up(it.size);
+    IndexEntry& e = map_[it.key];
+    e.size = it.size;
+    e.gen = gen;
+    e.reps.assign(1, std::move(rep));
+    log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size});
+    w.uint(gen);
+  }
+  served_++;
+  commit_logged_ = true;
+  commit_cv_.notify_all();
+  return true;
+}
+
 bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
   Reader r(data, len);
   uint32_t nargs;
   uint64_t op;
   if (!r.array(&nargs) || nargs < 2 || !r.uint(&op)) return false;
+  if (op == kOpPutCommit) return serve_commit(data, len, out);
   std::vector<std::string> keys;
   std::vector<Release> releases;
   std::string client_node;

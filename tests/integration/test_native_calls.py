@@ -1,11 +1,11 @@
-"""The master's native read path on a real cluster: gets and exists answered by the
-C++ index, their leases, hits and misses applied to the state machine before it acts, and
-the same answers with the path turned off."""
+"""The master's native path on a real cluster: gets, exists and one-call put commits
+answered by the C++ index, their leases, hits, misses and commits applied to the state
+machine before it acts, and the same answers with the path turned off."""
 
 import numpy as np
 import pytest
 
-from mooncake_ray import ObjectLeasedError, ObjectNotFoundError
+from mooncake_ray import ObjectExistsError, ObjectLeasedError, ObjectNotFoundError
 from mooncake_ray._private import rpc
 from tests.conftest import wait_for
 
@@ -18,18 +18,26 @@ def rand(n, seed=0):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_reads_answer_the_same_with_and_without_the_native_path(make_store, native):
-    s = make_store(master={"native_reads": native})
+    s = make_store(master={"native_calls": native})
     values = {f"v{i}": rand(1 + i * 997, i) for i in range(40)}
+    before = s.stats()
     for k, v in values.items():
         s.put(k, v)
+    s.batch_put([f"b{i}" for i in range(30)], [rand(5000, i) for i in range(30)])
+    with pytest.raises(ObjectExistsError):
+        s.put("v3", b"again")  # a conflict: Python answers, the value stays
+    assert s.stats()["puts"] - before["puts"] == 70  # applied by the master, natively or not
+    commits = s.stats()["native_calls"] - before["native_calls"]
+    assert commits >= 30 if native else commits == 0  # one per put (bar slab returns)
     before = s.stats()
     assert [s.get(k) for k in values] == list(values.values())
+    assert s.batch_get([f"b{i}" for i in range(30)]) == [rand(5000, i) for i in range(30)]
     assert s.batch_get(list(values) + ["nope"])[:-1] == list(values.values())
     assert s.batch_exists(["v0", "nope", "v39"]) == [True, False, True]
     with pytest.raises(ObjectNotFoundError):
         s.get("nope")
     st = s.stats()
-    assert st["hits"] - before["hits"] == 80  # applied to the state machine either way
+    assert st["hits"] - before["hits"] == 110  # applied to the state machine either way
     assert st["misses"] - before["misses"] == 2
     served = st["native_calls"] - before["native_calls"]
     assert served >= 42 if native else served == 0

@@ -1,0 +1,93 @@
+"""The state machine's side of the read index (fastpath.py), through the reference
+``PyIndex``: the mirror follows every change, native commits are applied exactly as
+``put_commit`` would, and what native calls granted is applied before anything is evicted."""
+
+from mooncake_ray._private import rpc
+from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.fastpath import PyIndex
+from tests.unit.test_master_state import make, put
+
+K = ALIGN
+
+
+def with_index(m, clock):
+    ix = PyIndex()
+    ix.clock = clock
+    ix.wall_ns = m._wall_ns
+    ix.set_lease_ttl(m.policy.lease_ttl_s)
+    ix.set_max_key_bytes(m.policy.max_key_bytes)
+    ix.set_commits(True)
+    ix.set_enabled(True)
+    m.index = ix
+    for key in list(m._objects):
+        m._mirror_key(key)
+    return ix
+
+
+def native(ix, *request):
+    reply = ix.serve(rpc.pack(list(request)))
+    return None if reply is None else rpc.decode_reply(reply)
+
+
+def section(m, ix):
+    """What the actor's lock does around a Python section."""
+    m.apply_index_log(*ix.drain())
+    ix.set_next_gen(m._next_gen)
+
+
+def test_native_commit_is_applied_as_put_commit_would_be():
+    m, clock = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+    ix = with_index(m, clock)
+    sid, nid, off, length, _inc, _ttl = m.slab_grant("c1")
+    section(m, ix)
+    gens = native(ix, rpc.PUT_COMMIT, [["a", sid, off, 100, False], ["b", sid, off + K, 5000, True]], "c1", [])
+    assert gens and gens[0] < gens[1]
+    assert native(ix, rpc.GET, ["a"])[0][1] == gens[0]  # visible before Python applied it
+    assert "a" not in m._objects
+    # not clean: a key stored already, a carved extent, another owner, slabs given back
+    assert native(ix, rpc.PUT_COMMIT, [["a", sid, off + 3 * K, 1, True]], "c1") is None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off, 1]], "c1") is None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c2") is None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c1", [sid]) is None
+    section(m, ix)
+    assert m.get("a")[1] == gens[0] and m.get("b")[3][0][2:4] == (off + K, 2 * K)
+    assert sorted(m._slabs[sid].free.items()) == [(off + 3 * K, length - 3 * K)]
+    assert m.counters["puts"] == 2 and m.counters["hits"] == 3
+    delta = m.drain_effects()[nid]
+    assert [(e.key, e.gen, e.offset) for e in delta.add] == [("a", gens[0], off), ("b", gens[1], off + K)]
+    assert m.put_commit("c", sid, off + 3 * K, 10, False, "c1") > gens[1]  # the counter went on
+    m.check_invariants()
+
+
+def test_a_lease_granted_natively_is_applied_before_a_commit_evicts():
+    """Log order: a native commit, then a native GET that leases X. Python applies both
+    later; the commit's watermark must see X's lease (the GET came before Python evicted
+    anything): evicting X would free extents its reader is copying."""
+    m, clock = make(n_nodes=1, cap=64 * K, put_slab_bytes=4 * K, high_watermark=0.5)
+    ix = with_index(m, clock)
+    sid, _nid, off, _len, _inc, _ttl = m.slab_grant("c1")
+    put(m, "x", 20 * K)
+    _size, gen, _ttl, _reps, lease = m.get("x")  # held while z's put crosses the watermark
+    put(m, "z", 10 * K)
+    assert "x" in m._objects and m._alloc["n0"].used > 0.5 * 64 * K
+    m.release("x", gen, lease)
+    clock.t += 1
+    section(m, ix)
+    assert native(ix, rpc.PUT_COMMIT, [["y", sid, off, 100]], "c1") is not None
+    assert native(ix, rpc.GET, ["x"])[0][1] == gen
+    section(m, ix)  # applies the lease, then the commit's watermark: it must pass x over
+    assert "x" in m._objects and m._objects["x"].leased(clock.t)
+    assert "y" in m._objects
+    m.check_invariants()
+
+
+def test_an_add_and_a_drop_in_one_delta_leave_the_node_without_the_value():
+    """A value published and evicted before its delta is delivered: the node applies
+    drops before adds, so the add must not survive in the delta."""
+    m, clock = make(n_nodes=1, cap=64 * K, high_watermark=0.5)
+    put(m, "old", 20 * K)
+    m.drain_effects()
+    put(m, "new", 4 * K)
+    m.remove("new")
+    delta = m.drain_effects()["n0"]
+    assert all(e.key != "new" for e in delta.add) and ("new", m._next_gen, "dram") in delta.drop
