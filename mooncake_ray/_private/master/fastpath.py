@@ -100,8 +100,6 @@ class ReadIndexMixin:
         else:
             self.index.set(key, obj.size, obj.gen, self._index_entry(obj))
 
-    _watermark_due: set | None = None  # nodes that took logged commits, not checked yet
-
     def apply_index_log(self, misses: int, log, decide: bool = True) -> None:
         """Apply what the native side did since the last drain, in order: each entry does
         what ``get`` / ``release`` / ``put_commit`` would have done at its logged time.
@@ -113,9 +111,7 @@ class ReadIndexMixin:
             self.counters["misses"] += misses
         ttl = self.policy.lease_ttl_s
         objects = self._objects
-        if self._watermark_due is None:
-            self._watermark_due = set()
-        full = self._watermark_due
+        full = self._watermark_due  # nodes that took logged commits, not checked yet
         for kind, key, gen, lease, now, offset, size in log:
             if kind == COMMIT:
                 full.add(self._apply_commit(key, gen, lease, offset, size, now))

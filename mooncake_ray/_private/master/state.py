@@ -112,6 +112,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         self._next_slab = 0
         self._restarted_at = 0.0
         self._alloc_gate_until = 0.0
+        self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0}

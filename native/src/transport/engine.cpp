@@ -208,6 +208,26 @@ void Lane::run() {
   const auto linger = std::chrono::microseconds(std::max(0, core->cfg.linger_us));
   const auto serve_linger = std::chrono::microseconds(std::max(0, core->cfg.serve_linger_us));
   const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
+  // Polls until no event came for `idle` (serving: also runs posted tasks; otherwise also
+  // stops once none of our requests is in flight).
+  auto poll_until_idle = [this](std::chrono::microseconds idle, bool serving) {
+    thread_polling.store(true);
+    auto last = Clock::now();
+    for (;;) {
+      unsigned n;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        if (stop) break;
+        if (serving) run_tasks_locked();
+        n = progress_count_locked();
+      }
+      auto now = Clock::now();
+      if (n) last = now;
+      if ((!serving && outstanding.load() <= 0) || now - last > idle) break;
+      __builtin_ia32_pause();
+    }
+    thread_polling.store(false);
+  };
   for (;;) {
     ucs_status_t st;
     unsigned events;
@@ -220,44 +240,11 @@ void Lane::run() {
     // A server woken by work (a call, a get or push to serve) polls a little for the
     // next: a client in a loop sends it within microseconds, and a wake-up from epoll
     // costs tens of them on a VM. A steady stream keeps the thread polling.
-    if (serve_linger.count() > 0 && events > 0) {
-      thread_polling.store(true);
-      auto last = Clock::now();
-      for (;;) {
-        unsigned n;
-        {
-          std::lock_guard<std::mutex> g(mu);
-          if (stop) break;
-          run_tasks_locked();
-          n = progress_count_locked();
-        }
-        auto now = Clock::now();
-        if (n) last = now;
-        if (now - last > serve_linger) break;
-        __builtin_ia32_pause();
-      }
-      thread_polling.store(false);
-    }
+    if (serve_linger.count() > 0 && events > 0) poll_until_idle(serve_linger, true);
     // While our own requests are in flight (a bulk transfer, a push being served), keep
     // polling as long as events keep coming: a wake-up per tcp segment would cost more
     // than the segment. Callers stay out meanwhile (thread_polling).
-    if (outstanding.load() > 0 && linger.count() > 0) {
-      thread_polling.store(true);
-      auto last = Clock::now();
-      for (;;) {
-        unsigned n;
-        {
-          std::lock_guard<std::mutex> g(mu);
-          if (stop) break;
-          n = progress_count_locked();
-        }
-        auto now = Clock::now();
-        if (n) last = now;
-        if (outstanding.load() <= 0 || now - last > linger) break;
-        __builtin_ia32_pause();
-      }
-      thread_polling.store(false);
-    }
+    if (outstanding.load() > 0 && linger.count() > 0) poll_until_idle(linger, false);
     {
       std::unique_lock<std::mutex> g(mu);
       if (stop) return;
