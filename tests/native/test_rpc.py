@@ -150,3 +150,34 @@ def test_bad_payload(conn):
     eng, p = conn
     with pytest.raises(InvalidArgumentError):
         eng.call(p, 1, "not bytes")  # type: ignore[arg-type]
+
+
+def test_replies_come_back_on_the_calling_lane(engines):
+    """A client with more lanes than the server (the master has one) sends each call on a
+    lane the server has a worker for, so the reply arrives on the lane its caller spins on
+    (otherwise it waits for another lane's sleeping progress thread)."""
+    srv = PeerProcess(protocol="shm", devices=["lo"], name="rpc-one-lane", num_lanes=1)
+    try:
+        eng = engines(protocol="shm", num_lanes=3)
+        p = eng.connect(srv.address, timeout_s=10)
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            try:
+                for i in range(20):
+                    msg = f"{k}:{i}".encode()
+                    assert eng.call(p, 100 if i % 2 else 1, msg) == msg
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        st = eng.stats()
+        assert st["calls_sent"] >= 160
+        assert st["replies_off_lane"] == 0
+    finally:
+        srv.close()

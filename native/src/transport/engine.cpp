@@ -615,6 +615,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"push_served_bytes", s.push_served_bytes.load()},
       {"calls_sent", s.calls_sent.load()},
       {"calls_served", s.calls_served.load()},
+      {"replies_off_lane", s.replies_off_lane.load()},
       {"write_gathered_bytes", s.write_gathered_bytes.load()},
       {"peers_failed", s.peers_failed.load()},
       {"ucx_errors_quieted", g_ucx_quieted.load()},

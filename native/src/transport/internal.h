@@ -159,6 +159,7 @@ struct Pending {
   // For push requests: runs on reply or failure before op->sub_done (copy-back, release).
   std::function<void(Code)> on_reply;
   bool is_call = false;
+  int lane = -1;  // calls: the lane the caller sent on (and spins on)
 };
 
 struct Stats {
@@ -166,6 +167,9 @@ struct Stats {
   std::atomic<uint64_t> write_memcpy_bytes{0}, write_put_bytes{0};
   std::atomic<uint64_t> staged_bytes{0}, push_served_bytes{0}, write_gathered_bytes{0};
   std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};
+  // Replies to our calls that arrived on another lane than the call's (its caller's spin
+  // could not see them; the lane's progress thread had to wake). Should stay 0.
+  std::atomic<uint64_t> replies_off_lane{0};
 };
 
 // Plain and non-temporal copies (copy.cpp).
