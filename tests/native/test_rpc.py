@@ -4,14 +4,13 @@ timeouts, large payloads, concurrency, nested calls, asyncio."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 
 from mooncake_ray.errors import InvalidArgumentError, RemoteHandlerError, TransferTimeoutError
 from tests.native.peer_proc import pattern
-from tests.native.transport_util import PeerProcess, engines  # noqa: F401 - fixture
+from tests.native.transport_util import PeerProcess, engines, run_threads  # noqa: F401 - fixture
 
 MIB = 1 << 20
 
@@ -80,27 +79,19 @@ def test_large_request(conn):
 
 def test_many_threads_many_calls(conn):
     eng, p = conn
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            handles = []
-            for i in range(100):
-                msg = f"{k}:{i}".encode()
-                if i % 3 == 0:
-                    handles.append((msg, eng.call_async(p, 1 if i % 2 else 100, msg)))
-                else:
-                    assert eng.call(p, 1, msg) == msg
-            for msg, h in handles:
-                assert h.result(10) == msg
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        handles = []
+        for i in range(100):
+            msg = f"{k}:{i}".encode()
+            if i % 3 == 0:
+                handles.append((msg, eng.call_async(p, 1 if i % 2 else 100, msg)))
+            else:
+                assert eng.call(p, 1, msg) == msg
+        for msg, h in handles:
+            assert h.result(10) == msg
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_threads(worker, 6)
     assert not errors, errors[:3]
 
 
@@ -160,21 +151,13 @@ def test_replies_come_back_on_the_calling_lane(engines):
     try:
         eng = engines(protocol="shm", num_lanes=3)
         p = eng.connect(srv.address, timeout_s=10)
-        errors: list[BaseException] = []
 
         def worker(k: int) -> None:
-            try:
-                for i in range(20):
-                    msg = f"{k}:{i}".encode()
-                    assert eng.call(p, 100 if i % 2 else 1, msg) == msg
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            for i in range(20):
+                msg = f"{k}:{i}".encode()
+                assert eng.call(p, 100 if i % 2 else 1, msg) == msg
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = run_threads(worker, 8)
         assert not errors, errors[:3]
         st = eng.stats()
         assert st["calls_sent"] >= 160

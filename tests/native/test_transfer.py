@@ -4,7 +4,6 @@ offsets and sizes from 1 byte to 64 MiB, registered and unregistered local memor
 from __future__ import annotations
 
 import hashlib
-import threading
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from tests.native.transport_util import (  # noqa: F401 - fixtures
     addr_of,
     engines,
     expected_data,
+    run_threads,
     spawn_peer,
 )
 
@@ -151,29 +151,21 @@ def test_threads(peers, expected, engines, protocol):
     exp_arena, exp_user = expected
     rrs = [peer.remote(eng, "arena"), peer.remote(eng, "user")]
     exps = [exp_arena, exp_user]
-    failures: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        try:
-            rng = np.random.default_rng(seed)
-            buf = np.zeros(4 * MIB, dtype=np.uint8)
-            reg = eng.register(buf) if seed % 2 else None
-            for _ in range(40):
-                k = int(rng.integers(0, 2))
-                size = int(rng.integers(1, 4 * MIB))
-                off = int(rng.integers(0, rrs[k].length - size))
-                eng.read([(rrs[k], off, addr_of(buf), size)], timeout_s=30)
-                assert np.array_equal(buf[:size], exps[k][off : off + size])
-            if reg:
-                reg.close()
-        except BaseException as e:  # noqa: BLE001
-            failures.append(e)
+        rng = np.random.default_rng(seed)
+        buf = np.zeros(4 * MIB, dtype=np.uint8)
+        reg = eng.register(buf) if seed % 2 else None
+        for _ in range(40):
+            k = int(rng.integers(0, 2))
+            size = int(rng.integers(1, 4 * MIB))
+            off = int(rng.integers(0, rrs[k].length - size))
+            eng.read([(rrs[k], off, addr_of(buf), size)], timeout_s=30)
+            assert np.array_equal(buf[:size], exps[k][off : off + size])
+        if reg:
+            reg.close()
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    failures = run_threads(worker, 4)
     assert not failures, failures
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,24 @@ from mooncake_ray._private.transport import Engine
 PEER_SCRIPT = Path(__file__).with_name("peer_proc.py")
 ARENA_BYTES = 80 << 20
 USER_BYTES = 16 << 20
+
+
+def run_threads(fn, n: int, timeout_s: float = 60) -> list[BaseException]:
+    """Runs ``fn(k)`` for k in range(n), each on a thread of its own; returns what they raised."""
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return errors
 
 
 def require_private_netns() -> None:
