@@ -58,6 +58,7 @@ __all__ = ["Client"]
 
 _PUT_ATTEMPTS = 3
 _GET_ATTEMPTS = 3
+_LOC_CACHE_KEYS = 1 << 16  # location cache entries (~150 bytes each)
 
 
 @dataclass
@@ -103,9 +104,16 @@ class Client:
         self._nodes_lock = threading.Lock()
         self._regions: dict[int, Any] = {}
         self._metrics = ClientMetrics()
-        self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0}
-        """This client's own counts: values read, of which promoted from disk, misses."""
+        self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0, "early_reads": 0,
+                            "early_reads_dropped": 0}
+        """This client's own counts: values read, of which promoted from disk, misses; reads
+        done while the lookup was in flight (location cache), and such reads whose bytes
+        were dropped because the value had moved or gone."""
         self._releases: list = []  # [key, gen, lease] of finished reads
+        # Location cache: key -> (size, gen, node_id, offset, incarnation, placed) of values
+        # this client wrote or read (see _get_one). Bounded; entries go stale harmlessly.
+        self._locs: dict[str, tuple] = {}
+        self._early_max = config.client.early_read_max_bytes
         self._release_lock = threading.Lock()
         self._release_timer: threading.Timer | None = None
         self._moved = 0  # bytes moved by the call being timed (per thread is not needed: metrics only)
@@ -215,6 +223,7 @@ class Client:
             ObjectLeasedError: a reader holds it and ``force`` is false (retryable).
         """
         self._check_key(key)
+        self._locs.pop(key, None)
         res = self._master.call(rpc.REMOVE, [key], force)[0]
         if rpc.is_err(res):
             raise rpc.to_exc(res)
@@ -224,10 +233,12 @@ class Client:
         """Remove every key starting with ``prefix``; returns how many."""
         if not isinstance(prefix, str):
             raise InvalidArgumentError(f"prefix must be a str, got {type(prefix).__name__}")
+        self._forget_prefix(prefix)
         return self._master.call(rpc.REMOVE_PREFIX, prefix, force)
 
     def remove_all(self, *, force: bool = False) -> int:
         """Remove every key (leased ones only with ``force``); returns how many."""
+        self._locs.clear()
         return self._master.call(rpc.REMOVE_PREFIX, "", force)
 
     def pin(self, key: str, *, hard: bool = False, ttl_s: float | None = None) -> None:
@@ -451,9 +462,12 @@ class Client:
                 for i, _ in commits:
                     results[i] = e
                 return sorted(rest)
+            where = {i: (slab, off) for i, slab, off in items}
             for (i, _), r in zip(commits, done):
                 if not rpc.is_err(r):
                     self._moved += srcs[i][1]
+                    slab, off = where[i]
+                    self._remember(keys[i], srcs[i][1], r, slab.node_id, off, slab.incarnation, 0)
                     continue
                 exc = rpc.to_exc(r)
                 if isinstance(exc, LeaseExpiredError):
@@ -558,6 +572,10 @@ class Client:
                     results[i] = rpc.to_exc(r)
                 else:
                     self._moved += srcs[i][1]
+                    gen, extents = allocs[i]
+                    if extents:
+                        node_id, offset, _length, inc = extents[0]
+                        self._remember(keys[i], srcs[i][1], gen, node_id, offset, inc, 0)
         return results
 
     def _write(self, ops, owners) -> dict[int, Exception]:
@@ -585,21 +603,56 @@ class Client:
         return failed
 
     # ----------------------------------------------------------------- gets ------
+    def _remember(self, key: str, size: int, gen: int, node_id: str, offset: int, inc: str,
+                  placed: int) -> None:
+        locs = self._locs
+        locs[key] = (size, gen, node_id, offset, inc, placed)
+        if len(locs) > _LOC_CACHE_KEYS:
+            try:
+                del locs[next(iter(locs))]  # the oldest entry
+            except (KeyError, RuntimeError, StopIteration):
+                pass  # another thread got there first
+
+    def _forget_prefix(self, prefix: str) -> None:
+        # Not needed for correctness (a stale location only costs a dropped read), but
+        # removed keys should not cost one.
+        for k in [k for k in list(self._locs) if k.startswith(prefix)]:
+            self._locs.pop(k, None)
+
     def _get_one(self, key: str, buffer: Any):
         """A single get without the batch machinery (the hot path of small reads): one
         lookup, one read of the first replica. Anything unusual (a promotion from disk, a
-        failed read, a lease outlived) takes the general path."""
+        failed read, a lease outlived) takes the general path.
+
+        A key whose location this client knows (it wrote or read the value) is read while
+        the lookup is in flight, not after it: the bytes are kept only if the master's
+        answer names that same placement (gen, node incarnation, offset, and ``placed``,
+        which changes whenever a value's DRAM copy is made anew). That placement then held
+        the value from before the read began until the lease was granted, so the bytes are
+        the value's. Otherwise they are dropped and the value is read as usual."""
         self._check_key(key)
         dst = writable(buffer) if buffer is not None else None
         t0 = time.monotonic()
-        d = self._master.call(rpc.GET, [key], self._here, self._take_releases())[0]
+        args = ([key], self._here, self._take_releases())
+        loc = self._locs.get(key)
+        if loc is not None and loc[0] > self._early_max:
+            node = self._nodes.get(loc[2])
+            if node is None or node.region.read_path != "memcpy":
+                loc = None
+        if loc is not None and (dst is None or dst[1] >= loc[0]):
+            d = self._get_early(key, loc, buffer, dst, args, t0)
+            if not isinstance(d, _Lookup):
+                return d  # the value (or the careful path's answer)
+            d = d.desc
+        else:
+            d = self._master.call(rpc.GET, *args)[0]
         if d is None:
             self.local_stats["misses"] += 1
             return ObjectNotFoundError(f"{key!r} is not in the store")
         if rpc.is_err(d):
             return rpc.to_exc(d)
         size, gen, ttl, reps, lease = d
-        node_id, tier, offset, _length, inc = reps[0]
+        node_id, tier, offset, _length, inc = reps[0][:5]
         if tier != "dram":
             self._release_later([key, gen, lease])
             return self._get_many([key], None if buffer is None else [buffer])[0]
@@ -622,6 +675,42 @@ class Client:
         if not ok:  # a node failed, or the lease may have ended: the careful path
             return self._get_many([key], None if buffer is None else [buffer])[0]
         self.local_stats["reads"] += 1
+        self._moved += size
+        self._remember(key, size, gen, node_id, offset, inc, reps[0][5])
+        return out
+
+    def _get_early(self, key: str, loc: tuple, buffer: Any, dst, args: tuple, t0: float):
+        """``_get_one`` for a key with a known location: the lookup sent, the bytes read
+        meanwhile. Returns the value (or the careful path's answer) when the master's
+        answer confirms the placement; otherwise a ``_Lookup`` for the usual path."""
+        size, gen, node_id, offset, inc, placed = loc
+        node = self._nodes.get(node_id)
+        started = self._master.start(rpc.GET, *args) if node is not None and node.incarnation == inc else None
+        if started is None:
+            return _Lookup(self._master.call(rpc.GET, *args)[0])
+        if dst is None:
+            out, addr = new_bytes(size)
+        else:
+            out, addr = size, dst[0]
+        try:
+            if size:
+                self.engine.read([(node.region, offset, addr, size)], timeout_s=self._timeout)
+            read_ok = True
+        except (NodeUnavailableError, TransferError, NotRegisteredError):
+            read_ok = False
+        d = self._master.finish(started)[0]
+        same = (read_ok and d is not None and not rpc.is_err(d) and d[0] == size and d[1] == gen
+                and any(r[1] == "dram" and r[0] == node_id and r[2] == offset and r[4] == inc
+                        and r[5] == placed for r in d[3]))
+        if not same:
+            self._locs.pop(key, None)
+            self.local_stats["early_reads_dropped"] += 1
+            return _Lookup(d)
+        self._release_later([key, gen, d[4]])
+        if time.monotonic() - t0 > d[2]:  # the lease may have ended: the careful path
+            return self._get_many([key], None if buffer is None else [buffer])[0]
+        self.local_stats["reads"] += 1
+        self.local_stats["early_reads"] += 1
         self._moved += size
         return out
 
@@ -682,7 +771,7 @@ class Client:
             ops, idx = [], []
             for r in pending:
                 if rank < len(r[2]) and r[1]:
-                    node_id, _tier, offset, _ln, inc = r[2][rank]
+                    node_id, _tier, offset, _ln, inc = r[2][rank][:5]
                     ops.append((node_id, offset, r[3], r[1], inc))
                     idx.append(r)
             failed = self._read(ops)
@@ -819,6 +908,14 @@ class _Backoff:
     def sleep(self) -> None:
         time.sleep(self._delay)
         self._delay = min(self._delay * 1.5, 0.02)
+
+
+class _Lookup:
+    """The master's descriptor of one key, to be read the usual way."""
+    __slots__ = ("desc",)
+
+    def __init__(self, desc):
+        self.desc = desc
 
 
 class _Sized:

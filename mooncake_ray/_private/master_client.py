@@ -62,16 +62,44 @@ class MasterChannel:
         """One RPC to the master, retried across restarts within the retry window."""
         payload = rpc.pack([op, *args])
         peer = self._peer
-        if peer is not None:  # the common case: connected; any trouble takes the slow path
+        if peer is None:
+            return self._call_retrying(payload)
+        return self._settle(peer, payload, lambda: self._engine.call(
+            peer, rpc.MASTER_RPC, payload, timeout_s=self._rpc_timeout_s))
+
+    def start(self, op: int, *args: Any):
+        """Sends a call over the current connection without waiting for its reply; pass
+        what it returns to ``finish``. None when there is no connection (use ``call``)."""
+        peer = self._peer
+        if peer is None:
+            return None
+        payload = rpc.pack([op, *args])
+        try:
+            return peer, payload, self._engine.call_async(peer, rpc.MASTER_RPC, payload)
+        except (NodeUnavailableError, TransferError):
+            self._reset(peer)
+            return None
+
+    def finish(self, started) -> Any:
+        """The reply to a call sent by ``start``; any trouble goes on as ``call`` does."""
+        peer, payload, handle = started
+        return self._settle(peer, payload, lambda: handle.result(self._rpc_timeout_s), handle.cancel)
+
+    def _settle(self, peer, payload: bytes, fetch, give_up=None) -> Any:
+        """The decoded reply ``fetch()`` returns over the current connection (the common
+        case); any trouble (unreachable, timed out, the master rebuilding its index)
+        takes the slow path, retrying."""
+        try:
+            data = fetch()
+        except (NodeUnavailableError, TransferError):
+            if give_up is not None:
+                give_up()
+            self._reset(peer)
+        else:
             try:
-                data = self._engine.call(peer, rpc.MASTER_RPC, payload, timeout_s=self._rpc_timeout_s)
-            except (NodeUnavailableError, TransferError):
-                self._reset(peer)
-            else:
-                try:
-                    return rpc.decode_reply(data)
-                except MasterUnavailableError:
-                    pass
+                return rpc.decode_reply(data)
+            except MasterUnavailableError:
+                pass
         return self._call_retrying(payload)
 
     def try_call(self, op: int, *args: Any) -> Any:

@@ -14,15 +14,17 @@ using namespace nb::literals;
 void bind_master(nb::module_& m) {
   nb::class_<mcr::MasterIndex>(m, "MasterIndex")
       .def(nb::init<>())
-      // reps: [(node_id, ray_node_id, offset, length, incarnation), ...]
+      // reps: [(node_id, ray_node_id, offset, length, incarnation, placed), ...]
       .def("set", [](mcr::MasterIndex& ix, const std::string& key, uint64_t size, uint64_t gen,
                      nb::handle reps) {
         std::vector<mcr::IndexReplica> v;
         for (nb::handle r : reps) {
           nb::tuple t = nb::cast<nb::tuple>(r);
+          if (t.size() != 6)
+            throw nb::type_error("a replica is (node_id, ray_node_id, offset, length, incarnation, placed)");
           v.push_back(mcr::IndexReplica{nb::cast<std::string>(t[0]), nb::cast<std::string>(t[1]),
                                         nb::cast<uint64_t>(t[2]), nb::cast<uint64_t>(t[3]),
-                                        nb::cast<std::string>(t[4])});
+                                        nb::cast<std::string>(t[4]), nb::cast<uint64_t>(t[5])});
         }
         ix.set(key, size, gen, std::move(v));
       }, "key"_a, "size"_a, "gen"_a, "reps"_a)
@@ -51,7 +53,7 @@ void bind_master(nb::module_& m) {
                           const std::vector<std::pair<uint64_t, uint64_t>>& free) {
         mcr::IndexSlab s;
         s.owner = owner;
-        s.node = mcr::IndexReplica{node_id, ray_node_id, 0, 0, incarnation};
+        s.node = mcr::IndexReplica{node_id, ray_node_id, 0, 0, incarnation, 0};
         for (auto& p : free) s.free[p.first] = p.second;
         ix.set_slab(id, std::move(s));
       }, "slab_id"_a, "owner"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "free"_a)
@@ -74,13 +76,13 @@ void bind_master(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("__len__", &mcr::MasterIndex::size)
       .def("served", &mcr::MasterIndex::served)
-      // -> (size, gen, [(node_id, ray_node_id, offset, length, incarnation), ...]) or None
+      // -> (size, gen, [(node_id, ray_node_id, offset, length, incarnation, placed), ...]) or None
       .def("lookup", [](mcr::MasterIndex& ix, const std::string& key) -> nb::object {
         mcr::IndexEntry e;
         if (!ix.lookup(key, &e)) return nb::none();
         nb::list reps;
         for (auto& r : e.reps)
-          reps.append(nb::make_tuple(r.node_id, r.ray_node_id, r.offset, r.length, r.incarnation));
+          reps.append(nb::make_tuple(r.node_id, r.ray_node_id, r.offset, r.length, r.incarnation, r.placed));
         return nb::make_tuple(e.size, e.gen, reps);
       }, "key"_a)
       // What the RPC handler would answer natively: the reply bytes, or None (Python's turn).

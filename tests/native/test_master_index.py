@@ -27,7 +27,8 @@ def random_key(rng: random.Random) -> str:
 def random_reps(rng: random.Random) -> list:
     n = rng.choice([0, 1, 1, 2, 3])
     return [(f"n{i}", f"ray{i % 2}", rng.randrange(1 << 40) & ~4095, 4096 * rng.randrange(1, 1 << 12),
-             f"inc{rng.randrange(1 << 30):x}") for i in rng.sample(range(5), n)]
+             f"inc{rng.randrange(1 << 30):x}", rng.choice([0, rng.randrange(1 << 63)]))
+            for i in rng.sample(range(5), n)]
 
 
 def random_commit(rng: random.Random, slabs: dict):
@@ -149,7 +150,7 @@ def test_entries_without_replicas_are_pythons():
     ix = _native.MasterIndex()
     ix.set_enabled(True)
     ix.set("disk-only", 10, 3, [])
-    ix.set("dram", 10, 4, [("n0", "r0", 4096, 4096, "i0")])
+    ix.set("dram", 10, 4, [("n0", "r0", 4096, 4096, "i0", 77)])
     ask = lambda req: decode(ix.serve(msgpack.packb(req)))  # noqa: E731
     assert ask([rpc.GET, ["dram", "disk-only"]]) is None  # promotion: Python answers the call
     assert ask([rpc.EXISTS, ["disk-only", "dram", "nope"]]) == [rpc.OK, [True, True, False]]
@@ -161,13 +162,13 @@ def test_entries_without_replicas_are_pythons():
     assert misses == 1 and [(k, key, g) for k, key, g, *_ in log] == [(GRANT, "dram", 4)]
     assert ask([rpc.RELEASE, [["dram", 4, log[0][3]]]]) == [rpc.OK, None]
     assert [e[:4] for e in ix.drain()[1]] == [(RELEASE, "dram", 4, log[0][3])]
-    assert ix.lookup("dram") == (10, 4, [("n0", "r0", 4096, 4096, "i0")]) and ix.lookup("nope") is None
+    assert ix.lookup("dram") == (10, 4, [("n0", "r0", 4096, 4096, "i0", 77)]) and ix.lookup("nope") is None
 
 
 def test_a_held_lock_holds_native_calls_back():
     ix = _native.MasterIndex()
     ix.set_enabled(True)
-    ix.set("k", 1, 1, [("n0", "r0", 0, 4096, "i0")])
+    ix.set("k", 1, 1, [("n0", "r0", 0, 4096, "i0", 0)])
     req = msgpack.packb([rpc.GET, ["k"]])
     ix.lock()
     ix.lock()  # reentrant: the mirror's setters run inside the master's sections
@@ -189,7 +190,7 @@ def test_serve_master_answers_reads_natively_and_hands_the_rest_to_python(engine
     server, client = engines(protocol="tcp"), engines(protocol="tcp")
     ix = _native.MasterIndex()
     ix.set_enabled(True)
-    ix.set("k", 4096, 7, [("n0", "r0", 8192, 4096, "i0")])
+    ix.set("k", 4096, 7, [("n0", "r0", 8192, 4096, "i0", 5)])
     python_calls = []
 
     def handler(data: bytes) -> bytes:
@@ -200,7 +201,7 @@ def test_serve_master_answers_reads_natively_and_hands_the_rest_to_python(engine
     peer = client.connect(server.address, timeout_s=10)
     call = lambda *req: rpc.decode_reply(client.call(peer, rpc.MASTER_RPC, rpc.pack(list(req))))  # noqa: E731
     size, gen, ttl, reps, lease = call(rpc.GET, ["k"], "r0", [])[0]
-    assert (size, gen, reps) == (4096, 7, [["n0", "dram", 8192, 4096, "i0"]]) and lease >= FIRST_LEASE
+    assert (size, gen, reps) == (4096, 7, [["n0", "dram", 8192, 4096, "i0", 5]]) and lease >= FIRST_LEASE
     assert call(rpc.EXISTS, ["k", "x"]) == [True, False]
     assert not python_calls
     assert call(rpc.PUT_START, [["k2", 1]]) == "from python"

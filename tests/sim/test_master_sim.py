@@ -179,7 +179,7 @@ class Sim:
 
     def took(self, key, got):
         if got:
-            for node_id, tier, off, _, _inc in got[3]:
+            for node_id, tier, off, *_ in got[3]:
                 if tier == "promote":
                     self.promotions.append((node_id, key, got[1], off))
             self.leases[key] = (got[1], self.clock.t + got[2],

@@ -69,19 +69,42 @@ def a_on_disk():
 def test_get_of_disk_object_promotes_it():
     m, clock = a_on_disk()
     size, gen, _, reps, _ = m.get("a")
-    (node, tier, off, ln, _inc), = reps
+    (node, tier, off, ln, _inc, placed), = reps
     assert tier == "promote" and node == "n"
+    # A DRAM copy made anew: never the put's placement id (0), so a client's location
+    # cache cannot take it for the bytes the put wrote, even at the same offset.
+    assert placed != 0
     assert m.get("a")[3] == reps  # a second reader shares the promotion
     m.promote_done("n", [("a", gen, off, "")])
-    assert m.get("a")[3] == [("n", "dram", off, ln, "i")]
+    assert m.get("a")[3] == [("n", "dram", off, ln, "i", placed)]
     assert sorted(m.where("a")) == [("n", "disk", True), ("n", "dram", True)]
     assert m.stats()["promotions"] == 1
     m.check_invariants()
 
 
+def test_promotion_into_the_extent_its_put_wrote_is_a_new_placement():
+    m, clock = make()
+    offsets = {}
+    for k in "abcd":
+        gen, ext = m.put_start(k, K)
+        m.put_end(k, gen)
+        offsets[k] = ext[0][1]
+        clock.t += 1
+    assert m.get("b")[3][0][5] == 0  # the put's own placement
+    with pytest.raises(NoCapacityError):
+        m.put_start("e", K)
+    assert offload_all(m) == ["a"]
+    _, gen, _, ((_, tier, off, _, _, placed),), _ = m.get("a")
+    # The same value back in the very extent its put wrote, which meanwhile was free for
+    # other keys: a location cache holding (gen, offset, placed 0) must not match it.
+    assert tier == "promote" and off == offsets["a"]
+    assert placed != 0
+    m.check_invariants()
+
+
 def test_corrupt_disk_copy_becomes_a_miss():
     m, clock = a_on_disk()
-    _, gen, _, ((_, _, off, _, _),), _ = m.get("a")
+    _, gen, _, ((_, _, off, _, _, _),), _ = m.get("a")
     m.promote_done("n", [("a", gen, off, "ChecksumError")])
     assert not m.exists("a")
     m.check_invariants()

@@ -67,7 +67,7 @@ class ReadIndexMixin:
         for r in obj.replicas:
             if r.tier is _DRAM and r.ready:
                 node = nodes[r.node_id]
-                out.append((r.node_id, node.ray_node_id, r.offset, r.length, node.incarnation))
+                out.append((r.node_id, node.ray_node_id, r.offset, r.length, node.incarnation, r.placed))
         return out
 
     def _mirror_slab(self, slab_id: int) -> None:
@@ -300,7 +300,7 @@ class PyIndex:
             if client_node and len(reps) > 1:
                 reps = sorted(reps, key=lambda r: r[0] != client_node and r[1] != client_node)
             out.append([size, gen, float(self._ttl),
-                        [[r[0], Tier.DRAM.value, r[2], r[3], r[4]] for r in reps], lease])
+                        [[r[0], Tier.DRAM.value, r[2], r[3], r[4], r[5]] for r in reps], lease])
         return rpc.pack([rpc.OK, out])
 
 
@@ -339,7 +339,7 @@ class PyIndex:
         for key, slab_id, offset, size in items:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
-            self._map[key] = (size, gen, [(node_id, ray_node_id, offset, align_up(size), inc)])
+            self._map[key] = (size, gen, [(node_id, ray_node_id, offset, align_up(size), inc, 0)])
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size))
             gens.append(gen)
         self._served += 1

@@ -105,6 +105,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         self._deferred: list[tuple[float, str, str, int, int]] = []  # (until, incarnation, node, off, len)
         self._effects: dict[str, NodeDelta] = {}
         self._next_gen = 0
+        self._last_placed = 0
         self._next_lease = 0
         self._expected: set[str] = set()
         self._recovery_deadline = 0.0
@@ -163,7 +164,8 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
                       pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s)
             self._objects[e.key] = obj
             self._lru.touch(e.key)
-        obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length))
+        # Not the put's placement as far as this master knows: a new id (see Replica.placed).
+        obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self._new_placement()))
         node.keys.add(e.key)
         node.tier_keys[tier.value] += 1
         self._mirror_key(e.key)
@@ -379,7 +381,8 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
     def get(self, key: str, client_node: str | None = None):
         """Descriptors of a stored value, with a read lease.
 
-        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length, incarnation), ...], lease)``
+        Returns ``(size, gen, lease_ttl_s, [(node_id, tier, offset, length, incarnation, placed), ...],
+        lease)``
         with the caller's local replica first, or ``None`` on a miss (a miss is a value).
         Release the lease with ``release(key, gen, lease)`` once the bytes are copied.
         """
@@ -417,7 +420,13 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
             reps = sorted(reps, key=lambda r: (r.node_id != client_node and
                                                self._nodes[r.node_id].ray_node_id != client_node))
         return (obj.size, obj.gen, ttl,
-                [(r.node_id, tier, r.offset, r.length, self._nodes[r.node_id].incarnation) for r in reps], lease)
+                [(r.node_id, tier, r.offset, r.length, self._nodes[r.node_id].incarnation, r.placed)
+                 for r in reps], lease)
+
+    def _new_placement(self) -> int:
+        """A ``Replica.placed`` id no replica of this master (or an earlier one) has had."""
+        self._last_placed = max(self._last_placed + 1, self._wall_ns())
+        return self._last_placed
 
     def release(self, key: str, gen: int, lease: int, now: float | None = None) -> None:
         """A reader is done with lease ``lease`` on ``key``/``gen``. When the last one is

@@ -133,7 +133,7 @@ class TieringMixin:
                 got = self._allocate_on(disk.node_id, obj.size, now)
                 if got is not None:
                     prom = Replica(disk.node_id, Tier.DRAM, got[0], got[1], ready=False,
-                                   deadline=now + self.policy.put_timeout_s)
+                                   deadline=now + self.policy.put_timeout_s, placed=self._new_placement())
                     obj.replicas.append(prom)
                     self._nodes[disk.node_id].keys.add(obj.key)
                     break

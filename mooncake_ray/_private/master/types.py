@@ -27,6 +27,12 @@ class Replica:
     offloading: bool = False  # DRAM copy being written to disk (spill tier)
     ready: bool = True  # False: a DRAM copy being promoted from disk, not readable yet
     deadline: float = 0.0  # when an unfinished promotion is abandoned
+    placed: int = 0
+    """0: the extent the value was written into by its put. A DRAM copy made later for the
+    same value (a promotion from disk, a master's recovery) gets an id never used before,
+    so a client that remembers where a value was (its location cache) can tell "the same
+    bytes, never moved" from "the same key and gen, back at the same offset after the
+    extent held something else"."""
 
 
 @dataclass(slots=True)

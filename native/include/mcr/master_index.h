@@ -35,6 +35,7 @@ struct IndexReplica {
   uint64_t offset = 0;
   uint64_t length = 0;
   std::string incarnation;
+  uint64_t placed = 0;  // Replica.placed: 0 = where the value's put wrote it
 };
 
 struct IndexEntry {

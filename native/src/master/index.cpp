@@ -456,12 +456,13 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
     w.f64(ttl_s_);
     w.array(uint32_t(order.size()));
     for (auto* x : order) {
-      w.array(5);
+      w.array(6);
       w.str(x->node_id);
       w.str("dram");
       w.uint(x->offset);
       w.uint(x->length);
       w.str(x->incarnation);
+      w.uint(x->placed);
     }
     w.uint(lease);
   }
