@@ -58,6 +58,7 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 TLS_OF = {"auto": "sm", "tcp": "tcp"}  # ucx_perftest's UCX_TLS for each of our protocols
 BATCH, BATCH_SIZE = 128, 4 << 10
 MIB4 = 4 << 20
+COLD_SIZES = (4 << 10, 4 << 20)  # also timed with the client's location cache emptied
 _MAGIC = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -94,6 +95,11 @@ class Ours:
 
     def get_bytes(self, key) -> bytes:
         return self.s.get(key)
+
+    def forget(self, key):
+        """Drop the client's remembered location of ``key``: its next get looks it up
+        first, as a client that never wrote or read it does (Mooncake's client always)."""
+        self.s._locs.pop(key, None)
 
     def batch_args(self, rows):
         return list(rows)  # one numpy view per key (inside the registered block)
@@ -240,12 +246,24 @@ def single_run(cli, size: int, mode: str, tag: str, rng) -> dict:
                 get_lat.append(pc() - t)
                 _check(np.frombuffer(v, dtype=np.uint8), base, i, f"{cli.label} {mode} {size}")
                 del v
+        cold_lat = []
+        if zc and size in COLD_SIZES and hasattr(cli, "forget"):
+            # again, every location forgotten: the lookup before the read, never overlapped
+            for i, k in enumerate(keys):
+                cli.forget(k)
+                t = pc()
+                cli.get_zc(k, dst)
+                cold_lat.append(pc() - t)
+                _check(dst, base, i, f"{cli.label} {mode} {size} cold")
     finally:
         cli.remove_prefix(prefix)
         if zc:
             cli.unregister(src)
             cli.unregister(dst)
-    return {"put": _lat_summary(put_lat, size), "get": _lat_summary(get_lat, size)}
+    out = {"put": _lat_summary(put_lat, size), "get": _lat_summary(get_lat, size)}
+    if cold_lat:
+        out["get_cold"] = _lat_summary(cold_lat, size)
+    return out
 
 
 def batch_run(cli, tag: str, rng, batches: int) -> dict:
@@ -505,7 +523,8 @@ def aggregate(rounds: list[dict]) -> dict:
         for size in per_size:
             runs = [run for rd in rounds for run in rd["single"][mode][size]]
             res["single"].setdefault(mode, {})[size] = {
-                op: {m: _stat([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
+                op: {m: _stat([r[op][m] for r in runs]) for m in runs[0][op]}
+                for op in ("put", "get", "get_cold") if op in runs[0]}
     runs = [run for rd in rounds for run in rd["batch"]]
     res["batch"] = {op: {m: _stat([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
     return res
@@ -558,6 +577,16 @@ def targets(phases: dict, protocols: list[str]) -> dict:
                 single(ph, "ours", mode, 4096, "get", "ops_per_s"),
                 single(ph, "mooncake", mode, 4096, "get", "ops_per_s"), 1.5, "ops/s",
                 "ANCHORS quotes Mooncake's bytes API" if mode == "bytes" else "")
+    for proto in protocols:  # a reader that never wrote or read the keys
+        ph = phases.get(proto)
+        goal, who = goals.get(proto, (1.5, f"ours ({proto}) / Mooncake"))
+        note = "no location cache: each get looks the key up first (a client that never saw it)"
+        add(f"{proto}: 4 MiB zc GET GB/s, no location cache, {who}",
+            single(ph, "ours", "zc", MIB4, "get_cold", "gb_per_s"),
+            single(ph, "mooncake", "zc", MIB4, "get", "gb_per_s"), goal, "GB/s", note)
+        add(f"{proto}: 4 KiB single GET ops/s (zc), no location cache, ours / Mooncake",
+            single(ph, "ours", "zc", 4096, "get_cold", "ops_per_s"),
+            single(ph, "mooncake", "zc", 4096, "get", "ops_per_s"), 1.5, "ops/s", note)
     for proto in protocols:
         ph = phases.get(proto)
         for op in ("get", "put"):
@@ -794,6 +823,7 @@ def main() -> None:
             tls = None if args.no_perftest else TLS_OF.get(proto)
             phases[proto].append(phase(peers, tls, r, rng, sizes, args.small_repeats, args.batches,
                                        args.perftest_iters))
+            phases[proto][-1]["ours_client_stats"] = dict(store.local_stats)  # early reads and drops
             mooncake_ray.shutdown(namespace=ns, stop_ray=False)
             load.append(os.getloadavg()[0])
             print(f"[round {r + 1}/{args.rounds}] {proto}: store up {t_up:.1f}s, phase {time.perf_counter() - t:.1f}s, "

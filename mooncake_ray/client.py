@@ -174,6 +174,9 @@ class Client:
         Raises:
             ObjectNotFoundError: a miss.
             InvalidArgumentError: the buffer is smaller than the value (nothing is read).
+
+        After any other error the buffer's content is unspecified (a read from a remembered
+        location may have landed before the master said the value had moved or gone).
         """
         out = self._timed("get", [key], lambda: self._get_one(key, buffer))
         if isinstance(out, BaseException):
