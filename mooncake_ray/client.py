@@ -59,6 +59,7 @@ __all__ = ["Client"]
 _PUT_ATTEMPTS = 3
 _GET_ATTEMPTS = 3
 _LOC_CACHE_KEYS = 1 << 16  # location cache entries (~150 bytes each)
+_EARLY_MEMCPY_MIN = 64 << 10  # a mapped read shorter than this takes less than the async call costs
 
 
 @dataclass
@@ -638,9 +639,13 @@ class Client:
         t0 = time.monotonic()
         args = ([key], self._here, self._take_releases())
         loc = self._locs.get(key)
-        if loc is not None and loc[0] > self._early_max:
+        if loc is not None:
             node = self._nodes.get(loc[2])
-            if node is None or node.region.read_path != "memcpy":
+            if node is None:
+                loc = None
+            elif node.region.read_path == "memcpy":  # a copy in this thread: overlap only a long one
+                loc = loc if loc[0] >= _EARLY_MEMCPY_MIN else None
+            elif loc[0] > self._early_max:
                 loc = None
         if loc is not None and (dst is None or dst[1] >= loc[0]):
             d = self._get_early(key, loc, buffer, dst, args, t0)

@@ -39,14 +39,17 @@ def test_reads_of_own_puts_overlap_the_lookup(make_store, protocol):
     buf = np.zeros(5 * MB, dtype=np.uint8)
     s.register_buffer(buf)
     assert s.get_into(f"k{5 * MB}", buf) == 5 * MB and buf.tobytes() == vals[f"k{5 * MB}"]
-    assert early(s) == (len(sizes) + 1, 0)
+    # over the network every read here overlaps its lookup; a same-host mapped copy only from
+    # 64 KiB (a shorter memcpy is over before an asynchronous call would pay off)
+    overlapped = [n for n in sizes if protocol == "tcp" or n >= 64 << 10]
+    assert early(s) == (len(overlapped) + 1, 0)
     # a client that never saw the keys reads them the usual way, then knows them
     other = mooncake_ray.connect(config=s.config)
     try:
         assert [other.get(k) for k in vals] == list(vals.values())
         assert early(other) == (0, 0)
         assert [other.get(k) for k in vals] == list(vals.values())
-        assert early(other) == (len(sizes), 0)
+        assert early(other) == (len(overlapped), 0)
     finally:
         other.close()
 
@@ -56,7 +59,7 @@ def test_a_replaced_or_removed_value_is_never_read_from_its_old_place(make_store
     s = store(make_store, protocol)
     other = mooncake_ray.connect(namespace=s.config.namespace)
     try:
-        for n, key in ((4096, "small"), (3 * MB, "large")):
+        for n, key in ((64 << 10, "small"), (3 * MB, "large")):
             old, new = rand(n, 1), rand(n, 2)
             s.put(key, old)
             # Another client replaces the value: the old extent still holds the old bytes
