@@ -641,14 +641,14 @@ class Client:
         loc = self._locs.get(key)
         if loc is not None:
             node = self._nodes.get(loc[2])
-            if node is None:
+            if node is None or node.incarnation != loc[4]:
                 loc = None
             elif node.region.read_path == "memcpy":  # a copy in this thread: overlap only a long one
                 loc = loc if loc[0] >= _EARLY_MEMCPY_MIN else None
             elif loc[0] > self._early_max:
                 loc = None
         if loc is not None and (dst is None or dst[1] >= loc[0]):
-            d = self._get_early(key, loc, buffer, dst, args, t0)
+            d = self._get_early(key, loc, node, buffer, dst, args, t0)
             if not isinstance(d, _Lookup):
                 return d  # the value (or the careful path's answer)
             d = d.desc
@@ -687,14 +687,13 @@ class Client:
         self._remember(key, size, gen, node_id, offset, inc, reps[0][5])
         return out
 
-    def _get_early(self, key: str, loc: tuple, buffer: Any, dst, args: tuple, t0: float):
+    def _get_early(self, key: str, loc: tuple, node: _Node, buffer: Any, dst, args: tuple, t0: float):
         """``_get_one`` for a key with a known location: the lookup sent, the bytes read
         meanwhile. Returns the value (or the careful path's answer) when the master's
         answer confirms the placement; otherwise a ``_Lookup`` for the usual path."""
         size, gen, node_id, offset, inc, placed = loc
-        node = self._nodes.get(node_id)
-        started = self._master.start(rpc.GET, *args) if node is not None and node.incarnation == inc else None
-        if started is None:
+        started = self._master.start(rpc.GET, *args)
+        if started is None:  # not connected: the usual path (it reconnects)
             return _Lookup(self._master.call(rpc.GET, *args)[0])
         if dst is None:
             out, addr = new_bytes(size)
