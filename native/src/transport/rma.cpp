@@ -454,9 +454,13 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       continue;
     }
 
-    // Unregistered: bounce through staging, one piece at a time.
+    // Unregistered: bounce through staging, one piece at a time, striped over the lanes
+    // like registered memory. A 4 MiB staged read in one piece went to one lane, and its
+    // copy out of staging began only when all of it had arrived; in two pieces over two
+    // lanes bytes gets over tcp measured x1.22 [1.00-1.47] (1 MiB pieces, paired rounds).
     ensure_staging();
-    const uint64_t pmax = std::min<uint64_t>(cfg.chunk_bytes, staging.piece_max());
+    uint64_t pmax = std::min<uint64_t>(cfg.chunk_bytes, staging.piece_max());
+    if (nl > 1 && len >= cfg.stripe_min_bytes) pmax = std::min<uint64_t>(pmax, (len + nl - 1) / nl);
     st.staged_bytes.fetch_add(len);
     for (uint64_t k = 0, off = 0; off < len; ++k, off += pmax) {
       const uint64_t plen = std::min(pmax, len - off);
