@@ -205,6 +205,37 @@ def test_batches_of_small_tcp_reads_are_pushed(peers, expected, engines):
     reg.close()
 
 
+def test_pushed_reads_of_consecutive_ranges_are_joined(peers, expected, engines):
+    """Small reads that continue each other on both sides (values carved from one slab,
+    read into consecutive rows) are pushed as one extent; a gap on either side starts a
+    new one, and every byte lands where it belongs."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp")
+    exp_arena, _ = expected
+    rr = peer.remote(eng, "arena")
+    dst = np.zeros(2 * MIB, dtype=np.uint8)
+    reg = eng.register(dst)
+    ops, want, roff, loff = [], [], 8192, 0
+    for i in range(128):
+        if i == 50:
+            roff += 4096  # a gap in the remote ranges
+        if i == 90:
+            loff += 4096  # a gap in the local rows
+        ops.append((rr, roff, addr_of(dst) + loff, 4096))
+        want.append((roff, loff))
+        roff += 4096
+        loff += 4096
+    before = eng.stats()
+    eng.read(ops, timeout_s=30)
+    after = eng.stats()
+    assert after["read_push_bytes"] - before["read_push_bytes"] == 128 * 4096
+    # three runs (0-49, 50-89, 90-127): all but each run's first read are joined
+    assert after["read_push_joined_bytes"] - before["read_push_joined_bytes"] == (128 - 3) * 4096
+    for roff, loff in want:
+        assert np.array_equal(dst[loff : loff + 4096], exp_arena[roff : roff + 4096]), (roff, loff)
+    reg.close()
+
+
 @pytest.mark.parametrize("registered", [True, False])
 def test_small_writes_into_consecutive_ranges_are_gathered(peers, engines, registered):
     """A batch of small writes into consecutive remote ranges (values carved from one put

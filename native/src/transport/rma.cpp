@@ -437,6 +437,25 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
         const uint64_t plen = std::min(piece, len - off);
         const int li = int((start + k) % nl);
         if (push) {
+          // A small read that continues an earlier one in both memories (a batch of
+          // values carved from one put slab, read into consecutive rows of one buffer)
+          // joins its extent: the owner then sends one put, not one per value (over tcp
+          // each put is a message of its own). Striped pieces are never joined back, and
+          // a joined extent stays under stripe_min_bytes so long runs still spread.
+          if (n == 1) {
+            Extent* tail = nullptr;
+            for (auto& pb : batches)
+              if (pb.peer == rr.peer_ && pb.region == it.local && !pb.ext.empty() &&
+                  pb.ext.back().src + pb.ext.back().len == raddr &&
+                  pb.ext.back().dst + pb.ext.back().len == uint64_t(io.local_addr) &&
+                  pb.ext.back().len + plen <= cfg.stripe_min_bytes)
+                tail = &pb.ext.back();
+            if (tail) {
+              tail->len += plen;
+              st.read_push_joined_bytes.fetch_add(plen);
+              continue;
+            }
+          }
           PushBatch* b = nullptr;
           for (auto& pb : batches)
             if (pb.peer == rr.peer_ && pb.lane == li && pb.region == it.local &&
