@@ -205,6 +205,24 @@ def test_batches_of_small_tcp_reads_are_pushed(peers, expected, engines):
     reg.close()
 
 
+def test_staged_reads_are_striped_over_lanes(peers, expected, engines):
+    """Unregistered memory bounces through staging in pieces cut like registered memory:
+    a 4 MiB read over tcp with two lanes is two pushes of 2 MiB (it was one of 4 MiB, whose
+    copy out of staging waited for all of it); below stripe_min_bytes it stays one piece."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp", num_lanes=2)
+    exp_arena, _ = expected
+    rr = peer.remote(eng, "arena")
+    unreg = np.zeros(4 * MIB, dtype=np.uint8)
+    for size, pushes in ((4 * MIB, 2), (512 << 10, 1)):
+        before = eng.stats()
+        eng.read([(rr, 12288, addr_of(unreg), size)], timeout_s=30)
+        after = eng.stats()
+        assert after["staged_bytes"] - before["staged_bytes"] == size
+        assert after["pushes_sent"] - before["pushes_sent"] == pushes, size
+        assert np.array_equal(unreg[:size], exp_arena[12288 : 12288 + size]), size
+
+
 def test_pushed_reads_of_consecutive_ranges_are_joined(peers, expected, engines):
     """Small reads that continue each other on both sides (values carved from one slab,
     read into consecutive rows) are pushed as one extent; a gap on either side starts a

@@ -610,6 +610,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"read_get_bytes", s.read_get_bytes.load()},
       {"read_push_bytes", s.read_push_bytes.load()},
       {"read_push_joined_bytes", s.read_push_joined_bytes.load()},
+      {"pushes_sent", s.pushes_sent.load()},
       {"write_memcpy_bytes", s.write_memcpy_bytes.load()},
       {"write_put_bytes", s.write_put_bytes.load()},
       {"staged_bytes", s.staged_bytes.load()},
