@@ -118,5 +118,24 @@ def stop(namespace: str, address: str | None) -> None:
     click.echo(f"stopped {n} mooncake-ray actor(s) in namespace {namespace!r}")
 
 
+@main.command("make-model")
+@click.argument("out_dir")
+@click.option("--layers", default=2, show_default=True)
+@click.option("--hidden", default=256, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--kv-heads", default=2, show_default=True)
+@click.option("--vocab", default=1024, show_default=True)
+def make_model(out_dir: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> None:
+    """Build a random-weight Llama model and tokenizer locally (no download), for vLLM."""
+    from mooncake_ray.integrations.tiny_model import TinyModelSpec, build
+
+    try:
+        spec = TinyModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
+        click.echo(build(out_dir, spec))
+    except ValueError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     main()

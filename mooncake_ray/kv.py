@@ -31,7 +31,7 @@ from typing import Sequence
 
 from mooncake_ray.errors import InvalidArgumentError, MooncakeRayError, ObjectExistsError
 
-__all__ = ["KVGeometry", "PagePool", "KVStore", "page_hashes"]
+__all__ = ["KVGeometry", "PagePool", "KVStore", "page_hashes", "key_prefix"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,6 +77,20 @@ def page_hashes(tokens: Sequence[int], page_size: int, prior: str = "") -> list[
         h = d.hexdigest()
         out.append(h)
     return out
+
+
+def key_prefix(model: str, geometry: KVGeometry, layout: str, tp_rank: int = 0, tp_size: int = 1,
+               pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The namespace of one model's pages: two models, geometries, dtypes, layouts or
+    parallel ranks never share a key. (The pipeline rank is named only when there is one.)"""
+    if not 0 <= tp_rank < tp_size:
+        raise InvalidArgumentError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+    if not 0 <= pp_rank < pp_size:
+        raise InvalidArgumentError(f"pp_rank {pp_rank} outside pp_size {pp_size}")
+    g = geometry
+    pp = f"pp{pp_rank}of{pp_size}/" if pp_size > 1 else ""
+    return (f"kv/{model}/{layout}/{g.dtype}/L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}/"
+            f"P{g.page_size}/tp{tp_rank}of{tp_size}/{pp}")
 
 
 class PagePool:
@@ -152,12 +166,8 @@ class KVStore:
 
     def __init__(self, client, model: str, geometry: KVGeometry, layout: str = "page_first",
                  tp_rank: int = 0, tp_size: int = 1):
-        if not 0 <= tp_rank < tp_size:
-            raise InvalidArgumentError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
-        g = geometry
-        self.client, self.geometry = client, g
-        self.prefix = (f"kv/{model}/{layout}/{g.dtype}/L{g.num_layers}H{g.num_kv_heads}D{g.head_dim}/"
-                       f"P{g.page_size}/tp{tp_rank}of{tp_size}/")
+        self.client, self.geometry = client, geometry
+        self.prefix = key_prefix(model, geometry, layout, tp_rank, tp_size)
         self._registered: set[int] = set()
 
     def keys(self, tokens: Sequence[int]) -> list[str]:

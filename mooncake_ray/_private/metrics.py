@@ -113,3 +113,68 @@ class ClientMetrics:
         for direction, n in nbytes.items():
             if n:
                 bytes_c.inc(n, tags={"direction": direction})
+
+
+class ConnectorMetrics:
+    """An engine connector's figures (vLLM's), exported like the client's: counted in
+    process, flushed to Ray's metrics once a second by a background thread.
+
+    Counters ``mooncake_connector_<name>`` (tag ``role``): lookup_tokens (prompt tokens
+    looked up), hit_tokens (of those, found in the store), loaded_bytes, saved_bytes,
+    load_failures, save_failures; histogram ``mooncake_connector_transfer_seconds``
+    (tags ``role``, ``op`` = load | save)."""
+
+    NAMES = {
+        "lookup_tokens": "Prompt tokens the connector looked up in the store",
+        "hit_tokens": "Prompt tokens found in the store (loaded instead of computed)",
+        "loaded_bytes": "KV bytes loaded from the store into the engine",
+        "saved_bytes": "KV bytes saved from the engine into the store",
+        "load_failures": "Block loads that failed (recomputed by the engine)",
+        "save_failures": "Block saves that failed (a later miss, nothing else)",
+    }
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._lat: dict[str, list[float]] = {}
+        self._exported = None
+        threading.Thread(target=self._loop, name="mooncake-connector-metrics", daemon=True).start()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def observe(self, op: str, seconds: float) -> None:
+        with self._lock:
+            lat = self._lat.setdefault(op, [])
+            if len(lat) < ClientMetrics.MAX_SAMPLES:
+                lat.append(seconds)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(ClientMetrics.INTERVAL_S)
+            try:
+                self.flush()
+            except Exception:  # metrics must never break the engine
+                pass
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            lat, self._lat = self._lat, {}
+        if not (counts or lat):
+            return
+        if self._exported is None:
+            self._exported = (
+                {n: metrics.Counter(f"mooncake_connector_{n}", d, tag_keys=("role",)) for n, d in self.NAMES.items()},
+                metrics.Histogram("mooncake_connector_transfer_seconds", "Connector load/save time per batch",
+                                  boundaries=_LAT_BOUNDS_S, tag_keys=("role", "op")),
+            )
+        counters, hist = self._exported
+        for name, n in counts.items():
+            if n and name in counters:
+                counters[name].inc(n, tags={"role": self.role})
+        for op, values in lat.items():
+            for v in values:
+                hist.observe(v, tags={"role": self.role, "op": op})

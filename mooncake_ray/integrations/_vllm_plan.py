@@ -1,0 +1,158 @@
+"""What the vLLM connector loads and saves each step: the scheduler side's bookkeeping,
+free of vLLM and Ray so it is tested in microseconds (``tests/unit/test_vllm_plan.py``).
+
+A vLLM KV block of ``block_size`` tokens is stored as one object per layer, keyed
+
+    <prefix><chained hash of the block's tokens>/<layer index>
+
+(``prefix`` from :func:`mooncake_ray.kv.key_prefix`). Each object is one block of one
+layer's paged KV tensor, which on vLLM's CPU backend is contiguous
+(``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer), so loads and saves move
+bytes between the store and vLLM's registered KV memory with no copy in between, and a
+layer-wise load can hand each layer to the model as soon as it lands.
+
+Per request the plan keeps the chained hashes of its full blocks and ``saved_upto``: the
+blocks below it are in the store already or need no saving. It starts at the blocks vLLM
+had computed before the request was scheduled (its own prefix cache: computed by this
+engine earlier, and saved then) plus the blocks found in the store, so a loaded or stored
+block is never written again; a block becomes due once a step completes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from mooncake_ray.kv import page_hashes
+
+
+@dataclass
+class BlockRun:
+    """Consecutive blocks of one request to load or save: block ``first + i`` of the
+    request, with chained hash ``hashes[i]``, lives in vLLM block ``block_ids[i]``."""
+
+    req_id: str
+    first: int
+    hashes: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    loads: list[BlockRun] = field(default_factory=list)
+    saves: list[BlockRun] = field(default_factory=list)
+    sync_saves: bool = False  # the worker finishes this step's saves before it returns
+    drain_saves: bool = False  # a request was preempted: its blocks may be reused, finish saves first
+
+
+@dataclass
+class _Req:
+    hashes: list[str] = field(default_factory=list)
+    saved_upto: int | None = None  # None until the request is first scheduled
+    found: tuple[int, int] = (0, 0)  # (first block, number) of the store's match
+    load: BlockRun | None = None  # allocated, to be sent to the worker
+    saves_sent: bool = False
+
+
+class SchedulerPlan:
+    """Bookkeeping of the scheduler-side connector (one per engine).
+
+    Args:
+        block_size: tokens per vLLM block.
+        load: whether this engine loads from the store (not a pure producer... any role may).
+        save: whether it saves (False for a kv_consumer).
+        save_decode: save blocks completed by generated tokens too (a chat's next turn
+            then finds its previous answer), not only the prompt's.
+        sync_saves: the worker waits for each step's saves (a prefill producer: the KV must
+            be in the store before the response reaches the decode engine).
+    """
+
+    def __init__(self, block_size: int, *, load: bool = True, save: bool = True,
+                 save_decode: bool = True, sync_saves: bool = False):
+        self.block_size = block_size
+        self.load, self.save, self.save_decode, self.sync_saves = load, save, save_decode, sync_saves
+        self._reqs: dict[str, _Req] = {}
+
+    # --------------------------------------------------------------- hashes ----
+    def hashes(self, req_id: str, tokens: Sequence[int], n_blocks: int) -> list[str]:
+        """Chained hashes of the first ``n_blocks`` full blocks of ``tokens`` (extended
+        incrementally as the request grows)."""
+        r = self._reqs.setdefault(req_id, _Req())
+        have = len(r.hashes)
+        if have < n_blocks:
+            bs = self.block_size
+            prior = r.hashes[-1] if r.hashes else ""
+            r.hashes.extend(page_hashes(tokens[have * bs:n_blocks * bs], bs, prior))
+        return r.hashes[:n_blocks]
+
+    # ------------------------------------------------------------ scheduling ----
+    def match(self, req_id: str, tokens: Sequence[int], num_computed: int,
+              present: Callable[[list[str]], int]) -> int:
+        """Tokens beyond ``num_computed`` whose blocks the store holds. The block holding
+        the last token is never matched (vLLM must compute at least one token).
+        ``present(hashes)`` returns how many leading hashes are stored."""
+        if not self.load:
+            return 0
+        bs = self.block_size
+        first, last = num_computed // bs, (len(tokens) - 1) // bs
+        if num_computed % bs or first >= last:
+            return 0
+        hs = self.hashes(req_id, tokens, last)[first:]
+        n = present(hs)
+        self._reqs[req_id].found = (first, n)
+        return n * bs
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks) and will take
+        ``num_external_tokens`` from us."""
+        r = self._reqs.setdefault(req_id, _Req())
+        n = num_external_tokens // self.block_size
+        if n <= 0:
+            return
+        first, found = r.found
+        n = min(n, found)
+        r.load = BlockRun(req_id, first, r.hashes[first:first + n], list(block_ids[first:first + n]))
+
+    def step(self, scheduled: Sequence[tuple[str, Sequence[int], int, int, int]],
+             block_ids_of: Callable[[str], Sequence[int]], preempted: bool = False) -> StepPlan:
+        """The plan of one step. ``scheduled``: per request scheduled this step,
+        ``(req_id, all token ids, prompt length, tokens computed before the step, tokens
+        scheduled)``."""
+        plan = StepPlan(sync_saves=self.sync_saves, drain_saves=preempted)
+        for req_id, r in self._reqs.items():
+            if r.load is not None:
+                plan.loads.append(r.load)
+                r.load = None
+        if not self.save:
+            return plan
+        bs = self.block_size
+        for req_id, tokens, prompt_len, computed, n_sched in scheduled:
+            r = self._reqs.setdefault(req_id, _Req())
+            if r.saved_upto is None:
+                first, found = r.found
+                r.saved_upto = max(computed // bs, first + found)
+            limit = len(tokens) if self.save_decode else prompt_len
+            full = min(computed + n_sched, limit) // bs
+            if full <= r.saved_upto:
+                continue
+            ids = block_ids_of(req_id)
+            full = min(full, len(ids))
+            if full <= r.saved_upto:
+                continue
+            hs = self.hashes(req_id, tokens, full)
+            plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full])))
+            r.saved_upto = full
+            r.saves_sent = True
+        return plan
+
+    def finished(self, req_id: str) -> bool:
+        """The request is done; returns whether its blocks must outlive it until the
+        worker reports its saves finished (asynchronous saves were sent for it)."""
+        r = self._reqs.pop(req_id, None)
+        return bool(r and r.saves_sent and not self.sync_saves)
+
+    def forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._reqs)

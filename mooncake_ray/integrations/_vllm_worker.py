@@ -1,0 +1,225 @@
+"""The vLLM connector's worker side: blocks move between vLLM's registered KV tensors and
+the store, zero-copy, on two background threads (one loads, one saves), so a load is never
+queued behind a save.
+
+Threads and ordering:
+- ``start_loads`` hands a step's loads to the load thread: per request (``async`` mode: vLLM
+  schedules the request once ``finished`` reports it), or per layer across the step's
+  requests (``layerwise`` mode: ``wait_layer`` blocks the forward only until that layer
+  has landed).
+- ``save`` hands a step's saves to the save thread; with ``sync`` it waits for them (a
+  prefill producer's KV must be in the store before its response leaves).
+- A request whose saves are in flight when it finishes keeps its blocks: the scheduler side
+  returned ``delay_free`` for it, and ``finished`` reports it only after its last save.
+- Before vLLM reuses a preempted request's blocks, ``drain_saves`` waits for every save.
+
+Never raises into the engine: a failed load becomes a set of invalid block ids (vLLM
+recomputes them), a failed save a later miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
+from mooncake_ray.integrations._vllm_plan import BlockRun
+
+log = logging.getLogger(__name__)
+
+
+class LayerBlocks:
+    """One layer's paged KV tensor seen as blocks: block ``b`` is ``nbytes`` bytes at
+    ``base + b * nbytes`` (vLLM CPU layout: blocks first, each contiguous)."""
+
+    def __init__(self, name: str, tensor):
+        if tensor.device.type != "cpu":
+            raise NotImplementedError(
+                f"KV cache of layer {name!r} is on {tensor.device}: only CPU KV caches are supported "
+                "here (device memory needs a UCX built with CUDA; that path is untested)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"KV cache of layer {name!r} is not contiguous (shape {tuple(tensor.shape)}, "
+                             f"strides {tensor.stride()}): expected blocks first, each contiguous")
+        self.name, self.tensor = name, tensor
+        self.num_blocks = tensor.shape[0]
+        self.nbytes = tensor[0].numel() * tensor.element_size()
+        self.base = tensor.data_ptr()
+
+    def block(self, b: int) -> tuple[int, int]:
+        if not 0 <= b < self.num_blocks:
+            raise IndexError(f"block {b} outside layer {self.name!r} of {self.num_blocks} blocks")
+        return self.base + b * self.nbytes, self.nbytes
+
+
+class KVTransfer:
+    def __init__(self, client, prefix: str, layers: Sequence[LayerBlocks], *, layerwise: bool, metrics=None):
+        self.client, self.prefix, self.layers, self.layerwise = client, prefix, list(layers), layerwise
+        self.metrics = metrics
+        self._index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-save")
+        self._lock = threading.Lock()
+        self._recved: set[str] = set()  # async loads finished, to report
+        self._bad_blocks: set[int] = set()  # blocks that failed to load, to report
+        self._layer_futs: dict[int, Future] = {}  # layerwise loads of the current step
+        self._save_futs: dict[str, list[Future]] = {}  # req -> saves not yet known finished
+        self._finishing: set[str] = set()  # finished requests waiting for their saves
+        self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_failures": 0, "saved_blocks": 0,
+                      "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0}
+        self._registered = []
+        seen = set()
+        for layer in self.layers:  # layers may share one allocation: register each once
+            st = layer.tensor.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            self._registered.append(client.register_buffer((st.data_ptr(), st.nbytes())))
+
+    # ----------------------------------------------------------------- keys ----
+    def _keys(self, run: BlockRun, layers: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
+        keys, bufs = [], []
+        for h, b in zip(run.hashes, run.block_ids):
+            for li in layers:
+                keys.append(f"{self.prefix}{h}/{li}")
+                bufs.append(self.layers[li].block(b))
+        return keys, bufs
+
+    def _count(self, name: str, n: int) -> None:
+        self.stats[name] += n
+        if self.metrics is not None and name in self.metrics.NAMES:
+            self.metrics.add(name, n)
+
+    # ---------------------------------------------------------------- loads ----
+    def _load(self, runs: Sequence[BlockRun], layers: Sequence[int]) -> set[int]:
+        """Load ``runs`` for ``layers`` in one batched call; returns the vLLM blocks that
+        did not fully load (every layer's object must arrive whole)."""
+        keys, bufs, owners = [], [], []
+        for run in runs:
+            k, b = self._keys(run, layers)
+            keys += k
+            bufs += b
+            owners += [blk for blk in run.block_ids for _ in layers]
+        if not keys:
+            return set()
+        t0 = time.perf_counter()
+        try:
+            results = self.client.batch_get_into(keys, bufs)
+        except Exception as e:  # noqa: BLE001 - the engine recomputes; never fail its step
+            log.warning("KV load of %d blocks failed (%s): the engine recomputes them", len(set(owners)), e)
+            results = [e] * len(keys)
+        dt = time.perf_counter() - t0
+        bad = {blk for blk, r, (_, n) in zip(owners, results, bufs) if isinstance(r, BaseException) or r != n}
+        ok_bytes = sum(n for r, (_, n) in zip(results, bufs) if not isinstance(r, BaseException) and r == n)
+        with self._lock:
+            self.stats["load_s"] += dt
+            self._count("loaded_bytes", ok_bytes)
+            self._count("load_failures", len(bad))
+            self.stats["loaded_blocks"] += len(set(owners) - bad)
+        if self.metrics is not None:
+            self.metrics.observe("load", dt)
+        return bad
+
+    def _load_request(self, run: BlockRun) -> None:
+        bad = self._load([run], range(len(self.layers)))
+        with self._lock:  # errors first: vLLM reads both in the same step
+            self._bad_blocks |= bad
+            self._recved.add(run.req_id)
+
+    def start_loads(self, runs: Sequence[BlockRun]) -> None:
+        if not runs:
+            return
+        if not self.layerwise:
+            for run in runs:
+                self._loader.submit(self._load_request, run)
+            return
+        self._layer_futs = {li: self._loader.submit(self._load, runs, [li]) for li in range(len(self.layers))}
+
+    def wait_layer(self, layer_name: str) -> None:
+        fut = self._layer_futs.pop(self._index.get(layer_name, -1), None)
+        if fut is None:
+            return
+        bad = fut.result()
+        if bad:
+            with self._lock:
+                self._bad_blocks |= bad
+
+    def wait_all_layers(self) -> None:
+        for name in [self.layers[li].name for li in list(self._layer_futs)]:
+            self.wait_layer(name)
+
+    # ---------------------------------------------------------------- saves ----
+    def _save(self, runs: Sequence[BlockRun]) -> None:
+        keys, bufs = [], []
+        for run in runs:
+            k, b = self._keys(run, range(len(self.layers)))
+            keys += k
+            bufs += b
+        t0 = time.perf_counter()
+        try:
+            present = self.client.batch_exists(keys)
+            todo = [i for i, p in enumerate(present) if not p]
+            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo]) if todo else []
+        except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
+            log.warning("KV save of %d objects failed (%s)", len(keys), e)
+            with self._lock:
+                self._count("save_failures", len(keys))
+            return
+        dt = time.perf_counter() - t0
+        failed = [r for r in res if r is not None and not isinstance(r, ObjectExistsError)]
+        if failed:
+            log.warning("KV save: %d of %d objects not stored (first: %s)", len(failed), len(res), failed[0])
+        with self._lock:
+            self.stats["save_s"] += dt
+            self.stats["skipped_blocks"] += len(keys) - len(todo)
+            stored = [i for i, r in zip(todo, res) if r is None]
+            self._count("saved_bytes", sum(bufs[i][1] for i in stored))
+            self._count("save_failures", len(failed))
+            self.stats["saved_blocks"] += len(stored)
+        if self.metrics is not None:
+            self.metrics.observe("save", dt)
+
+    def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
+        if not runs:
+            return
+        fut = self._saver.submit(self._save, list(runs))
+        if sync:
+            fut.result()
+            return
+        with self._lock:
+            for req_id in {r.req_id for r in runs}:
+                self._save_futs.setdefault(req_id, []).append(fut)
+
+    def drain_saves(self) -> None:
+        self._saver.submit(lambda: None).result()
+
+    # ----------------------------------------------------------- completion ----
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(saves done, loads done)`` request ids, each reported once."""
+        with self._lock:
+            self._finishing |= {r for r in finished_req_ids if r in self._save_futs}
+            sent = {r for r in self._finishing if all(f.done() for f in self._save_futs[r])}
+            for r in sent:
+                self._finishing.discard(r)
+                del self._save_futs[r]
+            for r, futs in self._save_futs.items():  # drop finished futures of live requests
+                if r not in self._finishing:
+                    futs[:] = [f for f in futs if not f.done()]
+            recved, self._recved = self._recved, set()
+        return (sent or None), (recved or None)
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
+        for region in self._registered:
+            try:
+                region.close()
+            except MooncakeRayError:
+                pass

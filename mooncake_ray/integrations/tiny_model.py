@@ -1,0 +1,113 @@
+"""A random-weight Llama model and a tokenizer built locally, for tests, benchmarks and the
+Serve configs: nothing is downloaded.
+
+    python -m mooncake_ray.integrations.tiny_model /tmp/tiny-llama --layers 2 --hidden 256
+    mooncake-ray make-model /tmp/tiny-llama            # the same, from the CLI
+
+The weights are seeded, so two builds with the same geometry are the same model. The
+tokenizer is a word-level vocabulary (``w0``, ``w1``, ... plus a few special tokens) padded
+to the model's vocabulary size, with a chat template, so the model serves
+``/v1/chat/completions``. Text made of ``w<i>`` words maps one word to one token: tests and
+benchmarks build prompts of exact token counts with :func:`words`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Geometry of the model. KV bytes per token = 2 * layers * kv_heads * head_dim * 2 (bf16)."""
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 1024
+    max_positions: int = 4096
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+def words(ids, vocab: int = 1024) -> str:
+    """Text that the tiny tokenizer maps to exactly these word ids (one token each)."""
+    n = vocab - len(SPECIAL) - 3  # role words take three slots
+    return " ".join(f"w{i % n}" for i in ids)
+
+
+def build(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
+    """Write the model (safetensors, bf16) and the tokenizer into ``out_dir``; returns it.
+    Skips the work when ``out_dir`` already holds a build of the same spec."""
+    marker = os.path.join(out_dir, "mooncake_ray_tiny_model.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == asdict(spec):
+                return out_dir
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise ValueError(f"hidden {spec.hidden} must divide by heads {spec.heads}, and heads by "
+                         f"kv_heads {spec.kv_heads}")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.max_positions,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for role in ("system", "user", "assistant"):
+        vocab[f"{role}:"] = len(vocab)
+    i = 0
+    while len(vocab) < spec.vocab:
+        vocab[f"w{i}"] = len(vocab)
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    with open(marker, "w") as f:
+        json.dump(asdict(spec), f)
+    return out_dir
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    d = TinyModelSpec()
+    for field in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed"):
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
+    a = p.parse_args(argv)
+    spec = TinyModelSpec(**{k: getattr(a, k) for k in asdict(d)})
+    print(build(a.out_dir, spec))
+
+
+if __name__ == "__main__":
+    main()

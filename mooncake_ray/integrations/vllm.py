@@ -1,0 +1,356 @@
+"""vLLM on the store: a KV connector (vLLM's ``KVConnectorBase_V1``).
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="MooncakeRayConnector",
+        kv_connector_module_path="mooncake_ray.integrations.vllm",
+        kv_role="kv_both",                        # or kv_producer (prefill), kv_consumer (decode)
+        kv_connector_extra_config={},             # see MooncakeRayConnectorConfig
+    ))
+
+With an empty extra config the connector joins the Ray cluster of ``RAY_ADDRESS`` (else the
+one running on this machine) and uses the store deployed there by ``mooncake-ray start`` or
+``mooncake_ray.start()``. vLLM's scheduler and its workers are separate connector
+instances (often separate processes); each connects to the store itself.
+
+What each role does:
+
+- ``kv_both``: before a request is scheduled, the scheduler side looks up the request's
+  leading full blocks in the store with one batched call and tells vLLM how many tokens it
+  can load; the worker side loads them zero-copy into the blocks vLLM allocated (``async``:
+  in the background, the request waits; ``layerwise``: during the forward, each layer
+  waited for just before it is used). Full blocks new to the store are saved after the
+  step that completes them, in the background; a request whose saves are still running
+  when it finishes keeps its blocks until they are done.
+- ``kv_producer`` (prefill): the same, but each step's saves finish before the step
+  returns, so the KV is stored before the response reaches a decode engine.
+- ``kv_consumer`` (decode): loads only.
+
+Keys and layout: see ``_vllm_plan``. Blocks that fail to load are reported to vLLM, which
+recomputes them (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
+unless ``load_failure_policy`` says ``fail``): a store that is down, full or missing a
+node costs recomputation, never a failed request or a wrong token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mooncake_ray.config import _explain
+from mooncake_ray.errors import ConfigError
+from mooncake_ray.integrations._vllm_plan import BlockRun, SchedulerPlan, StepPlan
+from mooncake_ray.integrations._vllm_worker import KVTransfer, LayerBlocks
+from mooncake_ray.kv import KVGeometry, key_prefix
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MooncakeRayConnector", "MooncakeRayConnectorConfig", "MooncakeRayKVStats"]
+
+
+class MooncakeRayConnectorConfig(BaseModel):
+    """``kv_connector_extra_config`` of the connector. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ray_address: str | None = None
+    """Ray cluster to join when the process is not in one already: ``host:port`` of its GCS,
+    or ``auto``. Default: ``RAY_ADDRESS``, then ``auto`` (the cluster running on this machine)."""
+    namespace: str = "mooncake_ray"
+    """Ray namespace of the store (``StoreConfig.namespace``)."""
+    load_mode: Literal["async", "layerwise"] = "async"
+    """``async``: a request waits (without holding the engine) until its blocks are loaded.
+    ``layerwise``: loads run during the forward pass, each layer waited for before use."""
+    save_decode_cache: bool = True
+    """Also save blocks filled by generated tokens (a chat's next turn then reuses them)."""
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """What vLLM does with blocks that failed to load (vLLM's own default is ``fail``)."""
+    model_id: str | None = None
+    """Name of the model in keys (default: vLLM's ``model``). Engines that share KV must agree."""
+    master_retry_timeout_s: float = Field(5.0, gt=0)
+    """How long a store call waits for a restarting master before the engine gives up on it
+    for that call (and recomputes)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """How long joining the Ray cluster may take before the engine fails to start."""
+
+
+def parse_config(extra: dict | None) -> MooncakeRayConnectorConfig:
+    """Validate ``kv_connector_extra_config``.
+
+    Raises:
+        ConfigError: naming each bad key, its value and what is allowed.
+    """
+    try:
+        return MooncakeRayConnectorConfig.model_validate(dict(extra or {}))
+    except ValidationError as e:
+        raise ConfigError("MooncakeRayConnector kv_connector_extra_config: " + _explain(e)) from None
+
+
+# ------------------------------------------------------------------------ store ----
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "ray://..." and the like: ray.init reports those itself
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"MooncakeRayConnector: Ray address {address!r} is unreachable ({e})") from None
+
+
+def store_client(cfg: MooncakeRayConnectorConfig):
+    """This process's client of the store (shared by the scheduler and worker sides)."""
+    import ray
+
+    import mooncake_ray
+
+    with _clients_lock:
+        client = _clients.get(cfg.namespace)
+        if client is not None:
+            return client
+        if not ray.is_initialized():
+            address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+            _check_reachable(address, cfg.connect_timeout_s)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"MooncakeRayConnector: cannot join the Ray cluster at {address!r}: {e}") from None
+        client = mooncake_ray.connect(namespace=cfg.namespace, config={
+            "namespace": cfg.namespace, "client": {"master_retry_timeout_s": cfg.master_retry_timeout_s}})
+        _clients[cfg.namespace] = client
+        return client
+
+
+# ---------------------------------------------------------------------- stats ----
+@dataclass
+class MooncakeRayKVStats(KVConnectorStats):
+    """Counters of one interval (summed across workers): lookup/hit tokens (scheduler),
+    loaded/saved bytes and blocks, failures, seconds spent loading and saving (workers)."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = dict(self.data)
+        if out.get("lookup_tokens"):
+            out["hit_rate"] = round(out.get("hit_tokens", 0) / out["lookup_tokens"], 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# -------------------------------------------------------------------- metadata ----
+@dataclass
+class MooncakeRayMetadata(KVConnectorMetadata):
+    plan: StepPlan
+
+
+# ------------------------------------------------------------------- connector ----
+class MooncakeRayConnector(KVConnectorBase_V1):
+    """vLLM KV connector onto a mooncake-ray store (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kvt = self._kv_transfer_config
+        self.cfg = parse_config(kvt.kv_connector_extra_config)
+        if kvt.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ConfigError(f"MooncakeRayConnector: kv_role {kvt.kv_role!r} not supported; "
+                              "allowed: 'kv_both', 'kv_producer', 'kv_consumer'")
+        kvt.kv_load_failure_policy = self.cfg.load_failure_policy
+        self.kv_role = kvt.kv_role
+        self.block_size = vllm_config.cache_config.block_size
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        dtype = vllm_config.cache_config.cache_dtype
+        if dtype == "auto":
+            dtype = str(mc.dtype).removeprefix("torch.")
+        self.geometry = KVGeometry(num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+                                   head_dim=mc.get_head_size(), dtype=dtype, page_size=self.block_size)
+        from vllm.platforms import current_platform
+
+        self.layout = "vllm-cpu" if current_platform.is_cpu() else f"vllm-{current_platform.device_name}"
+        self.model_id = self.cfg.model_id or str(mc.model)
+        self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.client = store_client(self.cfg)  # fails here, before the engine serves, if the store is not there
+        from mooncake_ray._private.metrics import ConnectorMetrics
+
+        self.metrics = ConnectorMetrics(self.kv_role)
+        self._stats: dict[str, int | float] = {}
+        self._stats_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self.plan = SchedulerPlan(self.block_size, save=self.kv_role != "kv_consumer",
+                                      save_decode=self.cfg.save_decode_cache and self.kv_role == "kv_both",
+                                      sync_saves=self.kv_role == "kv_producer")
+            self._reqs: dict[str, "Request"] = {}
+            self._prefixes = [self._prefix(t, p) for t in range(self.tp_size) for p in range(self.pp_size)]
+            self.transfer = None
+        else:
+            self.plan = None
+            self.transfer: KVTransfer | None = None
+
+    def _prefix(self, tp_rank: int, pp_rank: int) -> str:
+        return key_prefix(self.model_id, self.geometry, self.layout, tp_rank, self.tp_size, pp_rank, self.pp_size)
+
+    def _add_stat(self, name: str, n) -> None:
+        with self._stats_lock:
+            self._stats[name] = self._stats.get(name, 0) + n
+
+    # ============================================================ worker side ==
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        layers = [LayerBlocks(name, t) for name, t in kv_caches.items()]
+        prefix = self._prefix(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
+                                   metrics=self.metrics)
+        log.info("MooncakeRayConnector: %d layers registered, %d bytes per block and layer, keys %s",
+                 len(layers), layers[0].nbytes if layers else 0, prefix)
+
+    def _plan(self) -> StepPlan | None:
+        if self.transfer is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, MooncakeRayMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self.transfer is not None and isinstance(kv_connector_metadata, MooncakeRayMetadata) \
+                and kv_connector_metadata.plan.drain_saves:
+            self.transfer.drain_saves()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None:
+            if plan.drain_saves:
+                self.transfer.drain_saves()
+            self.transfer.start_loads(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.transfer is not None:
+            self.transfer.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # whole blocks are saved once the step is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None:
+            self.transfer.wait_all_layers()
+            self.transfer.save(plan.saves, sync=plan.sync_saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.transfer is None:
+            return None, None
+        return self.transfer.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.transfer.load_errors() if self.transfer is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.transfer is not None:
+            with self.transfer._lock:
+                snap = {k: v for k, v in self.transfer.stats.items() if v}
+                for k in self.transfer.stats:
+                    self.transfer.stats[k] = 0 if isinstance(self.transfer.stats[k], int) else 0.0
+            for k, v in snap.items():
+                self._add_stat(k, v)
+        with self._stats_lock:
+            data, self._stats = self._stats, {}
+        return MooncakeRayKVStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return MooncakeRayKVStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+            self.transfer = None
+
+    # ========================================================= scheduler side ==
+    def _present(self, hashes: list[str]) -> int:
+        """How many leading blocks the store holds whole (every layer, every rank)."""
+        per = [f"{p}{h}/{li}" for h in hashes for p in self._prefixes for li in range(self.geometry.num_layers)]
+        n_per = len(self._prefixes) * self.geometry.num_layers
+        try:
+            found = self.client.batch_exists(per)
+        except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss
+            log.warning("KV lookup failed (%s): computing instead", e)
+            return 0
+        n = 0
+        while n < len(hashes) and all(found[n * n_per:(n + 1) * n_per]):
+            n += 1
+        return n
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._reqs[request.request_id] = request
+        tokens = request.all_token_ids
+        hit = self.plan.match(request.request_id, tokens, num_computed_tokens, self._present)
+        return hit, hit > 0 and self.cfg.load_mode == "async"
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        self._reqs[request.request_id] = request
+        if num_external_tokens > 0:
+            self.plan.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            self._add_stat("hit_tokens", num_external_tokens)
+            self.metrics.add("hit_tokens", num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._reqs.get(new.req_id)
+            if req is not None:
+                n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                scheduled.append((new.req_id, req.all_token_ids, req.num_prompt_tokens, new.num_computed_tokens, n))
+                self._count_lookup(req, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is not None:
+                n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                scheduled.append((req_id, req.all_token_ids, req.num_prompt_tokens, cached.num_computed_tokens[i], n))
+        preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        return MooncakeRayMetadata(self.plan.step(scheduled, self._block_ids, preempted))
+
+    def _count_lookup(self, req, num_computed: int) -> None:
+        self._add_stat("lookup_tokens", req.num_prompt_tokens)
+        self.metrics.add("lookup_tokens", req.num_prompt_tokens)
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0]) if self._kv_cache_manager else []
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        delay = self.plan.finished(request.request_id)
+        params = None
+        if self.kv_role == "kv_producer":
+            params = {"mooncake_ray": {"namespace": self.cfg.namespace,
+                                       "stored_tokens": len(request.all_token_ids) // self.block_size * self.block_size}}
+        return delay, params
