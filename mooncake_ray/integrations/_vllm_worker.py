@@ -215,6 +215,14 @@ class KVTransfer:
             bad, self._bad_blocks = self._bad_blocks, set()
         return bad
 
+    def take_interval(self) -> dict:
+        """What changed in ``stats`` (cumulative) since the last call."""
+        with self._lock:
+            last = getattr(self, "_reported", {})
+            delta = {k: v - last.get(k, 0) for k, v in self.stats.items() if v != last.get(k, 0)}
+            self._reported = dict(self.stats)
+        return delta
+
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)

@@ -275,11 +275,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.transfer is not None:
-            with self.transfer._lock:
-                snap = {k: v for k, v in self.transfer.stats.items() if v}
-                for k in self.transfer.stats:
-                    self.transfer.stats[k] = 0 if isinstance(self.transfer.stats[k], int) else 0.0
-            for k, v in snap.items():
+            for k, v in self.transfer.take_interval().items():
                 self._add_stat(k, v)
         with self._stats_lock:
             data, self._stats = self._stats, {}

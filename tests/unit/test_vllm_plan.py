@@ -1,0 +1,87 @@
+"""The vLLM connector's scheduler-side plan: which blocks are looked up, loaded and saved."""
+
+from mooncake_ray.integrations._vllm_plan import SchedulerPlan
+from mooncake_ray.kv import page_hashes
+
+BS = 4
+
+
+def stored(n):
+    """A store holding the first ``n`` blocks of whatever is asked."""
+    return lambda hashes: min(n, len(hashes))
+
+
+def test_match_counts_leading_stored_blocks_but_never_the_last_tokens_block():
+    p = SchedulerPlan(BS)
+    tokens = list(range(17))  # 4 full blocks + 1 token; the block holding token 16 is never matched
+    assert p.match("a", tokens, 0, stored(10)) == 16
+    tokens = list(range(16))  # exactly 4 blocks: the last holds the last token, so 3 at most
+    assert p.match("b", tokens, 0, stored(10)) == 12
+    assert p.match("c", list(range(17)), 0, stored(2)) == 8
+    assert p.match("d", list(range(17)), 8, stored(10)) == 8  # vLLM had 2 blocks itself: 2 more
+    assert p.match("e", list(range(3)), 0, stored(10)) == 0
+    assert p.match("f", list(range(17)), 0, stored(0)) == 0
+
+
+def test_hashes_are_the_kv_layers_chained_hashes_extended_incrementally():
+    p = SchedulerPlan(BS)
+    tokens = list(range(40))
+    assert p.hashes("r", tokens[:9], 2) == page_hashes(tokens[:8], BS)
+    assert p.hashes("r", tokens, 10) == page_hashes(tokens, BS)
+
+
+def test_allocated_blocks_become_one_load_in_the_next_step():
+    p = SchedulerPlan(BS)
+    tokens = list(range(21))
+    p.match("r", tokens, 4, stored(3))  # blocks 1..3 in the store
+    p.allocated("r", [70, 71, 72, 73, 74, 75], 12)
+    plan = p.step([], lambda r: [])
+    assert [(x.req_id, x.first, x.block_ids) for x in plan.loads] == [("r", 1, [71, 72, 73])]
+    assert plan.loads[0].hashes == page_hashes(tokens, BS)[1:4]
+    assert p.step([], lambda r: []).loads == []  # sent once
+
+
+def test_saves_skip_loaded_and_local_blocks_and_follow_the_steps():
+    p = SchedulerPlan(BS)
+    tokens = list(range(30))
+    ids = list(range(100, 108))
+    p.match("r", tokens[:22], 4, stored(2))  # vLLM has block 0, the store blocks 1-2
+    p.allocated("r", ids, 8)
+    # step 1: prefill computes tokens 12..19 (blocks 3 and 4 complete)
+    plan = p.step([("r", tokens[:22], 22, 12, 8)], lambda r: ids)
+    assert [(s.first, s.block_ids) for s in plan.saves] == [(3, [103, 104])]
+    # step 2: tokens 20, 21 (block 5 not full yet)
+    assert p.step([("r", tokens[:22], 22, 20, 2)], lambda r: ids).saves == []
+    # decode steps fill block 5 with generated tokens 22, 23
+    plan = p.step([("r", tokens[:24], 22, 22, 1)], lambda r: ids)
+    assert plan.saves == []
+    plan = p.step([("r", tokens[:24], 22, 23, 1)], lambda r: ids)
+    assert [(s.first, s.block_ids, s.hashes) for s in plan.saves] == [(5, [105], page_hashes(tokens[:24], BS)[5:])]
+
+
+def test_save_decode_off_stops_at_the_prompt_and_a_consumer_never_saves():
+    p = SchedulerPlan(BS, save_decode=False)
+    tokens = list(range(16))
+    plan = p.step([("r", tokens, 10, 0, 16)], lambda r: list(range(4)))
+    assert [(s.first, s.block_ids) for s in plan.saves] == [(0, [0, 1])]  # prompt of 10: 2 full blocks
+    c = SchedulerPlan(BS, save=False)
+    assert c.step([("r", tokens, 16, 0, 16)], lambda r: list(range(4))).saves == []
+
+
+def test_finished_holds_blocks_only_for_asynchronous_saves():
+    p = SchedulerPlan(BS)
+    p.step([("saved", list(range(8)), 8, 0, 8)], lambda r: [0, 1])
+    p.step([("short", list(range(3)), 3, 0, 3)], lambda r: [2])
+    assert p.finished("saved") is True
+    assert p.finished("short") is False  # nothing was saved for it
+    assert p.finished("unknown") is False
+    s = SchedulerPlan(BS, sync_saves=True)
+    s.step([("r", list(range(8)), 8, 0, 8)], lambda r: [0, 1])
+    assert s.finished("r") is False  # its saves ended inside their step
+    assert len(p) == 0 and len(s) == 0
+
+
+def test_preemption_asks_the_worker_to_drain_saves():
+    p = SchedulerPlan(BS)
+    assert p.step([], lambda r: [], preempted=True).drain_saves is True
+    assert p.step([], lambda r: []).drain_saves is False

