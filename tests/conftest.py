@@ -4,7 +4,11 @@ other's keys or actors."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
+import subprocess
 import time
 import uuid
 
@@ -88,3 +92,48 @@ def make_store(ray_cluster):
     for client, ns in made:
         client.close()
         deploy.teardown(ns)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus(ray_cluster, tmp_path):
+    """A real Prometheus scraping every Ray node's metrics endpoint; yields its URL."""
+    import httpx
+    import ray
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.fail("prometheus is not installed (make test installs Debian's prometheus)")
+    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({  # YAML is a superset of JSON
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
+    }))
+    port = _free_port()
+    proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, timeout_s=60,
+                 what="prometheus to start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def query(url: str, expr: str) -> list:
+    """An instant PromQL query; the result vector."""
+    import httpx
+
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=5)
+    body = r.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]

@@ -87,9 +87,10 @@ class MooncakeRayConnectorConfig(BaseModel):
     """What vLLM does with blocks that failed to load (vLLM's own default is ``fail``)."""
     model_id: str | None = None
     """Name of the model in keys (default: vLLM's ``model``). Engines that share KV must agree."""
-    master_retry_timeout_s: float = Field(5.0, gt=0)
-    """How long a store call waits for a restarting master before the engine gives up on it
-    for that call (and recomputes)."""
+    store_wait_s: float = Field(5.0, gt=0)
+    """How long one store call may wait (for a restarting master, or for DRAM that offloads
+    to disk are freeing) before the connector gives up on it: a load is recomputed, a save
+    skipped. The client's own defaults (30 s) suit a notebook, not an engine's step."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long joining the Ray cluster may take before the engine fails to start."""
 
@@ -139,7 +140,7 @@ def store_client(cfg: MooncakeRayConnectorConfig):
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"MooncakeRayConnector: cannot join the Ray cluster at {address!r}: {e}") from None
         client = mooncake_ray.connect(namespace=cfg.namespace, config={
-            "namespace": cfg.namespace, "client": {"master_retry_timeout_s": cfg.master_retry_timeout_s}})
+            "namespace": cfg.namespace, "client": {"master_retry_timeout_s": cfg.store_wait_s, "backpressure_timeout_s": cfg.store_wait_s}})
         _clients[cfg.namespace] = client
         return client
 

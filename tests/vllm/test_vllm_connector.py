@@ -9,13 +9,15 @@ reuse each other's blocks; the tests that break the store run last.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import ray
 
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from mooncake_ray.integrations.tiny_model import words
-from tests.conftest import store_config, wait_for
+from tests.conftest import prometheus, query, store_config, wait_for  # noqa: F401 - fixture
 from tests.vllm.harness import BLOCK, start_engines
 
 pytestmark = pytest.mark.timeout(900)
@@ -160,6 +162,29 @@ def test_producer_saves_what_the_consumer_loads(env):
     assert client.stats()["keys"] == n_keys  # a consumer never saves
 
 
+def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
+    engines, client, ns = env
+    writer, reader = engines["writer"], engines["reader"]
+    m = prompt(8, 300)
+    writer.generate([m])
+    wait_for(lambda: stored(client, block_keys(m)), what="the writer's saves")
+    assert reader.generate([m])[0]["cached"] == full_blocks(300)
+    for name in ("hit_tokens", "lookup_tokens", "loaded_bytes", "saved_bytes"):
+        wait_for(lambda: sum(float(r["value"][1]) for r in query(prometheus, f"ray_mooncake_connector_{name}_total")) > 0,
+                 timeout_s=60, interval_s=1, what=f"connector counter {name}")
+    wait_for(lambda: query(prometheus, 'ray_mooncake_connector_transfer_seconds_bucket{op="load"}'),
+             timeout_s=60, interval_s=1, what="connector latency histogram")
+    # every connector panel of the Grafana dashboard has data (rates: once two scrapes saw a change)
+    from tests.integration.test_metrics import CONNECTOR_EXPRS
+
+    def panels_empty():
+        reader.reset()
+        reader.generate([m])
+        return [e for e in CONNECTOR_EXPRS if not query(prometheus, e)]
+
+    wait_for(lambda: not panels_empty(), timeout_s=90, interval_s=2, what="every connector panel's query")
+
+
 def test_master_killed_mid_load_recomputes(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
@@ -183,18 +208,27 @@ def test_store_full_requests_still_served(env):
     base, writer = engines["base"], engines["writer"]
     from mooncake_ray.errors import NoCapacityError, OffloadPendingError
 
-    i = 0
-    with pytest.raises((NoCapacityError, OffloadPendingError)):
-        while i < 200:  # hard pins are never evicted: fill both arenas with them
+    # fill both arenas with hard-pinned values (never evicted) until nothing else is in DRAM
+    i, refused = 0, 0
+    while i < 400:
+        try:
             client.put(f"junk/full/{i}", np.full(1 << 20, 1, dtype=np.uint8))
             client.pin(f"junk/full/{i}", hard=True)
             i += 1
+        except (NoCapacityError, OffloadPendingError):
+            st = client.stats()
+            if sum(n["dram"]["keys"] for n in st["nodes"].values()) <= st["pinned"]:
+                break
+            refused += 1
+            time.sleep(0.2)
+    assert i < 400, "the store never filled"
     f = prompt(6, 300)
     expect = base.generate([f])[0]
     failures = writer.call(op="connector_stats")["save_failures"]
     w = writer.generate([f])[0]
     assert w["tokens"] == expect["tokens"]
-    wait_for(lambda: writer.call(op="connector_stats")["save_failures"] > failures, what="the refused saves")
+    wait_for(lambda: writer.call(op="connector_stats")["save_failures"] > failures, timeout_s=60,
+             what="the refused saves")
     assert not any(client.batch_exists(block_keys(f)))
     for k in range(i):
         client.unpin(f"junk/full/{k}")
