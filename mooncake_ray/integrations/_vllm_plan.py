@@ -35,6 +35,7 @@ class BlockRun:
     first: int
     hashes: list[str]
     block_ids: list[int]
+    direct: dict | None = None  # read from a prefill engine: {"engine", "req", "blocks"} (see _vllm_direct)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class StepPlan:
     saves: list[BlockRun] = field(default_factory=list)
     sync_saves: bool = False  # the worker finishes this step's saves before it returns
     drain_saves: bool = False  # a request was preempted: its blocks may be reused, finish saves first
+    holds: list[str] = field(default_factory=list)  # finished requests whose blocks a decode engine reads
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _Req:
     hashes: list[str] = field(default_factory=list)
     saved_upto: int | None = None  # None until the request is first scheduled
     found: tuple[int, int] = (0, 0)  # (first block, number) of the store's match
+    direct: dict | None = None  # the prefill engine's blocks, when a decode request names them
     load: BlockRun | None = None  # allocated, to be sent to the worker
     saves_sent: bool = False
 
@@ -72,6 +75,7 @@ class SchedulerPlan:
         self.block_size = block_size
         self.load, self.save, self.save_decode, self.sync_saves = load, save, save_decode, sync_saves
         self._reqs: dict[str, _Req] = {}
+        self._holds: list[str] = []
 
     # --------------------------------------------------------------- hashes ----
     def hashes(self, req_id: str, tokens: Sequence[int], n_blocks: int) -> list[str]:
@@ -98,9 +102,29 @@ class SchedulerPlan:
         if num_computed % bs or first >= last:
             return 0
         hs = self.hashes(req_id, tokens, last)[first:]
-        n = present(hs)
-        self._reqs[req_id].found = (first, n)
+        r = self._reqs[req_id]
+        d, nb = r.direct, len(r.direct["blocks"]) if r.direct else 0
+        mine = self.hashes(req_id, tokens, min(nb, len(tokens) // bs)) if nb else []
+        if nb and len(mine) == nb and mine[-1] == d["last_hash"]:
+            n = max(0, min(last, nb) - first)  # the prefill engine holds this prompt's blocks
+        else:
+            r.direct = None
+            n = present(hs)
+        r.found = (first, n)
         return n * bs
+
+    def direct_source(self, req_id: str, params: dict | None) -> None:
+        """Remember the prefill engine's blocks named by a decode request's params."""
+        if params:
+            self._reqs.setdefault(req_id, _Req()).direct = params
+
+    def held_blocks(self, req_id: str, tokens: Sequence[int], num_prompt: int, block_ids: Sequence[int]) -> dict:
+        """A finished prefill request's full prompt blocks, to be read by a decode engine."""
+        n = min(num_prompt // self.block_size, len(block_ids))
+        hs = self.hashes(req_id, tokens, n)
+        if n:
+            self._holds.append(req_id)
+        return {"blocks": list(block_ids[:n]), "last_hash": hs[-1] if hs else ""}
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) and will take
@@ -111,14 +135,19 @@ class SchedulerPlan:
             return
         first, found = r.found
         n = min(n, found)
-        r.load = BlockRun(req_id, first, r.hashes[first:first + n], list(block_ids[first:first + n]))
+        direct = None
+        if r.direct is not None:
+            direct = {"engine": r.direct["engine"], "req": r.direct["req"],
+                      "blocks": r.direct["blocks"][first:first + n]}
+        r.load = BlockRun(req_id, first, r.hashes[first:first + n], list(block_ids[first:first + n]), direct)
 
     def step(self, scheduled: Sequence[tuple[str, Sequence[int], int, int, int]],
              block_ids_of: Callable[[str], Sequence[int]], preempted: bool = False) -> StepPlan:
         """The plan of one step. ``scheduled``: per request scheduled this step,
         ``(req_id, all token ids, prompt length, tokens computed before the step, tokens
         scheduled)``."""
-        plan = StepPlan(sync_saves=self.sync_saves, drain_saves=preempted)
+        plan = StepPlan(sync_saves=self.sync_saves, drain_saves=preempted, holds=self._holds)
+        self._holds = []
         for req_id, r in self._reqs.items():
             if r.load is not None:
                 plan.loads.append(r.load)

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
+from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
 from mooncake_ray.integrations._vllm_plan import BlockRun
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,12 @@ class LayerBlocks:
 
 
 class KVTransfer:
-    def __init__(self, client, prefix: str, layers: Sequence[LayerBlocks], *, layerwise: bool, metrics=None):
+    def __init__(self, client, prefix: str, layers: Sequence[LayerBlocks], *, layerwise: bool, metrics=None,
+                 tp_rank: int = 0, direct_timeout_s: float = 5.0, hold_s: float = 30.0):
         self.client, self.prefix, self.layers, self.layerwise = client, prefix, list(layers), layerwise
-        self.metrics = metrics
+        self.metrics, self.tp_rank = metrics, tp_rank
+        self.direct = DirectReader(client, self.layers, direct_timeout_s)
+        self.holds = Holds(client, hold_s)
         self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-save")
@@ -68,7 +72,8 @@ class KVTransfer:
         self._save_futs: dict[str, list[Future]] = {}  # req -> saves not yet known finished
         self._finishing: set[str] = set()  # finished requests waiting for their saves
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_failures": 0, "saved_blocks": 0,
-                      "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0}
+                      "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0,
+                      "direct_blocks": 0, "direct_fallbacks": 0}
         self._registered = []
         seen = set()
         for layer in self.layers:  # layers may share one allocation: register each once
@@ -122,8 +127,31 @@ class KVTransfer:
             self.metrics.observe("load", dt)
         return bad
 
+    def _load_direct(self, run: BlockRun) -> bool:
+        """Read the run from the prefill engine that holds it; False if that failed."""
+        t0 = time.perf_counter()
+        try:
+            self.direct.read(run.direct["engine"], self.tp_rank, run.direct["blocks"], run.block_ids)
+        except Exception as e:  # noqa: BLE001 - the same blocks are in the store
+            log.warning("direct read of %d blocks from engine %s failed (%s): loading them from the store",
+                        len(run.block_ids), run.direct["engine"], e)
+            with self._lock:
+                self.stats["direct_fallbacks"] += 1
+            self.direct.done(run.direct["req"])  # not needed any more: the producer may free them
+            return False
+        dt = time.perf_counter() - t0
+        self.direct.done(run.direct["req"])
+        with self._lock:
+            self.stats["load_s"] += dt
+            self.stats["direct_blocks"] += len(run.block_ids)
+            self.stats["loaded_blocks"] += len(run.block_ids)
+            self._count("loaded_bytes", len(run.block_ids) * sum(layer.nbytes for layer in self.layers))
+        if self.metrics is not None:
+            self.metrics.observe("load", dt)
+        return True
+
     def _load_request(self, run: BlockRun) -> None:
-        bad = self._load([run], range(len(self.layers)))
+        bad = set() if run.direct and self._load_direct(run) else self._load([run], range(len(self.layers)))
         with self._lock:  # errors first: vLLM reads both in the same step
             self._bad_blocks |= bad
             self._recved.add(run.req_id)
@@ -131,11 +159,12 @@ class KVTransfer:
     def start_loads(self, runs: Sequence[BlockRun]) -> None:
         if not runs:
             return
-        if not self.layerwise:
-            for run in runs:
-                self._loader.submit(self._load_request, run)
-            return
-        self._layer_futs = {li: self._loader.submit(self._load, runs, [li]) for li in range(len(self.layers))}
+        whole = [r for r in runs if r.direct or not self.layerwise]  # asynchronous to vLLM: one job each
+        for run in whole:
+            self._loader.submit(self._load_request, run)
+        runs = [r for r in runs if not (r.direct or not self.layerwise)]
+        if runs:
+            self._layer_futs = {li: self._loader.submit(self._load, runs, [li]) for li in range(len(self.layers))}
 
     def wait_layer(self, layer_name: str) -> None:
         fut = self._layer_futs.pop(self._index.get(layer_name, -1), None)
@@ -198,12 +227,15 @@ class KVTransfer:
     # ----------------------------------------------------------- completion ----
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saves done, loads done)`` request ids, each reported once."""
+        released = self.holds.poll()
         with self._lock:
-            self._finishing |= {r for r in finished_req_ids if r in self._save_futs}
-            sent = {r for r in self._finishing if all(f.done() for f in self._save_futs[r])}
+            self._finishing |= {r for r in finished_req_ids if r in self._save_futs or self.holds.held(r)}
+            self._finishing |= released
+            sent = {r for r in self._finishing
+                    if all(f.done() for f in self._save_futs.get(r, ())) and not self.holds.held(r)}
             for r in sent:
                 self._finishing.discard(r)
-                del self._save_futs[r]
+                self._save_futs.pop(r, None)
             for r, futs in self._save_futs.items():  # drop finished futures of live requests
                 if r not in self._finishing:
                     futs[:] = [f for f in futs if not f.done()]

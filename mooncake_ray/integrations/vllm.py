@@ -48,7 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mooncake_ray.config import _explain
 from mooncake_ray.errors import ConfigError
-from mooncake_ray.integrations._vllm_plan import BlockRun, SchedulerPlan, StepPlan
+from mooncake_ray.integrations._vllm_direct import publish
+from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
 from mooncake_ray.integrations._vllm_worker import KVTransfer, LayerBlocks
 from mooncake_ray.kv import KVGeometry, key_prefix
 
@@ -91,6 +92,13 @@ class MooncakeRayConnectorConfig(BaseModel):
     """How long one store call may wait (for a restarting master, or for DRAM that offloads
     to disk are freeing) before the connector gives up on it: a load is recomputed, a save
     skipped. The client's own defaults (30 s) suit a notebook, not an engine's step."""
+    direct_handoff: bool = True
+    """Prefill -> decode: a producer whose request asks for a remote decode
+    (``kv_transfer_params["do_remote_decode"]``, as Ray Serve LLM's P/D app sends) keeps the
+    request's blocks and names them in its response; the consumer reads them straight from
+    the producer's memory over the transport, and from the store if that fails."""
+    direct_hold_s: float = Field(30.0, gt=0)
+    """How long a producer keeps blocks no consumer has read."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long joining the Ray cluster may take before the engine fails to start."""
 
@@ -230,8 +238,12 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
         layers = [LayerBlocks(name, t) for name, t in kv_caches.items()]
         prefix = self._prefix(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        tp_rank = get_tensor_model_parallel_rank()
         self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, tp_rank=tp_rank, direct_timeout_s=self.cfg.store_wait_s,
+                                   hold_s=self.cfg.direct_hold_s)
+        if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
+            publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer._registered, layers)
         log.info("MooncakeRayConnector: %d layers registered, %d bytes per block and layer, keys %s",
                  len(layers), layers[0].nbytes if layers else 0, prefix)
 
@@ -265,6 +277,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         if plan is not None:
             self.transfer.wait_all_layers()
             self.transfer.save(plan.saves, sync=plan.sync_saves)
+            self.transfer.holds.hold(plan.holds)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.transfer is None:
@@ -308,9 +321,12 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
-        tokens = request.all_token_ids
-        hit = self.plan.match(request.request_id, tokens, num_computed_tokens, self._present)
-        return hit, hit > 0 and self.cfg.load_mode == "async"
+        direct = None
+        if self.cfg.direct_handoff and self.kv_role != "kv_producer":
+            direct = ((request.kv_transfer_params or {}).get("mooncake_ray") or {}).get("direct")
+            self.plan.direct_source(request.request_id, direct)
+        hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens, self._present)
+        return hit, hit > 0 and (self.cfg.load_mode == "async" or direct is not None)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         self._reqs[request.request_id] = request
@@ -345,9 +361,13 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
-        delay = self.plan.finished(request.request_id)
-        params = None
+        params, direct = None, None
         if self.kv_role == "kv_producer":
-            params = {"mooncake_ray": {"namespace": self.cfg.namespace,
-                                       "stored_tokens": len(request.all_token_ids) // self.block_size * self.block_size}}
-        return delay, params
+            if self.cfg.direct_handoff and (request.kv_transfer_params or {}).get("do_remote_decode"):
+                direct = self.plan.held_blocks(request.request_id, request.all_token_ids,
+                                               request.num_prompt_tokens, block_ids)
+                direct.update(engine=self._kv_transfer_config.engine_id, req=request.request_id)
+            params = {"mooncake_ray": {"namespace": self.cfg.namespace, "direct": direct,
+                                       "stored_tokens": request.num_prompt_tokens // self.block_size * self.block_size}}
+        delay = self.plan.finished(request.request_id)
+        return delay or bool(direct and direct["blocks"]), params

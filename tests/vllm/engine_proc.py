@@ -92,8 +92,10 @@ def main() -> None:
         op = cmd["op"]
         try:
             if op == "generate":
-                sp = SamplingParams(max_tokens=cmd.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
-                outs = llm.generate(cmd["prompts"], sp, use_tqdm=False)
+                params = cmd.get("params") or [None] * len(cmd["prompts"])  # kv_transfer_params per prompt
+                sps = [SamplingParams(max_tokens=cmd.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
+                                      extra_args={"kv_transfer_params": p} if p else None) for p in params]
+                outs = llm.generate(cmd["prompts"], sps, use_tqdm=False)
                 reply([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
                         "prompt_tokens": len(o.prompt_token_ids), "params": o.kv_transfer_params} for o in outs])
             elif op == "reset":

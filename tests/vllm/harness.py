@@ -73,8 +73,12 @@ class Engine:
             raise AssertionError(f"engine {self.name}: {res['error']}\n{res.get('trace', '')}")
         return res
 
-    def generate(self, prompts, max_tokens: int = 16, timeout_s: float = 180.0) -> list[dict]:
-        return self.call(op="generate", prompts=list(prompts), max_tokens=max_tokens, timeout_s=timeout_s)
+    def generate(self, prompts, max_tokens: int = 16, params: list | None = None, timeout_s: float = 180.0) -> list[dict]:
+        """Greedy outputs: per prompt ``tokens``, ``cached`` (vLLM's num_cached_tokens),
+        ``prompt_tokens`` and ``params`` (the kv_transfer_params the engine returned).
+        ``params``: kv_transfer_params to send with each prompt."""
+        return self.call(op="generate", prompts=list(prompts), max_tokens=max_tokens, params=params,
+                         timeout_s=timeout_s)
 
     def reset(self) -> None:
         self.call(op="reset")

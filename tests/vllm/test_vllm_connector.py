@@ -162,6 +162,33 @@ def test_producer_saves_what_the_consumer_loads(env):
     assert client.stats()["keys"] == n_keys  # a consumer never saves
 
 
+def test_direct_handoff_reads_the_prefill_engines_blocks(env):
+    engines, client, ns = env
+    base, prefill, decode = engines["base"], engines["prefill"], engines["decode"]
+    x = prompt(9, 400)
+    expect = base.generate([x])[0]
+    # as Ray Serve LLM's P/D app asks a prefill: the producer keeps the blocks and names them
+    pre = prefill.generate([x], max_tokens=1, params=[{"do_remote_decode": True}])[0]
+    direct = pre["params"]["mooncake_ray"]["direct"]
+    assert len(direct["blocks"]) == 400 // BLOCK
+    before = decode.call(op="connector_stats")
+    d = decode.generate([x], params=[pre["params"]])[0]
+    after = decode.call(op="connector_stats")
+    assert d["cached"] == full_blocks(400) and d["tokens"] == expect["tokens"]
+    assert after["direct_blocks"] - before["direct_blocks"] == full_blocks(400) // BLOCK
+    assert after["direct_fallbacks"] == before["direct_fallbacks"]
+    # read, so released: the producer's blocks go back to its pool (its cache can be dropped)
+    assert prefill.call(op="reset") is True
+    # a producer that cannot be reached: the consumer loads the same blocks from the store
+    y = prompt(10, 300)
+    expect = base.generate([y])[0]
+    pre = prefill.generate([y], max_tokens=1, params=[{"do_remote_decode": True}])[0]
+    pre["params"]["mooncake_ray"]["direct"]["engine"] = "gone"
+    d = decode.generate([y], params=[pre["params"]])[0]
+    assert d["cached"] == full_blocks(300) and d["tokens"] == expect["tokens"]
+    assert decode.call(op="connector_stats")["direct_fallbacks"] == after["direct_fallbacks"] + 1
+
+
 def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
     engines, client, ns = env
     writer, reader = engines["writer"], engines["reader"]
@@ -203,25 +230,32 @@ def test_master_killed_mid_load_recomputes(env):
     wait_for(lambda: stored(client, block_keys(q)), timeout_s=60, what="the keys after the restart")
 
 
+def fill_with_pins(client, prefix: str) -> int:
+    """Fill the store's DRAM with hard-pinned values (never evicted) until not even a
+    block-sized value fits and nothing else is left in DRAM; returns how many were put."""
+    from mooncake_ray.errors import NoCapacityError, OffloadPendingError
+
+    i, waits = 0, 0
+    for size in (1 << 20, 64 << 10, 16 << 10):
+        while i < 5000 and waits < 300:
+            try:
+                client.put(f"{prefix}{i}", np.full(size, 1, dtype=np.uint8))
+                client.pin(f"{prefix}{i}", hard=True)
+                i += 1
+            except (NoCapacityError, OffloadPendingError):
+                st = client.stats()
+                if sum(n["dram"]["keys"] for n in st["nodes"].values()) <= st["pinned"]:
+                    break
+                waits += 1
+                time.sleep(0.2)  # unpinned values are still being moved to disk
+    assert i < 5000 and waits < 300, f"the store never filled ({i} values, {waits} waits)"
+    return i
+
+
 def test_store_full_requests_still_served(env):
     engines, client, ns = env
     base, writer = engines["base"], engines["writer"]
-    from mooncake_ray.errors import NoCapacityError, OffloadPendingError
-
-    # fill both arenas with hard-pinned values (never evicted) until nothing else is in DRAM
-    i, refused = 0, 0
-    while i < 400:
-        try:
-            client.put(f"junk/full/{i}", np.full(1 << 20, 1, dtype=np.uint8))
-            client.pin(f"junk/full/{i}", hard=True)
-            i += 1
-        except (NoCapacityError, OffloadPendingError):
-            st = client.stats()
-            if sum(n["dram"]["keys"] for n in st["nodes"].values()) <= st["pinned"]:
-                break
-            refused += 1
-            time.sleep(0.2)
-    assert i < 400, "the store never filled"
+    n = fill_with_pins(client, "junk/full/")
     f = prompt(6, 300)
     expect = base.generate([f])[0]
     failures = writer.call(op="connector_stats")["save_failures"]
@@ -230,7 +264,7 @@ def test_store_full_requests_still_served(env):
     wait_for(lambda: writer.call(op="connector_stats")["save_failures"] > failures, timeout_s=60,
              what="the refused saves")
     assert not any(client.batch_exists(block_keys(f)))
-    for k in range(i):
+    for k in range(n):
         client.unpin(f"junk/full/{k}")
     client.remove_prefix("junk/")
 
