@@ -55,6 +55,30 @@ class MasterMetrics:
             self._last[name] = now
 
 
+def _flush_every(owner, interval_s: float, name: str) -> threading.Thread:
+    """A daemon thread calling ``owner.flush()`` every ``interval_s``; it holds the owner
+    weakly, so a dropped owner is not kept alive by its thread."""
+    import weakref
+
+    ref = weakref.ref(owner)
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval_s)
+            o = ref()
+            if o is None:
+                return
+            try:
+                o.flush()
+            except Exception:  # metrics must never break the caller
+                pass
+            del o
+
+    t = threading.Thread(target=loop, name=name, daemon=True)
+    t.start()
+    return t
+
+
 class ClientMetrics:
     """Client-side metrics, aggregated in-process and exported once a second by a
     background thread, so the hot path only appends to a list: a Ray metric call per
@@ -70,8 +94,7 @@ class ClientMetrics:
         self._ops: dict[str, int] = {}
         self._bytes: dict[str, int] = {"read": 0, "write": 0}
         self._exported = None
-        self._thread = threading.Thread(target=self._loop, name="mooncake-client-metrics", daemon=True)
-        self._thread.start()
+        self._thread = _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-client-metrics")
 
     def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0) -> None:
         with self._lock:
@@ -81,14 +104,6 @@ class ClientMetrics:
             self._ops[op] = self._ops.get(op, 0) + keys
             if nbytes:
                 self._bytes["write" if op.startswith("put") else "read"] += nbytes
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(self.INTERVAL_S)
-            try:
-                self.flush()
-            except Exception:  # metrics must never break the client
-                pass
 
     def flush(self) -> None:
         with self._lock:
@@ -139,7 +154,7 @@ class ConnectorMetrics:
         self._counts: dict[str, int] = {}
         self._lat: dict[str, list[float]] = {}
         self._exported = None
-        threading.Thread(target=self._loop, name="mooncake-connector-metrics", daemon=True).start()
+        _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-connector-metrics")
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -150,14 +165,6 @@ class ConnectorMetrics:
             lat = self._lat.setdefault(op, [])
             if len(lat) < ClientMetrics.MAX_SAMPLES:
                 lat.append(seconds)
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(ClientMetrics.INTERVAL_S)
-            try:
-                self.flush()
-            except Exception:  # metrics must never break the engine
-                pass
 
     def flush(self) -> None:
         with self._lock:

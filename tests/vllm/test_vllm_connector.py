@@ -85,6 +85,17 @@ def stored(client, keys) -> bool:
     return all(client.batch_exists(keys))
 
 
+def written(env, text: str) -> tuple[dict, list[str]]:
+    """The reference output of ``text`` (engine without connector), after the writer
+    engine computed it and its saves landed; and the text's block keys."""
+    engines, client, _ = env
+    expect = engines["base"].generate([text])[0]
+    assert engines["writer"].generate([text])[0]["tokens"] == expect["tokens"]
+    keys = block_keys(text)
+    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    return expect, keys
+
+
 def test_new_process_reuses_prefix_saved_by_another(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
@@ -106,10 +117,7 @@ def test_zeroed_stored_kv_changes_the_output(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
     p = prompt(2, 250)
-    expect = base.generate([p])[0]
-    assert writer.generate([p])[0]["tokens"] == expect["tokens"]
-    keys = block_keys(p)
-    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    expect, keys = written(env, p)
     r = reader.generate([p])[0]
     assert r["cached"] == full_blocks(r["prompt_tokens"]) and r["tokens"] == expect["tokens"]
     for k in keys:
@@ -126,10 +134,7 @@ def test_blocks_spilled_to_disk_come_back_byte_exact(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
     p = prompt(3, 1500)
-    expect = base.generate([p])[0]
-    writer.generate([p])
-    keys = block_keys(p)
-    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    expect, keys = written(env, p)
     saved = client.batch_get(keys)
     # push them out of DRAM (two 32 MiB arenas): 96 MiB of newer values
     for i in range(96):
@@ -216,9 +221,7 @@ def test_master_killed_mid_load_recomputes(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
     q = prompt(5, 300)
-    expect = base.generate([q])[0]
-    writer.generate([q])
-    wait_for(lambda: stored(client, block_keys(q)), what="the writer's saves")
+    expect, keys = written(env, q)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     inc = ray.get(master.ping.remote())
     reader.reset()
@@ -273,10 +276,7 @@ def test_store_node_killed_requests_still_served(env):
     engines, client, ns = env
     base, writer, reader = engines["base"], engines["writer"], engines["reader"]
     s = prompt(7, 600)
-    expect = base.generate([s])[0]
-    writer.generate([s])
-    keys = block_keys(s)
-    wait_for(lambda: stored(client, keys), what="the writer's saves")
+    expect, keys = written(env, s)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     node = ray.get(master.where.remote(keys[:1]))[0][0][0]
     ray.kill(ray.get_actor(store_actor_name(node), namespace=ns), no_restart=False)
