@@ -1,0 +1,159 @@
+"""Ray Serve LLM serving vLLM with the mooncake-ray KV connector.
+
+``serve run serve_configs/vllm-disaggregated.yaml`` (or ``vllm-aggregated.yaml``) deploys
+Ray Serve LLM's OpenAI app, prefill/decode disaggregated or not, with every vLLM engine
+carrying ``kv_transfer_config: {kv_connector: MooncakeRayConnector, kv_connector_module_path:
+mooncake_ray.integrations.vllm, ...}``. The app builders here take the same ``args`` as
+Ray's ``build_pd_openai_app`` / ``build_openai_app`` (``prefill_config`` / ``decode_config``,
+or ``llm_configs``: LLMConfig dicts) plus an optional ``tiny_model`` key::
+
+    tiny_model: {out_dir: /tmp/mooncake-ray/tiny-llama, layers: 2, hidden: 256}
+
+which builds the local random-weight model of :mod:`mooncake_ray.integrations.tiny_model`
+there first (idempotent; the path must be readable on every node that runs an engine).
+
+How the KV moves. Ray's default P/D protocol runs the prefill request first (clamped to one
+token, with ``kv_transfer_params={"do_remote_decode": True, ...}``) and copies its response's
+``kv_transfer_params`` into the decode request. The prefill engine (``kv_producer``) saves
+the prompt's blocks in the store, keeps them in its own memory and names them in those
+params; the decode engine (``kv_consumer``) reads them straight from the prefill engine's
+memory over the transport, or from the store if that fails (see
+``mooncake_ray.integrations.vllm``). So the backend needs no peer binding: the default
+protocol carries everything.
+
+What :class:`MooncakeRayConnectorBackend` adds (its ``setup()`` runs in each LLMServer
+replica before the engine starts):
+
+- vLLM's engine-core process is a plain subprocess of the replica, not a Ray worker, so the
+  connector must ``ray.init(address=...)`` itself: unless the extra config names a
+  ``ray_address``, the replica's own cluster (its GCS address) is put there.
+- ``kv_connector_extra_config.deploy_store`` (a StoreConfig dict) deploys the store onto the
+  cluster (idempotent: the replicas that start second find it) and is removed from the
+  config vLLM sees; the connector's ``namespace`` is taken from it when not given. Without
+  it the connector connects to a store already running in its namespace
+  (``mooncake-ray start`` or ``mooncake_ray.start(config)``).
+
+Ray resolves a connector's backend by the ``kv_connector`` name through a registry kept in
+the cluster's GCS; :func:`register` puts ours there (the builders call it).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+    BaseConnectorBackend,
+    DefaultPDProtocolMixin,
+)
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "MooncakeRayConnector"
+CONNECTOR_MODULE = "mooncake_ray.integrations.vllm"
+BACKEND_PATH = "mooncake_ray.integrations.ray_serve_llm:MooncakeRayConnectorBackend"
+DEFAULT_NAMESPACE = "mooncake_ray"
+
+# Keys of kv_connector_extra_config that are ours (the backend's), never the connector's.
+BACKEND_KEYS = ("deploy_store",)
+
+
+class MooncakeRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
+    """Ray Serve LLM backend of the ``MooncakeRayConnector`` vLLM KV connector.
+
+    No peer binding and sequential handoff (the defaults): the prefill response names the
+    blocks the decode engine reads (from the prefill's memory, else the store).
+    """
+
+    def setup(self) -> None:
+        import ray
+
+        ktc = self.kv_transfer_config
+        extra = dict(ktc.get("kv_connector_extra_config") or {})
+
+        store_cfg = extra.pop("deploy_store", None)
+        if store_cfg is not None:
+            from mooncake_ray.config import load_config
+            from mooncake_ray._private import deploy
+
+            cfg = load_config(store_cfg)
+            ns = extra.setdefault("namespace", cfg.namespace)
+            if ns != cfg.namespace:
+                raise ValueError(
+                    f"kv_connector_extra_config: namespace {ns!r} differs from deploy_store's "
+                    f"namespace {cfg.namespace!r}")
+            log.info("deploying (or finding) the mooncake-ray store in namespace %r", cfg.namespace)
+            deploy.deploy(cfg)
+        else:
+            self._check_store(extra.get("namespace", DEFAULT_NAMESPACE))
+
+        if not extra.get("ray_address"):
+            # vLLM's engine core is not a Ray worker: it joins this replica's cluster.
+            extra["ray_address"] = ray.get_runtime_context().gcs_address
+
+        # In place, so every holder of this dict (the LLMConfig's engine_kwargs, an engine
+        # config built from it earlier) sees it, and explicitly through Ray's own updater.
+        ktc["kv_connector_extra_config"] = extra
+        self.llm_config.update_engine_kwargs(kv_transfer_config=ktc)
+
+    @staticmethod
+    def _check_store(namespace: str) -> None:
+        import ray
+        from mooncake_ray._private.naming import MASTER_NAME
+
+        try:
+            ray.get_actor(MASTER_NAME, namespace=namespace)
+        except ValueError:
+            log.warning(
+                "no mooncake-ray store in Ray namespace %r yet: deploy one (`mooncake-ray start`, "
+                "mooncake_ray.start(config)) or set kv_connector_extra_config.deploy_store",
+                namespace)
+
+
+def register() -> None:
+    """Register the backend under the connector's name in Ray Serve LLM's registry (kept in
+    the cluster's GCS, so every replica finds it). Needs Ray initialised; idempotent."""
+    import ray
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    if not ray.is_initialized():
+        raise RuntimeError("register() needs Ray initialised (the registry lives in the GCS)")
+    if not KVConnectorBackendFactory.is_registered(CONNECTOR_NAME):
+        try:
+            KVConnectorBackendFactory.register_backend(CONNECTOR_NAME, BACKEND_PATH)
+        except ValueError:  # registered by someone else in between
+            pass
+
+
+def _prepare(args: dict | None) -> dict:
+    """Copy of ``args`` without our keys; builds the tiny model when asked; registers."""
+    args = copy.deepcopy(dict(args or {}))
+    tiny = args.pop("tiny_model", None)
+    if tiny:
+        from mooncake_ray.integrations.tiny_model import TinyModelSpec, build
+
+        tiny = dict(tiny)
+        out_dir = tiny.pop("out_dir", None)
+        if not out_dir:
+            raise ValueError("tiny_model needs out_dir (where to build the model; the LLM "
+                             "configs' model_source should name the same path)")
+        build(out_dir, TinyModelSpec(**tiny))
+    register()
+    return args
+
+
+def build_pd_app(args: dict):
+    """``import_path`` for a prefill/decode app: ``args`` as Ray's ``build_pd_openai_app``
+    (``prefill_config``, ``decode_config``, ...) plus optional ``tiny_model``."""
+    from ray.serve.llm import build_pd_openai_app
+
+    return build_pd_openai_app(_prepare(args))
+
+
+def build_app(args: dict):
+    """``import_path`` for an aggregated app: ``args`` as Ray's ``build_openai_app``
+    (``llm_configs``, ...) plus optional ``tiny_model``."""
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app(_prepare(args))
