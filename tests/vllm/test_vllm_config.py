@@ -55,3 +55,13 @@ def test_unreachable_ray_address_stops_the_engine_before_it_serves():
         assert e.proc.wait(timeout=30) != 0
     finally:
         e.close()
+
+
+def test_connector_stats_aggregate_across_workers_and_reduce_to_a_hit_rate():
+    from mooncake_ray.integrations.vllm import MooncakeRayConnector, MooncakeRayKVStats
+
+    a = MooncakeRayConnector.build_kv_connector_stats({"lookup_tokens": 200, "hit_tokens": 150, "loaded_bytes": 10})
+    b = MooncakeRayKVStats(data={"loaded_bytes": 5, "save_failures": 1})
+    out = a.aggregate(b).reduce()
+    assert out == {"lookup_tokens": 200, "hit_tokens": 150, "loaded_bytes": 15, "save_failures": 1, "hit_rate": 0.75}
+    assert not a.is_empty() and MooncakeRayKVStats(data={"loaded_bytes": 0}).is_empty()
