@@ -63,7 +63,7 @@ def store_config(**overrides) -> dict:
         "namespace": f"t{uuid.uuid4().hex[:10]}",
         "segment_size_bytes": "64mb",
         "transport": {"devices": ["lo"], "rpc_timeout_s": 2.0, "transfer_timeout_s": 5.0},
-        "master": {"node_ttl_s": 3.0, "heartbeat_interval_s": 0.3, "recovery_timeout_s": 30.0},
+        "master": {"node_ttl_s": 3.0, "heartbeat_interval_s": 0.3, "recovery_timeout_s": 10.0},
         "client": {"master_retry_timeout_s": 30.0},
     }
     for k, v in overrides.items():

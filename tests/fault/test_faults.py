@@ -87,6 +87,10 @@ def test_master_killed_all_keys_readable_after_it_returns(make_store):
     assert s.batch_put(keys, [val(i, 10 * KB) for i in range(60)]) == [None] * 60
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
     inc = ray.get(master.ping.remote())
+    # A put is acknowledged before its store node's inventory has it (master/actor.py: about
+    # a millisecond, longer on a loaded machine); a master killed inside that window loses
+    # it. This test is about what was delivered, so let the deliveries land first.
+    assert ray.get(master.flush_inventory.remote())
     ray.kill(master, no_restart=False)
     wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
     # The new master is rebuilding its index from the store nodes' inventories: the
