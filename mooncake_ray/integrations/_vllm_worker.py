@@ -181,32 +181,37 @@ class KVTransfer:
 
     # ---------------------------------------------------------------- saves ----
     def _save(self, runs: Sequence[BlockRun]) -> None:
-        keys, bufs = [], []
+        """Store the runs' blocks (every layer) that the store does not hold. Counted in
+        vLLM blocks, like loads: a block is saved when all its layers went in, skipped when
+        all were there, failed when any layer was refused."""
+        keys, bufs, owners = [], [], []
         for run in runs:
             k, b = self._keys(run, range(len(self.layers)))
             keys += k
             bufs += b
+            owners += [blk for blk in run.block_ids for _ in self.layers]
         t0 = time.perf_counter()
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
             res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo]) if todo else []
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
-            log.warning("KV save of %d objects failed (%s)", len(keys), e)
+            log.warning("KV save of %d blocks failed (%s)", len(set(owners)), e)
             with self._lock:
-                self._count("save_failures", len(keys))
+                self._count("save_failures", len(set(owners)))
             return
         dt = time.perf_counter() - t0
-        failed = [r for r in res if r is not None and not isinstance(r, ObjectExistsError)]
+        failed = {owners[i] for i, r in zip(todo, res) if r is not None and not isinstance(r, ObjectExistsError)}
         if failed:
-            log.warning("KV save: %d of %d objects not stored (first: %s)", len(failed), len(res), failed[0])
+            log.warning("KV save: %d of %d blocks not stored", len(failed), len(set(owners)))
+        stored = [i for i, r in zip(todo, res) if r is None]
+        written = {owners[i] for i in todo}
         with self._lock:
             self.stats["save_s"] += dt
-            self.stats["skipped_blocks"] += len(keys) - len(todo)
-            stored = [i for i, r in zip(todo, res) if r is None]
+            self.stats["skipped_blocks"] += len(set(owners) - written)
             self._count("saved_bytes", sum(bufs[i][1] for i in stored))
             self._count("save_failures", len(failed))
-            self.stats["saved_blocks"] += len(stored)
+            self.stats["saved_blocks"] += len(written - failed)
         if self.metrics is not None:
             self.metrics.observe("save", dt)
 

@@ -104,6 +104,9 @@ def test_new_process_reuses_prefix_saved_by_another(env):
     w = writer.generate([p1])[0]
     assert w["cached"] == 0 and w["tokens"] == expect[0]["tokens"]
     wait_for(lambda: stored(client, block_keys(p1)), what="the writer's saves")
+    # counted in vLLM blocks (each one object per layer): 316 tokens fill 9 blocks of 32
+    wait_for(lambda: writer.call(op="connector_stats")["saved_blocks"] == 9, what="the save counters")
+    assert writer.call(op="connector_stats")["saved_bytes"] == 9 * 2 * (2 * BLOCK * 128 * 2)
     r = reader.generate([p2])[0]
     # the shared 200 words hold 6 full blocks of 32: the reader loads them, computes the rest
     assert r["cached"] == 200 // BLOCK * BLOCK
