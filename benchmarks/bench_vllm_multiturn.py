@@ -26,8 +26,16 @@ Per round: hit rate = sum(num_cached_tokens) / sum(prompt tokens) (vLLM counts i
 prefix-cache hits and the connector's), mean and p90 TTFT (submission to first output
 token, streamed from ``AsyncLLM``), input throughput = prompt tokens / round duration.
 
-    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--quick"     # a few minutes
-    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--repeats 3 --configs all"
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--quick"     # ~5 min, development only:
+        # 4 short rounds, where even a perfect cache stays under the 80% hit-rate target
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--configs all --repeats 3 --peer-repeats 1 \
+        --wait-quiet-s 1800 --lmcache-path DIR1:DIR2"                    # the published run, ~45 min
+    python benchmarks/bench_vllm_multiturn.py --resummarize benchmarks/results/bench_vllm_multiturn.json
+
+Every child sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: vLLM reserves an extra core whenever a KV
+connector is configured, which on 2 vCPUs it cannot, so it would otherwise compute on 2 OpenMP
+threads with a connector and on 1 without. ``--lmcache-path``: LMCache unpacked outside the
+venv (its wheel would change the venv's numpy, grpcio and protobuf and pull cupy-cuda13x).
 
 Writes benchmarks/results/bench_vllm_multiturn.{json,png}.
 """
@@ -58,14 +66,14 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32
 
-# Model geometry. Why this one: on this 2-vCPU machine (AVX2, bf16 emulated, vLLM computes
-# on one core) it prefills ~600-1000 tok/s, i.e. ~1-1.5 ms of compute per token, while its
-# KV is 8 KiB per token (4 layers x 8 KV heads x 64 x K,V x bf16; the same 8 KiB/token as
-# bench_multiturn.py's model), which the store moves in well under 0.1 ms per token, so
-# recomputing the history costs clearly more than loading it (the ratio is measured and
-# reported as ``prefill_vs_load``). A bigger model widens the gap but makes each run
-# minutes longer; a smaller one (the 2-layer test model) spends its time in per-step
-# Python rather than in compute.
+# Model geometry. Why this one: prefill of the history must cost clearly more than loading
+# its KV. On this 2-vCPU machine (AVX2, no native bf16, vLLM computes on one core) this model
+# prefills a few hundred to ~1000 tok/s (~3 ms of wall time per prefilled token measured under
+# the workload's batching), while its KV is 8 KiB per token (4 layers x 8 KV heads x 64 x K,V
+# x bf16; the same 8 KiB/token as bench_multiturn.py's model), which the connector loads in
+# ~0.07 ms per token: recomputing costs ~40x loading (measured every run, ``prefill_vs_load``).
+# A bigger model widens the gap but makes each run minutes longer; the 2-layer test model
+# spends its time in per-step Python rather than in compute.
 GEOMETRY = dict(layers=4, hidden=512, heads=8, kv_heads=8, intermediate=1536, vocab=1024, max_positions=4096)
 FIRST_WORD_ID = 7  # 4 special tokens and 3 role words come first in the tiny vocabulary
 
@@ -701,10 +709,10 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.png')} ({total_s / 60:.1f} min)")
 
 
-GEOMETRY_WHY = ("prefill must cost clearly more than loading the KV: ~1-1.5 ms of compute per token on this CPU "
-                "(one core, AVX2, bf16) against 8 KiB of KV per token, which the store moves in well under "
-                "0.1 ms; see summary.prefill_vs_load for the measured ratio. Bigger models make runs minutes "
-                "longer; the 2-layer test model spends its time in per-step Python, not compute.")
+GEOMETRY_WHY = ("prefill of the history must cost clearly more than loading its KV: ~3 ms of wall time per "
+                "prefilled token on this CPU (one core, AVX2, bf16) against 8 KiB of KV per token, which the "
+                "connector loads in ~0.07 ms; summary.prefill_vs_load has the measured ratio. Bigger models make "
+                "runs minutes longer; the 2-layer test model spends its time in per-step Python, not compute.")
 
 
 def _wait_quiet(max_s: float) -> dict:
