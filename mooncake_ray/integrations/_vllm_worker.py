@@ -74,14 +74,15 @@ class KVTransfer:
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_failures": 0, "saved_blocks": 0,
                       "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0,
                       "direct_blocks": 0, "direct_fallbacks": 0}
-        self._registered = []
+        self._reported: dict = {}  # stats as of the last take_interval
+        self.regions = []  # this worker's registered KV memory
         seen = set()
         for layer in self.layers:  # layers may share one allocation: register each once
             st = layer.tensor.untyped_storage()
             if st.data_ptr() in seen:
                 continue
             seen.add(st.data_ptr())
-            self._registered.append(client.register_buffer((st.data_ptr(), st.nbytes())))
+            self.regions.append(client.register_buffer((st.data_ptr(), st.nbytes())))
 
     # ----------------------------------------------------------------- keys ----
     def _keys(self, run: BlockRun, layers: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
@@ -255,7 +256,7 @@ class KVTransfer:
     def take_interval(self) -> dict:
         """What changed in ``stats`` (cumulative) since the last call."""
         with self._lock:
-            last = getattr(self, "_reported", {})
+            last = self._reported
             delta = {k: v - last.get(k, 0) for k, v in self.stats.items() if v != last.get(k, 0)}
             self._reported = dict(self.stats)
         return delta
@@ -263,7 +264,7 @@ class KVTransfer:
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
-        for region in self._registered:
+        for region in self.regions:
             try:
                 region.close()
             except MooncakeRayError:

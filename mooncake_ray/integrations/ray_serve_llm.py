@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
 
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     BaseConnectorBackend,

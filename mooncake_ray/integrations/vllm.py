@@ -40,7 +40,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -237,13 +236,13 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         layers = [LayerBlocks(name, t) for name, t in kv_caches.items()]
-        prefix = self._prefix(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
         tp_rank = get_tensor_model_parallel_rank()
+        prefix = self._prefix(tp_rank, get_pp_group().rank_in_group)
         self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
                                    metrics=self.metrics, tp_rank=tp_rank, direct_timeout_s=self.cfg.store_wait_s,
                                    hold_s=self.cfg.direct_hold_s)
         if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
-            publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer._registered, layers)
+            publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
         log.info("MooncakeRayConnector: %d layers registered, %d bytes per block and layer, keys %s",
                  len(layers), layers[0].nbytes if layers else 0, prefix)
 
@@ -342,7 +341,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
             if req is not None:
                 n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
                 scheduled.append((new.req_id, req.all_token_ids, req.num_prompt_tokens, new.num_computed_tokens, n))
-                self._count_lookup(req, new.num_computed_tokens)
+                self._count_lookup(req)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self._reqs.get(req_id)
@@ -352,7 +351,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
         return MooncakeRayMetadata(self.plan.step(scheduled, self._block_ids, preempted))
 
-    def _count_lookup(self, req, num_computed: int) -> None:
+    def _count_lookup(self, req) -> None:
         self._add_stat("lookup_tokens", req.num_prompt_tokens)
         self.metrics.add("lookup_tokens", req.num_prompt_tokens)
 

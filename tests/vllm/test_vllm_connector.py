@@ -118,7 +118,7 @@ def test_new_process_reuses_prefix_saved_by_another(env):
 
 def test_zeroed_stored_kv_changes_the_output(env):
     engines, client, ns = env
-    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    reader = engines["reader"]
     p = prompt(2, 250)
     expect, keys = written(env, p)
     r = reader.generate([p])[0]
@@ -135,7 +135,7 @@ def test_zeroed_stored_kv_changes_the_output(env):
 
 def test_blocks_spilled_to_disk_come_back_byte_exact(env):
     engines, client, ns = env
-    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    reader = engines["reader"]
     p = prompt(3, 1500)
     expect, keys = written(env, p)
     saved = client.batch_get(keys)
@@ -222,7 +222,7 @@ def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
 
 def test_master_killed_mid_load_recomputes(env):
     engines, client, ns = env
-    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    reader = engines["reader"]
     q = prompt(5, 300)
     expect, keys = written(env, q)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
@@ -277,7 +277,7 @@ def test_store_full_requests_still_served(env):
 
 def test_store_node_killed_requests_still_served(env):
     engines, client, ns = env
-    base, writer, reader = engines["base"], engines["writer"], engines["reader"]
+    reader = engines["reader"]
     s = prompt(7, 600)
     expect, keys = written(env, s)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
