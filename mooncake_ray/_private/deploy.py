@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
-from mooncake_ray._private.master.actor import MasterActor
+from mooncake_ray._private.master.actor import master_actor_class
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from mooncake_ray._private.store.actor import StoreNodeActor
 
@@ -43,7 +43,7 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
     opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=-1, max_task_retries=-1)
     head = ray.get_runtime_context().get_node_id()
-    master = ray.remote(MasterActor).options(
+    master = master_actor_class().options(
         name=MASTER_NAME, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **opts,
     ).remote(cfg.model_dump())

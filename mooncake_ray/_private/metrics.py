@@ -25,6 +25,8 @@ class MasterMetrics:
         "put_bytes": "Bytes published by puts",
         "offloads": "Objects written to the disk tier",
         "promotions": "Objects read back from the disk tier into DRAM",
+        "node_unmounts": "Store nodes unmounted for missing heartbeats past node_ttl_s",
+        "unmount_lost_keys": "Objects lost because the only store node holding them was unmounted",
     }
 
     def __init__(self) -> None:

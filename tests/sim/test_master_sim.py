@@ -8,9 +8,12 @@ native one) as the actor's RPC handler would send them; its log is applied befor
 other operation, as the actor's lock does. The invariants include the index matching the
 objects, and leases granted through it must protect their objects like any other.
 
-The simulated store nodes keep inventories exactly as the real ones do: DRAM entries
-written only by the master's deltas, disk entries written when an offload succeeds and
-deleted by the master's drops."""
+The simulated store nodes keep their inventories with the shipped code (``StoreInventory``)
+and the master's messages reach them through the shipped outboxes (``NodeOutbox``,
+``plan_mount``), with faults: a message lost, an answer lost (the message is applied, then
+sent again), a node silent past ``node_ttl_s`` that rejoins. The invariant for a mounted
+node is that its inventory, with what it is still owed applied, is exactly the master's
+view of it."""
 
 import os
 import random
@@ -20,10 +23,12 @@ import pytest
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.fastpath import PyIndex
+from mooncake_ray._private.master.outbox import plan_mount
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
+from mooncake_ray._private.store.inventory import StoreInventory, reconcile
 
 SEEDS = [int(os.environ["MCR_SIM_SEED"])] if "MCR_SIM_SEED" in os.environ else list(range(40))
 STEPS = 600
@@ -48,7 +53,9 @@ class Sim:
                              allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
                              high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05)
         self.m = self._new_master()
-        self.inv = {}       # node_id -> {(key, tier): entry}
+        self.inv = {}       # node_id -> StoreInventory
+        self.outboxes = {}  # node_id -> NodeOutbox (the master actor's)
+        self.paused = {}    # node_id -> clock time it resumes (SIGSTOP): no answers, no heartbeats
         self.incs, self.caps, self.spills = {}, {}, {}
         self.offloads = {}  # node_id -> queued (key, gen, size, offset, length)
         self.promotions = []  # (node_id, key, gen, offset)
@@ -103,27 +110,57 @@ class Sim:
 
     def add_node(self, node_id, keep_disk=False):
         self.incs[node_id] = f"{node_id}.{self.rng.randrange(1 << 30)}"
-        old = self.inv.get(node_id, {})
+        old = self.inv[node_id].entries.values() if node_id in self.inv else ()
         # a restarted node keeps its spill files, never its DRAM
-        self.inv[node_id] = {k: e for k, e in old.items() if k[1] == "disk"} if keep_disk else {}
+        self.inv[node_id] = StoreInventory([e for e in old if e.tier == "disk"] if keep_disk else [])
         self.offloads[node_id] = []
         self.caps[node_id] = self.rng.choice([32, 64, 128]) * ALIGN
         self.spills.setdefault(node_id, self.rng.choice([64, 256]) * ALIGN if self.spill else 0)
         self.remount(node_id)
 
     def remount(self, n):
-        self.m.mount(self.info(n), list(self.inv[n].values()))
+        """What the store node's heartbeat thread and the master actor's ``mount`` do."""
+        m = self.m
+        mount_id, entries = self.inv[n].begin_mount()
+        cur = m._nodes.get(n)
+        known = cur is not None and cur.incarnation == self.incs[n]
+        plan = plan_mount(self.outboxes.get(n), self.incs[n], mount_id, known, entries)
+        if plan is not None:
+            entries, self.outboxes[n] = plan
+            m.mount(self.info(n), entries)
 
-    def deliver(self):
+    def deliver(self, faults=True):
+        """The master actor's delivery: effects merged into the outboxes, then messages
+        sent; with ``faults``, some are lost on the way there or back, some wait."""
         for node_id, d in self.m.drain_effects().items():
-            inv = self.inv[node_id]
-            for key, gen, tier in d.drop:
-                e = inv.get((key, tier))
-                if e is not None and e.gen == gen:
-                    del inv[(key, tier)]
-            for e in d.add:
-                inv[(e.key, e.tier)] = e
-            self.offloads[node_id].extend(d.offload)
+            self.outboxes[node_id].pending.merge(d)
+        now = self.clock.t
+        for node_id, ob in self.outboxes.items():
+            while ob.mounted:
+                payload = ob.next_message(now)
+                if payload is None:
+                    break
+                fate = self.rng.random() if faults else 1.0
+                if self.paused.get(node_id, -1) > now:
+                    ob.failed(now, 0.0)
+                    break
+                if fate < 0.1:
+                    ob.failed(now, 0.0)  # lost on the way: sent again next time
+                    break
+                mount_id, seq, delta = rpc.unpack(payload)
+                answer, files, offloads = self.inv[node_id].apply(mount_id, seq, delta)
+                for key, gen in files:  # the node's worker deletes the files
+                    self.inv[node_id].drop_disk(key, gen)
+                self.offloads[node_id].extend(offloads)
+                if fate < 0.2:
+                    ob.failed(now, 0.0)  # the answer lost: applied, sent again, applied once
+                    break
+                ob.answered(answer)
+
+    def flush(self):
+        self.paused.clear()
+        while any(ob.mounted and ob.busy() and not ob.stale for ob in self.outboxes.values()):
+            self.deliver(faults=False)
 
     def finish_offloads(self):
         node_id = self.rng.choice(list(self.offloads))
@@ -133,7 +170,7 @@ class Sim:
             ok = self.rng.random() < 0.9
             length = disk_length(size)
             if ok:  # the node wrote the file: it remembers it
-                self.inv[node_id][(key, "disk")] = InventoryEntry(key, gen, size, "disk", 0, length)
+                self.inv[node_id].add_disk(InventoryEntry(key, gen, size, "disk", 0, length))
             items.append((key, gen, length, ok, "" if ok else "EIO"))
         self.m.offload_done(node_id, items)
 
@@ -144,9 +181,8 @@ class Sim:
             err = self.rng.choice(["", "", "", "ChecksumError"])
             if err:
                 self.forced.add(key)  # a corrupt copy may legitimately take a leased key
-            e = self.inv[node_id].get((key, "disk"))
-            if err and e is not None and e.gen == gen:
-                del self.inv[node_id][(key, "disk")]  # a corrupt file is removed by the node
+            if err:
+                self.inv[node_id].drop_disk(key, gen)  # a corrupt file is removed by the node
             self.m.promote_done(node_id, [(key, gen, off, err)])
 
     def step(self):
@@ -218,18 +254,26 @@ class Sim:
             elif r < 0.82:
                 self.finish_promotions()
             elif r < 0.85:
-                m.tick()
+                for n in m.tick()["unmounted"]:  # the actor keeps the outbox for its return
+                    self.outboxes[n].mounted = False
             elif r < 0.88:   # heartbeats; a node the master forgot remounts with its inventory
                 for n in list(self.incs):
-                    if not m.heartbeat(n, self.incs[n]):
+                    if self.paused.get(n, -1) > self.clock.t:
+                        continue
+                    ob = self.outboxes.get(n)
+                    if not (ob is not None and ob.accepts(self.incs[n], self.inv[n].mount_id)
+                            and m.heartbeat(n, self.incs[n])):
                         self.remount(n)
+            elif r < 0.885:  # a store node pauses, sometimes past node_ttl_s
+                self.paused[rng.choice(list(self.incs))] = self.clock.t + rng.choice([2, 5, 12, 20])
             elif r < 0.90:   # a store node dies and comes back: DRAM empty, spill files kept
                 victim = rng.choice(list(self.incs))
                 m.unmount(victim, "killed")
                 self.add_node(victim, keep_disk=True)
                 self.promotions = [p for p in self.promotions if p[0] != victim]
             elif r < 0.92:   # the master restarts and rebuilds from the inventories
-                self.deliver()
+                self.flush()  # (a put acknowledged inside the delivery window is lost: not modelled)
+                self.outboxes = {}
                 for k, v in m.counters.items():
                     self.totals[k] = self.totals.get(k, 0) + v
                 self.m = m = self._new_master()
@@ -297,10 +341,15 @@ class Sim:
             if cur is None:  # only a forced remove or the loss of its nodes may take it
                 lost = any(self.losses.get(n, 0) > c for n, c in seen.items())
                 assert lost, f"leased {key} gen {gen} vanished while its nodes lived"
-        for node_id, inv in self.inv.items():
+        views = {}
+        for node_id, store in self.inv.items():
             if node_id not in m._nodes:
                 continue  # unmounted for silence: it remounts with this inventory
-            for (key, tier), e in inv.items():
+            # what the node holds once it has applied what it is owed
+            view = {(e[0], e[3]): InventoryEntry(*e)
+                    for e in reconcile(store.snapshot(), self.outboxes[node_id].owed())}
+            views[node_id] = view
+            for (key, tier), e in view.items():
                 obj = m._objects.get(key)
                 assert obj is not None and obj.gen == e.gen, f"{node_id} remembers stale {key}/{tier}"
                 assert any(r.node_id == node_id and r.tier.value == tier and
@@ -309,7 +358,7 @@ class Sim:
         for key, obj in m._objects.items():
             for r in obj.replicas:
                 if r.ready:
-                    assert (key, r.tier.value) in self.inv[r.node_id], \
+                    assert (key, r.tier.value) in views[r.node_id], \
                         f"{key}/{r.tier.value} on {r.node_id} missing from its inventory"
 
 

@@ -15,6 +15,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
+from mooncake_ray._private.store.inventory import StoreInventory
 
 K = ALIGN
 
@@ -268,13 +269,11 @@ def test_effects_carry_inventory_and_rebuild_restores_everything():
     put(m, "c", K)
     m.remove("c")
     m.pin("b", hard=True)
-    inv = {"n0": {}, "n1": {}}
+    inv = {"n0": StoreInventory(), "n1": StoreInventory()}
     for node_id, d in m.drain_effects().items():
-        for e in d.add:
-            inv[node_id][e.key] = e
-        for key, gen, _tier in d.drop:
-            if key in inv[node_id] and inv[node_id][key].gen == gen:
-                del inv[node_id][key]
+        mount_id, _ = inv[node_id].begin_mount()
+        inv[node_id].apply(mount_id, 1, d.to_wire())
+    inv = {n: {e.key: e for e in i.entries.values()} for n, i in inv.items()}
     assert m.drain_effects() == {}
     # A new master incarnation rebuilds from the nodes' inventories.
     m2 = MasterState(m.policy, clock=clock, wall_ns=lambda: 0)
@@ -365,5 +364,5 @@ def test_rebuild_resolves_overlapping_entries_in_favour_of_the_newer_allocation(
     fresh = InventoryEntry("new", 9, K, "dram", 0, K)
     m.mount(node(0), [stale, fresh])
     assert m.exists("new") and not m.exists("old")
-    assert ("old", 5, "dram") in m.drain_effects()["n0"].drop
+    assert ("old", 5, "dram") in m.drain_effects()["n0"].drops
     m.check_invariants()

@@ -54,7 +54,7 @@ def test_native_commit_is_applied_as_put_commit_would_be():
     assert sorted(m._slabs[sid].free.items()) == [(off + 3 * K, length - 3 * K)]
     assert m.counters["puts"] == 2 and m.counters["hits"] == 3
     delta = m.drain_effects()[nid]
-    assert [(e.key, e.gen, e.offset) for e in delta.add] == [("a", gens[0], off), ("b", gens[1], off + K)]
+    assert [(e.key, e.gen, e.offset) for e in delta.adds] == [("a", gens[0], off), ("b", gens[1], off + K)]
     assert m.put_commit("c", sid, off + 3 * K, 10, False, "c1") > gens[1]  # the counter went on
     m.check_invariants()
 
@@ -90,4 +90,4 @@ def test_an_add_and_a_drop_in_one_delta_leave_the_node_without_the_value():
     put(m, "new", 4 * K)
     m.remove("new")
     delta = m.drain_effects()["n0"]
-    assert all(e.key != "new" for e in delta.add) and ("new", m._next_gen, "dram") in delta.drop
+    assert all(e.key != "new" for e in delta.adds) and ("new", m._next_gen, "dram") in delta.drops

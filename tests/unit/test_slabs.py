@@ -40,7 +40,7 @@ def test_commit_publishes_in_one_call_and_pieces_are_carved():
     assert m.get("b")[3][0][2] == off + 4 * K and m.get("b")[3][0][3] == 2 * K
     assert m.stats()["slab_bytes"] == 16 * K - 3 * K
     delta = m.drain_effects()[nid]
-    assert {e.key for e in delta.add} == {"a", "b"}  # the node's inventory learns both
+    assert {e.key for e in delta.adds} == {"a", "b"}  # the node's inventory learns both
     m.check_invariants()
 
 

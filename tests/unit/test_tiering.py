@@ -150,6 +150,6 @@ def test_offload_of_removed_object_deletes_its_file():
     m.remove("a")
     m.drain_effects()
     m.offload_done("n", [("a", 1, K, True, "")])
-    assert ("a", 1, "disk") in m.drain_effects()["n"].drop
+    assert ("a", 1, "disk") in m.drain_effects()["n"].drops
     assert m.stats()["disk_used"] == 0
     m.check_invariants()

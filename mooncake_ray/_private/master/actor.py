@@ -11,12 +11,18 @@ Both take ``_lock`` around the state machine. GET, EXISTS, lease releases and cl
 one-call put commits are mostly answered without it, in C++ from a mirror of the index
 (``fastpath.py``): ``_lock`` also holds that mirror's mutex and first applies what it did;
 a thread woken by logged commits applies them within milliseconds. Inventory changes the state machine queues
-for store nodes go to an outbox under that lock and a delivery thread sends them, in
-order, per node (over the same transport). A client's put does not wait for them: the
-window in which a just-acknowledged put is not yet in its store node's inventory is one
-coalescing interval plus one delivery (about a millisecond). A master killed inside that window loses
-those puts on rebuild: they become misses, never wrong bytes (overlapping inventory
-entries are resolved in favour of the newer allocation).
+for store nodes are merged into each node's outbox (``outbox.py``) under that lock,
+and a delivery thread sends them, in order, one message in flight per node, over the same
+transport; a message that fails or goes unanswered is sent again, never counted as the
+node's death. A client's put does not wait for them: the window in which a
+just-acknowledged put is not yet in its store node's inventory is one coalescing interval
+plus one delivery (about a millisecond). A master killed inside that window loses those
+puts on rebuild: they become misses, never wrong bytes (overlapping inventory entries are
+resolved in favour of the newer allocation).
+
+Liveness is the heartbeat alone: store nodes call ``heartbeat`` on a concurrency group of
+its own, and it is answered without the state lock, so neither a burst of RPCs, an
+eviction, a large mount nor a slow inventory delivery delays it.
 
 Lock order: ``_lock`` (the Python lock, then the index mutex) before ``_outbox_cv``;
 nothing is held while calling out.
@@ -34,6 +40,7 @@ import ray
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
 from mooncake_ray._private.metrics import MasterMetrics
@@ -41,8 +48,11 @@ from mooncake_ray._private.naming import store_actor_ids
 
 log = logging.getLogger(__name__)
 
-INVENTORY_TIMEOUT_S = 2.0
 DELIVERY_COALESCE_S = 0.001
+RESEND_AFTER_S = 10.0  # an unanswered inventory message goes again (the node dedupes it)
+RETRY_BACKOFF_S = 0.2  # after a failed send; grows per attempt, up to 2 s
+SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message for this long
+LIVENESS_GROUP = "liveness"
 
 
 class MasterActor:
@@ -94,7 +104,7 @@ class MasterActor:
             rpc.SLAB_RETURN: self._return_slabs,
         }
         self._stop = threading.Event()
-        self._outbox: list = []
+        self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
         self._outbox_cv = threading.Condition()
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
@@ -161,54 +171,120 @@ class MasterActor:
                 pass
 
     def _deliver(self) -> None:
-        """Queue the state machine's inventory deltas for the delivery thread (lock held)."""
+        """Merge the state machine's inventory changes into the nodes' outboxes (lock held)."""
         effects = self.state.drain_effects()
-        if effects:
-            with self._outbox_cv:
-                for node_id, delta in effects.items():
-                    self._outbox.append((node_id, [[list(e) for e in delta.add], [list(d) for d in delta.drop],
-                                                   [list(o) for o in delta.offload]]))
-                self._outbox_cv.notify()
+        if not effects:
+            return
+        with self._outbox_cv:
+            for node_id, delta in effects.items():
+                ob = self._outboxes.get(node_id)
+                if ob is None:
+                    continue
+                if ob.pending.empty():
+                    ob.pending = delta
+                else:
+                    ob.pending.merge(delta)
+            self._outbox_cv.notify()
 
     def _delivery_loop(self) -> None:
-        """Send queued deltas, in order, one batch per store node at a time: a node never
-        sees deltas out of order, and no client call waits for a store node (a put would
-        otherwise pay a second round trip)."""
+        """Send each node what it is owed, one message in flight per node (so a node never
+        applies them out of order, and a slow node does not hold up the others); no client
+        call waits for this (a put would otherwise pay a second round trip)."""
         while not self._stop.is_set():
-            with self._outbox_cv:
-                while not self._outbox and not self._stop.is_set():
-                    self._outbox_cv.wait(0.5)
-            # Coalesce: under a stream of puts, one delivery per millisecond instead of one
-            # per put (each costs the master and the store node a Python call).
+            try:
+                self._delivery_round()
+            except Exception:  # never let delivery die: report and go on
+                log.exception("inventory delivery failed")
+                time.sleep(0.1)
+
+    def _delivery_round(self) -> None:
+        with self._outbox_cv:
+            sends, waiting = self._collect(time.monotonic())
+            if not sends and not waiting:
+                self._outbox_cv.wait(0.05)
+                # Coalesce: under a stream of puts, one message per millisecond instead of
+                # one per put (each costs the master and the store node a Python call).
+                woke = True
+            else:
+                woke = False
+        if woke:
             time.sleep(DELIVERY_COALESCE_S)
+            return
+        for node_id, ob, payload in sends:
+            peer = self._peer(node_id)
+            handle = None
+            if peer is not None:
+                try:
+                    handle = self.engine.call_async(peer, rpc.NODE_INVENTORY_RPC, payload)
+                except MooncakeRayError as e:
+                    log.info("inventory send to store node %s failed (%s); retrying", node_id, e)
+                    self._peers.pop(node_id, None)
             with self._outbox_cv:
-                batch, self._outbox = self._outbox, []
-            per_node: dict[str, list] = {}
-            for node_id, delta in batch:
-                per_node.setdefault(node_id, []).append(delta)
-            calls, ids = [], []
-            for node_id, deltas in per_node.items():
-                peer = self._peer(node_id)
-                if peer is not None:
-                    calls.append((peer, rpc.NODE_INVENTORY_RPC, rpc.pack(deltas)))
-                    ids.append(node_id)
-            if not calls:
-                continue
-            results = self.engine.call_many(calls, timeout_s=INVENTORY_TIMEOUT_S)
-            for node_id, res in zip(ids, results):
-                if isinstance(res, BaseException):
-                    log.warning("store node %s missed an inventory update (%s); marking it suspect",
-                                node_id, res)
-                    with self._lock:
-                        self._peers.pop(node_id, None)
-                        self.state.report_unreachable(node_id)
+                if handle is None:
+                    ob.failed(time.monotonic(), RETRY_BACKOFF_S)
+                else:
+                    ob.handle = handle
+                    waiting.append((node_id, ob))
+        if not waiting:
+            return
+        try:
+            waiting[0][1].handle.wait(0.002)  # GIL released; then poll them all
+        except MooncakeRayError:
+            pass
+        now = time.monotonic()
+        for node_id, ob in waiting:
+            self._check_answer(node_id, ob, now)
+
+    def _collect(self, now: float):
+        """Messages due (outbox lock held), and the outboxes awaiting an answer."""
+        sends, waiting = [], []
+        for node_id, ob in self._outboxes.items():
+            if ob.handle is not None:
+                waiting.append((node_id, ob))
+            elif ob.mounted:
+                payload = ob.next_message(now)
+                if payload is not None:
+                    sends.append((node_id, ob, payload))
+        return sends, waiting
+
+    def _check_answer(self, node_id: str, ob: NodeOutbox, now: float) -> None:
+        handle = ob.handle
+        if handle is None:
+            return
+        if handle.done():
+            try:
+                reply = handle.result(0)
+                err = None
+            except MooncakeRayError as e:
+                reply, err = None, e
+            with self._outbox_cv:
+                if err is None:
+                    ob.answered(reply)
+                else:
+                    ob.failed(now, RETRY_BACKOFF_S)
+            if err is not None:
+                log.info("store node %s did not take an inventory update (%s); retrying", node_id, err)
+                self._peers.pop(node_id, None)
+            elif ob.slow_logged:
+                log.warning("store node %s took the inventory update after %.1fs", node_id, now - ob.slow_since)
+            return
+        if now - ob.slow_since > SLOW_DELIVERY_S and not ob.slow_logged:
+            ob.slow_logged = True
+            log.warning("store node %s has not answered an inventory update for %.1fs (busy or paused); "
+                        "still waiting (its liveness is its heartbeat)", node_id, now - ob.slow_since)
+        if now - ob.sent_at > RESEND_AFTER_S:
+            handle.cancel()
+            with self._outbox_cv:
+                ob.failed(now, RETRY_BACKOFF_S)
 
     def flush_inventory(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued inventory delta was handed to its store node (tests)."""
+        """Wait until every mounted store node has applied what it is owed (tests)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            with self._lock:  # effects queued by calls in progress reach the outboxes
+                pass
             with self._outbox_cv:
-                if not self._outbox:
+                if not any(ob.busy() for ob in self._outboxes.values() if ob.mounted):
                     return True
             time.sleep(0.005)
         return False
@@ -234,25 +310,51 @@ class MasterActor:
     def rpc_address(self) -> bytes:
         return self.engine.address
 
-    def mount(self, info: dict, inventory: list) -> str:
-        """A store node (re)joins with what it holds. Returns this master's incarnation."""
+    def mount(self, info: dict, inventory: list, mount_id: int = 0) -> str:
+        """A store node (re)joins with what it holds. Returns this master's incarnation.
+
+        A node this master unmounted (silent past ``node_ttl_s``) that comes back as the
+        same incarnation is first brought up to date: whatever it was owed and may not have
+        applied (puts acknowledged, values dropped meanwhile) is applied to its inventory
+        here and sent to it again, so its keys come back and nothing dropped returns.
+        A repeat of an older mount of the same incarnation is ignored."""
         node = NodeInfo(**info)
         with self._lock:
+            cur = self.state._nodes.get(node.node_id)
+            known = cur is not None and cur.incarnation == node.incarnation
+            with self._outbox_cv:
+                old = self._outboxes.get(node.node_id)
+                plan = plan_mount(old, node.incarnation, mount_id, known, inventory)
+                if plan is None:
+                    return self.incarnation
+                inventory, self._outboxes[node.node_id] = plan
+                self._outbox_cv.notify()
             self._peers.pop(node.node_id, None)
             self.state.mount(node, inventory)
             self._deliver()
-        log.info("mounted store node %s (%d bytes, %d objects)", node.node_id, node.capacity,
-                 len(inventory))
+        rejoined = old is not None and old.incarnation == node.incarnation and not known
+        log.info("mounted store node %s (%d bytes, %d objects, mount %d%s)", node.node_id, node.capacity,
+                 len(inventory), mount_id, ", rejoining" if rejoined else "")
         return self.incarnation
 
-    def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
+    @ray.method(concurrency_group=LIVENESS_GROUP)
+    def heartbeat(self, node_id: str, incarnation: str, mount_id: int = 0, spill_used: int | None = None,
                   spill_degraded: str | None = None) -> bool:
-        with self._lock:
-            return self.state.heartbeat(node_id, incarnation, spill_used, spill_degraded)
+        """A store node is alive. False: it must (re)mount with its inventory.
+
+        Answered without the state lock (it writes only the node's liveness fields), on a
+        thread of its own, so a master busy with RPCs, eviction or a large mount still
+        hears every heartbeat."""
+        ob = self._outboxes.get(node_id)
+        if ob is None or not ob.accepts(incarnation, mount_id):
+            return False
+        return self.state.heartbeat(node_id, incarnation, spill_used, spill_degraded)
 
     def unmount(self, node_id: str) -> int:
         with self._lock:
             self._peers.pop(node_id, None)
+            with self._outbox_cv:
+                self._outboxes.pop(node_id, None)
             return self.state.unmount(node_id, "unmounted by request")
 
     def stats(self) -> dict:
@@ -282,9 +384,15 @@ class MasterActor:
                     done = self.state.tick()
                     self._deliver()
                     stats = self.state.gauges()
+                if done["unmounted"]:
+                    with self._outbox_cv:  # kept: a node that comes back is owed them
+                        for node_id in done["unmounted"]:
+                            if node_id in self._outboxes:
+                                self._outboxes[node_id].mounted = False
                 for node_id in done["unmounted"]:
                     self._peers.pop(node_id, None)
-                    log.warning("unmounted silent store node %s (%d keys lost)", node_id, done["lost"])
+                    log.warning("unmounted store node %s: no heartbeat for %.1fs (%d keys lost)", node_id,
+                                self.cfg.master.node_ttl_s, done["lost"])
                 self._metrics.update(stats)
             except Exception:  # keep ticking: a bug here must not stop liveness checks
                 log.exception("master tick failed")
@@ -345,4 +453,5 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
 
 
 def master_actor_class():
-    return ray.remote(MasterActor)
+    """The master as a Ray actor class; heartbeats run on a concurrency group of their own."""
+    return ray.remote(concurrency_groups={LIVENESS_GROUP: 1})(MasterActor)

@@ -116,7 +116,8 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
-                         "promotions": 0, "disk_evictions": 0}
+                         "promotions": 0, "disk_evictions": 0,
+                         "node_unmounts": 0, "unmount_lost_keys": 0}
 
     # ------------------------------------------------------------------ nodes --
     def mount(self, node: NodeInfo, inventory: list[InventoryEntry] = ()) -> None:
@@ -144,7 +145,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         obj = self._objects.get(e.key)
         if obj is not None and obj.gen != e.gen:
             if obj.gen > e.gen:  # a stale replica of a replaced value
-                self._delta(node.node_id).drop.append((e.key, e.gen, e.tier))
+                self._delta(node.node_id).drop(e.key, e.gen, e.tier)
                 return
             self._drop_object(obj, now)  # ours is the newer value
             obj = None
@@ -152,7 +153,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
             try:
                 self._alloc[node.node_id].reserve(e.offset, e.length)
             except ValueError:  # overlaps another entry: trust neither copy of these bytes
-                self._delta(node.node_id).drop.append((e.key, e.gen, e.tier))
+                self._delta(node.node_id).drop(e.key, e.gen, e.tier)
                 return
         elif obj is not None and any(r.node_id == node.node_id and r.tier is tier for r in obj.replicas):
             return  # the same disk copy listed twice
@@ -172,7 +173,8 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
                   spill_degraded: str | None = None) -> bool:
-        """Record liveness. Returns False if the node must (re)mount with its inventory."""
+        """Record liveness. Returns False if the node must (re)mount with its inventory.
+        Writes only the node's liveness fields: the actor calls it without its lock."""
         node = self._nodes.get(node_id)
         if node is None or node.incarnation != incarnation:
             return False
@@ -361,7 +363,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
             node = self._nodes[r.node_id]
             node.keys.add(key)  # dropping the old value may have unindexed it
             node.tier_keys[r.tier.value] += 1
-            self._delta(r.node_id).add.append(self._entry(obj, r))
+            self._delta(r.node_id).add(self._entry(obj, r))
         self._mirror_key(key)
 
     def put_revoke(self, key: str, gen: int) -> bool:
@@ -511,7 +513,7 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
     def _publish_pin(self, obj: Obj) -> None:
         for r in obj.replicas:
             if r.tier is Tier.DRAM and r.ready:
-                self._delta(r.node_id).add.append(self._entry(obj, r))
+                self._delta(r.node_id).add(self._entry(obj, r))
 
     @staticmethod
     def _entry(obj: Obj, r: Replica) -> InventoryEntry:
@@ -579,12 +581,9 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         node = self._nodes.get(r.node_id)
         if node is None:
             return
-        d = self._delta(r.node_id)
-        if d.add:
-            # A node applies a delta's drops before its adds: an add of this same replica
-            # still in the delta (published, then evicted before delivery) must go too.
-            d.add[:] = [e for e in d.add if not (e.key == obj.key and e.gen == obj.gen and e.tier == r.tier.value)]
-        d.drop.append((obj.key, obj.gen, r.tier.value))
+        # An add of this replica still in the delta (published, then evicted before
+        # delivery) is cancelled there, in O(1).
+        self._delta(r.node_id).drop(obj.key, obj.gen, r.tier.value)
         if obj.complete and r.ready:
             node.tier_keys[r.tier.value] -= 1
         if r.tier is Tier.DISK:
@@ -645,6 +644,8 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
             self.put_revoke(key, gen)
         silent = [n for n in self._nodes.values() if now - n.last_heartbeat > self.policy.node_ttl_s]
         lost = sum(self.unmount(n.node_id, f"silent for {now - n.last_heartbeat:.1f}s") for n in silent)
+        self.counters["node_unmounts"] += len(silent)
+        self.counters["unmount_lost_keys"] += lost
         return {"revoked": len(expired), "unmounted": [n.node_id for n in silent], "lost": lost,
                 "slabs_expired": slabs}
 

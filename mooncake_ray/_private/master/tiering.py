@@ -88,7 +88,7 @@ class TieringMixin:
             if rep is None:  # removed or replaced meanwhile: its disk copy is garbage
                 node.disk_used -= reserved
                 if ok:
-                    self._delta(node_id).drop.append((key, gen, Tier.DISK.value))
+                    self._delta(node_id).drop(key, gen, Tier.DISK.value)
                 continue
             rep.offloading = False
             node.offload_inflight -= rep.length
@@ -110,7 +110,7 @@ class TieringMixin:
     def _adopt_disk_copy(self, node: NodeInfo, key: str, gen: int, length: int) -> None:
         obj = self._objects.get(key)
         if obj is None or obj.gen != gen:
-            self._delta(node.node_id).drop.append((key, gen, Tier.DISK.value))
+            self._delta(node.node_id).drop(key, gen, Tier.DISK.value)
             return
         if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
             return  # the same file written twice (a repeated offload): already known
@@ -158,7 +158,7 @@ class TieringMixin:
                     self._mirror_key(key)
                     self._nodes[node_id].tier_keys["dram"] += 1
                     self.counters["promotions"] += 1
-                    self._delta(node_id).add.append(self._entry(obj, rep))
+                    self._delta(node_id).add(self._entry(obj, rep))
                 continue
             if rep is not None:
                 self._drop_replica(obj, rep, now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,17 +78,83 @@ class InventoryEntry(NamedTuple):
     pin: int = 0
 
 
-@dataclass(slots=True)
 class NodeDelta:
-    """Inventory changes the master owes one store node (sent before it replies)."""
+    """Inventory changes the master owes one store node, merged per ``(key, tier)``.
 
-    add: list[InventoryEntry] = field(default_factory=list)
-    drop: list[tuple[str, int, str]] = field(default_factory=list)  # (key, gen, tier)
-    offload: list[tuple[str, int, int, int, int]] = field(default_factory=list)
-    """Write these DRAM extents to disk: (key, gen, size, offset, length)."""
+    A record is ``[drop_gen, entry]``: the node deletes its entry for that key and tier if
+    the entry's gen is ``<= drop_gen`` (-1: no drop), then stores ``entry`` (None: no
+    add). A value's gens only grow, so "drop every gen up to g" is what any sequence of
+    drops and adds of one key nets to, and a put evicted before its add was sent leaves
+    only its drop (the add is cancelled here in O(1), not searched for in a list).
+    Offloads are commands, kept in order. Merging keeps what a slow or unreachable node
+    is owed bounded by the keys touched on it, not by the number of operations.
+    """
+
+    __slots__ = ("_recs", "offload")
+
+    def __init__(self) -> None:
+        self._recs: dict[tuple[str, str], list] = {}
+        self.offload: list[tuple[str, int, int, int, int]] = []
+        """Write these DRAM extents to disk: (key, gen, size, offset, length)."""
+
+    def add(self, e: InventoryEntry) -> None:
+        rec = self._recs.get((e.key, e.tier))
+        if rec is None:
+            self._recs[(e.key, e.tier)] = [-1, e]
+        else:
+            rec[1] = e
+
+    def drop(self, key: str, gen: int, tier: str) -> None:
+        rec = self._recs.get((key, tier))
+        if rec is None:
+            self._recs[(key, tier)] = [gen, None]
+            return
+        if rec[1] is not None and rec[1].gen <= gen:
+            rec[1] = None
+        if gen > rec[0]:
+            rec[0] = gen
+
+    def merge(self, other: "NodeDelta", offloads: bool = True) -> None:
+        """Apply ``other``'s changes after this one's."""
+        for (key, tier), (gen, e) in other._recs.items():
+            if gen >= 0:
+                self.drop(key, gen, tier)
+            if e is not None:
+                self.add(e)
+        if offloads:
+            self.offload.extend(other.offload)
+
+    def split(self, max_items: int) -> "NodeDelta":
+        """Move up to ``max_items`` records and offloads out of this delta into a new one
+        (records of distinct keys are independent, so any subset may go first)."""
+        out = NodeDelta()
+        if len(self) <= max_items:
+            out._recs, self._recs = self._recs, {}
+            out.offload, self.offload = self.offload, []
+            return out
+        for k in list(itertools.islice(self._recs, max_items)):
+            out._recs[k] = self._recs.pop(k)
+        room = max(0, max_items - len(out._recs))
+        out.offload, self.offload = self.offload[:room], self.offload[room:]
+        return out
+
+    @property
+    def adds(self) -> list[InventoryEntry]:
+        return [e for _g, e in self._recs.values() if e is not None]
+
+    @property
+    def drops(self) -> list[tuple[str, int, str]]:
+        return [(k, g, t) for (k, t), (g, _e) in self._recs.items() if g >= 0]
+
+    def to_wire(self) -> list:
+        """``[adds, drops, offloads]`` as plain lists (msgpack)."""
+        return [[list(e) for e in self.adds], [list(d) for d in self.drops], [list(o) for o in self.offload]]
 
     def empty(self) -> bool:
-        return not (self.add or self.drop or self.offload)
+        return not (self._recs or self.offload)
+
+    def __len__(self) -> int:
+        return len(self._recs) + len(self.offload)
 
 
 @dataclass

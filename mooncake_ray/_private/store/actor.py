@@ -5,15 +5,18 @@ through the transport (a memcpy through shared memory on the same host, UCX put/
 push from this node's engine across hosts, served in C++ without waking Python). What
 runs here in Python is bookkeeping and the disk tier:
 
-- the inventory (what this node holds and where): DRAM entries are written only by the
-  master's deltas; disk entries by this node when a spill file is complete, and deleted
-  by the master's drops. Every (re)mount hands the whole inventory to the master, so a
-  restarted master loses nothing, and a restarted node gets its spilled keys back;
+- the inventory (``inventory.py``: what this node holds and where): DRAM entries are
+  written only by the master's messages, applied once and in order per mount; disk
+  entries by this node when a spill file is complete, and deleted by the master's drops.
+  Every (re)mount hands the whole inventory to the master, so a restarted master loses
+  nothing, and a restarted node gets its spilled keys back;
 - offloads (write these arena extents to disk) run on a worker thread, in batches,
   with io_uring; each batch is reported to the master (OFFLOAD_DONE);
 - promotions (read this spilled object into that arena extent), asked by clients;
-- mount and heartbeat (Ray actor calls to the master): a heartbeat answered "unknown"
-  means the master restarted or unmounted us, and we remount with the inventory.
+- mount and heartbeat (Ray actor calls to the master, from a thread that does nothing
+  else once mounted): the heartbeat is the master's only evidence of liveness; one
+  answered "unknown" means the master restarted or unmounted us, and we remount with
+  the inventory.
 
 Lock order: ``_lock`` guards the inventory; it is never held across a call out.
 """
@@ -25,6 +28,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 import uuid
 
 import ray
@@ -35,11 +39,11 @@ from mooncake_ray._private import rpc
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
+from mooncake_ray._private.store.inventory import DISK, StoreInventory
 from mooncake_ray._private.naming import MASTER_NAME
 
 log = logging.getLogger(__name__)
 
-DRAM, DISK = "dram", "disk"
 _OFFLOAD_BATCH = 64
 
 
@@ -56,7 +60,8 @@ class StoreNodeActor:
                              serve_linger_us=t.linger_us())
         self.arena = self.engine.alloc_arena(self.cfg.segment_size_bytes)
         self._lock = threading.Lock()
-        self.inventory: dict[tuple[str, str], InventoryEntry] = {}
+        self.inv = StoreInventory()
+        self._stall_until = 0.0  # fault injection: inventory messages wait until then
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
         self._master_rpc = MasterChannel(self.engine, self.cfg.namespace, retry_timeout_s=60.0,
@@ -83,7 +88,7 @@ class StoreNodeActor:
         cap = sp.capacity_bytes or int(shutil.disk_usage(directory).free * 0.95)
         tier = SpillTier(directory, cap, queue_depth=sp.queue_depth, use_uring=sp.use_uring)
         for key, gen, length in tier.keys():  # opening the tier scanned the headers
-            self.inventory[(key, DISK)] = InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key))
+            self.inv.add_disk(InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key)))
         log.info("spill tier %s: %d objects found", directory, tier.num_keys)
         return tier
 
@@ -100,7 +105,7 @@ class StoreNodeActor:
                 name = type(res).__name__
                 if isinstance(res, (ChecksumError, ObjectNotFoundError)):
                     with self._lock:  # the tier deleted the corrupt file
-                        self.inventory.pop((key, DISK), None)
+                        self.inv.drop_disk(key, gen)
             else:
                 name = "" if res == gen else ObjectNotFoundError.__name__
             out.append(name)
@@ -130,12 +135,10 @@ class StoreNodeActor:
             if kind == "drop":
                 key, gen = item
                 info = self.tier.info(key) if self.tier else None
-                if info is not None and info[1] == gen:
+                if info is not None and info[1] <= gen:
                     self.tier.remove(key)
                 with self._lock:
-                    e = self.inventory.get((key, DISK))
-                    if e is not None and e.gen == gen:
-                        del self.inventory[(key, DISK)]
+                    self.inv.drop_disk(key, gen)
             else:
                 offloads.append(item)
         if not offloads:
@@ -150,31 +153,28 @@ class StoreNodeActor:
             ok = not isinstance(res, BaseException)
             if ok:
                 with self._lock:
-                    self.inventory[(key, DISK)] = InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key))
+                    self.inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
             report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
         self._master_rpc.call(rpc.OFFLOAD_DONE, self.node_id, report)
 
     # ---------------------------------------------------------------- inventory --
     def _on_inventory(self, data: bytes) -> bytes:
-        for delta in rpc.unpack(data):  # in the order the master made them
-            self._apply_delta(*delta)
-        return b""
-
-    def _apply_delta(self, adds, drops, offloads) -> None:
+        """One message of the master's stream: ``[mount_id, seq, [adds, drops, offloads]]``."""
+        mount_id, seq, delta = rpc.unpack(data)
+        if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
+            time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
-            for key, gen, tier in drops:
-                if tier == DRAM:
-                    e = self.inventory.get((key, DRAM))
-                    if e is not None and e.gen == gen:
-                        del self.inventory[(key, DRAM)]
-            for e in adds:
-                self.inventory[(e[0], e[3])] = InventoryEntry(*e)
-        for key, gen, tier in drops:
-            if tier == DISK:
-                self._work.put(("drop", (key, gen)))
+            answer, files, offloads = self.inv.apply(mount_id, seq, delta)
+        for key, gen in files:
+            self._work.put(("drop", (key, gen)))
         for item in offloads:
-            self._work.put(("offload", tuple(item)))
+            self._work.put(("offload", item))
+        return answer
+
+    def debug_stall_inventory(self, seconds: float) -> None:
+        """Fault injection: hold inventory messages for ``seconds`` before applying them."""
+        self._stall_until = time.monotonic() + seconds
 
     def info(self) -> dict:
         sp = self.cfg.spill
@@ -197,9 +197,10 @@ class StoreNodeActor:
         return self._master
 
     def _mount(self) -> None:
-        with self._lock:
-            entries = [list(e) for e in self.inventory.values()]
-        ray.get(self._master_handle().mount.remote(self.info(), entries), timeout=60)
+        self._mounted.clear()
+        with self._lock:  # from here on, messages of earlier mounts are refused
+            mount_id, entries = self.inv.begin_mount()
+        ray.get(self._master_handle().mount.remote(self.info(), entries, mount_id), timeout=60)
         self._mounted.set()
 
     def _heartbeat_loop(self) -> None:
@@ -215,7 +216,7 @@ class StoreNodeActor:
                         self.tier.recover()  # the disk may be back (space freed, dir recreated)
                         degraded = self.tier.degraded
                     ok = ray.get(self._master_handle().heartbeat.remote(
-                        self.node_id, self.incarnation,
+                        self.node_id, self.incarnation, self.inv.mount_id,
                         self.tier.used_bytes if self.tier else None, degraded),
                         timeout=max(2.0, period * 3))
                     if not ok:
@@ -233,14 +234,12 @@ class StoreNodeActor:
 
     def inventory_snapshot(self) -> list:
         with self._lock:
-            return [list(e) for e in self.inventory.values()]
+            return self.inv.snapshot()
 
     def stats(self) -> dict:
         with self._lock:
-            dram = [e for e in self.inventory.values() if e.tier == DRAM]
-            disk = [e for e in self.inventory.values() if e.tier == DISK]
-        out = {"node_id": self.node_id, "capacity": self.arena.length,
-               "used": sum(e.length for e in dram), "keys": len(dram), "disk_keys": len(disk)}
+            counts = self.inv.counts()
+        out = {"node_id": self.node_id, "capacity": self.arena.length, **counts}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}

@@ -1,0 +1,108 @@
+"""What one store node holds, and how the master's messages change it (pure, no Ray).
+
+DRAM entries are written only by the master: a node cannot tell a finished put from an
+abandoned one, so it records what the master says it holds. Disk entries are written by
+the node when a spill file is complete (the master learns of it from OFFLOAD_DONE) and
+deleted on the master's word. The whole inventory goes to the master on every mount, so a
+restarted master loses nothing and a node that was unmounted comes back with its keys.
+
+The master's messages form a stream per *mount*: each mount of a node gets a new
+``mount_id`` (chosen by the node, increasing), and each message of that mount a sequence
+number. The node applies a message once, in order, and answers a message of an older
+mount with :data:`STALE` instead of applying it: the master then knows the message was
+not applied, and re-sends it (with everything else it owed) after the remount.
+
+Used by the store node actor (under its lock) and by the simulation, and by the master to
+compute what a remounting node holds once it has applied what it was owed.
+"""
+
+from __future__ import annotations
+
+from mooncake_ray._private.master.types import InventoryEntry, NodeDelta
+
+DRAM, DISK = "dram", "disk"
+APPLIED = b""
+STALE = b"stale"
+
+
+def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[str, int]]:
+    """Apply a delta's drops (``entry.gen <= gen`` goes), then its adds, to ``entries``
+    (``{(key, tier): InventoryEntry}``). DISK drops are returned as ``(key, gen)`` for the
+    caller to delete the files; with ``disk_drops`` they also leave ``entries`` here."""
+    files = []
+    for key, gen, tier in drops:
+        if tier == DISK:
+            files.append((key, gen))
+            if not disk_drops:
+                continue
+        e = entries.get((key, tier))
+        if e is not None and e.gen <= gen:
+            del entries[(key, tier)]
+    for e in adds:
+        e = InventoryEntry(*e)
+        entries[(e.key, e.tier)] = e
+    return files
+
+
+class StoreInventory:
+    """A node's inventory and its position in the master's message stream. Not
+    thread-safe: the store node actor holds its lock around every call."""
+
+    def __init__(self, entries=()) -> None:
+        self.entries: dict[tuple[str, str], InventoryEntry] = {}
+        for e in entries:
+            e = InventoryEntry(*e)
+            self.entries[(e.key, e.tier)] = e
+        self.mount_id = 0
+        self.applied_seq = 0
+
+    def begin_mount(self) -> tuple[int, list[list]]:
+        """A new mount: messages of earlier mounts are refused from now on. Returns the
+        new ``mount_id`` and the inventory to send with it."""
+        self.mount_id += 1
+        self.applied_seq = 0
+        return self.mount_id, self.snapshot()
+
+    def snapshot(self) -> list[list]:
+        return [list(e) for e in self.entries.values()]
+
+    def apply(self, mount_id: int, seq: int, delta) -> tuple[bytes, list, list]:
+        """Apply one message ``[adds, drops, offloads]`` of mount ``mount_id``.
+
+        Returns ``(answer, disk_drops, offloads)``: the answer for the master
+        (:data:`APPLIED`, also for a repeat of a message already applied, or
+        :data:`STALE`), and the work the message asks of the disk tier (empty unless
+        applied now).
+        """
+        if mount_id != self.mount_id:
+            return STALE, [], []
+        if seq <= self.applied_seq:
+            return APPLIED, [], []  # a retry of a message whose answer was late or lost
+        self.applied_seq = seq
+        adds, drops, offloads = delta
+        files = apply_records(self.entries, adds, drops, disk_drops=False)
+        return APPLIED, files, [tuple(o) for o in offloads]
+
+    def add_disk(self, e: InventoryEntry) -> None:
+        self.entries[(e.key, DISK)] = e
+
+    def drop_disk(self, key: str, gen: int) -> None:
+        """A file went (the master's drop, or found corrupt): forget it if not newer."""
+        e = self.entries.get((key, DISK))
+        if e is not None and e.gen <= gen:
+            del self.entries[(key, DISK)]
+
+    def counts(self) -> dict:
+        dram = [e for e in self.entries.values() if e.tier == DRAM]
+        disk = [e for e in self.entries.values() if e.tier == DISK]
+        return {"used": sum(e.length for e in dram), "keys": len(dram), "disk_keys": len(disk)}
+
+
+def reconcile(snapshot: list, owed: NodeDelta) -> list[list]:
+    """What a remounting node holds once it has applied ``owed`` (the master's messages it
+    may not have applied; applying one twice changes nothing): its snapshot with the
+    DRAM and disk records of ``owed`` applied. Used by the master to rebuild a node it
+    unmounted without trusting entries the node was told to drop."""
+    entries = {(e[0], e[3]): InventoryEntry(*e) for e in snapshot}
+    apply_records(entries, owed.adds, owed.drops, disk_drops=True)
+    return [list(e) for e in entries.values()]
