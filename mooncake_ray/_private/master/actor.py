@@ -370,6 +370,11 @@ class MasterActor:
         with self._lock:
             return self.state.nodes()
 
+    def node_entries(self, node_id: str) -> list:
+        """What this master believes ``node_id`` holds, as inventory entries (tests, tools)."""
+        with self._lock:
+            return [list(e) for e in self.state.node_entries(node_id)]
+
     def config(self) -> dict:
         return self.cfg.model_dump()
 

@@ -451,6 +451,21 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         obj = self._objects.get(key)
         return [] if obj is None else [(r.node_id, r.tier.value, r.ready) for r in obj.replicas]
 
+    def node_entries(self, node_id: str) -> list[InventoryEntry]:
+        """The inventory this master believes ``node_id`` holds (complete, readable
+        replicas): what the node's own inventory must equal once it has applied every
+        message it is owed (tests and tools)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return []
+        out = []
+        for key in node.keys:
+            obj = self._objects.get(key)
+            if obj is None:
+                continue
+            out.extend(self._entry(obj, r) for r in obj.replicas if r.node_id == node_id and r.ready)
+        return out
+
     # ----------------------------------------------------------------- removal --
     def remove(self, key: str, force: bool = False) -> bool:
         """Remove a stored value. Returns False if it was not stored (idempotent).

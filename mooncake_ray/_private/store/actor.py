@@ -251,5 +251,8 @@ class StoreNodeActor:
     def ping(self) -> str:
         return self.incarnation
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def shutdown(self) -> None:
         self._stop.set()
