@@ -254,6 +254,18 @@ def test_node_ttl_unmounts_and_keys_become_misses():
     m.check_invariants()
 
 
+def test_a_stalled_master_does_not_take_its_own_pause_for_the_nodes_silence():
+    m, clock = make(n_nodes=2, node_ttl_s=5)
+    clock.t += 60  # nobody was heard: the master itself did not run
+    m.excuse_silence(2.5)
+    clock.t += 2
+    assert m.tick()["unmounted"] == []
+    assert m.heartbeat("n1", "a")
+    clock.t += 1  # n0 stays silent past the window it was given
+    assert m.tick()["unmounted"] == ["n0"]
+    assert m.counters["node_unmounts"] == 1
+
+
 def test_suspect_node_gets_no_new_puts_until_heartbeat():
     m, _ = make(n_nodes=2)
     m.report_unreachable("n0")

@@ -382,11 +382,19 @@ class MasterActor:
         return self.incarnation
 
     def _tick_loop(self) -> None:
-        period = min(1.0, self.cfg.master.node_ttl_s / 4)
+        ttl = self.cfg.master.node_ttl_s
+        period = min(1.0, ttl / 4)
+        last = time.monotonic()
         while not self._stop.wait(period):
             try:
                 with self._lock:
+                    now = time.monotonic()
+                    if now - last > max(3 * period, ttl / 2):
+                        log.warning("master tick ran %.1fs late: giving store nodes time to be heard",
+                                    now - last - period)
+                        self.state.excuse_silence(ttl / 2)
                     done = self.state.tick()
+                    last = time.monotonic()
                     self._deliver()
                     stats = self.state.gauges()
                 if done["unmounted"]:

@@ -647,6 +647,15 @@ class MasterState(TieringMixin, SlabMixin, ReadIndexMixin):
         out, self._effects = self._effects, {}
         return {k: v for k, v in out.items() if k in self._nodes and not v.empty()}
 
+    def excuse_silence(self, window_s: float) -> None:
+        """The master itself was not listening (its tick ran late: the process stalled or
+        starved): give every node at least ``window_s`` from now to be heard, so the
+        master's own pause is never taken for the nodes' silence."""
+        floor = self._clock() - self.policy.node_ttl_s + window_s
+        for node in self._nodes.values():
+            if node.last_heartbeat < floor:
+                node.last_heartbeat = floor
+
     def tick(self) -> dict:
         """Periodic work: revoke timed-out puts, unmount silent nodes, free extents whose
         leases ended. Returns what it did."""
