@@ -13,7 +13,7 @@ NS_PRE := mount --make-rprivate / && ip link set lo up &&
 APT_PKGS := liburing-dev fio iproute2 util-linux prometheus
 NATIVE_SRC := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: all setup build demo test test-inner demo-inner bench clean sysdeps
+.PHONY: all setup build demo test test-fast test-inner demo-inner bench clean sysdeps
 
 all: build
 
@@ -61,6 +61,10 @@ test: build
 
 test-inner:
 	$(PY) -m pytest -x -q -p no:cacheprovider tests $(PYTEST_ARGS)
+
+# Quick iteration: unit, simulation and native tests (no Ray cluster), under a minute.
+test-fast: build
+	$(NS) '$(NS_PRE) exec $(PY) -m pytest -x -q -p no:cacheprovider tests/unit tests/sim tests/native $(PYTEST_ARGS)'
 
 demo: build
 	$(NS) '$(NS_PRE) exec $(MAKE) --no-print-directory demo-inner'
