@@ -7,6 +7,9 @@ Burst (``--runs`` times, a fresh store each time): a client in the driver proces
 master's counters (store nodes unmounted for silence, keys lost with them) and a
 reconciliation of the node's inventory against the master's view of it.
 
+``--busy N`` adds N CPU-bound processes at the niceness Ray gives its workers (15) for the
+bursts: a host busy with other work, where a node is slow without being dead.
+
 Kill (``--kills`` times): three store nodes, a writer putting one small value at a time
 with ``replicas=2``; one store node's process gets SIGKILL; reported: the time from the
 signal to the first put (issued after it) that succeeds, and the puts that failed. Ray
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import statistics
 import threading
@@ -174,6 +178,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--segment", default="2gb")
     ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes (nice 15) during the bursts")
     ap.add_argument("--protocols", default="auto,tcp", help="transport protocols for the kill runs")
     ap.add_argument("--out", default=str(RESULTS / "bench_liveness.json"))
     args = ap.parse_args()
@@ -185,6 +190,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.runs:
         cluster = _cluster(1)
+        hogs = [subprocess.Popen(["nice", "-n", "15", sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy)]
         for run in range(args.runs):
             row = burst_run(args, run)
             results["burst"].append(row)
@@ -193,6 +200,9 @@ def main() -> None:
                   f"failed {row['failed_puts']}, unmounts {row['node_unmounts']}, lost {row['unmount_lost_keys']}, "
                   f"inventory mismatch {row['inventory_mismatch']}", flush=True)
             out.write_text(json.dumps(results, indent=2))
+        for h in hogs:
+            h.kill()
+            h.wait()
         ray.shutdown()
         cluster.shutdown()
     if args.kills:

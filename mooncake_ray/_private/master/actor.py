@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 DELIVERY_COALESCE_S = 0.001
 RESEND_AFTER_S = 10.0  # an unanswered inventory message goes again (the node dedupes it)
 RETRY_BACKOFF_S = 0.2  # after a failed send; grows per attempt, up to 2 s
-SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message for this long
+SLOW_DELIVERY_S = 2.0
+ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)  # log a node that has not answered an inventory message for this long
 LIVENESS_GROUP = "liveness"
 
 
@@ -227,8 +228,8 @@ class MasterActor:
                     waiting.append((node_id, ob))
         if not waiting:
             return
-        try:
-            waiting[0][1].handle.wait(0.002)  # GIL released; then poll them all
+        try:  # GIL released; returns as soon as the answer is in (usually well under 1 ms)
+            waiting[0][1].handle.wait(ANSWER_POLL_S)
         except MooncakeRayError:
             pass
         now = time.monotonic()
