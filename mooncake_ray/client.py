@@ -152,7 +152,12 @@ class Client:
 
     def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None) -> None:
         """``put`` from a buffer (zero-copy if it was registered with ``register_buffer``);
-        ``size`` stores only the first ``size`` bytes."""
+        ``size`` stores only the first ``size`` bytes.
+
+        Raises:
+            InvalidArgumentError: ``size`` outside the buffer, or a bad key or buffer.
+            Otherwise as ``put``.
+        """
         self._raise_first(self._timed("put", [key], lambda: self._put_many(
             [key], [_Sized(buffer, size)], replicas, False)))
 
@@ -187,18 +192,33 @@ class Client:
     def batch_put(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int | None = None,
                   upsert: bool = False) -> list[MooncakeRayError | None]:
         """Put many values in one round of metadata calls. Returns, per key, ``None`` on
-        success or the error (e.g. ObjectExistsError) for that key."""
+        success or the error (e.g. ObjectExistsError) for that key; a key that failed with a
+        retryable error may be retried alone. ``upsert=True`` replaces stored values.
+
+        Raises:
+            InvalidArgumentError: ``keys`` and ``values`` differ in length, or a bad key.
+        """
         self._same_length(keys, values, "values")
         return self._timed("batch_put", keys, lambda: self._put_many(keys, values, replicas, upsert))
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
                        *, replicas: int | None = None) -> list[MooncakeRayError | None]:
+        """``batch_put`` from buffers (zero-copy from registered ones); ``sizes`` stores
+        only the first ``sizes[i]`` bytes of each. Returns ``None`` or the error per key.
+
+        Raises:
+            InvalidArgumentError: the lists differ in length, or a bad key.
+        """
         self._same_length(keys, buffers, "buffers")
         items = [_Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
         return self._timed("batch_put", keys, lambda: self._put_many(keys, items, replicas, False))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of many keys; ``None`` for a miss."""
+        """Values of many keys, in order; ``None`` for a miss.
+
+        Raises:
+            MasterUnavailableError, TransferError: a failure other than a miss (retryable).
+        """
         out = self._timed("batch_get", keys, lambda: self._get_many(keys, None))
         for v in out:
             if isinstance(v, BaseException) and not isinstance(v, ObjectNotFoundError):
@@ -207,15 +227,26 @@ class Client:
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | MooncakeRayError]:
         """Read many values into buffers; per key, the size read or the error
-        (ObjectNotFoundError for a miss)."""
+        (ObjectNotFoundError for a miss, InvalidArgumentError for a buffer too small).
+
+        Raises:
+            InvalidArgumentError: ``keys`` and ``buffers`` differ in length.
+        """
         self._same_length(keys, buffers, "buffers")
         return self._timed("batch_get", keys, lambda: self._get_many(keys, buffers))
 
     def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored and complete (a put in flight is not). Safe to retry.
+
+        Raises:
+            InvalidArgumentError: a bad key.
+            MasterUnavailableError: the master did not answer in time (retryable).
+        """
         self._check_key(key)
         return self._master.call(rpc.EXISTS, [key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """``exists`` for many keys, in one call; a bool per key. Raises as ``exists``."""
         for k in keys:
             self._check_key(k)
         return self._master.call(rpc.EXISTS, list(keys)) if keys else []
@@ -234,7 +265,12 @@ class Client:
         return res
 
     def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
-        """Remove every key starting with ``prefix``; returns how many."""
+        """Remove every key starting with ``prefix``; returns how many. Keys a reader
+        holds a lease on stay unless ``force``. Safe to retry.
+
+        Raises:
+            InvalidArgumentError: ``prefix`` is not a str.
+        """
         if not isinstance(prefix, str):
             raise InvalidArgumentError(f"prefix must be a str, got {type(prefix).__name__}")
         self._forget_prefix(prefix)
@@ -247,11 +283,21 @@ class Client:
 
     def pin(self, key: str, *, hard: bool = False, ttl_s: float | None = None) -> None:
         """Soft pin (evicted last; expires after ``ttl_s`` or the configured soft-pin TTL)
-        or hard pin (never evicted, until ``unpin``)."""
+        or hard pin (never evicted, until ``unpin``). Safe to retry.
+
+        Raises:
+            ObjectNotFoundError: the key is not stored.
+            InvalidArgumentError: a bad key.
+        """
         self._check_key(key)
         self._raise_first(self._master.call(rpc.PIN, [[key, hard, ttl_s]]))
 
     def unpin(self, key: str) -> None:
+        """Remove a soft or hard pin; the value is evicted like any other from now on.
+
+        Raises:
+            ObjectNotFoundError: the key is not stored.
+        """
         self._check_key(key)
         self._raise_first(self._master.call(rpc.UNPIN, [key]))
 
@@ -267,6 +313,11 @@ class Client:
         return region
 
     def unregister_buffer(self, buffer: Any) -> None:
+        """Undo ``register_buffer`` (given the buffer or the registration it returned).
+
+        Raises:
+            NotRegisteredError: the buffer is not registered with this client.
+        """
         addr = buffer.addr if hasattr(buffer, "rkey") else (
             writable(buffer)[0] if not isinstance(buffer, bytes) else readable(buffer)[0])
         entry = self._regions.pop(addr, None)
@@ -279,23 +330,30 @@ class Client:
         node and tier)."""
         return ray.get(self._master.handle().stats.remote(), timeout=30)
 
-    # async variants of the batch calls
+    # async variants of the batch calls: the same call on a small thread pool of this client
     async def batch_put_async(self, *args, **kwargs):
+        """``batch_put`` without blocking the event loop; returns and raises as it does."""
         return await self._in_pool(self.batch_put, *args, **kwargs)
 
     async def batch_put_from_async(self, *args, **kwargs):
+        """``batch_put_from`` without blocking the event loop; returns and raises as it does."""
         return await self._in_pool(self.batch_put_from, *args, **kwargs)
 
     async def batch_get_async(self, *args, **kwargs):
+        """``batch_get`` without blocking the event loop; returns and raises as it does."""
         return await self._in_pool(self.batch_get, *args, **kwargs)
 
     async def batch_get_into_async(self, *args, **kwargs):
+        """``batch_get_into`` without blocking the event loop; returns and raises as it does."""
         return await self._in_pool(self.batch_get_into, *args, **kwargs)
 
     async def batch_exists_async(self, *args, **kwargs):
+        """``batch_exists`` without blocking the event loop; returns and raises as it does."""
         return await self._in_pool(self.batch_exists, *args, **kwargs)
 
     def close(self) -> None:
+        """Return this client's put slab and read leases, unregister its buffers and close
+        its transport engine. Idempotent; the store itself keeps running."""
         if self._closed:
             return
         self._flush_releases()

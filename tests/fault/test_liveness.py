@@ -76,7 +76,7 @@ def test_paused_shorter_than_ttl_keeps_its_keys(make_store, ray_cluster):
     for pid in pids.values():
         os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(TTL_S * 0.6)
+        time.sleep(TTL_S * 0.4)
     finally:
         for pid in pids.values():
             os.kill(pid, signal.SIGCONT)
