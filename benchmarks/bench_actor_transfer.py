@@ -52,6 +52,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import spread
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
 RDT_TIMEOUT_MS = 20000  # Ray's RDT fetch timeout for this run (default 60 s)
@@ -161,10 +163,6 @@ def gbps(nbytes: int, seconds: list[float]) -> list[float]:
     return [nbytes / s / 1e9 for s in seconds]
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 class Path_:
     """A producer/consumer pair and how one transfer between them is made."""
 
@@ -220,12 +218,12 @@ class Path_:
         if not self.runs:
             return out
         flat = [x for r in self.runs for x in r]
-        out["transfer_ms"] = {k: v * 1e3 for k, v in summary(flat).items()}
-        out["gb_per_s"] = summary(gbps(self.nbytes, flat))
+        out["transfer_ms"] = {k: v * 1e3 for k, v in spread(flat).items()}
+        out["gb_per_s"] = spread(gbps(self.nbytes, flat))
         out["run_median_gb_per_s"] = [statistics.median(gbps(self.nbytes, r)) for r in self.runs]
         out["samples_s"] = self.runs
         if self.transport_only:
-            out["transport_only_gb_per_s"] = {**summary(self.transport_only), "runs": self.transport_only}
+            out["transport_only_gb_per_s"] = {**spread(self.transport_only), "runs": self.transport_only}
         return out
 
 
@@ -359,7 +357,7 @@ def main() -> None:
             rs = [x / y for x, y in zip(results[ours].get("run_median_gb_per_s", []),
                                         results[base].get("run_median_gb_per_s", []))]
             if rs:
-                ratios[f"{ours}/{base}"] = summary(rs)
+                ratios[f"{ours}/{base}"] = spread(rs)
     # Data movement alone: the median minus the same path's 1 KiB floor (Ray's round trips).
     for name, r in results.items():
         floor = results.get("mooncake_tiny" if name.startswith("mooncake") else
@@ -370,7 +368,7 @@ def main() -> None:
     if "run_median_gb_per_s" in results.get("gloo", {}):
         rs = [x / y for x, y in zip(results["mooncake"]["run_median_gb_per_s"],
                                     results["gloo"]["run_median_gb_per_s"])]
-        ratios["mooncake/gloo"] = summary(rs)
+        ratios["mooncake/gloo"] = spread(rs)
     plain = None
     if args.gloo_plain_receiver and not args.no_gloo:
         try:

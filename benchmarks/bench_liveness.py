@@ -27,13 +27,15 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from _common import spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -163,13 +165,6 @@ def kill_runs(args, protocol: str) -> list[dict]:
     return results
 
 
-def _range(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=10)
@@ -218,8 +213,8 @@ def main() -> None:
         "unmount_lost_keys_total": sum(r["unmount_lost_keys"] for r in b),
         "failed_puts_total": sum(r["failed_puts"] for r in b),
         "inventory_mismatch_total": sum(r["inventory_mismatch"] or 0 for r in b),
-        "last_over_first_tenth": _range([r["last_tenth_keys_per_s"] / r["first_tenth_keys_per_s"] for r in b]),
-        "first_put_after_kill_s": {p: _range([r["first_put_after_kill_s"] for r in results["kill"]
+        "last_over_first_tenth": spread([r["last_tenth_keys_per_s"] / r["first_tenth_keys_per_s"] for r in b]),
+        "first_put_after_kill_s": {p: spread([r["first_put_after_kill_s"] for r in results["kill"]
                                               if r["protocol"] == p]) for p in args.protocols.split(",")},
     }
     out.write_text(json.dumps(results, indent=2))

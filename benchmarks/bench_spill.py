@@ -35,24 +35,16 @@ import time
 
 import numpy as np
 
+from _common import parse_size, spread
+
 from mooncake_ray._private.store.spill import SpillTier, crc32c
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def parse_size(s: str) -> int:
-    s = s.strip().lower()
-    mult = {"k": KiB, "m": MiB, "g": GiB}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "kmg" else s) * mult)
-
-
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
-
-
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def populated(n: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -217,7 +209,7 @@ METRICS = [
 
 
 def aggregate(runs: list[dict]) -> dict:
-    return {m: summary([r[m] for r in runs]) for m in METRICS if all(m in r for r in runs)}
+    return {m: spread([r[m] for r in runs], keep=True) for m in METRICS if all(m in r for r in runs)}
 
 
 def ratios(ours: list[dict], fio_runs: list[dict]) -> dict:
@@ -231,7 +223,7 @@ def ratios(ours: list[dict], fio_runs: list[dict]) -> dict:
     for m, fm in pairs.items():
         vals = [o[m] / f[fm] for o, f in zip(ours, fio_runs) if m in o and fm in f]
         if vals:
-            out[m] = summary(vals)
+            out[m] = spread(vals, keep=True)
     return out
 
 

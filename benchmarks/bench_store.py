@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from _common import spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -101,10 +102,6 @@ def _summary(lat, n, size, dt) -> dict:
             "p50_us": lat_us[len(lat_us) // 2], "p99_us": lat_us[min(len(lat_us) - 1, int(len(lat_us) * 0.99))]}
 
 
-def _med(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -125,7 +122,7 @@ def main() -> None:
     for mode in ("bytes", "zc"):
         for size in SIZES:
             runs = [measure(store, size, mode, rng) for _ in range(args.repeats)]
-            row = {op: {m: _med([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
+            row = {op: {m: spread([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
             results["single"].setdefault(mode, {})[str(size)] = row
             print(f"{mode:5} {size >> 10:>6} KiB  put {row['put']['gb_per_s']['median']:6.2f} GB/s "
                   f"{row['put']['ops_per_s']['median']:8.0f} ops/s p50 {row['put']['p50_us']['median']:7.1f} us | "
@@ -133,7 +130,7 @@ def main() -> None:
                   f"p50 {row['get']['p50_us']['median']:7.1f} us", flush=True)
     for size, batch in ((4 << 10, 128), (1 << 20, 16)):
         runs = [measure_batch(store, size, batch, rng) for _ in range(args.repeats)]
-        row = {op: {m: _med([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
+        row = {op: {m: spread([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
         results["batch"][f"{batch}x{size}"] = row
         print(f"batch {batch} x {size >> 10} KiB: put {row['put']['keys_per_s']['median']:.0f} keys/s, "
               f"get {row['get']['keys_per_s']['median']:.0f} keys/s", flush=True)

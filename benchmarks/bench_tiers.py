@@ -125,7 +125,8 @@ def fio_round(directory: str, size: str, runtime_s: float) -> dict:
     """1 MiB sequential write then read (io_uring, O_DIRECT, qd 32) on one file in
     ``directory``; bench_spill's helper."""
     sys.path.insert(0, str(HERE))
-    from bench_spill import fio, parse_size  # noqa: E402
+    from bench_spill import fio  # noqa: E402
+    from _common import parse_size  # noqa: E402
 
     path = os.path.join(directory, "fio-tiers.dat")
     try:

@@ -53,6 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import free_port, spread, ucx_perftest
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 TLS_OF = {"auto": "sm", "tcp": "tcp"}  # ucx_perftest's UCX_TLS for each of our protocols
@@ -352,12 +354,6 @@ def phase(peers: dict, tls: str | None, r: int, rng, sizes, small_repeats: int, 
 
 
 # ================================================================ Mooncake processes ==
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -402,7 +398,7 @@ class MooncakePeer:
         # there is none (loopback-only namespace), so bind it to 127.0.0.1 explicitly.
         env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         os.environ.update(env)  # for the in-process client
-        rpc, http, metrics, svc = (_free_port() for _ in range(4))
+        rpc, http, metrics, svc = (free_port() for _ in range(4))
         self.master_addr = f"127.0.0.1:{rpc}"
         self.metadata = f"http://127.0.0.1:{http}/metadata"
         master = self._spawn("mooncake_master", [
@@ -462,37 +458,8 @@ class MooncakePeer:
 
 # ================================================================ ucx_perftest ==
 def perftest(tls: str, test: str, size: int, iters: int, extra: tuple = ()) -> float:
-    """GB/s of one busy-polling ucx_perftest run (server and client on 127.0.0.1)."""
-    import libucx
-
-    base = Path(libucx.__file__).parent
-    exe = str(base / "bin" / "ucx_perftest")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(base / "lib"), UCX_TLS=tls, UCX_NET_DEVICES="lo")
-    port = _free_port()
-    srv = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out = ""
-    try:
-        for _ in range(100):  # the server accepts one connection: retry the client until it listens
-            time.sleep(0.05)
-            try:
-                run = subprocess.run([exe, "-p", str(port), "127.0.0.1", "-t", test, "-s", str(size),
-                                      "-n", str(iters), *extra], env=env, capture_output=True, text=True, timeout=60)
-            except subprocess.TimeoutExpired:
-                return float("nan")
-            out = run.stdout + run.stderr
-            if "Final:" in out or "Connection refused" not in out:
-                break
-    finally:
-        try:
-            srv.wait(10)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
-    for line in out.splitlines():
-        if line.startswith("Final:"):
-            return float(line.split()[6]) * (1 << 20) / 1e9  # "MB/s" is MiB/s
-    print(f"ucx_perftest {tls} {test} gave no result:\n{out[-2000:]}", file=sys.stderr)
-    return float("nan")
+    """GB/s of one busy-polling ucx_perftest run (NaN if it gave none)."""
+    return ucx_perftest(tls, test, size, iters, extra)["gbps"]
 
 
 def perftest_set(tls: str, iters: int) -> dict:
@@ -508,13 +475,6 @@ def perftest_set(tls: str, iters: int) -> dict:
 
 
 # ================================================================ aggregation ==
-def _stat(vals):
-    vals = [v for v in vals if v == v]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
-
-
 def aggregate(rounds: list[dict]) -> dict:
     """Per peer: single[mode][size][op][metric] and batch[op][metric] -> median/min/max over runs."""
     res: dict = {"single": {}, "batch": {}}
@@ -523,10 +483,10 @@ def aggregate(rounds: list[dict]) -> dict:
         for size in per_size:
             runs = [run for rd in rounds for run in rd["single"][mode][size]]
             res["single"].setdefault(mode, {})[size] = {
-                op: {m: _stat([r[op][m] for r in runs]) for m in runs[0][op]}
+                op: {m: spread([r[op][m] for r in runs]) for m in runs[0][op]}
                 for op in ("put", "get", "get_cold") if op in runs[0]}
     runs = [run for rd in rounds for run in rd["batch"]]
-    res["batch"] = {op: {m: _stat([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
+    res["batch"] = {op: {m: spread([r[op][m] for r in runs]) for m in runs[0][op]} for op in ("put", "get")}
     return res
 
 
@@ -843,7 +803,7 @@ def main() -> None:
     for p in protocols:
         pts = [pt for rd in phases[p] for pt in rd["perftest"]]
         if pts:
-            perf[TLS_OF[p]] = {op: _stat([pt[op] for pt in pts]) for op in pts[0]}
+            perf[TLS_OF[p]] = {op: spread([pt[op] for pt in pts]) for op in pts[0]}
     tg = targets(phases, protocols)
     results = {
         "description": "mooncake_ray public API vs Mooncake Store remote mode vs ucx_perftest, one host, loopback",

@@ -23,30 +23,16 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from _common import RESULTS, light_import, parse_size, ucx_perftest
 
 
 def _import_engine():
     # The transport alone: mooncake_ray/__init__ imports Ray, which this does not need.
-    if "mooncake_ray" not in sys.modules:
-        pkg = types.ModuleType("mooncake_ray")
-        pkg.__path__ = [str(ROOT / "mooncake_ray")]
-        sys.modules["mooncake_ray"] = pkg
-    from mooncake_ray._private.transport import Engine
-
-    return Engine
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().lower()
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+    return light_import("mooncake_ray._private.transport").Engine
 
 
 def fmt_size(n: int) -> str:
@@ -98,39 +84,8 @@ class Server:
 
 # ---- ucx_perftest ---------------------------------------------------------------------
 
-def perftest(tls: str, test: str, size: int, iters: int, port: int, extra: tuple = ()) -> dict:
-    import libucx
-
-    base = Path(libucx.__file__).parent
-    env = dict(os.environ, LD_LIBRARY_PATH=str(base / "lib"), UCX_TLS=tls, UCX_NET_DEVICES="lo")
-    exe = str(base / "bin" / "ucx_perftest")
-    srv = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out = ""
-    try:
-        # The server accepts exactly one connection: no probing, retry the client instead.
-        for _ in range(50):
-            time.sleep(0.05)
-            try:
-                run = subprocess.run([exe, "-p", str(port), "127.0.0.1", "-t", test, "-s", str(size),
-                                      "-n", str(iters), *extra], env=env, capture_output=True, text=True,
-                                     timeout=60)
-            except subprocess.TimeoutExpired:
-                return {"lat_us": float("nan"), "gbps": float("nan")}
-            out = run.stdout + run.stderr
-            if "Final:" in out or "Connection refused" not in out:
-                break
-    finally:
-        try:
-            srv.wait(5)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
-    for line in out.splitlines():
-        if line.startswith("Final:"):
-            f = line.split()
-            # iterations, lat p50, lat avg, lat overall (usec), bw avg, bw overall (MB/s), ...
-            return {"lat_us": float(f[2]), "gbps": float(f[6]) * (1 << 20) / 1e9}
-    raise RuntimeError(f"ucx_perftest {test} gave no result:\n{out}")
+def perftest(tls: str, test: str, size: int, iters: int, extra: tuple = ()) -> dict:
+    return ucx_perftest(tls, test, size, iters, extra)
 
 
 # ---- engine measurements --------------------------------------------------------------
@@ -235,23 +190,23 @@ def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: di
     return out
 
 
-def perftest_round(tls: str, sizes: list[int], port: int, lat_iters: int) -> dict:
+def perftest_round(tls: str, sizes: list[int], lat_iters: int) -> dict:
     """Busy-polling perftest (its best case), plus its sleep mode ("-E sleep": both sides
     wait in epoll like the engine's progress threads) for put >= 1 MiB over tcp and for
     latency (its get, and anything one-sided over sm, hangs in sleep mode: no target event)."""
     out: dict = {"bw": {"perftest_put": {}, "perftest_get": {}, "perftest_put_sleep": {}}, "lat": {}}
     for s in sizes:
         iters = max(20, min(20000, (512 << 20) // s))
-        out["bw"]["perftest_put"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, port)["gbps"]
-        out["bw"]["perftest_get"][fmt_size(s)] = perftest(tls, "ucp_get", s, iters, port)["gbps"]
+        out["bw"]["perftest_put"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters)["gbps"]
+        out["bw"]["perftest_get"][fmt_size(s)] = perftest(tls, "ucp_get", s, iters)["gbps"]
         if s >= 1 << 20 and tls == "tcp":  # sm one-sided ops raise no target event: hangs
             sl = ("-E", "sleep")
-            out["bw"]["perftest_put_sleep"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, port, sl)["gbps"]
+            out["bw"]["perftest_put_sleep"][fmt_size(s)] = perftest(tls, "ucp_put_bw", s, iters, sl)["gbps"]
     for k in [k for k, v in out["bw"].items() if not v]:
         del out["bw"][k]
-    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters * 5, port)["lat_us"]
+    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters * 5)["lat_us"]
     out["lat"]["perftest_am_rtt_64B"] = (2 * one_way, 2 * one_way)
-    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters, port, ("-E", "sleep"))["lat_us"]
+    one_way = perftest(tls, "ucp_am_lat", 64, lat_iters, ("-E", "sleep"))["lat_us"]
     out["lat"]["perftest_am_rtt_64B_sleep"] = (2 * one_way, 2 * one_way)
     return out
 
@@ -284,7 +239,7 @@ def plot(results: dict, path: Path) -> None:
         bwres = results["transports"][proto]["bw"]
         for key, series in bwres.items():
             sizes = list(series)
-            xs = [parse_size(s.replace("MiB", "m").replace("KiB", "k").replace("B", "")) for s in sizes]
+            xs = [parse_size(s) for s in sizes]
             med = [series[s]["median"] for s in sizes]
             lo = [series[s]["min"] for s in sizes]
             hi = [series[s]["max"] for s in sizes]
@@ -330,7 +285,7 @@ def main() -> None:
         for r in range(args.rounds):
             rd = {"bw": {}, "lat": {}}
             if not args.no_perftest:
-                pt = perftest_round(tls[proto], sizes, 13500 + r, args.lat_iters)
+                pt = perftest_round(tls[proto], sizes, args.lat_iters)
                 rd["bw"].update(pt["bw"])
                 rd["lat"].update(pt["lat"])
             eng = engine_round(proto, sizes, ekw, ekw, args.lat_iters)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 
@@ -263,8 +264,10 @@ class MasterActor:
                     ob.answered(reply)
                 else:
                     ob.failed(now, RETRY_BACKOFF_S)
-            if err is not None:
-                log.info("store node %s did not take an inventory update (%s); retrying", node_id, err)
+            if err is not None:  # loud on the 1st, 10th, 100th... failure of one message
+                level = logging.WARNING if math.log10(ob.attempts).is_integer() else logging.DEBUG
+                log.log(level, "store node %s did not take an inventory update (attempt %d: %s); retrying",
+                        node_id, ob.attempts, err)
                 self._peers.pop(node_id, None)
             elif ob.slow_logged:
                 log.warning("store node %s took the inventory update after %.1fs", node_id, now - ob.slow_since)

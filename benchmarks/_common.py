@@ -1,0 +1,92 @@
+"""Helpers the benchmark scripts share: the spread of repeated measurements, sizes, the
+transport without Ray, and ucx_perftest as a peer. Scripts import it as ``_common`` (they run
+from this folder or with it on ``sys.path``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def light_import(module: str):
+    """Import a ``mooncake_ray`` submodule without the package's ``__init__`` (which imports
+    Ray): for scripts that measure the transport or the spill tier alone."""
+    if "mooncake_ray" not in sys.modules:
+        pkg = types.ModuleType("mooncake_ray")
+        pkg.__path__ = [str(ROOT / "mooncake_ray")]
+        sys.modules["mooncake_ray"] = pkg
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def parse_size(s: str) -> int:
+    """"4k", "1MiB", "2gb", "4096" -> bytes (the store's own parser)."""
+    return light_import("mooncake_ray.config").parse_size(s)
+
+
+def spread(values, keep: bool = False) -> dict | None:
+    """Median, min, max and count of repeated measurements (NaN and None left out); with
+    ``keep``, the values too. None if nothing was measured."""
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return None
+    out = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+    if keep:
+        out["runs"] = list(values)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ucx_perftest(tls: str, test: str, size: int, iters: int, extra: tuple = ()) -> dict:
+    """One ucx_perftest run (server and client on 127.0.0.1, the wheel's UCX):
+    ``{"lat_us", "gbps"}``. A run that times out or prints no result gives NaN for both,
+    with its output on stderr, so a benchmark records the miss and goes on."""
+    import libucx
+
+    base = Path(libucx.__file__).parent
+    exe = str(base / "bin" / "ucx_perftest")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(base / "lib"), UCX_TLS=tls, UCX_NET_DEVICES="lo")
+    port = free_port()
+    srv = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out, failed = "", {"lat_us": float("nan"), "gbps": float("nan")}
+    try:
+        for _ in range(100):  # the server accepts one connection: retry the client until it listens
+            time.sleep(0.05)
+            try:
+                run = subprocess.run([exe, "-p", str(port), "127.0.0.1", "-t", test, "-s", str(size),
+                                      "-n", str(iters), *extra], env=env, capture_output=True, text=True,
+                                     timeout=60)
+            except subprocess.TimeoutExpired:
+                print(f"ucx_perftest {tls} {test} {size}: timed out", file=sys.stderr)
+                return failed
+            out = run.stdout + run.stderr
+            if "Final:" in out or "Connection refused" not in out:
+                break
+    finally:
+        try:
+            srv.wait(10)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+    for line in out.splitlines():
+        if line.startswith("Final:"):
+            f = line.split()
+            # iterations, lat p50, lat avg, lat overall (usec), bw avg, bw overall (MB/s = MiB/s), ...
+            return {"lat_us": float(f[2]), "gbps": float(f[6]) * (1 << 20) / 1e9}
+    print(f"ucx_perftest {tls} {test} {size} gave no result:\n{out[-2000:]}", file=sys.stderr)
+    return failed
