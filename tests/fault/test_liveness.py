@@ -52,16 +52,21 @@ def test_stalled_inventory_applier_is_not_unmounted(make_store, ray_cluster):
     ray.get(nodes[victim].debug_stall_inventory.remote(3 * TTL_S))  # longer than the TTL
     keys = [f"k{i}" for i in range(300)]
     t0 = time.monotonic()
-    failed = []
+    failed, busy = [], []
     for i in range(0, len(keys), 10):  # puts keep coming for the whole stall
         res = s.batch_put(keys[i:i + 10], [val(j) for j in range(i, i + 10)])
         failed += [k for k, r in zip(keys[i:i + 10], res) if r is not None]
+        if i == 20:
+            # Occupy every thread of the master's default concurrency group for two TTLs
+            # (these calls wait for the stalled node): heartbeats have a group of their own.
+            busy = [master.flush_inventory.remote(2 * TTL_S) for _ in range(4)]
         time.sleep(max(0.0, (i / 10) * 0.3 - (time.monotonic() - t0)))
     assert time.monotonic() - t0 > 2 * TTL_S
+    assert counters(master) == (0, 0)  # (node_unmounts, unmount_lost_keys)
+    assert ray.get(busy) == [False] * 4  # they did block for two TTLs
     assert failed == []
     placed = {nid for k in keys for nid, _t, _r in ray.get(master.where.remote([k]))[0]}
     assert victim in placed  # the stalled node kept taking puts: it was never suspect
-    assert counters(master) == (0, 0)
     assert {n["node_id"] for n in ray.get(master.nodes.remote())} == set(nodes)
     assert s.batch_get(keys) == [val(i) for i in range(len(keys))]
     assert_inventories_agree(master, nodes)
