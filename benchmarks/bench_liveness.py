@@ -96,6 +96,10 @@ def burst_run(args, run: int) -> dict:
         "first_tenth_keys_per_s": statistics.median(rates[:tenth]),
         "last_tenth_keys_per_s": statistics.median(rates[-tenth:]),
         "rate_by_tenth": [statistics.median(rates[i * tenth:(i + 1) * tenth]) for i in range(10)],
+        # keys over the time the tenth took (eviction rounds included), not a median batch
+        "overall_rate_by_tenth": [len(rates[i * tenth:(i + 1) * tenth]) * args.batch
+                                  / sum(1 / r * args.batch for r in rates[i * tenth:(i + 1) * tenth])
+                                  for i in range(10)],
         "failed_puts": failed, "first_error": first_error,
         "node_unmounts": stats["node_unmounts"], "unmount_lost_keys": stats["unmount_lost_keys"],
         "evictions": stats["evictions"], "keys_indexed": stats["keys"],
@@ -190,6 +194,7 @@ def main() -> None:
         for run in range(args.runs):
             row = burst_run(args, run)
             results["burst"].append(row)
+            print(f"burst {run}: overall keys/s by tenth {[round(x) for x in row['overall_rate_by_tenth']]}")
             print(f"burst {run}: {row['seconds']:.0f} s, {row['put_keys_per_s']:.0f} keys/s "
                   f"(first tenth {row['first_tenth_keys_per_s']:.0f}, last {row['last_tenth_keys_per_s']:.0f}), "
                   f"failed {row['failed_puts']}, unmounts {row['node_unmounts']}, lost {row['unmount_lost_keys']}, "
@@ -214,6 +219,8 @@ def main() -> None:
         "failed_puts_total": sum(r["failed_puts"] for r in b),
         "inventory_mismatch_total": sum(r["inventory_mismatch"] or 0 for r in b),
         "last_over_first_tenth": spread([r["last_tenth_keys_per_s"] / r["first_tenth_keys_per_s"] for r in b]),
+        "last_over_first_tenth_overall": spread([r["overall_rate_by_tenth"][-1] / r["overall_rate_by_tenth"][0]
+                                                 for r in b]),
         "first_put_after_kill_s": {p: spread([r["first_put_after_kill_s"] for r in results["kill"]
                                               if r["protocol"] == p]) for p in args.protocols.split(",")},
     }
@@ -230,12 +237,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results["burst"]:
-        a.plot(range(1, 11), [x / 1000 for x in r["rate_by_tenth"]], alpha=0.6,
+    for i, r in enumerate(results["burst"]):
+        color = f"C{i % 10}"
+        a.plot(range(1, 11), [x / 1000 for x in r["rate_by_tenth"]], alpha=0.6, color=color,
                label=f"run {r['run']}: unmounts {r['node_unmounts']}, lost {r['unmount_lost_keys']}")
+        if "overall_rate_by_tenth" in r:
+            a.plot(range(1, 11), [x / 1000 for x in r["overall_rate_by_tenth"]], "--", alpha=0.6, color=color)
     a.set_xlabel("tenth of the burst")
-    a.set_ylabel("put k keys/s (median batch)")
-    a.set_title("put burst with eviction, one store node")
+    a.set_ylabel("put k keys/s")
+    a.set_title("put burst, one store node (solid: median batch; dashed: whole tenth)", fontsize=9)
     if results["burst"]:
         a.legend(fontsize=6)
     kills = [r["first_put_after_kill_s"] for r in results["kill"]]

