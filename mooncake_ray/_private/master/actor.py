@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 DELIVERY_COALESCE_S = 0.001
 RESEND_AFTER_S = 10.0  # an unanswered inventory message goes again (the node dedupes it)
 RETRY_BACKOFF_S = 0.2  # after a failed send; grows per attempt, up to 2 s
-SLOW_DELIVERY_S = 2.0
-ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)  # log a node that has not answered an inventory message for this long
+SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message for this long
+ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)
 LIVENESS_GROUP = "liveness"
 
 
@@ -408,7 +408,7 @@ class MasterActor:
                                 self._outboxes[node_id].mounted = False
                 for node_id in done["unmounted"]:
                     self._peers.pop(node_id, None)
-                    log.warning("unmounted store node %s: no heartbeat for %.1fs (%d keys lost)", node_id,
+                    log.warning("unmounted store node %s: no heartbeat for over %.1fs (%d keys lost)", node_id,
                                 self.cfg.master.node_ttl_s, done["lost"])
                 self._metrics.update(stats)
             except Exception:  # keep ticking: a bug here must not stop liveness checks
