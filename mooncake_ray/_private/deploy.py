@@ -12,6 +12,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
+from mooncake_ray._private import preflight
 from mooncake_ray._private.master.actor import master_actor_class
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from mooncake_ray._private.store.actor import StoreNodeActor
@@ -38,8 +39,27 @@ def store_nodes(cfg: StoreConfig) -> list[dict]:
     return offering or alive
 
 
+def _exists(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
 def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
-    """Create (or find) the master and the store nodes; wait until every node is mounted."""
+    """Create (or find) the master and the store nodes; wait until every node is mounted.
+
+    Raises:
+        ConfigError: the transport settings are rejected, the arenas do not fit in a host's
+            memory or a spill directory is unusable (checked before any actor is created).
+        NodeUnavailableError: a store node failed to start (names the cause) or to mount.
+    """
+    nodes = store_nodes(cfg)
+    if cfg.segment_size_bytes == 0:
+        nodes = []  # a client-only deployment onto an existing store
+    preflight.check_transport(cfg)
+    preflight.check_nodes(cfg, [n for n in nodes if not _exists(store_actor_name(n["NodeID"]), cfg.namespace)])
     opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=-1, max_task_retries=-1)
     head = ray.get_runtime_context().get_node_id()
@@ -47,9 +67,6 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         name=MASTER_NAME, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **opts,
     ).remote(cfg.model_dump())
-    nodes = store_nodes(cfg)
-    if cfg.segment_size_bytes == 0:
-        nodes = []  # a client-only deployment onto an existing store
     actors = []
     for n in nodes:
         node_id = n["NodeID"]
@@ -59,11 +76,23 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         ).remote(cfg.model_dump(), node_id))
     deadline = time.monotonic() + timeout_s
     ray.get(master.ping.remote(), timeout=timeout_s)
-    for a in actors:
+    for n, a in zip(nodes, actors):
         left = max(1.0, deadline - time.monotonic())
-        if not ray.get(a.wait_mounted.remote(left), timeout=left + 5):
+        try:
+            mounted = ray.get(a.wait_mounted.remote(left), timeout=left + 5)
+        except ray.exceptions.RayActorError as e:
+            raise NodeUnavailableError(
+                f"the store node on Ray node {n['NodeID'][:12]} failed to start: {_cause(e)}") from None
+        if not mounted:
             raise NodeUnavailableError(f"a store node did not mount within {timeout_s:.0f}s")
     return master, actors
+
+
+def _cause(e: BaseException) -> str:
+    """The last line of the error an actor's constructor raised (Ray wraps it in its own)."""
+    text = str(getattr(e, "error_msg", "") or e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def find_master(namespace: str):

@@ -34,8 +34,8 @@ import uuid
 import ray
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import ChecksumError, MooncakeRayError, ObjectNotFoundError
-from mooncake_ray._private import rpc
+from mooncake_ray.errors import ChecksumError, ConfigError, MooncakeRayError, ObjectNotFoundError
+from mooncake_ray._private import preflight, rpc
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
@@ -58,7 +58,11 @@ class StoreNodeActor:
         self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
                              ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}",
                              serve_linger_us=t.linger_us())
-        self.arena = self.engine.alloc_arena(self.cfg.segment_size_bytes)
+        seg, avail = self.cfg.segment_size_bytes, preflight.mem_available()
+        if seg > avail:  # start() checked the host; this guards against memory taken since
+            raise ConfigError(f"segment_size_bytes={seg} is more than this host's available memory "
+                              f"({avail} bytes): the arena's pre-fault would exhaust it")
+        self.arena = self.engine.alloc_arena(seg)
         self._lock = threading.Lock()
         self.inv = StoreInventory()
         self._stall_until = 0.0  # fault injection: inventory messages wait until then
