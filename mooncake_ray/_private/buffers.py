@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_ray.errors import InvalidArgumentError
+from mooncake_ray.errors import InvalidArgumentError, NotRegisteredError
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
@@ -76,8 +76,8 @@ def writable(buf: Any) -> tuple[int, int, Any]:
         return buf.__array_interface__["data"][0], buf.nbytes, buf
     if _is_torch(buf):
         return _torch_view(buf, True)
-    if isinstance(buf, tuple) and len(buf) == 2 and all(isinstance(v, int) for v in buf):
-        return buf[0], buf[1], None  # (address, length) of memory the caller owns
+    if isinstance(buf, tuple) and len(buf) == 2:
+        return raw_range(buf) + (None,)  # (address, length) of memory the caller owns
     try:
         mv = memoryview(buf)
     except TypeError:
@@ -92,3 +92,56 @@ def writable(buf: Any) -> tuple[int, int, Any]:
         return 0, 0, mv
     arr = np.frombuffer(mv.cast("B"), dtype=np.uint8)
     return arr.ctypes.data, mv.nbytes, (arr, buf)
+
+
+_ADDR_MAX = (1 << 64) - 1
+
+
+def raw_range(buf: tuple) -> tuple[int, int]:
+    """``(address, length)`` given as a tuple, checked for shape and range only.
+
+    Raises:
+        InvalidArgumentError: not two ints, a negative value, or past the address space.
+    """
+    addr, n = buf
+    if type(addr) is not int or type(n) is not int:
+        raise InvalidArgumentError(
+            f"(address, length) must be two ints, got ({type(addr).__name__}, {type(n).__name__})")
+    if addr <= 0 or n < 0 or addr + n > _ADDR_MAX:
+        raise InvalidArgumentError(f"(address, length) = ({addr:#x}, {n}) is not a memory range")
+    return addr, n
+
+
+def check_mapped(addr: int, n: int) -> None:
+    """That ``[addr, addr + n)`` is mapped readable and writable in this process (from
+    ``/proc/self/maps``; for registering raw memory, not for the data path).
+
+    Raises:
+        InvalidArgumentError: some byte of the range is not mapped read-write.
+    """
+    end, at = addr + n, addr
+    with open("/proc/self/maps") as f:
+        spans = []
+        for line in f:
+            rng, perms = line.split(None, 2)[:2]
+            lo, hi = (int(x, 16) for x in rng.split("-"))
+            if hi > addr and lo < end and perms.startswith("rw"):
+                spans.append((lo, hi))
+    for lo, hi in sorted(spans):
+        if lo > at:
+            break
+        at = max(at, hi)
+    if at < end:
+        raise InvalidArgumentError(
+            f"(address, length) = ({addr:#x}, {n}): {at:#x} is not mapped read-write in this process")
+
+
+def inside(addr: int, n: int, regions) -> bool:
+    """Whether ``[addr, addr + n)`` lies inside one of ``regions`` (``(start, length)`` pairs)."""
+    return any(start <= addr and addr + n <= start + length for start, length in regions)
+
+
+def not_registered(addr: int, n: int) -> NotRegisteredError:
+    return NotRegisteredError(
+        f"(address, length) = ({addr:#x}, {n}) is not inside a buffer registered with register_buffer: "
+        "raw addresses are accepted only there")

@@ -34,7 +34,13 @@ import uuid
 import ray
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import ChecksumError, ConfigError, MooncakeRayError, ObjectNotFoundError
+from mooncake_ray.errors import (
+    ChecksumError,
+    ConfigError,
+    InvalidArgumentError,
+    MooncakeRayError,
+    ObjectNotFoundError,
+)
 from mooncake_ray._private import preflight, rpc
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
@@ -45,6 +51,16 @@ from mooncake_ray._private.naming import MASTER_NAME
 log = logging.getLogger(__name__)
 
 _OFFLOAD_BATCH = 64
+
+
+def _extent_ok(offset, size, capacity: int) -> bool:
+    """``[offset, offset + size)`` is inside an arena of ``capacity`` bytes."""
+    return type(offset) is int and type(size) is int and 0 <= offset and 0 <= size <= capacity - offset
+
+
+def _promote_item_ok(item, capacity: int) -> bool:
+    return (isinstance(item, list) and len(item) == 4 and type(item[0]) is str and type(item[1]) is int
+            and _extent_ok(item[2], item[3], capacity))
 
 
 class StoreNodeActor:
@@ -97,14 +113,23 @@ class StoreNodeActor:
         return tier
 
     def _on_promote(self, data: bytes) -> bytes:
-        """Read spilled objects into the arena extents the master reserved for them."""
+        """Read spilled objects into the arena extents the master reserved for them:
+        ``[[key, gen, offset, size], ...]`` in, an error class name per item out ("" = done).
+        An item whose extent is not inside the arena is refused, never read."""
         items = rpc.unpack(data)
+        if not isinstance(items, list):
+            raise InvalidArgumentError(f"a promote request is a list of items, got {type(items).__name__}")
         if self.tier is None:
             return rpc.pack([ObjectNotFoundError.__name__] * len(items))
-        base = self.arena.addr
-        results = self.tier.read_many([(key, base + off, size) for key, _gen, off, size in items])
-        out = []
-        for (key, gen, _off, _size), res in zip(items, results):
+        base, cap = self.arena.addr, self.arena.length
+        good = [i for i, it in enumerate(items) if _promote_item_ok(it, cap)]
+        if len(good) < len(items):
+            log.warning("refused %d promote item(s) naming extents outside the arena of %d bytes",
+                        len(items) - len(good), cap)
+        out = [InvalidArgumentError.__name__] * len(items)
+        results = self.tier.read_many([(items[i][0], base + items[i][2], items[i][3]) for i in good])
+        for i, res in zip(good, results):
+            key, gen = items[i][0], items[i][1]
             if isinstance(res, BaseException):
                 name = type(res).__name__
                 if isinstance(res, (ChecksumError, ObjectNotFoundError)):
@@ -112,7 +137,7 @@ class StoreNodeActor:
                         self.inv.drop_disk(key, gen)
             else:
                 name = "" if res == gen else ObjectNotFoundError.__name__
-            out.append(name)
+            out[i] = name
         return rpc.pack(out)
 
     def _worker_loop(self) -> None:
@@ -147,11 +172,17 @@ class StoreNodeActor:
                 offloads.append(item)
         if not offloads:
             return
-        base = self.arena.addr
-        if self.tier is None:
-            results = [MooncakeRayError("this node has no spill tier")] * len(offloads)
-        else:
-            results = self.tier.write_many([(k, g, base + off, size) for k, g, size, off, _ln in offloads])
+        base, cap = self.arena.addr, self.arena.length
+        results: list = [MooncakeRayError("this node has no spill tier")] * len(offloads)
+        if self.tier is not None:
+            good = [i for i, (_k, _g, size, off, _ln) in enumerate(offloads) if _extent_ok(off, size, cap)]
+            for i in set(range(len(offloads))) - set(good):
+                results[i] = InvalidArgumentError(f"offload extent at {offloads[i][3]!r} of {offloads[i][2]!r} "
+                                                  f"bytes is outside the arena of {cap} bytes")
+            written = self.tier.write_many([(k, g, base + off, size) for k, g, size, off, _ln in
+                                            (offloads[i] for i in good)])
+            for i, res in zip(good, written):
+                results[i] = res
         report = []
         for (key, gen, size, _off, _ln), res in zip(offloads, results):
             ok = not isinstance(res, BaseException)
