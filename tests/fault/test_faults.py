@@ -142,7 +142,7 @@ def test_store_node_killed_under_a_clients_put_slab(make_store, ray_cluster):
     ns = s.config.namespace
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     s.put("first", val(0, 8 * KB))
-    victim = s._slab.node_id
+    victim = s._slabs.current.node_id
     old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
     ray.kill(ray.get_actor(store_actor_name(victim), namespace=ns), no_restart=False)
 

@@ -7,6 +7,7 @@ import pytest
 
 import mooncake_ray
 from mooncake_ray import ObjectNotFoundError
+from mooncake_ray._private.client.locations import Loc
 
 MB = 1 << 20
 PROTOCOLS = ["tcp", "shm"]
@@ -90,9 +91,9 @@ def test_a_wrong_remembered_place_is_dropped_whatever_field_differs(make_store):
     loc_a, loc_b = s._locs["a"], s._locs["b"]
     assert loc_a[:2] != loc_b[:2] and loc_a[5] == loc_b[5] == 0
     wrong = [
-        (loc_a[0], loc_a[1], loc_b[2], loc_b[3], loc_b[4], 0),          # b's offset
-        (loc_a[0], loc_a[1], loc_a[2], loc_a[3], loc_a[4], 12345),      # another placement
-        (loc_a[0], loc_b[1], loc_a[2], loc_a[3], loc_a[4], 0),          # another gen
+        Loc(loc_a[0], loc_a[1], loc_b[2], loc_b[3], loc_b[4], 0),          # b's offset
+        Loc(loc_a[0], loc_a[1], loc_a[2], loc_a[3], loc_a[4], 12345),      # another placement
+        Loc(loc_a[0], loc_b[1], loc_a[2], loc_a[3], loc_a[4], 0),          # another gen
     ]
     for i, loc in enumerate(wrong):
         s._locs["a"] = loc

@@ -1,0 +1,124 @@
+"""The put slab: a run of one node's DRAM this client carves single-call puts from (see
+master/slabs.py and docs/internals.md, "Put slabs"). A slab is written into only within
+3/4 of its ttl of asking for it, and given back when idle, given up, or on close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, NoCapacityError
+from mooncake_ray._private import rpc, wire
+
+_GRANTS_PER_CARVE = 8  # new slabs one carve may ask for before it leaves the rest uncarved
+
+
+@dataclass
+class Slab:
+    """A run of one node's DRAM this client carves extents from."""
+
+    slab_id: int
+    node_id: str
+    incarnation: str
+    cur: int  # next free offset
+    end: int
+    use_until: float  # monotonic; no write into the slab starts after this
+
+
+class Slabs:
+    """This client's current slab, and the ids of slabs to give back to the master."""
+
+    def __init__(self, master, owner: str, here: str | None, slab_bytes: int):
+        self._master = master
+        self._owner = owner
+        self._here = here
+        self.slab_bytes = slab_bytes  # 0: slabs are off
+        self._slab: Slab | None = None
+        self._lock = threading.Lock()
+        self._returns: list[int] = []
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    @property
+    def current(self) -> Slab | None:
+        return self._slab
+
+    def carve(self, lengths: list[int]) -> list:
+        """``(slab, offset)`` per length from this client's slab, asking the master for a
+        new one when it runs out; ``None`` for lengths that got no room."""
+        out: list = []
+        with self._lock:
+            grants = 0
+            for j, n in enumerate(lengths):
+                s = self._slab
+                if s is None or s.end - s.cur < n or time.monotonic() > s.use_until:
+                    if grants >= _GRANTS_PER_CARVE or not self._new_slab(min(sum(lengths[j:]), self.slab_bytes)):
+                        out.extend([None] * (len(lengths) - j))
+                        break
+                    grants += 1
+                    s = self._slab
+                    if s.end - s.cur < n:
+                        out.append(None)
+                        continue
+                out.append((s, s.cur))
+                s.cur += n
+        return out
+
+    def give_up(self, slab_ids: set[int]) -> None:
+        """Stop writing into these slabs (their node failed a write) and give them back."""
+        with self._lock:
+            if self._slab is not None and self._slab.slab_id in slab_ids:
+                self._slab = None
+            self._returns.extend(slab_ids)
+
+    def take_returns(self) -> list[int]:
+        """The ids of slabs to give back, to send with a PUT_COMMIT."""
+        with self._lock:
+            return self._take_returns()
+
+    def _take_returns(self) -> list[int]:  # lock held
+        out, self._returns = self._returns, []
+        return out
+
+    def _new_slab(self, need: int) -> bool:
+        """Replace the current slab (lock held). False if the master has none to give."""
+        if self._slab is not None:
+            self._returns.append(self._slab.slab_id)
+            self._slab = None
+        sent = time.monotonic()
+        try:
+            g = wire.slab_grant(self._master.call(
+                rpc.SLAB_GRANT, self._owner, self._here, need, self._take_returns()))
+        except (NoCapacityError, MasterUnavailableError, InvalidArgumentError):
+            return False
+        # Writes start at most 3/4 of the ttl after the request left: the master's window
+        # (counted from when it granted) ends later still.
+        self._slab = Slab(g.slab_id, g.node_id, g.incarnation, g.offset, g.offset + g.length, sent + 0.75 * g.ttl)
+        if self._timer is None or not self._timer.is_alive():
+            self._arm_timer(g.ttl)
+        return True
+
+    def _arm_timer(self, delay_s: float) -> None:
+        self._timer = threading.Timer(delay_s, self._return)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _return(self, expired_only: bool = True) -> None:
+        """Give back a slab this client can no longer write into (or every slab, on close),
+        so its unused room is free at once rather than when the master expires it."""
+        with self._lock:
+            s = self._slab
+            if s is not None and (not expired_only or time.monotonic() > s.use_until):
+                self._returns.append(s.slab_id)
+                self._slab = s = None
+            ids = self._take_returns()
+            if s is not None and not self._closed:  # still in use: look again when it runs out
+                self._arm_timer(max(0.05, s.use_until - time.monotonic()))
+        if ids and not self._closed:
+            self._master.try_call(rpc.SLAB_RETURN, ids)  # if it is lost, the master expires them
+
+    def close(self) -> None:
+        """Give every slab back; no timer asks the master anything afterwards."""
+        self._return(expired_only=False)
+        self._closed = True

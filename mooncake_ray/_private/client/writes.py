@@ -1,0 +1,183 @@
+"""The put paths. Single-replica values up to half a put slab take one master call: their
+extents are carved from this client's slab, written, then committed (PUT_COMMIT, one
+message for the whole batch). Larger or replicated values, and any the slab path could not
+place, take two: PUT_START allocates, the bytes are written, PUT_END publishes (or
+PUT_REVOKE frees what a failed write left)."""
+
+from __future__ import annotations
+
+from mooncake_ray.errors import (
+    LeaseExpiredError,
+    MasterUnavailableError,
+    NodeUnavailableError,
+    OffloadPendingError,
+    TransferError,
+)
+from mooncake_ray._private import rpc, wire
+from mooncake_ray._private.client.args import check_key, sources
+from mooncake_ray._private.client.backoff import Backoff
+from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
+from mooncake_ray._private.master.allocator import align_up
+
+PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
+
+
+class Writer:
+    def __init__(self, engine, master, nodes, slabs, locs, *, config, owner: str, here: str | None):
+        self._engine = engine
+        self._master = master
+        self._nodes = nodes
+        self._slabs = slabs
+        self._locs = locs
+        self._owner = owner
+        self._here = here
+        self._timeout = config.transport.transfer_timeout_s
+        self._replicas = config.master.replicas
+        self._max_key = config.master.max_key_bytes
+        self._backpressure_s = config.client.backpressure_timeout_s
+        self.moved = 0  # bytes written by the call being timed (metrics only)
+
+    def put_many(self, keys, values, replicas, upsert) -> list:
+        """Put each value; returns, per key, None or the error it got."""
+        for k in keys:
+            check_key(k, self._max_key)
+        srcs = sources(values)
+        results: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if self._slabs.slab_bytes and (replicas or self._replicas) == 1:
+            todo = self._put_slabbed(keys, srcs, upsert, results)
+        failures, backoff = 0, Backoff(self._backpressure_s)
+        while todo:
+            retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert)
+            nxt, transfer_failed = [], False
+            for i, res in zip(todo, retry):
+                results[i] = res
+                if isinstance(res, OffloadPendingError) and not backoff.expired():
+                    nxt.append(i)  # DRAM frees up as offloads to disk complete: wait
+                elif isinstance(res, (NodeUnavailableError, TransferError)) and failures + 1 < PUT_ATTEMPTS:
+                    nxt.append(i)
+                    transfer_failed = True
+            failures += transfer_failed
+            todo = nxt
+            if todo and not transfer_failed:
+                backoff.sleep()
+        return results
+
+    def _put_slabbed(self, keys, srcs, upsert, results) -> list[int]:
+        """Put what fits into this client's slab with one master call for all of them
+        (carve, write, commit). Returns the indices left for the two-call path: values too
+        large for a slab, no slab to be had, or a retryable failure here."""
+        limit = self._slabs.slab_bytes // 2
+        lengths = [align_up(s[1]) for s in srcs]
+        idxs = [i for i, n in enumerate(lengths) if n <= limit]
+        rest = [i for i, n in enumerate(lengths) if n > limit]
+        if not idxs:
+            return rest
+        placed = self._slabs.carve([lengths[i] for i in idxs])
+        ops, owners, items = [], [], []
+        for i, got in zip(idxs, placed):
+            if got is None:
+                rest.append(i)
+                continue
+            slab, off = got
+            items.append((i, slab, off))
+            if srcs[i][1]:
+                ops.append((slab.node_id, off, srcs[i][0], srcs[i][1], slab.incarnation))
+                owners.append(i)
+        if not items:
+            return sorted(rest)
+        failed = self._write(ops, owners)
+        if failed:  # the slab's node failed us: give the slab up, retry those the two-call way
+            self._slabs.give_up({s.slab_id for i, s, _ in items if i in failed})
+        commits = [(i, wire.Commit(keys[i], slab.slab_id, off, srcs[i][1], upsert)) for i, slab, off in items
+                   if i not in failed]
+        rest.extend(failed)
+        if commits:
+            returns = self._slabs.take_returns()
+            try:
+                done = self._master.call(rpc.PUT_COMMIT, [c for _, c in commits], self._owner, returns)
+            except MasterUnavailableError as e:
+                for i, _ in commits:
+                    results[i] = e
+                return sorted(rest)
+            where = {i: (slab, off) for i, slab, off in items}
+            for (i, _), r in zip(commits, done):
+                if not rpc.is_err(r):  # r: the value's gen
+                    self.moved += srcs[i][1]
+                    slab, off = where[i]
+                    self._locs.remember(keys[i], srcs[i][1], r, slab.node_id, off, slab.incarnation, 0)
+                    continue
+                exc = rpc.to_exc(r)
+                if isinstance(exc, LeaseExpiredError):
+                    rest.append(i)  # the slab died under us (master restart, node loss)
+                else:
+                    results[i] = exc
+        return sorted(rest)
+
+    def _put_round(self, keys, srcs, replicas, upsert) -> list:
+        """One PUT_START, write, PUT_END round; returns None or the error per key."""
+        reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]
+        replies = self._master.call(rpc.PUT_START, reqs, self._here, self._owner)
+        results: list = [None] * len(keys)
+        allocs: list[wire.PutAlloc | None] = [None] * len(keys)
+        ops, owners = [], []
+        for i, a in enumerate(replies):
+            if rpc.is_err(a):
+                results[i] = rpc.to_exc(a)
+                continue
+            allocs[i] = a = wire.put_alloc(a)
+            addr, n, _ = srcs[i]
+            for e in a.extents:
+                if n:
+                    ops.append((e.node_id, e.offset, addr, n, e.incarnation))
+                    owners.append(i)
+        failed = self._write(ops, owners)
+        ends, revokes = [], []
+        for i, a in enumerate(allocs):
+            if results[i] is not None:
+                continue
+            if i in failed:
+                revokes.append([keys[i], a.gen])
+                results[i] = failed[i]
+            else:
+                ends.append((i, [keys[i], a.gen]))
+        if revokes:
+            self._master.call(rpc.PUT_REVOKE, revokes)
+        if ends:
+            done = self._master.call(rpc.PUT_END, [e for _, e in ends])
+            for (i, _), r in zip(ends, done):
+                if rpc.is_err(r):
+                    results[i] = rpc.to_exc(r)
+                else:
+                    self.moved += srcs[i][1]
+                    a = allocs[i]
+                    if a.extents:
+                        e = a.extents[0]
+                        self._locs.remember(keys[i], srcs[i][1], a.gen, e.node_id, e.offset, e.incarnation, 0)
+        return results
+
+    def _write(self, ops, owners) -> dict[int, Exception]:
+        """Write every extent; ``ops`` are ``(node_id, offset, address, size, incarnation)``
+        and ``owners[j]`` the item op ``j`` belongs to. Returns {item index: error} for items
+        that failed."""
+        if not ops:
+            return {}
+        by_node: dict[str, list[int]] = {}
+        for j, (node_id, *_rest) in enumerate(ops):
+            by_node.setdefault(node_id, []).append(j)
+        failed: dict[int, Exception] = {}
+        try:
+            self._engine.write([(self._nodes.get(nid, inc).region, off, addr, n) for nid, off, addr, n, inc in ops],
+                               timeout_s=self._timeout)
+            return failed
+        except TRANSFER_ERRORS:
+            pass  # find the culprit node(s) below
+        for node_id, idxs in by_node.items():
+            try:
+                self._nodes.on(node_id, ops[idxs[0]][4], lambda node: self._engine.write(
+                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
+            except TRANSFER_ERRORS as e:
+                err = e if isinstance(e, (NodeUnavailableError, TransferError)) else NodeUnavailableError(str(e))
+                for j in idxs:
+                    failed[owners[j]] = err
+        return failed
