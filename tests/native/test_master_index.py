@@ -13,7 +13,8 @@ import msgpack
 import pytest
 
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.fastpath import FIRST_LEASE, GRANT, RELEASE, PyIndex
+from mooncake_ray._private.master.fastpath import FIRST_LEASE, GRANT, RELEASE
+from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.native import _native
 from tests.native.transport_util import engines  # noqa: F401 - fixture
 

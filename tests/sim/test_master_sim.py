@@ -22,7 +22,7 @@ import pytest
 
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.fastpath import PyIndex
+from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.master.outbox import plan_mount
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy

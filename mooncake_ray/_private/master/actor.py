@@ -447,7 +447,7 @@ class _StateLock:
     def __exit__(self, *exc) -> None:
         if self._depth == 1:
             state = self._state
-            if state._effects:
+            if state.has_effects():
                 self._deliver()
             self._index.set_next_gen(state._next_gen)
             self._index.set_enabled(not (state._expected and state.recovering))
@@ -464,7 +464,7 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
             return rpc.pack(rpc.err_entry(MasterUnavailableError(
                 "master is rebuilding its index from the store nodes; retry")))
         reply = rpc.serve_request(master._table, data)
-        if state._effects:
+        if state.has_effects():
             master._deliver()
         return reply
 

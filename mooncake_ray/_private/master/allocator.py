@@ -30,6 +30,24 @@ def align_up(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
+def carve(free: dict, offset: int, length: int) -> bool:
+    """Take ``[offset, offset+length)`` out of ``free`` (free runs: offset -> length) if
+    one run holds all of it; False (``free`` untouched) otherwise. A put slab's
+    uncommitted pieces are such a map (``slabs.py``, and the reference read index
+    ``pyindex.py``; the C++ index carves the same way)."""
+    if not isinstance(offset, int) or offset % ALIGN:
+        return False
+    for start, ln in free.items():
+        if start <= offset and offset + length <= start + ln:
+            del free[start]
+            if offset > start:
+                free[start] = offset - start
+            if offset + length < start + ln:
+                free[offset + length] = start + ln - offset - length
+            return True
+    return False
+
+
 class ExtentAllocator:
     """Best-fit allocator of aligned extents over ``[0, capacity)``."""
 

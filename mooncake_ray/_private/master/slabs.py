@@ -24,25 +24,34 @@ Safety rules (what makes a slab's bytes never land on someone else's value):
   two-call way.
 - A slab lives on one node incarnation: unmounting the node drops it.
 
+``SlabTable`` keeps the live slabs and their uncommitted pieces; ``MasterState`` holds one
+and does the rest of a commit (the key's checks, its generation, publishing it).
+
 Only single-replica puts use slabs (a slab is one node); values larger than half a slab
 take the two-call path, where the extra round trip is small next to the copy.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray.errors import (
     InvalidArgumentError,
     LeaseExpiredError,
-    MasterUnavailableError,
     NoCapacityError,
     ObjectExistsError,
     ObjectPendingError,
 )
-from mooncake_ray._private.master.allocator import ALIGN, align_up
+from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, align_up, carve
 from mooncake_ray._private.master.placement import order_nodes
-from mooncake_ray._private.master.types import Obj, Replica, Tier
+from mooncake_ray._private.master.types import Generations, NodeInfo, Obj, Policy, Replica, Tier
+from mooncake_ray._private.wire import SlabGrant
+
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.fastpath import ReadMirror
+    from mooncake_ray._private.master.replicas import ReplicaTable
 
 
 @dataclass(slots=True)
@@ -56,51 +65,124 @@ class Slab:
     free: dict = field(default_factory=dict)  # uncommitted pieces: offset -> length
 
 
-class SlabMixin:
-    # ------------------------------------------------------------------ grant ----
-    def slab_grant(self, owner: str, client_node: str | None = None, need: int = 0) -> tuple:
-        """Reserve a slab for ``owner``: ``(slab_id, node_id, offset, length, incarnation,
-        ttl_s)``. Its length is ``put_slab_bytes`` (at most 1/16 of the node's arena), or
-        ``need`` if larger.
+class SlabTable:
+    """The live put slabs: grant, commit, return, expire.
 
-        Raises:
-            MasterUnavailableError: rebuilding, or within ``put_slab_ttl_s`` of a restart.
-            NoCapacityError: no node has the room (the client puts the two-call way).
-        """
-        self._ready()
-        if self.policy.put_slab_bytes <= 0:
-            raise InvalidArgumentError("put slabs are disabled (master.put_slab_bytes is 0)")
-        now = self._clock()
-        self._allocation_gate(now)
-        self._release_deferred(now)
+    Uncommitted slab space stays allocated in the node's allocator (``alloc``) until the
+    slab is returned or expires. ``replicas`` allocates a slab (evicting if need be) and
+    publishes a committed value; ``objects`` and ``pending`` (read only) decide whether a
+    commit conflicts; ``gens`` gives its generation. Every change to a slab's pieces is
+    told to ``mirror``.
+    """
+
+    def __init__(self, policy: Policy, nodes: dict[str, NodeInfo], alloc: dict[str, ExtentAllocator],
+                 objects: dict[str, Obj], pending: dict[str, Obj], replicas: ReplicaTable, mirror: ReadMirror,
+                 gens: Generations, rng: random.Random, wall_ns: Callable[[], int]):
+        self.policy = policy
+        self.slabs: dict[int, Slab] = {}
+        self._nodes = nodes
+        self._alloc = alloc
+        self._objects = objects
+        self._pending = pending
+        self._replicas = replicas
+        self._mirror = mirror
+        self._gens = gens
+        self._rng = rng
+        self._wall_ns = wall_ns
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ grant ----
+    def grant(self, owner: str, client_node: str | None, need: int, now: float) -> SlabGrant:
+        """Reserve a slab for ``owner`` (see ``MasterState.slab_grant``)."""
         usable = [n for n in self._nodes.values() if not n.suspect]
         if not usable:
             raise NoCapacityError("no usable store node for a put slab")
-        for node in order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng):
+        policy = self.policy
+        for node in order_nodes(policy.allocation_strategy, usable, self._alloc, client_node, self._rng):
             cap = self._alloc[node.node_id].capacity
-            length = max(align_up(need), min(self.policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
+            length = max(align_up(need), min(policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
             if length > cap // 4:
                 continue  # a slab must not take a large share of any arena
-            got = self._allocate_on(node.node_id, length, now)
+            got = self._replicas.allocate(node.node_id, length, now)
             if got is None:
                 continue
             # Unique across master incarnations (like generations), so a commit into a
             # previous master's slab can never match one of ours.
-            self._next_slab = max(self._next_slab + 1, self._wall_ns())
-            slab = Slab(self._next_slab, node.node_id, got[0], got[1], owner,
-                        now + self.policy.put_slab_ttl_s + self.policy.put_timeout_s, {got[0]: got[1]})
-            self._slabs[slab.slab_id] = slab
-            self._mirror_slab(slab.slab_id)
-            return (slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
-                    self.policy.put_slab_ttl_s)
+            self._next_id = max(self._next_id + 1, self._wall_ns())
+            slab = Slab(self._next_id, node.node_id, got[0], got[1], owner,
+                        now + policy.put_slab_ttl_s + policy.put_timeout_s, {got[0]: got[1]})
+            self.slabs[slab.slab_id] = slab
+            self._mirror.slab(slab.slab_id, slab)
+            return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
+                             policy.put_slab_ttl_s)
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more")
 
-    def slab_return(self, slab_id: int) -> int:
+    # ----------------------------------------------------------------- commit ----
+    def commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool, owner: str, now: float) -> int:
+        """Publish ``size`` bytes the caller wrote at ``offset`` of slab ``slab_id`` as
+        ``key`` (a checked key). Returns the value's generation. Idempotent: a retry of a
+        commit that went through answers with the same generation.
+
+        Raises:
+            LeaseExpiredError: the slab is unknown (expired, returned, its node gone,
+                granted by a previous master incarnation, or to another owner): put the
+                value again.
+            InvalidArgumentError: bad size, or the extent is not an uncommitted part of the slab.
+            ObjectExistsError / ObjectPendingError: as ``put_start`` (the extent is freed).
+        """
+        if not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
+        slab = self.slabs.get(slab_id)
+        if slab is None or slab.node_id not in self._nodes or slab.owner != owner:
+            raise LeaseExpiredError(f"put slab {slab_id} is gone (expired, returned or its node left); "
+                                    f"put {key!r} again")
+        length = align_up(size)
+        if carve(slab.free, offset, length):
+            self._mirror.slab(slab_id, slab)
+        else:
+            done = self._objects.get(key)
+            if done is not None and any(r.node_id == slab.node_id and r.tier is Tier.DRAM and r.offset == offset
+                                        and r.length == length for r in done.replicas):
+                return done.gen  # a retry after a lost reply: already committed
+            raise InvalidArgumentError(
+                f"extent ({offset}, {length}) of {key!r} is not an uncommitted part of put slab {slab_id}")
+        conflict = (ObjectPendingError(f"a put of {key!r} is already in flight") if key in self._pending
+                    else ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
+                    if key in self._objects and not upsert else None)
+        if conflict is not None:
+            self._alloc[slab.node_id].release(offset, length)
+            raise conflict
+        gen = self._gens.new()
+        # Evict before publishing (as put_start does): a node applies a delta's drops
+        # before its adds, so the new value must not be a victim of this same delta.
+        self._publish(slab, key, size, gen, offset, now, evict=True)
+        return gen
+
+    def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float) -> str:
+        """A commit the read index answered (its checks made, its pieces carved there):
+        ``commit`` without the watermark check, which the caller makes once the whole log is
+        applied (see ``fastpath.py``). Returns the slab's node."""
+        slab = self.slabs[slab_id]
+        taken = carve(slab.free, offset, align_up(size))
+        assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
+        self._gens.seen(gen)
+        self._publish(slab, key, size, gen, offset, now, evict=False)
+        return slab.node_id
+
+    def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, evict: bool) -> None:
+        obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, align_up(size))])
+        self._nodes[slab.node_id].keys.add(key)
+        if evict:
+            self._replicas.watermark(slab.node_id, now)
+        self._replicas.publish(obj, now)
+
+    # ------------------------------------------------------------- life cycle ----
+    def give_back(self, slab_id: int) -> int:
         """Free a slab's uncommitted space; returns the bytes freed. Idempotent."""
-        slab = self._slabs.pop(slab_id, None)
+        slab = self.slabs.pop(slab_id, None)
         if slab is None:
             return 0
-        self._mirror_slab(slab_id)
+        self._mirror.slab(slab_id, None)
         alloc = self._alloc.get(slab.node_id)
         freed = 0
         for off, ln in slab.free.items():
@@ -109,88 +191,26 @@ class SlabMixin:
             freed += ln
         return freed
 
-    def _allocation_gate(self, now: float) -> None:
-        if now < self._alloc_gate_until:
-            raise MasterUnavailableError(
-                f"master restarted {now - self._restarted_at:.1f}s ago; allocations resume after "
-                f"put_slab_ttl_s={self.policy.put_slab_ttl_s}s (writes into old slabs must end first)")
-
-    # ----------------------------------------------------------------- commit ----
-    def put_commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool = False,
-                   owner: str = "") -> int:
-        """Publish ``size`` bytes the caller wrote at ``offset`` of slab ``slab_id`` as
-        ``key``. Returns the value's generation. Idempotent: a retry of a commit that
-        went through answers with the same generation.
-
-        Raises:
-            LeaseExpiredError: the slab is unknown (expired, returned, its node gone,
-                granted by a previous master incarnation, or to another owner): put the
-                value again.
-            InvalidArgumentError: bad key or size, or the extent is not an uncommitted
-                part of the slab.
-            ObjectExistsError / ObjectPendingError: as ``put_start`` (the extent is freed).
-        """
-        self._ready()
-        self._check_key(key)
-        if not isinstance(size, int) or size < 0:
-            raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
-        slab = self._slabs.get(slab_id)
-        if slab is None or slab.node_id not in self._nodes or slab.owner != owner:
-            raise LeaseExpiredError(f"put slab {slab_id} is gone (expired, returned or its node left); "
-                                    f"put {key!r} again")
-        length = align_up(size)
-        piece = self._carve(slab, offset, length)
-        if piece is not None:
-            self._mirror_slab(slab_id)
-        else:
-            done = self._objects.get(key)
-            if done is not None and any(r.node_id == slab.node_id and r.tier is Tier.DRAM and r.offset == offset
-                                        and r.length == length for r in done.replicas):
-                return done.gen  # a retry after a lost reply: already committed
-            raise InvalidArgumentError(
-                f"extent ({offset}, {length}) of {key!r} is not an uncommitted part of put slab {slab_id}")
-        now = self._clock()
-        conflict = (ObjectPendingError(f"a put of {key!r} is already in flight") if key in self._pending
-                    else ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
-                    if key in self._objects and not upsert else None)
-        if conflict is not None:
-            self._alloc[slab.node_id].release(offset, length)
-            raise conflict
-        self._next_gen = max(self._next_gen + 1, self._wall_ns())
-        obj = Obj(key, size, self._next_gen, [Replica(slab.node_id, Tier.DRAM, offset, length)])
-        self._nodes[slab.node_id].keys.add(key)
-        # Evict before publishing (as put_start does): a node applies a delta's drops
-        # before its adds, so the new value must not be a victim of this same delta.
-        self._watermark(slab.node_id, now)
-        self._publish(obj, now)
-        return obj.gen
-
-    @staticmethod
-    def _carve(slab: Slab, offset: int, length: int) -> tuple[int, int] | None:
-        """Take [offset, offset+length) out of the slab's uncommitted pieces."""
-        if not isinstance(offset, int) or offset % ALIGN:
-            return None
-        for start, ln in slab.free.items():
-            if start <= offset and offset + length <= start + ln:
-                del slab.free[start]
-                if offset > start:
-                    slab.free[start] = offset - start
-                if offset + length < start + ln:
-                    slab.free[offset + length] = start + ln - offset - length
-                return offset, length
-        return None
-
-    # ------------------------------------------------------------- life cycle ----
-    def _expire_slabs(self, now: float) -> int:
-        gone = [s.slab_id for s in self._slabs.values() if s.expires <= now]
+    def expire(self, now: float) -> int:
+        gone = [s.slab_id for s in self.slabs.values() if s.expires <= now]
         for slab_id in gone:
-            self.slab_return(slab_id)
+            self.give_back(slab_id)
         return len(gone)
 
-    def _drop_node_slabs(self, node_id: str) -> None:
-        for slab_id in [s.slab_id for s in self._slabs.values() if s.node_id == node_id]:
-            del self._slabs[slab_id]  # the node's allocator is gone with it
-            self._mirror_slab(slab_id)
+    def drop_node(self, node_id: str) -> None:
+        for slab_id in [s.slab_id for s in self.slabs.values() if s.node_id == node_id]:
+            del self.slabs[slab_id]  # the node's allocator is gone with it
+            self._mirror.slab(slab_id, None)
 
-    def slab_bytes(self) -> int:
-        return sum(ln for s in self._slabs.values() for ln in s.free.values())
+    def free_bytes(self) -> int:
+        return sum(ln for s in self.slabs.values() for ln in s.free.values())
+
+    def check(self, live: dict[str, list[tuple[int, int]]]) -> None:
+        """Assert every slab is on a mounted node with its pieces inside it, and add the
+        pieces to ``live`` (allocated extents by node) for the state machine's check."""
+        for slab in self.slabs.values():
+            assert slab.node_id in self._nodes, f"slab {slab.slab_id} on unmounted {slab.node_id}"
+            for off, length in slab.free.items():
+                assert slab.offset <= off and off + length <= slab.offset + slab.length, \
+                    f"slab {slab.slab_id}: piece {off} outside the slab"
+                live[slab.node_id].append((off, length))

@@ -19,13 +19,21 @@ reports ``promote_done`` to the master, which marks the replica ready: from then
 is a DRAM hit. Several readers of the same object share one promotion.
 
 Neither path makes the master wait on a disk.
+
+``DiskTier`` does the bookkeeping of both; ``MasterState`` holds one and calls it from
+eviction (``try_offload``), ``get`` (``promotion``) and ``tick`` (``expire_promotions``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from mooncake_ray.errors import ChecksumError, ObjectNotFoundError, OffloadPendingError
-from mooncake_ray._private.master.eviction import pick_victims
-from mooncake_ray._private.master.types import NodeInfo, Obj, Replica, Tier
+from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
+from mooncake_ray._private.master.types import NodeDelta, NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
+
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.fastpath import ReadMirror
 
 PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent first
 DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
@@ -40,9 +48,33 @@ def disk_length(size: int, key: str = "") -> int:
     return align_up(size) + header
 
 
-class TieringMixin:
+class DiskTier:
+    """Offloads to and promotions from the store nodes' disks (see the module docstring).
+
+    It changes the objects' replicas and the nodes' disk accounting itself; the rest it
+    asks of the state machine: ``delta(node_id)``, the inventory delta a node is owed;
+    ``drop_replica(obj, rep, now)``, which frees a replica (the object goes with its last);
+    ``allocate(node_id, size, now)``, a DRAM extent (evicting if need be); ``new_placement()``,
+    a fresh ``Replica.placed`` id. A promoted replica becoming readable is told to ``mirror``.
+    """
+
+    def __init__(self, policy: Policy, nodes: dict[str, NodeInfo], objects: dict[str, Obj], lru: RecencyIndex,
+                 counters: dict[str, int], mirror: ReadMirror, *, delta: Callable[[str], NodeDelta],
+                 drop_replica: Callable[[Obj, Replica, float], None],
+                 allocate: Callable[[str, int, float], tuple[int, int] | None], new_placement: Callable[[], int]):
+        self.policy = policy
+        self._nodes = nodes
+        self._objects = objects
+        self._lru = lru
+        self.counters = counters
+        self._mirror = mirror
+        self._delta = delta
+        self._drop_replica = drop_replica
+        self._allocate = allocate
+        self._new_placement = new_placement
+
     # -------------------------------------------------------------- offload ----
-    def _try_offload(self, node: NodeInfo, obj: Obj, rep: Replica, now: float) -> bool:
+    def try_offload(self, node: NodeInfo, obj: Obj, rep: Replica, now: float) -> bool:
         """Start offloading ``rep`` instead of dropping it; False if the disk can't take it."""
         if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
             return False  # already on this node's disk: dropping the DRAM copy is enough
@@ -67,14 +99,13 @@ class TieringMixin:
         node.disk_used += length
         return True
 
-    def offload_done(self, node_id: str, items) -> None:
+    def offload_done(self, node_id: str, items, now: float) -> None:
         """A node finished offloads: ``items`` of ``(key, gen, length, ok, error)``.
         Idempotent. A disk copy this master never asked for (it restarted meanwhile) is
         adopted if it is the current value, dropped otherwise."""
         node = self._nodes.get(node_id)
         if node is None:
             return
-        now = self._clock()
         for key, gen, length, ok, error in items:
             reserved = node.disk_pending.pop((key, gen), None)
             if reserved is None:
@@ -120,7 +151,7 @@ class TieringMixin:
         node.tier_keys["disk"] += 1
 
     # -------------------------------------------------------------- promote ----
-    def _promotion(self, obj: Obj, client_node: str | None, now: float):
+    def promotion(self, obj: Obj, client_node: str | None, now: float) -> Replica | None:
         """The DRAM extent a disk-only object is being promoted into (reserving one)."""
         prom = next((r for r in obj.replicas if r.tier is Tier.DRAM and not r.ready), None)
         if prom is None:
@@ -130,7 +161,7 @@ class TieringMixin:
             disks.sort(key=lambda r: r.node_id != client_node and
                        self._nodes[r.node_id].ray_node_id != client_node)
             for disk in disks:
-                got = self._allocate_on(disk.node_id, obj.size, now)
+                got = self._allocate(disk.node_id, obj.size, now)
                 if got is not None:
                     prom = Replica(disk.node_id, Tier.DRAM, got[0], got[1], ready=False,
                                    deadline=now + self.policy.put_timeout_s, placed=self._new_placement())
@@ -142,10 +173,9 @@ class TieringMixin:
                     f"no DRAM free to promote {obj.key!r} from disk yet (offloads in flight); retry")
         return prom
 
-    def promote_done(self, node_id: str, items) -> None:
+    def promote_done(self, node_id: str, items, now: float) -> None:
         """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
         (``error_name`` empty on success). Idempotent."""
-        now = self._clock()
         for key, gen, offset, error in items:
             obj = self._objects.get(key)
             if obj is None or obj.gen != gen:
@@ -155,10 +185,10 @@ class TieringMixin:
             if not error:
                 if rep is not None:
                     rep.ready = True
-                    self._mirror_key(key)
+                    self._mirror.key(key)
                     self._nodes[node_id].tier_keys["dram"] += 1
                     self.counters["promotions"] += 1
-                    self._delta(node_id).add(self._entry(obj, rep))
+                    self._delta(node_id).add(inventory_entry(obj, rep))
                 continue
             if rep is not None:
                 self._drop_replica(obj, rep, now)
@@ -169,7 +199,7 @@ class TieringMixin:
                 if disk is not None:
                     self._drop_replica(obj, disk, now)
 
-    def _expire_promotions(self, now: float) -> int:
+    def expire_promotions(self, now: float) -> int:
         n = 0
         for obj in list(self._objects.values()):
             for rep in [r for r in obj.replicas if not r.ready and r.deadline <= now]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 
 class Tier(str, enum.Enum):
@@ -76,6 +76,11 @@ class InventoryEntry(NamedTuple):
     offset: int
     length: int
     pin: int = 0
+
+
+def inventory_entry(obj: Obj, r: Replica) -> InventoryEntry:
+    """The entry a node keeps for replica ``r`` of ``obj``."""
+    return InventoryEntry(obj.key, obj.gen, obj.size, r.tier.value, r.offset, r.length, int(obj.pin))
 
 
 class NodeDelta:
@@ -183,6 +188,18 @@ class NodeInfo:
     def spill_usable(self) -> bool:
         return self.spill_capacity > 0 and not self.spill_degraded
 
+    def usage(self, alloc, detail: bool) -> dict:
+        """DRAM (``alloc``: the node's arena allocator) and disk use: ``stats`` with
+        ``detail``, the metrics' gauges without."""
+        keys = self.tier_keys
+        dram = {"capacity": alloc.capacity, "used": alloc.used, "keys": keys["dram"]}
+        disk = {"capacity": self.spill_capacity, "used": self.disk_used, "keys": keys["disk"]}
+        if not detail:
+            return {"dram": dram, "disk": disk}
+        dram["offloading_bytes"] = self.offload_inflight
+        disk.update(reported_used=self.spill_used, degraded=self.spill_degraded)
+        return {"ray_node_id": self.ray_node_id, "suspect": self.suspect, "dram": dram, "disk": disk}
+
     def public(self) -> dict:
         """What clients need to reach the node."""
         return {
@@ -195,3 +212,45 @@ class NodeInfo:
             "ray_node_id": self.ray_node_id,
             "spill_capacity": self.spill_capacity,
         }
+
+
+@dataclass
+class Policy:
+    """The subset of MasterConfig the state machine needs (plain values)."""
+
+    lease_ttl_s: float = 10.0
+    soft_pin_ttl_s: float = 1800.0
+    high_watermark: float = 0.9
+    evict_ratio: float = 0.05
+    node_ttl_s: float = 5.0
+    put_timeout_s: float = 60.0
+    allocation_strategy: str = "local_first"
+    replicas: int = 1
+    max_key_bytes: int = 4096
+    recovery_timeout_s: float = 15.0
+    put_slab_bytes: int = 32 << 20
+    put_slab_ttl_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Policy":
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+
+class Generations:
+    """Value generations: each new one above every earlier one, this master's or a
+    previous master's (they start at the wall clock in ns)."""
+
+    __slots__ = ("last", "_wall_ns")
+
+    def __init__(self, wall_ns: Callable[[], int]) -> None:
+        self.last = 0
+        self._wall_ns = wall_ns
+
+    def new(self) -> int:
+        self.last = max(self.last + 1, self._wall_ns())
+        return self.last
+
+    def seen(self, gen: int) -> None:
+        """``gen`` was handed out elsewhere (by the read index, or a previous master)."""
+        if gen > self.last:
+            self.last = gen

@@ -1,0 +1,315 @@
+"""Where the values' bytes are: the replicas of complete and pending objects on the store
+nodes' arenas and disks (pure, no Ray).
+
+``ReplicaTable`` publishes values, drops objects and replicas, frees their extents (at
+once, or once the last read lease ends: ``deferred``), evicts to make room, and queues what
+each node must learn of it in its inventory delta (``effects``, see ``types.NodeDelta``).
+``MasterState`` holds one and decides when; the disk tier and the put slabs use it through
+the callbacks they are handed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Callable
+
+from mooncake_ray._private.master.allocator import ExtentAllocator
+from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
+from mooncake_ray._private.master.types import (
+    InventoryEntry,
+    NodeDelta,
+    NodeInfo,
+    Obj,
+    Pin,
+    Policy,
+    Replica,
+    Tier,
+    inventory_entry,
+)
+
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.fastpath import ReadMirror
+
+
+class ReplicaTable:
+    """The objects' replicas and the space they hold (see the module docstring).
+
+    Shares the state machine's tables (``nodes``, ``alloc``: each node's arena allocator,
+    ``objects``: complete values, ``pending``: puts in flight, ``lru``, ``counters``); tells
+    ``mirror`` every change to what a GET answers. ``offload(node, obj, rep, now)`` is the
+    disk tier's: eviction offers it each DRAM victim first (True: being offloaded, kept)."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float], wall_ns: Callable[[], int],
+                 nodes: dict[str, NodeInfo],
+                 alloc: dict[str, ExtentAllocator], objects: dict[str, Obj], pending: dict[str, Obj],
+                 lru: RecencyIndex, counters: dict[str, int], mirror: ReadMirror,
+                 offload: Callable[[NodeInfo, Obj, Replica, float], bool]):
+        self.policy = policy
+        self._clock = clock
+        self._wall_ns = wall_ns
+        self._last_placed = 0
+        self._nodes = nodes
+        self._alloc = alloc
+        self._objects = objects
+        self._pending = pending
+        self._lru = lru
+        self.counters = counters
+        self._mirror = mirror
+        self._offload = offload
+        self.deferred: list[tuple[float, str, str, int, int]] = []  # (until, incarnation, node, off, len)
+        self.effects: dict[str, NodeDelta] = {}
+
+    def publish(self, obj: Obj, now: float) -> None:
+        """Make a written value visible, replacing the key's old value if any."""
+        key = obj.key
+        old = self._objects.get(key)
+        if old is not None:
+            self.drop_object(old, now)
+        obj.complete = True
+        self._objects[key] = obj
+        self._lru.touch(key)
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += obj.size
+        for r in obj.replicas:
+            node = self._nodes[r.node_id]
+            node.keys.add(key)  # dropping the old value may have unindexed it
+            node.tier_keys[r.tier.value] += 1
+            self.delta(r.node_id).add(inventory_entry(obj, r))
+        self._mirror.key(key)
+
+    def restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
+        """Take in one entry of a mounting node's inventory (newest first)."""
+        tier = Tier(e.tier)
+        obj = self._objects.get(e.key)
+        if obj is not None and obj.gen != e.gen:
+            if obj.gen > e.gen:  # a stale replica of a replaced value
+                self.delta(node.node_id).drop(e.key, e.gen, e.tier)
+                return
+            self.drop_object(obj, now)  # ours is the newer value
+            obj = None
+        if tier is Tier.DRAM:
+            try:
+                self._alloc[node.node_id].reserve(e.offset, e.length)
+            except ValueError:  # overlaps another entry: trust neither copy of these bytes
+                self.delta(node.node_id).drop(e.key, e.gen, e.tier)
+                return
+        elif obj is not None and any(r.node_id == node.node_id and r.tier is tier for r in obj.replicas):
+            return  # the same disk copy listed twice
+        else:
+            node.disk_used += e.length
+        if obj is None:
+            # Readers may still hold leases granted by the previous master: honour them.
+            obj = Obj(e.key, e.size, e.gen, [], complete=True, lease_until=now + self.policy.lease_ttl_s,
+                      pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s)
+            self._objects[e.key] = obj
+            self._lru.touch(e.key)
+        # Not the put's placement as far as this master knows: a new id (see Replica.placed).
+        obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self.new_placement()))
+        node.keys.add(e.key)
+        node.tier_keys[tier.value] += 1
+        self._mirror.key(e.key)
+
+    def new_placement(self) -> int:
+        """A ``Replica.placed`` id no replica of this master (or an earlier one) has had."""
+        self._last_placed = max(self._last_placed + 1, self._wall_ns())
+        return self._last_placed
+
+    def drop_object(self, obj: Obj, now: float) -> None:
+        """Forget a complete object; its extents wait for its lease to end."""
+        del self._objects[obj.key]
+        self._lru.discard(obj.key)
+        self._mirror.key(obj.key)
+        for r in obj.replicas:
+            self._release_replica(obj, r)
+
+    def drop_replica(self, obj: Obj, rep: Replica, now: float) -> None:
+        """Drop one replica; an object left with none is gone (a miss from now on)."""
+        obj.replicas.remove(rep)
+        self._release_replica(obj, rep)
+        if self._objects.get(obj.key) is obj:
+            if not obj.replicas:
+                del self._objects[obj.key]
+                self._lru.discard(obj.key)
+            self._mirror.key(obj.key)
+
+    def _release_replica(self, obj: Obj, r: Replica) -> None:
+        node = self._nodes.get(r.node_id)
+        if node is None:
+            return
+        # An add of this replica still in the delta (published, then evicted before
+        # delivery) is cancelled there, in O(1).
+        self.delta(r.node_id).drop(obj.key, obj.gen, r.tier.value)
+        if obj.complete and r.ready:
+            node.tier_keys[r.tier.value] -= 1
+        if r.tier is Tier.DISK:
+            node.disk_used -= r.length
+        else:
+            if r.offloading:  # the offload's disk reservation ends with offload_done
+                node.offload_inflight -= r.length
+            self.free_extent(r, obj.lease_until)
+        self.unindex(r.node_id, obj.key)
+
+    def unindex(self, node_id: str, key: str) -> None:
+        """Drop ``key`` from a node's index unless some version of it still lives there."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        for table in (self._objects, self._pending):
+            obj = table.get(key)
+            if obj is not None and any(r.node_id == node_id for r in obj.replicas):
+                return
+        node.keys.discard(key)
+
+    def free_extent(self, rep: Replica, until: float) -> None:
+        if rep.tier is not Tier.DRAM or rep.node_id not in self._alloc:
+            return
+        if until > self._clock():
+            node = self._nodes[rep.node_id]
+            heapq.heappush(self.deferred, (until, node.incarnation, rep.node_id, rep.offset, rep.length))
+        else:
+            self._alloc[rep.node_id].release(rep.offset, rep.length)
+
+    def release_deferred(self, now: float) -> None:
+        while self.deferred and self.deferred[0][0] <= now:
+            _, inc, node_id, off, length = heapq.heappop(self.deferred)
+            node = self._nodes.get(node_id)
+            if node is not None and node.incarnation == inc:
+                self._alloc[node_id].release(off, length)
+
+    def delta(self, node_id: str) -> NodeDelta:
+        d = self.effects.get(node_id)
+        if d is None:
+            d = self.effects[node_id] = NodeDelta()
+        return d
+
+    def drain(self) -> dict[str, NodeDelta]:
+        """Inventory changes to deliver to store nodes (and forget here)."""
+        out, self.effects = self.effects, {}
+        return {k: v for k, v in out.items() if k in self._nodes and not v.empty()}
+
+    def evict(self, node_id: str, need: int, now: float) -> int:
+        """Make room on one node's DRAM; returns the bytes freed now (offloads started
+        free their bytes later and count toward ``need`` meanwhile)."""
+        node, alloc = self._nodes[node_id], self._alloc[node_id]
+        if need and node.spill_usable():
+            # Offloads free their room only when the disk write is done: start enough for
+            # the next few allocations of this size, so a batch of puts does not wait once
+            # per object (at most a quarter of the arena).
+            need = max(need, min(8 * need, alloc.capacity // 4))
+        need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
+        freed = 0
+        if need <= 0:
+            return 0
+        for obj, rep in pick_victims(self._lru, self._objects, node_id, need, now):
+            if self._offload(node, obj, rep, now):
+                continue
+            self.drop_replica(obj, rep, now)
+            freed += rep.length
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += rep.length
+        return freed
+
+    def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:
+        alloc = self._alloc[node_id]
+        got = alloc.allocate(size)
+        while got is None and self.evict(node_id, size, now):
+            got = alloc.allocate(size)  # eviction frees bytes, not always a contiguous run
+        if got is not None:
+            self.watermark(node_id, now)
+        return got
+
+    def place(self, size: int, want: int, ordered: list[NodeInfo], now: float) -> list[Replica]:
+        """DRAM extents of ``size`` bytes on up to ``want`` distinct nodes, in the order
+        given: first where they fit, then evicting."""
+        placed: list[Replica] = []
+        for evict in (False, True):
+            for node in ordered:
+                if len(placed) == want:
+                    break
+                if any(r.node_id == node.node_id for r in placed):
+                    continue
+                alloc = self._alloc[node.node_id]
+                while evict and not alloc.can_fit(size) and self.evict(node.node_id, size, now):
+                    pass  # eviction frees bytes, not always a contiguous run: repeat
+                got = alloc.allocate(size)
+                if got is not None:
+                    placed.append(Replica(node.node_id, Tier.DRAM, got[0], got[1]))
+        return placed
+
+    def watermark(self, node_id: str, now: float) -> None:
+        """Past the high watermark, evict (or start offloading) one batch, so the next
+        allocations find room without waiting."""
+        alloc = self._alloc[node_id]
+        if alloc.used > self.policy.high_watermark * alloc.capacity:
+            self.evict(node_id, 0, now)  # one batch of evict_ratio * capacity
+
+    def forget_node(self, node: NodeInfo, reason: str) -> int:
+        """A node is gone (already out of the node table): drop every replica on it; keys
+        with no replica left become misses, pending puts on it fail. Returns the number
+        of objects lost."""
+        node_id = node.node_id
+        self.effects.pop(node_id, None)
+        self.deferred = [d for d in self.deferred if d[2] != node_id]
+        heapq.heapify(self.deferred)
+        lost = 0
+        for key in node.keys:
+            for table in (self._objects, self._pending):
+                obj = table.get(key)
+                if obj is None:
+                    continue
+                obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
+                if table is self._pending:
+                    obj.failed = f"store node {node_id} {reason}"
+                else:
+                    if not obj.replicas:
+                        del self._objects[key]
+                        self._lru.discard(key)
+                        lost += 1
+                    self._mirror.key(key)
+        return lost
+
+    def check(self, live: dict[str, list[tuple[int, int]]]) -> None:
+        """Assert the objects, the nodes' key counters and disk accounting, and the arenas
+        agree; ``live`` holds the other allocated extents by node (the slabs' pieces)."""
+        disk = {n: 0 for n in self._nodes}
+        inflight = {n: 0 for n in self._nodes}
+        for table in (self._objects, self._pending):
+            for key, obj in table.items():
+                assert obj.key == key
+                assert obj.complete == (table is self._objects), key
+                ids = [(r.node_id, r.tier) for r in obj.replicas]
+                assert len(ids) == len(set(ids)), f"{key}: two replicas in one node's tier"
+                for r in obj.replicas:
+                    assert r.node_id in self._nodes, f"{key}: replica on unmounted {r.node_id}"
+                    assert key in self._nodes[r.node_id].keys, f"{key} missing from node index"
+                    if r.tier is Tier.DRAM:
+                        live[r.node_id].append((r.offset, r.length))
+                    else:
+                        disk[r.node_id] += r.length
+                    if r.offloading:
+                        inflight[r.node_id] += r.length
+                if table is self._objects:
+                    assert obj.replicas, f"{key}: complete object without replicas"
+        for _, inc, node_id, off, length in self.deferred:
+            if self._nodes[node_id].incarnation == inc:
+                live[node_id].append((off, length))
+        for node_id, node in self._nodes.items():
+            counted = {"dram": 0, "disk": 0}
+            for key in node.keys:
+                obj = self._objects.get(key)
+                for r in obj.replicas if obj else ():
+                    if r.node_id == node_id and r.ready:
+                        counted[r.tier.value] += 1
+            assert node.tier_keys == counted, f"{node_id}: key counters {node.tier_keys} != {counted}"
+            want = disk[node_id] + sum(node.disk_pending.values())
+            assert node.disk_used == want, f"{node_id}: disk_used {node.disk_used} != {want}"
+            assert node.offload_inflight == inflight[node_id], f"{node_id}: offload bytes out of sync"
+        for node_id, extents in live.items():
+            a = self._alloc[node_id]
+            assert a.used == sum(ln for _, ln in extents), f"{node_id}: used {a.used} != live extents"
+            extents.sort()
+            for (o1, l1), (o2, _) in zip(extents, extents[1:]):
+                assert o1 + l1 <= o2, f"{node_id}: extents overlap at {o2}"
+            for off, ln in extents:
+                assert not a._overlaps_free(off, ln), f"{node_id}: live extent {off} is free"
+        assert set(self._lru.keys()) == set(self._objects), "recency index out of sync"
