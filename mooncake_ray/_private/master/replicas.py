@@ -109,6 +109,26 @@ class ReplicaTable:
         node.tier_keys[tier.value] += 1
         self._mirror.key(e.key)
 
+    def grant_lease(self, obj: Obj, lease: int, now: float) -> float:
+        """Lease ``lease`` on ``obj`` for ``lease_ttl_s`` from ``now``, with a recency
+        touch (``get``, and the leases native GETs granted). Returns the end of ``obj``'s
+        leases before this one (to undo it)."""
+        until = obj.lease_until
+        if until <= now or obj.leases is None:
+            obj.leases = set()  # earlier leases expired, released or not
+        obj.leases.add(lease)
+        obj.lease_until = max(until, now + self.policy.lease_ttl_s)
+        self._lru.touch(obj.key)
+        return until
+
+    @staticmethod
+    def end_lease(obj: Obj, lease: int, now: float) -> None:
+        """Lease ``lease`` on ``obj`` is released (``obj.leases`` not empty); the last
+        one ends the lease at ``now``, not at its expiry."""
+        obj.leases.discard(lease)
+        if not obj.leases:
+            obj.lease_until = min(obj.lease_until, now)
+
     def new_placement(self) -> int:
         """A ``Replica.placed`` id no replica of this master (or an earlier one) has had."""
         self._last_placed = max(self._last_placed + 1, self._wall_ns())

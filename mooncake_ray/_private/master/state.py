@@ -358,10 +358,10 @@ class MasterState:
             if obj is None or obj.gen != gen:
                 continue  # a release of a replaced value (a grant cannot be: see fastpath.py)
             if kind == GRANT:
-                self._grant_lease(obj, lease, now)
+                self._replicas.grant_lease(obj, lease, now)
                 self.counters["hits"] += 1
             elif obj.leases:
-                self._end_lease(obj, lease, now)
+                self._replicas.end_lease(obj, lease, now)
         if full and decide:
             now = self._clock()
             for node_id in full:
@@ -398,7 +398,7 @@ class MasterState:
         # Lease first: a promotion below may evict, and must not evict this object.
         self._next_lease += 1
         lease = self._next_lease
-        until = self._grant_lease(obj, lease, now)
+        until = self._replicas.grant_lease(obj, lease, now)
         reps = [r for r in obj.replicas if r.tier is Tier.DRAM and r.ready]
         if reps:
             self.counters["hits"] += 1
@@ -420,26 +420,6 @@ class MasterState:
                          [ReplicaLoc(r.node_id, tier, r.offset, r.length, self._nodes[r.node_id].incarnation,
                                      r.placed) for r in reps], lease)
 
-    def _grant_lease(self, obj: Obj, lease: int, now: float) -> float:
-        """Lease ``lease`` on ``obj`` for ``lease_ttl_s`` from ``now``, with a recency
-        touch (``get``, and the leases native GETs granted). Returns the end of ``obj``'s
-        leases before this one (to undo it)."""
-        until = obj.lease_until
-        if until <= now or obj.leases is None:
-            obj.leases = set()  # earlier leases expired, released or not
-        obj.leases.add(lease)
-        obj.lease_until = max(until, now + self.policy.lease_ttl_s)
-        self._lru.touch(obj.key)
-        return until
-
-    @staticmethod
-    def _end_lease(obj: Obj, lease: int, now: float) -> None:
-        """Lease ``lease`` on ``obj`` is released (``obj.leases`` not empty); the last
-        one ends the lease at ``now``, not at its expiry."""
-        obj.leases.discard(lease)
-        if not obj.leases:
-            obj.lease_until = min(obj.lease_until, now)
-
     def release(self, key: str, gen: int, lease: int, now: float | None = None) -> None:
         """A reader is done with lease ``lease`` on ``key``/``gen``. When the last one is
         released the lease ends at once instead of at its expiry, so a scan over a
@@ -448,7 +428,7 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.gen != gen or not obj.leases:
             return
-        self._end_lease(obj, lease, self._clock() if now is None else now)
+        self._replicas.end_lease(obj, lease, self._clock() if now is None else now)
 
     def exists(self, key: str) -> bool:
         self._ready()
