@@ -14,11 +14,6 @@ def spill_store(make_store, tmp_path):
     return s
 
 
-def _node(s):
-    nid = s.stats()["nodes"][0]["node_id"] if "nodes" in s.stats() else None
-    return s._node(nid) if nid else next(iter(s._nodes.values()))
-
-
 @pytest.mark.parametrize("item", [
     ["keep", 1, 8 << 20, 4096],          # starts at the arena's end
     ["keep", 1, (8 << 20) - 4096, 8192],  # runs past it
@@ -30,11 +25,10 @@ def _node(s):
 ])
 def test_promote_outside_the_arena_is_refused(spill_store, item):
     s = spill_store
-    s.get("keep")  # the client knows the node now
-    node = next(iter(s._nodes.values()))
-    reply = rpc.unpack(s.engine.call(node.peer, rpc.NODE_PROMOTE_RPC, rpc.pack([item]), timeout_s=5.0))
+    info = s._master.call(rpc.NODES)[0]
+    peer = s.engine.connect(info["address"])
+    reply = rpc.unpack(s.engine.call(peer, rpc.NODE_PROMOTE_RPC, rpc.pack([item]), timeout_s=5.0))
     assert reply == ["InvalidArgumentError"]
     assert s.get("keep") == b"precious"
-    s.put("after", b"still serving")
+    s.upsert("after", b"still serving")
     assert s.get("after") == b"still serving"
-    s.remove("after")
