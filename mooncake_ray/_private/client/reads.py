@@ -174,36 +174,44 @@ class Reader:
         """One lookup + read round for ``todo``; returns indices to retry."""
         t0 = time.monotonic()
         descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here, self._releases.take())
-        grants = []  # (index, ReadGrant) of the keys found
-        for i, d in zip(todo, descs):
+        # Each found key's descriptor is replaced by its ReadGrant, in place: the raw lists
+        # are freed as the records are made, so a batch does not double the objects alive
+        # (which would set off a garbage collection every call).
+        promote = []  # (index, key, gen, size, ReplicaLoc) of values only on disk
+        for j, (i, d) in enumerate(zip(todo, descs)):
             if d is None:
                 results[i] = ObjectNotFoundError(f"{keys[i]!r} is not in the store")
                 self._stats["misses"] += 1
             elif rpc.is_err(d):
                 results[i] = rpc.to_exc(d)
+                descs[j] = None
             else:
-                grants.append((i, wire.read_grant(d)))
-        promote = [(i, keys[i], g.gen, g.size, g.replicas[0]) for i, g in grants
-                   if g.replicas and g.replicas[0].tier == PROMOTE]
+                descs[j] = g = wire.read_grant(d)
+                reps = g.replicas
+                if reps and reps[0].tier == PROMOTE:
+                    promote.append((i, keys[i], g.gen, g.size, reps[0]))
         failed_promotions = self._promote_many(promote) if promote else {}
         self._stats["disk_reads"] += len(promote) - len(failed_promotions)
         reads = []  # (index, size, replicas, dst_addr, result, ttl)
         mine = []
-        for i, g in grants:
+        for i, g in zip(todo, descs):
+            if g is None:  # a miss or an error, recorded above
+                continue
             if i in failed_promotions:
                 results[i] = failed_promotions[i]
                 continue
+            size = g.size
             mine.append([keys[i], g.gen, g.lease])  # released once this round's copies are done
             if dsts is None:
-                out, addr = new_bytes(g.size)
-                reads.append((i, g.size, g.replicas, addr, out, g.ttl))
+                out, addr = new_bytes(size)
             else:
                 addr, cap, _ = dsts[i]
-                if cap < g.size:
+                if cap < size:
                     results[i] = InvalidArgumentError(
-                        f"buffer of {cap} bytes is smaller than the value of {keys[i]!r} ({g.size} bytes)")
+                        f"buffer of {cap} bytes is smaller than the value of {keys[i]!r} ({size} bytes)")
                     continue
-                reads.append((i, g.size, g.replicas, addr, g.size, g.ttl))
+                out = size
+            reads.append((i, size, g.replicas, addr, out, g.ttl))
         retry = []
         pending = reads
         for rank in range(max((len(r[2]) for r in reads), default=0)):
@@ -217,6 +225,7 @@ class Reader:
                     idx.append(r)
             failed = self._read(ops)
             still = []
+            n_read = n_bytes = 0
             for j, r in enumerate(idx):
                 if j in failed and rank + 1 < len(r[2]):
                     still.append(r)
@@ -224,8 +233,10 @@ class Reader:
                     results[r[0]] = failed[j]
                 else:
                     results[r[0]] = r[4]
-                    self.moved += r[1]
-                    self._stats["reads"] += 1
+                    n_bytes += r[1]
+                    n_read += 1
+            self.moved += n_bytes
+            self._stats["reads"] += n_read
             for r in pending:
                 if r[1] == 0:
                     results[r[0]] = r[4]

@@ -89,7 +89,8 @@ class Writer:
         failed = self._write(ops, owners)
         if failed:  # the slab's node failed us: give the slab up, retry those the two-call way
             self._slabs.give_up({s.slab_id for i, s, _ in items if i in failed})
-        commits = [(i, wire.Commit(keys[i], slab.slab_id, off, srcs[i][1], upsert)) for i, slab, off in items
+        # PUT_COMMIT items as lists in wire.Commit's field order (a Commit record costs 0.15 us a key more)
+        commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
                    if i not in failed]
         rest.extend(failed)
         if commits:
@@ -117,15 +118,14 @@ class Writer:
     def _put_round(self, keys, srcs, replicas, upsert) -> list:
         """One PUT_START, write, PUT_END round; returns None or the error per key."""
         reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]
-        replies = self._master.call(rpc.PUT_START, reqs, self._here, self._owner)
+        allocs = self._master.call(rpc.PUT_START, reqs, self._here, self._owner)
         results: list = [None] * len(keys)
-        allocs: list[wire.PutAlloc | None] = [None] * len(keys)
         ops, owners = [], []
-        for i, a in enumerate(replies):
+        for i, a in enumerate(allocs):
             if rpc.is_err(a):
                 results[i] = rpc.to_exc(a)
                 continue
-            allocs[i] = a = wire.put_alloc(a)
+            allocs[i] = a = wire.put_alloc(a)  # in place: the raw lists are freed as we go
             addr, n, _ = srcs[i]
             for e in a.extents:
                 if n:
