@@ -26,10 +26,12 @@ __all__ = [
     "StoreConfig",
     "MasterConfig",
     "TransportConfig",
+    "RdtConfig",
     "SpillConfig",
     "ClientConfig",
     "parse_size",
     "load_config",
+    "load_rdt_config",
 ]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -144,6 +146,25 @@ class TransportConfig(_Model):
         return 0 if self.protocol == "tcp" else 50
 
 
+class RdtConfig(_Model):
+    """The Ray Direct Transport plug-in (``mooncake_ray.integrations.ray_rdt``): one engine
+    and receive pool per process. Not a section of StoreConfig: each process reads it from
+    the arguments of ``ray_rdt.register`` over its environment (``load_rdt_config``):
+    ``MOONCAKE_RAY_RDT__PROTOCOL`` and so on, or the plug-in's older names
+    ``MOONCAKE_RDT_PROTOCOL``, ``MOONCAKE_RDT_DEVICES``, ``MOONCAKE_RDT_RECV_POOL_BYTES``,
+    ``MOONCAKE_RDT_TIMEOUT_S``."""
+
+    protocol: Protocol = "auto"
+    """As ``transport.protocol``."""
+    devices: Devices = Field(default_factory=lambda: ["lo"])
+    """UCX devices, default the loopback device; empty (or "") = UCX's default."""
+    recv_pool_bytes: Size = 1 << 30
+    """Limit of the receive pool: pre-faulted arenas received tensors are carved from
+    (0 disables it: tensors are then allocated and registered per read)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Connect and transfer timeout when Ray gives none."""
+
+
 class SpillConfig(_Model):
     """The NVMe spill tier of each store node (off unless a directory is given)."""
 
@@ -254,8 +275,15 @@ MOONCAKE_ALIASES: dict[str, tuple[str, ...]] = {
     "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": ("spill", "capacity_bytes"),
     "MOONCAKE_USE_URING": ("spill", "use_uring"),
     "MOONCAKE_ENABLE_OFFLOAD": ("spill", "enabled"),
+    # The RDT plug-in's own older names (MOONCAKE_RAY_RDT__* is the regular spelling).
+    "MOONCAKE_RDT_PROTOCOL": ("rdt", "protocol"),
+    "MOONCAKE_RDT_DEVICES": ("rdt", "devices"),
+    "MOONCAKE_RDT_RECV_POOL_BYTES": ("rdt", "recv_pool_bytes"),
+    "MOONCAKE_RDT_TIMEOUT_S": ("rdt", "timeout_s"),
 }
 ENV_PREFIX = "MOONCAKE_RAY_"
+# The environment's section read by load_rdt_config, never by the store (load_config).
+RDT_SECTION = "rdt"
 
 
 def _set_path(d: dict, path: tuple[str, ...], value: Any) -> None:
@@ -287,8 +315,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         if name in environ:
             raw = environ[name]
             value: Any = raw if path[-1] in ("devices", "ray_address", "directory") else _env_value(raw)
-            if name == "MOONCAKE_PROTOCOL" and isinstance(value, str):
-                value = value.lower()
+            if path[-1] == "protocol" and isinstance(value, str):
+                value = value.strip().lower()
             if name == "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH" and "MOONCAKE_ENABLE_OFFLOAD" not in environ:
                 _set_path(out, ("spill", "enabled"), True)  # a spill path alone turns offload on
             _set_path(out, path, value)
@@ -347,7 +375,24 @@ def load_config(config: "StoreConfig | Mapping | str | os.PathLike | None" = Non
             base = json.loads(text)
         if not isinstance(base, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(base).__name__}")
-    return validated(StoreConfig, _merge(base, env_overrides(environ)))
+    env = env_overrides(environ)
+    env.pop(RDT_SECTION, None)
+    return validated(StoreConfig, _merge(base, env))
+
+
+def load_rdt_config(overrides: Mapping[str, Any] | None = None,
+                    environ: Mapping[str, str] | None = None) -> RdtConfig:
+    """The RDT plug-in's settings: ``overrides`` (``ray_rdt.register``'s arguments) over
+    the environment over the defaults.
+
+    Raises:
+        ConfigError: naming each bad field, its value and what is allowed.
+    """
+    env = env_overrides(environ).get(RDT_SECTION, {})
+    if not isinstance(env, dict):
+        raise ConfigError(f"{ENV_PREFIX}{RDT_SECTION.upper()} must name a field "
+                          f"({ENV_PREFIX}{RDT_SECTION.upper()}__PROTOCOL=tcp)")
+    return validated(RdtConfig, _merge(env, dict(overrides or {})))
 
 
 M = TypeVar("M", bound=BaseModel)
