@@ -231,8 +231,9 @@ void bind_transport(nb::module_& m) {
 
   nb::class_<mcr::Engine>(m, "TransportEngine")
       .def("__init__", [](mcr::Engine* self, const mcr::EngineConfig& config) {
+        mcr::EngineConfig c = config;  // a copy: the Python object may change meanwhile
         nb::gil_scoped_release nogil;
-        new (self) mcr::Engine(config);
+        new (self) mcr::Engine(c);
       }, "config"_a)
       .def_prop_ro("config", [](mcr::Engine& e) { return e.config(); })  // a copy
       .def_prop_ro("address", [](mcr::Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
