@@ -16,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -26,10 +26,12 @@ __all__ = [
     "StoreConfig",
     "MasterConfig",
     "TransportConfig",
+    "RdtConfig",
     "SpillConfig",
     "ClientConfig",
     "parse_size",
     "load_config",
+    "load_rdt_config",
 ]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -64,40 +66,103 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
-class TransportConfig(_Model):
-    """The native UCX engine."""
+def _split_devices(value: Any) -> Any:
+    if isinstance(value, str):  # "eth0,eth1", as UCX_NET_DEVICES spells it
+        return [d.strip() for d in value.split(",") if d.strip()]
+    return value
 
-    protocol: Literal["auto", "tcp", "shm", "rdma"] = "auto"
+
+Protocol = Literal["auto", "tcp", "shm", "rdma"]
+Devices = Annotated[list[str] | None, BeforeValidator(_split_devices)]  # a list or "eth0,eth1"
+
+
+class TransportConfig(_Model):
+    """The native UCX engine (``mooncake_ray._private.transport.Engine``).
+
+    ``Engine.from_config`` carries every field named like a field of the C++
+    ``mcr::EngineConfig`` (native/include/mcr/transport.h) into it, so a setting's default
+    and doc live here once; the others are read by the Python engine or its callers."""
+
+    protocol: Protocol = "auto"
     """UCX transports: auto (UCX chooses: shared memory on one host, tcp/RDMA across), or
     force one family."""
-    devices: list[str] | None = None
-    """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]."""
+    devices: Devices = None
+    """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]
+    (None: UCX's default)."""
     num_lanes: int = Field(2, ge=1, le=16)
-    """Workers/endpoints a large transfer is striped over."""
+    """Workers/endpoints (each with its own progress thread) a large transfer is striped
+    over. Measured on 2 vCPUs over tcp, 1 -> 2 lanes: 4 MiB push read 3.2 -> 3.6 GB/s, put
+    2.4 -> 3.7 GB/s, 64 MiB 3.1 -> 4.8 / 2.6 -> 4.5 GB/s (shared memory: no change; 4
+    lanes: no better than 2). Idle lanes sleep."""
     read_mode: Literal["auto", "memcpy", "push", "get"] = "auto"
+    """Force a read path (tests, benchmarks); auto picks one per remote region."""
+    write_mode: Literal["auto", "memcpy", "put"] = "auto"
+    """Force a write path (tests, benchmarks)."""
     ucx_options: dict[str, str] = Field(default_factory=dict)
-    """Extra UCX settings passed through (without the UCX_ prefix), e.g. {"RNDV_THRESH": "8k"}."""
+    """Extra UCX settings passed through (without the UCX_ prefix), e.g. {"RNDV_THRESH": "8k"};
+    applied to the engine's own UCX context, never through the environment."""
+    chunk_bytes: Size = 4 << 20
+    """Stripe unit over lanes and staging piece size (at least 4 KiB; 1-4 MiB measured
+    alike over 2 lanes, 16 MiB worse: fewer pieces than lanes in flight)."""
+    stripe_min_bytes: Size = 1 << 20
+    """Transfers below this stay on one lane."""
+    push_min_bytes: Size = 32 << 10
+    """In read_mode auto, reads smaller than this use get even where the push path is
+    chosen (tcp): one round trip instead of two."""
+    staging_bytes: Size = 64 << 20
+    """Bounce buffer for unregistered memory (allocated on first use)."""
+    spin_us: int = 50
+    """A waiting caller progresses the engine itself this long before sleeping."""
+    inflight_linger_us: int = 100
+    """While an engine's requests are in flight, its progress thread keeps polling until
+    no event came for this long (0: sleep after every event)."""
     server_linger_us: int | None = Field(None, ge=0, le=10000)
     """The master's and store nodes' progress threads poll this long after their last
     event before they sleep: a client's next call or read usually comes within it, and a
     wake-up from epoll costs tens of µs on a VM (0: sleep at once). None: 50, or 0 with
     protocol "tcp" (measured on 2 vCPUs: x2.5-3 for same-host 4 KiB gets, -20-30% over
-    loopback tcp, whose kernel processing the polling threads starve)."""
+    loopback tcp, whose kernel processing the polling threads starve). Clients' engines
+    never linger."""
+    keepalive_s: float = 1.0
+    """Liveness check interval (same-host pid watchdog, UCX keepalive)."""
+    error_mode: Literal["auto", "peer", "none"] = "auto"
+    """UCX endpoint error mode. auto uses PEER only for RDMA peers on other hosts: under
+    PEER, UCX 1.22 drops shared memory and turns tcp put into software emulation. Dead
+    peers are still detected (tcp resets, a pid watchdog on the same host, timeouts)."""
+    rpc_threads: int = Field(4, ge=1)
+    """Dispatcher threads running an engine's Python RPC handlers."""
+    default_timeout_s: float = Field(30.0, gt=0)
+    """Timeout of an engine's blocking calls (connect, read, write, call) when the caller
+    gives none."""
+    transfer_timeout_s: float = Field(30.0, gt=0)
+    """The client's timeout for reads and writes."""
+    rpc_timeout_s: float = Field(5.0, gt=0)
+    """The client's and store nodes' timeout for calls to the master."""
 
     def linger_us(self) -> int:
+        """``server_linger_us`` resolved: what a server engine (master, store node) uses."""
         if self.server_linger_us is not None:
             return self.server_linger_us
         return 0 if self.protocol == "tcp" else 50
-    transfer_timeout_s: float = Field(30.0, gt=0)
-    rpc_timeout_s: float = Field(5.0, gt=0)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _devices_from_string(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("devices"), str):
-            data = dict(data)
-            data["devices"] = [d.strip() for d in data["devices"].split(",") if d.strip()]
-        return data
+
+class RdtConfig(_Model):
+    """The Ray Direct Transport plug-in (``mooncake_ray.integrations.ray_rdt``): one engine
+    and receive pool per process. Not a section of StoreConfig: each process reads it from
+    the arguments of ``ray_rdt.register`` over its environment (``load_rdt_config``):
+    ``MOONCAKE_RAY_RDT__PROTOCOL`` and so on, or the plug-in's older names
+    ``MOONCAKE_RDT_PROTOCOL``, ``MOONCAKE_RDT_DEVICES``, ``MOONCAKE_RDT_RECV_POOL_BYTES``,
+    ``MOONCAKE_RDT_TIMEOUT_S``."""
+
+    protocol: Protocol = "auto"
+    """As ``transport.protocol``."""
+    devices: Devices = Field(default_factory=lambda: ["lo"])
+    """UCX devices, default the loopback device; empty (or "") = UCX's default."""
+    recv_pool_bytes: Size = 1 << 30
+    """Limit of the receive pool: pre-faulted arenas received tensors are carved from
+    (0 disables it: tensors are then allocated and registered per read)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Connect and transfer timeout when Ray gives none."""
 
 
 class SpillConfig(_Model):
@@ -210,8 +275,15 @@ MOONCAKE_ALIASES: dict[str, tuple[str, ...]] = {
     "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": ("spill", "capacity_bytes"),
     "MOONCAKE_USE_URING": ("spill", "use_uring"),
     "MOONCAKE_ENABLE_OFFLOAD": ("spill", "enabled"),
+    # The RDT plug-in's own older names (MOONCAKE_RAY_RDT__* is the regular spelling).
+    "MOONCAKE_RDT_PROTOCOL": ("rdt", "protocol"),
+    "MOONCAKE_RDT_DEVICES": ("rdt", "devices"),
+    "MOONCAKE_RDT_RECV_POOL_BYTES": ("rdt", "recv_pool_bytes"),
+    "MOONCAKE_RDT_TIMEOUT_S": ("rdt", "timeout_s"),
 }
 ENV_PREFIX = "MOONCAKE_RAY_"
+# The environment's section read by load_rdt_config, never by the store (load_config).
+RDT_SECTION = "rdt"
 
 
 def _set_path(d: dict, path: tuple[str, ...], value: Any) -> None:
@@ -243,8 +315,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
         if name in environ:
             raw = environ[name]
             value: Any = raw if path[-1] in ("devices", "ray_address", "directory") else _env_value(raw)
-            if name == "MOONCAKE_PROTOCOL" and isinstance(value, str):
-                value = value.lower()
+            if path[-1] == "protocol" and isinstance(value, str):
+                value = value.strip().lower()
             if name == "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH" and "MOONCAKE_ENABLE_OFFLOAD" not in environ:
                 _set_path(out, ("spill", "enabled"), True)  # a spill path alone turns offload on
             _set_path(out, path, value)
@@ -303,7 +375,36 @@ def load_config(config: "StoreConfig | Mapping | str | os.PathLike | None" = Non
             base = json.loads(text)
         if not isinstance(base, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(base).__name__}")
+    env = env_overrides(environ)
+    env.pop(RDT_SECTION, None)
+    return validated(StoreConfig, _merge(base, env))
+
+
+def load_rdt_config(overrides: Mapping[str, Any] | None = None,
+                    environ: Mapping[str, str] | None = None) -> RdtConfig:
+    """The RDT plug-in's settings: ``overrides`` (``ray_rdt.register``'s arguments) over
+    the environment over the defaults.
+
+    Raises:
+        ConfigError: naming each bad field, its value and what is allowed.
+    """
+    env = env_overrides(environ).get(RDT_SECTION, {})
+    if not isinstance(env, dict):
+        raise ConfigError(f"{ENV_PREFIX}{RDT_SECTION.upper()} must name a field "
+                          f"({ENV_PREFIX}{RDT_SECTION.upper()}__PROTOCOL=tcp)")
+    return validated(RdtConfig, _merge(env, dict(overrides or {})))
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], data: Mapping[str, Any]) -> M:
+    """``model`` validated from ``data``.
+
+    Raises:
+        ConfigError: naming each bad field, its value and what is allowed.
+    """
     try:
-        return StoreConfig.model_validate(_merge(base, env_overrides(environ)))
+        return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_explain(e)) from None

@@ -195,36 +195,47 @@ void bind_transport(nb::module_& m) {
       .def("cancel", &mcr::Op::abandon, nb::call_guard<nb::gil_scoped_release>())
       .def("set_notify", &mcr::Op::set_notify);
 
+  // The engine's settings, one property per EngineConfig field (read_mode and write_mode
+  // as their names). mooncake_ray.config.TransportConfig fills it by field name.
+  nb::class_<mcr::EngineConfig>(m, "EngineConfig")
+      .def(nb::init<>())
+      .def_rw("name", &mcr::EngineConfig::name)
+      .def_rw("protocol", &mcr::EngineConfig::protocol)
+      .def_prop_rw("devices", [](const mcr::EngineConfig& c) { return c.devices; },
+          [](mcr::EngineConfig& c, std::optional<std::vector<std::string>> d) {  // None: UCX default
+            c.devices = d ? *d : std::vector<std::string>{};
+          })
+      .def_rw("num_lanes", &mcr::EngineConfig::num_lanes)
+      .def_prop_rw("ucx_options",  // a dict, applied in key order
+          [](const mcr::EngineConfig& c) {
+            return std::map<std::string, std::string>(c.ucx_options.begin(), c.ucx_options.end());
+          },
+          [](mcr::EngineConfig& c, const std::map<std::string, std::string>& opts) {
+            c.ucx_options.assign(opts.begin(), opts.end());
+          })
+      .def_prop_rw("read_mode",
+          [](const mcr::EngineConfig& c) { return std::string(mcr::read_path_name(c.read_mode)); },
+          [](mcr::EngineConfig& c, const std::string& s) { c.read_mode = read_mode(s); })
+      .def_prop_rw("write_mode",
+          [](const mcr::EngineConfig& c) { return std::string(mcr::write_path_name(c.write_mode)); },
+          [](mcr::EngineConfig& c, const std::string& s) { c.write_mode = write_mode(s); })
+      .def_rw("chunk_bytes", &mcr::EngineConfig::chunk_bytes)
+      .def_rw("stripe_min_bytes", &mcr::EngineConfig::stripe_min_bytes)
+      .def_rw("staging_bytes", &mcr::EngineConfig::staging_bytes)
+      .def_rw("push_min_bytes", &mcr::EngineConfig::push_min_bytes)
+      .def_rw("spin_us", &mcr::EngineConfig::spin_us)
+      .def_rw("inflight_linger_us", &mcr::EngineConfig::inflight_linger_us)
+      .def_rw("server_linger_us", &mcr::EngineConfig::server_linger_us)
+      .def_rw("keepalive_s", &mcr::EngineConfig::keepalive_s)
+      .def_rw("error_mode", &mcr::EngineConfig::error_mode);
+
   nb::class_<mcr::Engine>(m, "TransportEngine")
-      .def("__init__", [](mcr::Engine* self, std::string name, std::string protocol,
-                          std::vector<std::string> devices, int num_lanes,
-                          std::map<std::string, std::string> ucx_options, std::string rmode,
-                          std::string wmode, uint64_t chunk_bytes, uint64_t stripe_min_bytes,
-                          uint64_t staging_bytes, int spin_us, int linger_us, double keepalive_s,
-                          std::string error_mode, uint64_t push_min_bytes, int serve_linger_us) {
-        mcr::EngineConfig c;
-        c.name = name;
-        c.protocol = protocol;
-        c.devices = devices;
-        c.num_lanes = num_lanes;
-        for (auto& kv : ucx_options) c.ucx_options.emplace_back(kv.first, kv.second);
-        c.read_mode = read_mode(rmode);
-        c.write_mode = write_mode(wmode);
-        c.chunk_bytes = chunk_bytes;
-        c.stripe_min_bytes = stripe_min_bytes;
-        c.staging_bytes = staging_bytes;
-        c.spin_us = spin_us;
-        c.linger_us = linger_us;
-        c.keepalive_s = keepalive_s;
-        c.error_mode = error_mode;
-        c.push_min_bytes = push_min_bytes;
-        c.serve_linger_us = serve_linger_us;
+      .def("__init__", [](mcr::Engine* self, const mcr::EngineConfig& config) {
+        mcr::EngineConfig c = config;  // a copy: the Python object may change meanwhile
         nb::gil_scoped_release nogil;
         new (self) mcr::Engine(c);
-      }, "name"_a, "protocol"_a, "devices"_a, "num_lanes"_a, "ucx_options"_a, "read_mode"_a,
-         "write_mode"_a, "chunk_bytes"_a, "stripe_min_bytes"_a, "staging_bytes"_a, "spin_us"_a,
-         "linger_us"_a, "keepalive_s"_a, "error_mode"_a = "auto", "push_min_bytes"_a = 32768,
-         "serve_linger_us"_a = 0)
+      }, "config"_a)
+      .def_prop_ro("config", [](mcr::Engine& e) { return e.config(); })  // a copy
       .def_prop_ro("address", [](mcr::Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def_prop_ro("uid", &mcr::Engine::uid)
       .def_prop_ro("closed", &mcr::Engine::closed)
@@ -274,51 +285,25 @@ void bind_transport(nb::module_& m) {
         return e.call_async(peer, hid, bv.data(), bv.size());
       }, "peer"_a, "handler_id"_a, "payload"_a)
       .def("call_many", [](mcr::Engine& e, nb::handle calls, std::optional<double> timeout_s) {
-        std::vector<std::tuple<std::shared_ptr<mcr::Peer>, uint32_t, std::string>> in;
+        std::vector<mcr::CallRequest> in;
         for (nb::handle item : calls) {
           auto t = nb::cast<nb::tuple>(item);
           if (t.size() != 3) throw Error(Code::kInvalidArgument, "call_many expects (peer, handler_id, payload) tuples");
           ByteView bv(t[2]);
-          in.emplace_back(nb::cast<std::shared_ptr<mcr::Peer>>(t[0]), nb::cast<uint32_t>(t[1]),
-                          std::string(bv.data(), bv.size()));
+          in.push_back({nb::cast<std::shared_ptr<mcr::Peer>>(t[0]), nb::cast<uint32_t>(t[1]),
+                        std::string(bv.data(), bv.size())});
         }
-        std::vector<std::pair<Code, std::string>> res(in.size());
+        std::vector<mcr::CallOutcome> res;
         {
           nb::gil_scoped_release nogil;
-          std::vector<std::shared_ptr<mcr::Op>> ops(in.size());
-          for (size_t i = 0; i < in.size(); ++i) {
-            try {
-              auto& [p, h, d] = in[i];
-              ops[i] = e.call_async(p, h, d.data(), d.size());
-            } catch (const Error& err) {
-              res[i] = {err.code(), err.what()};
-            }
-          }
-          double t = timeout_or_forever(timeout_s);
-          auto start = std::chrono::steady_clock::now();
-          for (size_t i = 0; i < ops.size(); ++i) {
-            if (!ops[i]) continue;
-            double left = t;
-            if (t >= 0) {
-              left = t - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-              if (left < 0) left = 0;
-            }
-            if (!ops[i]->wait(left)) {
-              ops[i]->abandon();
-              res[i] = {Code::kTimeout, "call did not complete within " + std::to_string(t) + " s"};
-            } else if (ops[i]->code() != Code::kOk) {
-              res[i] = {ops[i]->code(), ops[i]->message()};
-            } else {
-              res[i] = {Code::kOk, ops[i]->take_result()};
-            }
-          }
+          res = e.call_many(in, timeout_or_forever(timeout_s));
         }
         nb::list out;
-        for (auto& [code, s] : res) {
-          if (code == Code::kOk)
-            out.append(nb::bytes(s.data(), s.size()));
+        for (auto& r : res) {
+          if (r.code == Code::kOk)
+            out.append(nb::bytes(r.data.data(), r.data.size()));
           else
-            out.append(error_instance(code, s));
+            out.append(error_instance(r.code, r.data));
         }
         return out;
       }, "calls"_a, "timeout_s"_a = nb::none())

@@ -18,7 +18,7 @@ from mooncake_ray.errors import (
     NotRegisteredError,
     TransferTimeoutError,
 )
-from tests.native.transport_util import addr_of, engines, spawn_peer  # noqa: F401 - fixtures
+from tests.native.transport_util import addr_of, engines, require_private_netns, spawn_peer  # noqa: F401 - fixtures
 
 PROTOCOLS = ["shm", "tcp"]
 
@@ -194,6 +194,32 @@ def test_bad_config_and_arguments(engines):
         eng.connect(b"not an address")
     with pytest.raises(InvalidArgumentError):
         eng.alloc_arena(0)
+
+
+def test_engine_from_config_carries_every_engine_setting():
+    """Each TransportConfig field the C++ EngineConfig also has reaches the engine; the
+    server linger only a server's."""
+    from mooncake_ray._private.transport import Engine
+    from mooncake_ray.config import TransportConfig
+
+    require_private_netns()
+    cfg = TransportConfig(protocol="tcp", devices="lo", num_lanes=3, read_mode="push",
+                          write_mode="put", ucx_options={"RNDV_THRESH": "8k"}, chunk_bytes="1mb",
+                          stripe_min_bytes=8192, push_min_bytes=0, staging_bytes="8mb", spin_us=7,
+                          inflight_linger_us=9, server_linger_us=11, keepalive_s=0.5,
+                          error_mode="none", default_timeout_s=3.0)
+    client = Engine.from_config(cfg, name="c")
+    server = Engine.from_config(cfg, name="s", server=True, num_lanes=1)
+    try:
+        got = client._native.config
+        shared = [f for f in TransportConfig.model_fields if hasattr(got, f)]
+        assert len(shared) == 15 and got.name == "c" and client.default_timeout_s == 3.0
+        for f in shared:
+            assert getattr(got, f) == (0 if f == "server_linger_us" else getattr(cfg, f)), f
+        assert server._native.config.server_linger_us == 11 and server.num_lanes == 1
+    finally:
+        client.close()
+        server.close()
 
 
 def test_register_kinds(engines):

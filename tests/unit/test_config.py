@@ -1,6 +1,7 @@
 import pytest
 
 from mooncake_ray import ConfigError, StoreConfig, load_config, parse_size
+from mooncake_ray.config import RdtConfig, load_rdt_config
 
 
 @pytest.mark.parametrize("text,n", [("16gb", 16 << 30), ("512 MiB", 512 << 20), ("4k", 4096), ("1.5g", 3 << 29),
@@ -68,3 +69,15 @@ def test_file_and_model_inputs(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"), environ={})
     assert StoreConfig().namespace == "mooncake_ray"
+
+
+def test_rdt_settings_from_arguments_environment_and_older_names():
+    env = {"MOONCAKE_RDT_PROTOCOL": "TCP", "MOONCAKE_RDT_DEVICES": "", "MOONCAKE_RDT_RECV_POOL_BYTES": "512mb",
+           "MOONCAKE_RDT_TIMEOUT_S": "30", "MOONCAKE_RAY_RDT__TIMEOUT_S": "45"}
+    c = load_rdt_config(environ=env)
+    assert (c.protocol, c.devices, c.recv_pool_bytes, c.timeout_s) == ("tcp", [], 512 << 20, 45.0)
+    assert load_rdt_config({"devices": ["lo"], "timeout_s": 5}, environ=env).devices == ["lo"]
+    assert load_rdt_config(environ={}) == RdtConfig() and RdtConfig().devices == ["lo"]
+    assert load_config(None, environ=env) == load_config(None, environ={})  # not the store's
+    with pytest.raises(ConfigError, match="protocol: got 'ib'"):
+        load_rdt_config(environ={"MOONCAKE_RAY_RDT__PROTOCOL": "ib"})

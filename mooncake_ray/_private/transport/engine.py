@@ -21,15 +21,12 @@ from typing import Any
 
 from mooncake_ray import errors
 from mooncake_ray._private.native import _native
+from mooncake_ray.config import TransportConfig, validated
 
 __all__ = ["Engine", "Region", "RemoteRegion", "Peer", "Handle"]
 
 RemoteRegion = _native.RemoteRegion
 Peer = _native.Peer
-
-_PROTOCOLS = ("auto", "tcp", "shm", "rdma")
-_READ_MODES = ("auto", "get", "push", "memcpy")
-_WRITE_MODES = ("auto", "put", "memcpy")
 
 # (remote region, remote offset, local address, length)
 TransferOp = tuple[Any, int, int, int]
@@ -224,42 +221,28 @@ def _notifier_for(loop: Any) -> _LoopNotifier:
     return n
 
 
+# The settings carried into the C++ engine: every TransportConfig field that names an
+# EngineConfig field, except server_linger_us (None there: resolved per role).
+_NATIVE_FIELDS = tuple(f for f in TransportConfig.model_fields
+                       if f != "server_linger_us" and hasattr(_native.EngineConfig, f))
+
+
 class Engine:
     """A UCX engine: registered memory, one-sided reads/writes, RPC.
 
     Every method may be called from any thread. Blocking methods release the GIL.
 
+    ``Engine.from_config(cfg, name)`` makes one from a ``TransportConfig``; the keyword
+    form takes the same settings one by one, e.g. ``Engine(protocol="tcp", devices=["lo"],
+    read_mode="push", name="bench")``, those not given keeping TransportConfig's defaults.
+    Each setting's default and meaning: ``mooncake_ray/config.py``, ``TransportConfig``.
+
     Args:
-        protocol: "auto" (UCX chooses; here shared memory + tcp), "tcp", "shm" or "rdma".
-        devices: network devices (UCX_NET_DEVICES), e.g. ["lo"]; None = UCX default.
-        num_lanes: UCP workers (each with its own endpoints and progress thread) that large
-            transfers are striped over. Default 2, measured on 2 vCPUs over tcp: 4 MiB push
-            read 3.2 -> 3.6 GB/s, put 2.4 -> 3.7 GB/s, 64 MiB 3.1 -> 4.8 / 2.6 -> 4.5 GB/s
-            (shared memory: no change; 4 lanes: no better than 2). Idle lanes sleep.
-        ucx_options: extra UCX settings, e.g. {"RNDV_THRESH": "8k"} (applied to this
-            engine's context only, never through the environment).
+        protocol, devices, num_lanes, ucx_options: as in TransportConfig (positional too).
         name: shown in errors and in peers' views of this engine.
-        read_mode: "auto" | "get" | "push" | "memcpy": force a read path (tests, benchmarks).
-        write_mode: "auto" | "put" | "memcpy".
-        chunk_bytes: stripe unit over lanes and staging piece size (1-4 MiB measured
-            alike over 2 lanes, 16 MiB worse: fewer pieces than lanes-in-flight).
-        stripe_min_bytes: transfers below this stay on one lane.
-        push_min_bytes: in read_mode "auto", reads smaller than this use get even where
-            the push path is chosen (tcp): one round trip instead of two.
-        staging_bytes: bounce buffer for unregistered memory (allocated on first use).
-        spin_us: a waiting caller progresses the engine itself this long before sleeping.
-        linger_us: while this engine's requests are in flight, its progress thread keeps
-            polling until no event came for this long (0: sleep after every event).
-        serve_linger_us: after serving a call, the progress thread polls this long for
-            the next before sleeping (0: sleep at once). Saves a wake-up per call for a
-            server answering a stream of small calls (the master); costs a core meanwhile.
-        keepalive_s: liveness check interval (same-host pid watchdog, UCX keepalive).
-        error_mode: UCX endpoint error mode, "auto" | "peer" | "none". "auto" uses PEER only
-            for RDMA peers on other hosts: under PEER, UCX 1.22 drops shared memory and
-            turns tcp put into software emulation. Dead peers are still detected (tcp
-            resets, a pid watchdog on the same host, timeouts).
-        rpc_threads: dispatcher threads running Python handlers.
-        default_timeout_s: timeout of blocking calls when none is given.
+        serve_linger_us: TransportConfig's ``server_linger_us`` for this engine (a server's;
+            not given: the engine does not linger after serving).
+        **settings: any other TransportConfig field (read_mode, chunk_bytes, spin_us, ...).
 
     Raises:
         ConfigError: a setting is invalid or UCX rejects it.
@@ -267,51 +250,47 @@ class Engine:
 
     def __init__(
         self,
-        protocol: str = "auto",
-        devices: Sequence[str] | None = None,
-        num_lanes: int = 2,
+        protocol: str | None = None,
+        devices: Sequence[str] | str | None = None,
+        num_lanes: int | None = None,
         ucx_options: dict[str, Any] | None = None,
         name: str = "client",
         *,
-        read_mode: str = "auto",
-        write_mode: str = "auto",
-        chunk_bytes: int = 4 << 20,
-        stripe_min_bytes: int = 1 << 20,
-        staging_bytes: int = 64 << 20,
-        spin_us: int = 50,
-        linger_us: int = 100,
-        keepalive_s: float = 1.0,
-        error_mode: str = "auto",
-        push_min_bytes: int = 32 << 10,
-        serve_linger_us: int = 0,
-        rpc_threads: int = 4,
-        default_timeout_s: float = 30.0,
+        serve_linger_us: int | None = None,
+        **settings: Any,
     ):
-        if protocol not in _PROTOCOLS:
-            raise errors.ConfigError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
-        if read_mode not in _READ_MODES:
-            raise errors.ConfigError(f"read_mode must be one of {_READ_MODES}, got {read_mode!r}")
-        if write_mode not in _WRITE_MODES:
-            raise errors.ConfigError(f"write_mode must be one of {_WRITE_MODES}, got {write_mode!r}")
-        if not isinstance(num_lanes, int) or not 1 <= num_lanes <= 16:
-            raise errors.ConfigError(f"num_lanes must be an int in [1, 16], got {num_lanes!r}")
-        if rpc_threads < 1:
-            raise errors.ConfigError(f"rpc_threads must be >= 1, got {rpc_threads}")
-        if isinstance(devices, str):
-            devices = [devices]
-        opts = {str(k): str(v) for k, v in (ucx_options or {}).items()}
+        given = {"protocol": protocol, "devices": devices, "num_lanes": num_lanes,
+                 "ucx_options": ucx_options, "server_linger_us": serve_linger_us}
+        settings.update((k, v) for k, v in given.items() if v is not None)
+        if settings.get("ucx_options"):
+            settings["ucx_options"] = {str(k): str(v) for k, v in settings["ucx_options"].items()}
+        cfg = validated(TransportConfig, settings)
+        self._open(cfg, name, cfg.server_linger_us)
+
+    @classmethod
+    def from_config(cls, cfg: TransportConfig, name: str = "client", *, server: bool = False,
+                    **overrides: Any) -> Engine:
+        """An engine with the settings of ``cfg`` (``overrides``: fields to change, e.g.
+        ``num_lanes=1``). ``server``: the engine of a master or store node, whose progress
+        threads linger after serving (``cfg.linger_us()``); a client's never do."""
+        if overrides:
+            cfg = validated(TransportConfig, {**cfg.model_dump(), **overrides})
+        eng = cls.__new__(cls)
+        eng._open(cfg, name, cfg.linger_us() if server else None)
+        return eng
+
+    def _open(self, cfg: TransportConfig, name: str, server_linger_us: int | None) -> None:
+        native_cfg = _native.EngineConfig()
+        native_cfg.name = name
+        for field in _NATIVE_FIELDS:
+            setattr(native_cfg, field, getattr(cfg, field))
+        if server_linger_us is not None:
+            native_cfg.server_linger_us = server_linger_us
         self.name = name
-        self.protocol = protocol
-        self.default_timeout_s = float(default_timeout_s)
-        self._native = _native.TransportEngine(
-            name=name, protocol=protocol, devices=list(devices or []), num_lanes=num_lanes,
-            ucx_options=opts, read_mode=read_mode, write_mode=write_mode,
-            chunk_bytes=int(chunk_bytes), stripe_min_bytes=int(stripe_min_bytes),
-            staging_bytes=int(staging_bytes), spin_us=int(spin_us), linger_us=int(linger_us),
-            keepalive_s=float(keepalive_s), error_mode=error_mode,
-            push_min_bytes=int(push_min_bytes), serve_linger_us=int(serve_linger_us),
-        )
-        self._rpc_threads = rpc_threads
+        self.protocol = cfg.protocol
+        self.default_timeout_s = cfg.default_timeout_s
+        self._native = _native.TransportEngine(native_cfg)
+        self._rpc_threads = cfg.rpc_threads
         self._handlers: dict[int, Callable[[bytes], bytes]] = {}
         self._dispatchers: list[threading.Thread] = []
         self._lock = threading.Lock()

@@ -62,13 +62,17 @@ struct EngineConfig {
   size_t staging_bytes = 64u << 20;  // bounce buffer for unregistered memory (lazy)
   size_t push_min_bytes = 32u << 10;  // auto mode: smaller reads use get even where push wins
   int spin_us = 50;                  // a waiter progresses its lanes this long before sleeping
-  int linger_us = 100;  // while requests are in flight, a progress thread polls until idle this long
+  // While requests are in flight, a progress thread polls until idle this long.
+  int inflight_linger_us = 100;
   // A progress thread woken by events polls until none came for this long before it
   // sleeps again (0: sleep at once). For servers (the master, store nodes).
-  int serve_linger_us = 0;
+  int server_linger_us = 0;
   double keepalive_s = 1.0;          // liveness checks (pid watchdog, UCX keepalive)
   std::string error_mode = "auto";   // endpoint error mode: auto | peer | none (see Peer)
 };
+// (The Python side binds this struct as ``EngineConfig`` and fills it by field name from
+// mooncake_ray.config.TransportConfig, where each setting's default and doc live: a field
+// added here is carried once TransportConfig has a field of the same name.)
 
 // One transfer: [remote_offset, +length) of rr <-> [local_addr, +length).
 struct IoOp {
@@ -76,6 +80,17 @@ struct IoOp {
   uint64_t remote_offset = 0;
   uintptr_t local_addr = 0;
   uint64_t length = 0;
+};
+
+// One call of Engine::call_many, and its outcome.
+struct CallRequest {
+  std::shared_ptr<Peer> peer;
+  uint32_t handler_id = 0;
+  std::string payload;
+};
+struct CallOutcome {
+  Code code = Code::kOk;
+  std::string data;  // the reply (code kOk), else the error message
 };
 
 // A request for a non-native (e.g. Python) handler, handed out by Engine::next_request.
@@ -291,6 +306,10 @@ class Engine {
 
   std::shared_ptr<Op> call_async(const std::shared_ptr<Peer>& peer, uint32_t handler_id,
                                  const char* data, size_t len);
+  // Issues every call at once, then waits for all of them within one deadline (timeout_s
+  // < 0: forever). Never throws for one call: a call that cannot be sent, fails, or is not
+  // answered in time (it is then abandoned: a late reply is dropped) has its own outcome.
+  std::vector<CallOutcome> call_many(const std::vector<CallRequest>& calls, double timeout_s);
 
   void serve_native(uint32_t handler_id, NativeHandler fn);
   void serve_external(uint32_t handler_id);

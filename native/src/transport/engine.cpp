@@ -204,9 +204,9 @@ void Lane::run() {
   epoll_event evs[4];
   // Lingering after every event was measured to hurt clients: on 2 vCPUs the polling
   // thread competes with the Python dispatcher and the caller, who spins itself (spin_us).
-  // Servers opt in (serve_linger_us): their callers wait on them.
-  const auto linger = std::chrono::microseconds(std::max(0, core->cfg.linger_us));
-  const auto serve_linger = std::chrono::microseconds(std::max(0, core->cfg.serve_linger_us));
+  // Servers opt in (server_linger_us): their callers wait on them.
+  const auto linger = std::chrono::microseconds(std::max(0, core->cfg.inflight_linger_us));
+  const auto serve_linger = std::chrono::microseconds(std::max(0, core->cfg.server_linger_us));
   const int keepalive_ms = std::max(10, int(core->cfg.keepalive_s * 1000));
   // Polls until no event came for `idle` (serving: also runs posted tasks; otherwise also
   // stops once none of our requests is in flight).

@@ -357,6 +357,40 @@ std::shared_ptr<Op> EngineCore::call_async(const std::shared_ptr<Peer>& peer,
   return op;
 }
 
+std::vector<CallOutcome> Engine::call_many(const std::vector<CallRequest>& calls,
+                                           double timeout_s) {
+  std::vector<CallOutcome> res(calls.size());
+  std::vector<std::shared_ptr<Op>> ops(calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    try {
+      const CallRequest& c = calls[i];
+      ops[i] = core_->call_async(c.peer, c.handler_id, c.payload.data(), c.payload.size());
+    } catch (const Error& err) {
+      res[i] = {err.code(), err.what()};
+    }
+  }
+  // One deadline for the batch: each wait gets what is left of it.
+  auto start = Clock::now();
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Op* op = ops[i].get();
+    if (!op) continue;
+    double left = timeout_s;
+    if (timeout_s >= 0) {
+      left = timeout_s - std::chrono::duration<double>(Clock::now() - start).count();
+      if (left < 0) left = 0;
+    }
+    if (!op->wait(left)) {
+      op->abandon();
+      res[i] = {Code::kTimeout, "call did not complete within " + std::to_string(timeout_s) + " s"};
+    } else if (op->code() != Code::kOk) {
+      res[i] = {op->code(), op->message()};
+    } else {
+      res[i] = {Code::kOk, op->take_result()};
+    }
+  }
+  return res;
+}
+
 bool EngineCore::next_request(IncomingRequest* out, double timeout_s) {
   auto deadline = deadline_after(timeout_s);
   std::unique_lock<std::mutex> g(inq_mu);
