@@ -197,7 +197,6 @@ struct Pending {
   std::function<void(Code)> on_reply;
   bool is_call = false;
   int lane = -1;  // calls: the lane the caller sent on (and spins on)
-  bool hello = false;  // a handshake: may be failed by an unauthenticated refusal
 };
 
 struct Stats {

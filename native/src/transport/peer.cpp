@@ -248,9 +248,7 @@ std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeou
     ids.push_back(id);
     op->add_lane(l->idx);
     op->add_pending();
-    Pending pend{op, peer->uid_, {}, false};
-    pend.hello = true;
-    add_pending(id, std::move(pend));
+    add_pending(id, Pending{op, peer->uid_, {}, false});
     ucs_status_t err = UCS_OK;
     bool ok;
     {
