@@ -10,7 +10,7 @@ PIP := .venv/bin/pip
 NS := unshare --net --mount --propagation private sh -c
 NS_PRE := mount --make-rprivate / && ip link set lo up &&
 
-APT_PKGS := liburing-dev fio iproute2 util-linux prometheus
+APT_PKGS := liburing-dev libssl-dev fio iproute2 util-linux prometheus
 NATIVE_SRC := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
 .PHONY: all setup build demo test test-fast test-inner demo-inner bench clean sysdeps

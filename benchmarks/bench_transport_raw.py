@@ -10,6 +10,10 @@ rounds are reported.
 Run inside a network namespace:  make bench B=benchmarks/bench_transport_raw.py
     ARGS="--rounds 3 --sizes 4k,64k,1m,4m,16m,64m"
 Writes benchmarks/results/transport_raw.json and transport_raw.png.
+
+--auth on|both: engines hold a shared secret (Engine.set_auth_secret: authenticated
+handshake, a session token checked on every message); "both" measures each engine series
+without and with it in the same rounds (keys of the latter end in "+auth").
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def serve(args) -> None:
     Engine = _import_engine()
     kw = json.loads(args.serve)
     eng = Engine(**kw["engine"])
+    if kw.get("secret"):
+        eng.set_auth_secret(bytes.fromhex(kw["secret"]))
     size = kw["size"]
     arena = eng.alloc_arena(size)
     user_buf = np.zeros(size, dtype=np.uint8)
@@ -65,8 +71,8 @@ def serve(args) -> None:
 
 
 class Server:
-    def __init__(self, engine_kw: dict, size: int):
-        cfg = json.dumps({"engine": engine_kw, "size": size})
+    def __init__(self, engine_kw: dict, size: int, secret: bytes | None = None):
+        cfg = json.dumps({"engine": engine_kw, "size": size, "secret": secret.hex() if secret else None})
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", cfg],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(self.proc.stdout.readline())
@@ -140,10 +146,18 @@ def lanes_round(protocol: str, sizes: list[int], lanes: int, ekw: dict) -> dict:
     return out
 
 
-def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: dict, lat_iters: int) -> dict:
-    Engine = _import_engine()
+def engine_round(protocol: str, sizes: list[int], server_kw: dict, client_kw: dict, lat_iters: int,
+                 secret: bytes | None = None) -> dict:
+    base = _import_engine()
+
+    def Engine(**kw):  # noqa: N802 - the engine class, with the secret set when given
+        e = base(**kw)
+        if secret:
+            e.set_auth_secret(secret)
+        return e
+
     maxsize = max(sizes)
-    srv = Server({"protocol": protocol, "devices": ["lo"], "name": "bench-server", **server_kw}, maxsize)
+    srv = Server({"protocol": protocol, "devices": ["lo"], "name": "bench-server", **server_kw}, maxsize, secret)
     out: dict = {"bw": {}, "lat": {}}
     modes = ["auto", "get", "push"]
     try:
@@ -268,6 +282,8 @@ def main() -> None:
                     "series use the engine default, 2 lanes); '' for none")
     ap.add_argument("--no-perftest", action="store_true")
     ap.add_argument("--out", default="transport_raw")
+    ap.add_argument("--auth", choices=("off", "on", "both"), default="off",
+                    help="engines with a shared secret; both: each engine series without and with")
     args = ap.parse_args()
     if args.serve:
         serve(args)
@@ -288,9 +304,13 @@ def main() -> None:
                 pt = perftest_round(tls[proto], sizes, args.lat_iters)
                 rd["bw"].update(pt["bw"])
                 rd["lat"].update(pt["lat"])
-            eng = engine_round(proto, sizes, ekw, ekw, args.lat_iters)
-            rd["bw"].update(eng["bw"])
-            rd["lat"].update(eng["lat"])
+            secrets = {"off": [None], "on": [b"bench-secret-0123456789"],
+                       "both": [None, b"bench-secret-0123456789"]}[args.auth]
+            for secret in secrets:
+                eng = engine_round(proto, sizes, ekw, ekw, args.lat_iters, secret)
+                tag = "+auth" if secret and args.auth == "both" else ""
+                rd["bw"].update({k + tag: v for k, v in eng["bw"].items()})
+                rd["lat"].update({k + tag: v for k, v in eng["lat"].items()})
             big = [s for s in sizes if s >= 1 << 20]
             for lanes in [int(x) for x in args.lanes.split(",") if x.strip()]:
                 if big:

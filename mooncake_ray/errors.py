@@ -31,6 +31,7 @@ __all__ = [
     "SpillError",
     "ChecksumError",
     "EngineClosedError",
+    "AuthenticationError",
 ]
 
 
@@ -143,6 +144,11 @@ class EngineClosedError(MooncakeRayError):
     """The native engine was shut down."""
 
 
+class AuthenticationError(MooncakeRayError):
+    """A peer failed, or refused, the authenticated handshake: the two engines do not hold
+    the same cluster secret (or one holds none)."""
+
+
 # Native codes (native/include/mcr/status.h) -> exactly one class each.
 _NATIVE_CODES: dict[int, type[MooncakeRayError]] = {
     100: InvalidArgumentError,
@@ -155,6 +161,7 @@ _NATIVE_CODES: dict[int, type[MooncakeRayError]] = {
     204: RemoteHandlerError,
     205: EngineClosedError,
     206: ConfigError,
+    207: AuthenticationError,
     300: SpillError,
     301: SpillError,
     302: ChecksumError,

@@ -353,5 +353,22 @@ void bind_transport(nb::module_& m) {
         e.reply(req, static_cast<Code>(code), bv.data(), bv.size());
       }, "token"_a, "code"_a, "data"_a)
       .def("stats", &mcr::Engine::stats)
+      .def("set_auth_secret", [](mcr::Engine& e, nb::bytes secret) {
+        e.set_auth_secret(std::string(secret.c_str(), secret.size()));
+      }, "secret"_a)
+      .def_prop_ro("auth_enabled", &mcr::Engine::auth_enabled)
+      // Test hooks (tests/native/test_auth.py).
+      .def("_debug_send_raw", [](mcr::Engine& e, nb::bytes address, unsigned am_id,
+                                 nb::bytes header, nb::bytes data) {
+        std::string a(address.c_str(), address.size()), h(header.c_str(), header.size()),
+            d(data.c_str(), data.size());
+        nb::gil_scoped_release nogil;
+        e.debug_send_raw(a, am_id, h, d);
+      }, "address"_a, "am_id"_a, "header"_a, "data"_a)
+      .def("_debug_last_auth2", [](mcr::Engine& e) {
+        auto p = e.debug_last_auth2();
+        return nb::make_tuple(nb::bytes(p.first.data(), p.first.size()),
+                              nb::bytes(p.second.data(), p.second.size()));
+      })
       .def("close", &mcr::Engine::close, nb::call_guard<nb::gil_scoped_release>());
 }

@@ -15,6 +15,7 @@ const char* code_name(Code c) {
     case Code::kNoHandler: return "NO_HANDLER";
     case Code::kShutdown: return "SHUTDOWN";
     case Code::kBadConfig: return "BAD_CONFIG";
+    case Code::kAuthFailed: return "AUTH_FAILED";
     case Code::kIoError: return "IO_ERROR";
     case Code::kNoSpace: return "NO_SPACE";
     case Code::kChecksumMismatch: return "CHECKSUM_MISMATCH";

@@ -9,6 +9,7 @@ and serves RPC handlers:
   1 echo (Python)              2 raise ValueError
   3 sleep float(payload) s     4 reply int(payload) bytes of a pattern
   5 nested: call handler int(payload) back on the connected test engine
+  6 count: counts its calls (op "count" reads the counter)
 Replies are single lines prefixed with "@@" (UCX may log to stdout too).
   100 built-in C++ echo
 """
@@ -53,7 +54,10 @@ def main() -> None:
     user_bytes = kwargs.pop("user_bytes", 16 << 20)
     seed = kwargs.pop("seed", 1)
     kwargs_scratch = kwargs.pop("scratch_bytes", 65 << 20)
+    secret = kwargs.pop("auth_secret", None)  # hex
     eng = Engine(**kwargs)
+    if secret is not None:
+        eng.set_auth_secret(bytes.fromhex(secret))
     arena = eng.alloc_arena(arena_bytes)
     rng = np.random.default_rng(seed)
     av = np.frombuffer(arena.view(), dtype=np.uint8)
@@ -79,6 +83,13 @@ def main() -> None:
     eng.serve(4, lambda b: pattern(int(b)))
     eng.serve(5, lambda b: eng.call(back["peer"], int(b), b"nested", timeout_s=10))
     eng.serve_echo(100)
+    counted = [0]
+
+    def count(b: bytes) -> bytes:
+        counted[0] += 1
+        return b"counted"
+
+    eng.serve(6, count)
 
     def region_info(r):
         return {"rkey": base64.b64encode(r.rkey).decode(), "addr": r.addr, "length": r.length}
@@ -105,6 +116,8 @@ def main() -> None:
             regions[cmd["region"]].close()
         elif op == "stats":
             res = eng.stats()
+        elif op == "count":
+            res = {"count": counted[0]}
         elif op == "exit":
             eng.close()
             out.write("@@" + json.dumps({"ok": True}) + "\n")

@@ -475,6 +475,18 @@ class Engine:
                     pass
 
     # ---- misc -----------------------------------------------------------------------
+    def set_auth_secret(self, secret: bytes) -> None:
+        """Sets the cluster's shared secret (at least 16 bytes), before this engine connects
+        or is connected to; it cannot be changed afterwards. Peers then authenticate each
+        other in the handshake (both must hold the same secret) and every later message
+        carries a session token; anything else is dropped (``stats()["auth_rejected"]``).
+
+        Raises:
+            InvalidArgumentError: the secret is too short, already set, or peers exist.
+            AuthenticationError: (later, from ``connect``) a peer without this secret.
+        """
+        self._native.set_auth_secret(bytes(secret))
+
     def stats(self) -> dict[str, int]:
         """Counters: bytes per path (read_memcpy/get/push, write_memcpy/put, staged), calls."""
         return dict(self._native.stats())

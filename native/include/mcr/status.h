@@ -20,6 +20,7 @@ enum class Code : int {
   kNoHandler = 204,        // no handler registered under that id
   kShutdown = 205,         // the engine is closed
   kBadConfig = 206,        // an engine setting (protocol, UCX option) is invalid
+  kAuthFailed = 207,       // a peer failed (or refused) the authenticated handshake
   // 3xx: spill / disk
   kIoError = 300,
   kNoSpace = 301,

@@ -187,6 +187,9 @@ class Peer {
   std::vector<int> get_fast_;            // per lane: RMA get avoids tcp (1) or not (0), -1 unknown
   std::atomic<bool> dead_{false};
   std::atomic<bool> hello_done_{false};
+  // Session tokens (auth on): carried in messages to the peer / expected from it.
+  uint8_t tok_send_[16] = {0};
+  uint8_t tok_recv_[16] = {0};
   // Same host (and pid namespace): liveness is watched through the peer's pid
   // (EngineCore::watch_peers), whatever the transport.
   bool same_host_ = false;
@@ -320,6 +323,16 @@ class Engine {
   void reply(const IncomingRequest& req, Code code, const char* data, size_t len);
 
   std::map<std::string, uint64_t> stats() const;
+  // The per-cluster secret (>= 16 bytes), set before the engine connects or serves; it
+  // cannot be changed afterwards. Peers must then prove it in a mutual challenge-response
+  // handshake, and every later message carries a session token derived from it.
+  void set_auth_secret(const std::string& secret);
+  bool auth_enabled() const;
+  // Test hooks: send one raw active message to the engine at `address` (no handshake),
+  // and the last AUTH2 (header, data) this engine sent.
+  void debug_send_raw(const std::string& address, unsigned am_id, const std::string& header,
+                      const std::string& data);
+  std::pair<std::string, std::string> debug_last_auth2() const;
   void close();
   bool closed() const;
 

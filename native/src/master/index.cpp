@@ -18,13 +18,20 @@ class Reader {
   bool ok() const { return ok_; }
   bool at_end() const { return p_ == end_; }
 
+  // A count off the wire is bounded by the bytes left (every element takes at least one),
+  // so a caller may reserve or resize by it without a 7-byte message costing gigabytes.
   bool array(uint32_t* n) {
     uint8_t t;
     if (!byte(&t)) return false;
-    if ((t & 0xf0) == 0x90) return (*n = t & 0x0f), true;
-    if (t == 0xdc) return be(2, n);
-    if (t == 0xdd) return be(4, n);
-    return fail();
+    if ((t & 0xf0) == 0x90) {
+      *n = t & 0x0f;
+    } else if (t == 0xdc || t == 0xdd) {
+      if (!be(t == 0xdc ? 2 : 4, n)) return false;
+    } else {
+      return fail();
+    }
+    if (size_t(end_ - p_) < *n) return fail();
+    return true;
   }
   bool uint(uint64_t* v) {
     uint8_t t;

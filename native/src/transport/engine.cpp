@@ -11,6 +11,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <openssl/rand.h>
 #include <ucs/debug/log_def.h>
 
 #include <cstdarg>
@@ -27,11 +28,14 @@ thread_local int tl_in_progress = 0;  // >0 while this thread runs UCP progress/
 void put_u32(std::string* s, uint32_t v) { s->append(reinterpret_cast<char*>(&v), 4); }
 void put_u64(std::string* s, uint64_t v) { s->append(reinterpret_cast<char*>(&v), 8); }
 
+// Session tokens are derived from the two engines' uids (auth.cpp): drawn from the
+// system's CSPRNG.
 uint64_t random_uid() {
-  std::random_device rd;
-  uint64_t v = (uint64_t(rd()) << 32) ^ rd();
-  v ^= uint64_t(getpid()) << 17;
-  v ^= uint64_t(Clock::now().time_since_epoch().count());
+  uint64_t v = 0;
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(&v), sizeof v) != 1) {
+    std::random_device rd;
+    v = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(Clock::now().time_since_epoch().count());
+  }
   return v ? v : 1;
 }
 
@@ -603,6 +607,17 @@ void Engine::reply(const IncomingRequest& req, Code code, const char* data, size
   core_->reply(req, code, data, len);
 }
 
+void Engine::set_auth_secret(const std::string& secret) { core_->set_auth_secret(secret); }
+bool Engine::auth_enabled() const { return core_->auth_on(); }
+void Engine::debug_send_raw(const std::string& address, unsigned am_id, const std::string& header,
+                            const std::string& data) {
+  core_->debug_send_raw(address, am_id, header, data);
+}
+std::pair<std::string, std::string> Engine::debug_last_auth2() const {
+  std::lock_guard<std::mutex> g(core_->auth_mu);
+  return {core_->debug_auth2_hdr, core_->debug_auth2_data};
+}
+
 std::map<std::string, uint64_t> Engine::stats() const {
   const Stats& s = core_->st;
   std::map<std::string, uint64_t> m{
@@ -620,6 +635,10 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"replies_off_lane", s.replies_off_lane.load()},
       {"write_gathered_bytes", s.write_gathered_bytes.load()},
       {"peers_failed", s.peers_failed.load()},
+      {"auth_enabled", core_->auth_on() ? 1u : 0u},
+      {"auth_rejected", s.auth_rejected.load()},
+      {"auth_handshakes", s.auth_handshakes.load()},
+      {"malformed_dropped", s.malformed_dropped.load()},
       {"ucx_errors_quieted", g_ucx_quieted.load()},
   };
   {

@@ -22,12 +22,22 @@ namespace mcr {
 
 // ---- wire format (little-endian, same-architecture peers) ---------------------------
 enum AmId : unsigned {
-  kAmHello = 21,     // hdr HelloHdr, data = sender's full address
+  kAmHello = 21,     // hdr HelloHdr, data = sender's full address (engines without a secret)
   kAmHelloAck = 22,  // hdr RepHdr
   kAmRpcReq = 23,    // hdr RpcReqHdr, data = payload
   kAmRpcRep = 24,    // hdr RepHdr, data = reply (or error message)
   kAmPushReq = 25,   // hdr PushHdr, data = reader rkey + Extent[n]
+  // The authenticated handshake (auth.cpp): AUTH1 (initiator -> responder, no data),
+  // AUTH_RESP (responder -> initiator over UCP's reply endpoint, no data), AUTH2
+  // (initiator -> responder, data = initiator's full address), then kAmHelloAck.
+  kAmAuth1 = 26,     // hdr Auth1Hdr
+  kAmAuthResp = 27,  // hdr AuthRespHdr
+  kAmAuth2 = 28,     // hdr Auth2Hdr, data = sender's full address
 };
+
+constexpr size_t kTokLen = 16;    // session token carried by every message after the handshake
+constexpr size_t kNonceLen = 16;
+constexpr size_t kMacLen = 32;    // HMAC-SHA256
 
 #pragma pack(push, 1)
 struct HelloHdr {
@@ -39,12 +49,14 @@ struct RpcReqHdr {
   uint64_t call_id;
   uint32_t handler_id;
   uint32_t flags;
+  uint8_t tok[kTokLen];
 };
 struct RepHdr {
   uint64_t uid;
   uint64_t call_id;
   int32_t code;
   uint32_t pad;  // kRepReject: the callee cannot answer over its own endpoint
+  uint8_t tok[kTokLen];
 };
 constexpr uint32_t kRepReject = 1;
 struct PushHdr {
@@ -52,16 +64,41 @@ struct PushHdr {
   uint64_t call_id;
   uint32_t rkey_len;
   uint32_t n_ext;
+  uint8_t tok[kTokLen];
 };
 struct Extent {
   uint64_t src;  // owner's address
   uint64_t dst;  // reader's address
   uint64_t len;
 };
+struct Auth1Hdr {
+  uint64_t uid;  // initiator
+  uint64_t call_id;
+  uint8_t nonce_a[kNonceLen];
+};
+struct AuthRespHdr {
+  uint64_t uid;  // responder
+  uint64_t call_id;
+  int32_t code;  // kOk, or kAuthFailed: the responder has no secret (mac is zero)
+  uint32_t pad;
+  uint8_t nonce_b[kNonceLen];
+  uint8_t mac[kMacLen];  // HMAC(K, "resp" | uid_a | uid_b | nonce_a | nonce_b)
+};
+struct Auth2Hdr {
+  uint64_t uid;  // initiator
+  uint64_t call_id;
+  uint8_t nonce_b[kNonceLen];
+  uint8_t mac[kMacLen];  // HMAC(K, "init" | uid_a | uid_b | nonce_a | nonce_b | SHA256(data))
+};
 #pragma pack(pop)
 
 constexpr uint32_t kAddrMagic = 0x3152434d;  // "MCR1"
 constexpr size_t kMaxExtentsPerPush = 1024;
+// Bounds on what comes off the wire, checked before anything is allocated for it.
+constexpr size_t kMaxAddressBytes = 64u << 10;       // a full engine address
+constexpr size_t kMaxLaneAddressBytes = 16u << 10;   // one UCX worker address
+constexpr size_t kMaxAmPayload = 512ull << 20;       // an RPC request or reply
+constexpr size_t kMaxRkeyBytes = 64u << 10;
 
 struct Lane;
 using Clock = std::chrono::steady_clock;
@@ -172,6 +209,11 @@ struct Stats {
   // Replies to our calls that arrived on another lane than the call's (its caller's spin
   // could not see them; the lane's progress thread had to wake). Should stay 0.
   std::atomic<uint64_t> replies_off_lane{0};
+  // Messages dropped unread: no valid session token, a handshake step that failed its
+  // check (bad MAC, unknown or reused nonce), or an unauthenticated HELLO.
+  std::atomic<uint64_t> auth_rejected{0};
+  std::atomic<uint64_t> auth_handshakes{0};  // handshakes completed as responder
+  std::atomic<uint64_t> malformed_dropped{0};  // messages failing a size or format check
 };
 
 // Plain and non-temporal copies (copy.cpp).
@@ -293,6 +335,51 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::mutex inq_mu;
   std::condition_variable inq_cv;
   std::deque<IncomingRequest> inq;
+
+  // auth.cpp. The secret is set once, before the engine connects or serves; with none
+  // set, tokens are zero and unchecked (the engine behaves as before authentication).
+  void set_auth_secret(const std::string& secret);
+  bool auth_on() const { return auth_on_.load(std::memory_order_acquire); }
+  // The token messages from engine `from` to engine `to` carry: HMAC(K, "tok"|from|to).
+  void make_token(uint64_t from, uint64_t to, uint8_t* out) const;
+  void init_peer_tokens(Peer* p) const;
+  // The live peer a message claims to come from, if its token is valid (always, with
+  // auth off). Otherwise nullptr; *tok_ok says whether the token itself was valid (an
+  // authenticated sender we no longer know: it may be told to reconnect).
+  std::shared_ptr<Peer> auth_peer(uint64_t uid, const uint8_t* tok, bool* tok_ok);
+  bool token_valid(uint64_t from, const uint8_t* tok) const;
+  // Initiator side: sends AUTH1 on a lane, registers the pending handshake.
+  bool send_auth1_locked(Lane* lane, const std::shared_ptr<Peer>& peer, uint64_t call_id,
+                         ucs_status_t* err);
+  // Responder: answers AUTH1 over UCP's reply endpoint with its nonce and MAC.
+  void on_auth1(Lane* lane, const Auth1Hdr& h, const ucp_am_recv_param_t* param);
+  // Initiator: checks the responder's MAC, then sends AUTH2 with its address.
+  void on_auth_resp(Lane* lane, const AuthRespHdr& h, const ucp_am_recv_param_t* param);
+  struct Challenge;
+  // Responder: the challenge an AUTH2 answers, removed (a nonce is answered once).
+  bool take_challenge(const Auth2Hdr& h, Challenge* out);
+  bool verify_auth2(const Auth2Hdr& h, const Challenge& ch, const std::string& addr);
+  // Responder, after the checks: parses the address, creates the endpoint back, acks.
+  void finish_hello_locked(Lane* lane, uint64_t uid, uint64_t call_id, const std::string& addr);
+  void debug_send_raw(const std::string& address, unsigned am_id, const std::string& header,
+                      const std::string& data);
+
+  std::atomic<bool> auth_on_{false};
+  std::string auth_key;  // K (read-only once auth_on_ is set)
+  struct Challenge {     // responder: a nonce it issued, answered at most once
+    uint64_t uid = 0;
+    uint8_t nonce_a[kNonceLen];
+    Clock::time_point issued;
+  };
+  struct Handshake {     // initiator: an AUTH1 in flight
+    uint64_t peer_uid = 0;
+    uint8_t nonce_a[kNonceLen];
+    int lane = 0;
+  };
+  std::mutex auth_mu;  // leaf, like peers_mu
+  std::map<std::string, Challenge> challenges;  // by nonce_b
+  std::unordered_map<uint64_t, Handshake> handshakes;  // by call id
+  std::string debug_auth2_hdr, debug_auth2_data;  // the last AUTH2 sent (replay tests), under auth_mu
 
   Stats st;
   std::unique_ptr<CopyPool> copier;  // num_lanes - 1 helpers (none with one lane)

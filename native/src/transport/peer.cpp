@@ -61,6 +61,8 @@ ParsedAddress parse_address(const std::string& a) {
   pos += 8;
   uint32_t n = u32();
   if (n == 0 || n > 64) throw Error(Code::kInvalidArgument, "malformed engine address (lanes)");
+  if (a.size() > kMaxAddressBytes)
+    throw Error(Code::kInvalidArgument, "malformed engine address (" + std::to_string(a.size()) + " bytes)");
   uint32_t nl = u32();
   need(nl);
   out.name = a.substr(pos, nl);
@@ -75,11 +77,23 @@ ParsedAddress parse_address(const std::string& a) {
   pos += 8;
   for (uint32_t i = 0; i < n; ++i) {
     uint32_t l = u32();
+    // A UCX worker address: a header byte and a 64-bit worker id at least.
+    if (l < 9 || l > kMaxLaneAddressBytes)
+      throw Error(Code::kInvalidArgument, "malformed engine address (lane " + std::to_string(i) + ")");
     need(l);
     out.lanes.push_back(a.substr(pos, l));
     pos += l;
   }
+  if (pos != a.size()) throw Error(Code::kInvalidArgument, "malformed engine address (trailing bytes)");
   return out;
+}
+
+// UCX parses a worker address without knowing its length: only bytes that look like an
+// address from our own UCX build reach ucp_ep_create. The header byte's low four bits are
+// UCX's address format version, which must be ours.
+bool plausible_worker_address(const std::string& ra, const std::string& ours) {
+  if (ra.size() < 9 || ra.size() > kMaxLaneAddressBytes || ours.empty()) return false;
+  return (uint8_t(ra[0]) & 0x0f) == (uint8_t(ours[0]) & 0x0f);
 }
 
 // Whether RMA get on this endpoint avoids tcp (shared memory, cma, RDMA): then a plain
@@ -109,6 +123,20 @@ void set_host(EngineCore* c, Peer* p, const ParsedAddress& pa) {
   p->start_time_ = pa.start_time;
 }
 
+// The live peer for a parsed address, or a new one (no endpoints yet).
+std::shared_ptr<Peer> peer_for(EngineCore* c, const ParsedAddress& pa, const std::string& addr) {
+  std::lock_guard<std::mutex> g(c->peers_mu);
+  auto it = c->peers.find(pa.uid);
+  if (it != c->peers.end() && !it->second->dead_.load()) return it->second;
+  auto peer = std::make_shared<Peer>(c->shared_from_this(), pa.uid, addr, pa.lanes, pa.name);
+  set_host(c, peer.get(), pa);
+  c->init_peer_tokens(peer.get());
+  if (peer->same_host_ && process_start_time(pa.pid) != pa.start_time)
+    throw Error(Code::kUnreachable, "peer '" + pa.name + "' (pid " + std::to_string(pa.pid) + ") is not running");
+  c->peers[pa.uid] = peer;
+  return peer;
+}
+
 void close_ep(void* ep, bool err_peer) {
   ucp_request_param_t rp;
   memset(&rp, 0, sizeof rp);
@@ -116,14 +144,6 @@ void close_ep(void* ep, bool err_peer) {
   rp.flags = err_peer ? UCP_EP_CLOSE_FLAG_FORCE : 0;  // FORCE needs error mode PEER
   void* r = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &rp);
   if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-}
-
-struct SendCtx {
-  std::string data;
-};
-void on_send_free(void* req, ucs_status_t, void* user) {
-  delete static_cast<SendCtx*>(user);
-  ucp_request_free(req);
 }
 }  // namespace
 
@@ -161,7 +181,9 @@ ucs_status_t EngineCore::create_ep_locked(Lane* lane, Peer* peer) {
     ctx = new EpCtx{this, peer, lane->idx};
     peer->ep_ctx_[lane->idx] = ctx;
   }
+  if (peer->lane_addrs_.empty()) return UCS_ERR_INVALID_ADDR;
   const std::string& ra = peer->lane_addrs_[lane->idx % peer->lane_addrs_.size()];
+  if (!plausible_worker_address(ra, lane->worker_address)) return UCS_ERR_INVALID_ADDR;
   ucp_ep_params_t p;
   memset(&p, 0, sizeof p);
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -186,6 +208,7 @@ std::shared_ptr<Peer> EngineCore::peer_from_hello(uint64_t id, const std::string
   if (pa.uid != id) throw Error(Code::kInvalidArgument, "HELLO address does not match its uid");
   auto p = std::make_shared<Peer>(shared_from_this(), id, addr, pa.lanes, pa.name);
   set_host(this, p.get(), pa);
+  init_peer_tokens(p.get());
   p->hello_done_.store(true);  // it connected to us: it has endpoints on all its lanes
   peers[id] = p;
   return p;
@@ -194,20 +217,7 @@ std::shared_ptr<Peer> EngineCore::peer_from_hello(uint64_t id, const std::string
 std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeout_s) {
   ActiveGuard guard(this);
   ParsedAddress pa = parse_address(addr);
-  std::shared_ptr<Peer> peer;
-  {
-    std::lock_guard<std::mutex> g(peers_mu);
-    auto it = peers.find(pa.uid);
-    if (it != peers.end() && !it->second->dead_.load()) {
-      peer = it->second;
-    } else {
-      peer = std::make_shared<Peer>(shared_from_this(), pa.uid, addr, pa.lanes, pa.name);
-      set_host(this, peer.get(), pa);
-      if (peer->same_host_ && process_start_time(pa.pid) != pa.start_time)
-        throw Error(Code::kUnreachable, "peer '" + pa.name + "' (pid " + std::to_string(pa.pid) + ") is not running");
-      peers[pa.uid] = peer;
-    }
-  }
+  std::shared_ptr<Peer> peer = peer_for(this, pa, addr);
   if (peer->hello_done_.load()) {
     bool complete = true;
     for (auto& l : lanes) {
@@ -228,37 +238,42 @@ std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeou
   }
   if (peer->hello_done_.load()) return peer;
 
-  // HELLO on every lane: the remote creates its endpoints back to us, then acknowledges.
+  // A handshake on every lane: the remote creates its endpoints back to us, then
+  // acknowledges. With a secret: AUTH1/AUTH_RESP/AUTH2 (auth.cpp); without: one HELLO.
   auto op = std::make_shared<Op>(shared_from_this());
   std::vector<uint64_t> ids;
+  const bool auth = auth_on();
   for (auto& l : lanes) {
     uint64_t id = next_id.fetch_add(1);
     ids.push_back(id);
     op->add_lane(l->idx);
     op->add_pending();
     add_pending(id, Pending{op, peer->uid_, {}, false});
-    HelloHdr h{uid, id};
-    auto* sc = new SendCtx{address};
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof rp);
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                      UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
-    rp.cb.send = on_send_free;
-    rp.user_data = sc;
-    std::lock_guard<std::mutex> g(l->mu);
-    void* ep = peer->eps_[l->idx];
-    void* r = ep ? ucp_am_send_nbx(static_cast<ucp_ep_h>(ep), kAmHello, &h, sizeof h,
-                                   sc->data.data(), sc->data.size(), &rp)
-                 : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
-    if (!UCS_PTR_IS_PTR(r)) delete sc;
-    if (UCS_PTR_IS_ERR(r)) {
+    ucs_status_t err = UCS_OK;
+    bool ok;
+    {
+      std::lock_guard<std::mutex> g(l->mu);
+      void* ep = peer->eps_[l->idx];
+      if (auth) {
+        ok = send_auth1_locked(l.get(), peer, id, &err);
+      } else {
+        HelloHdr h{uid, id};
+        ok = ep && am_send_locked(this, l.get(), ep, kAmHello, &h, sizeof h, address, id, true, &err);
+        if (!ep) err = UCS_ERR_NOT_CONNECTED;
+      }
+    }
+    if (!ok) {
       Pending p;
-      if (take_pending(id, &p)) p.op->sub_done(Code::kUnreachable, ucs_msg("HELLO", UCS_PTR_STATUS(r)));
+      if (take_pending(id, &p)) p.op->sub_done(Code::kUnreachable, ucs_msg("HELLO", err));
     }
   }
   op->sub_done();
-  if (!op->wait(timeout_s)) {
+  bool in_time = op->wait(timeout_s);
+  if (auth) {
+    std::lock_guard<std::mutex> g(auth_mu);
+    for (uint64_t id : ids) handshakes.erase(id);
+  }
+  if (!in_time) {
     for (uint64_t id : ids) {
       Pending p;
       take_pending(id, &p);
@@ -270,10 +285,42 @@ std::shared_ptr<Peer> EngineCore::connect(const std::string& addr, double timeou
   }
   if (op->code() != Code::kOk) {
     peer_failed(peer.get(), op->code(), op->message());
-    throw Error(Code::kUnreachable, "connect to '" + pa.name + "' failed: " + op->message());
+    throw Error(op->code() == Code::kAuthFailed ? Code::kAuthFailed : Code::kUnreachable,
+                "connect to '" + pa.name + "' failed: " + op->message());
   }
   peer->hello_done_.store(true);
   return peer;
+}
+
+void EngineCore::finish_hello_locked(Lane* lane, uint64_t id, uint64_t call_id,
+                                     const std::string& addr) {
+  std::shared_ptr<Peer> peer;
+  try {
+    peer = peer_from_hello(id, addr);
+  } catch (const Error&) {
+    st.malformed_dropped.fetch_add(1);
+    return;  // malformed: ignored
+  }
+  ucs_status_t st_ = create_ep_locked(lane, peer.get());
+  if (st_ != UCS_OK) {
+    if (st_ == UCS_ERR_INVALID_ADDR) st.malformed_dropped.fetch_add(1);
+    peer_failed(peer.get(), Code::kUnreachable, ucs_msg("endpoint back to caller", st_));
+    return;
+  }
+  send_reply_locked(lane, peer.get(), call_id, Code::kOk, std::string(), kAmHelloAck);
+}
+
+void EngineCore::debug_send_raw(const std::string& addr, unsigned am_id, const std::string& header,
+                                const std::string& data) {
+  ActiveGuard guard(this);
+  std::shared_ptr<Peer> peer = peer_for(this, parse_address(addr), addr);
+  Lane* l = lanes[0].get();
+  std::lock_guard<std::mutex> g(l->mu);
+  ucs_status_t st_ = create_ep_locked(l, peer.get());
+  if (st_ != UCS_OK) throw Error(Code::kUnreachable, ucs_msg("debug_send_raw", st_));
+  ucs_status_t err = UCS_OK;
+  if (!am_send_locked(this, l, peer->eps_[0], am_id, header.data(), header.size(), data, 0, true, &err))
+    throw Error(Code::kUnreachable, ucs_msg("debug_send_raw", err));
 }
 
 void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {

@@ -545,7 +545,8 @@ void EngineCore::post_push(Lane* lane, const std::shared_ptr<Peer>& peer, const 
   op->add_pending();
   add_pending(id, Pending{op, peer->uid_, on_reply, false});
   st.pushes_sent.fetch_add(1);
-  PushHdr h{uid, id, uint32_t(rkey.size()), uint32_t(ext.size())};
+  PushHdr h{uid, id, uint32_t(rkey.size()), uint32_t(ext.size()), {}};
+  memcpy(h.tok, peer->tok_send_, kTokLen);
   std::string body;
   body.reserve(rkey.size() + ext.size() * sizeof(Extent));
   body += rkey;

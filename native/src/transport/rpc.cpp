@@ -76,6 +76,7 @@ void on_recv_done(void* req, ucs_status_t st, size_t, void* user) {
   ucp_request_free(req);
 }
 
+// Callers bound `len` first (for a rendezvous message it is only the sender's claim).
 ucs_status_t recv_payload(Lane* lane, void* data, size_t len, const ucp_am_recv_param_t* param,
                           std::function<void(Code, std::string)> fn) {
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
@@ -98,14 +99,28 @@ ucs_status_t recv_payload(Lane* lane, void* data, size_t len, const ucp_am_recv_
 }
 
 // A sender we cannot answer over our own endpoint (unknown, or we lost the connection
-// back): tell it through the reply endpoint, valid only inside the AM callback.
-void reject_unknown(EngineCore* c, Lane* lane, uint64_t call_id,
-                    const ucp_am_recv_param_t* param) {
+// back): tell it through the reply endpoint, valid only inside the AM callback. With
+// auth on, only a sender whose token was valid gets here.
+void reject_unknown(EngineCore* c, Lane* lane, uint64_t caller_uid, uint64_t call_id,
+                    const ucp_am_recv_param_t* param, Code code = Code::kUnreachable,
+                    std::string msg = std::string()) {
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep) return;
-  RepHdr h{c->uid, call_id, int32_t(Code::kUnreachable), kRepReject};
-  am_send_locked(c, lane, param->reply_ep, kAmRpcRep, &h, sizeof h,
-                 "engine '" + c->cfg.name + "' has no connection back to the caller; reconnect",
-                 0, false, nullptr);
+  RepHdr h{c->uid, call_id, int32_t(code), kRepReject, {}};
+  if (c->auth_on() && code != Code::kAuthFailed) c->make_token(c->uid, caller_uid, h.tok);
+  if (msg.empty())
+    msg = "engine '" + c->cfg.name + "' has no connection back to the caller; reconnect";
+  am_send_locked(c, lane, param->reply_ep, kAmRpcRep, &h, sizeof h, std::move(msg), 0, false,
+                 nullptr);
+}
+
+// An oversized or inconsistent message from an authenticated peer: answered with an
+// error, its payload never received.
+void reply_malformed(EngineCore* c, Lane* lane, const std::shared_ptr<Peer>& peer,
+                     uint64_t call_id, const std::string& what) {
+  c->st.malformed_dropped.fetch_add(1);
+  lane->deferred.push_back([c, lane, peer, call_id, what] {
+    c->send_reply_locked(lane, peer.get(), call_id, Code::kInvalidArgument, what);
+  });
 }
 
 template <typename H>
@@ -123,21 +138,60 @@ ucs_status_t on_hello(void* arg, const void* header, size_t hlen, void* data, si
   EngineCore* c = lane->core;
   HelloHdr h;
   if (!read_hdr(header, hlen, &h) || c->closing.load()) return UCS_OK;
+  if (c->auth_on()) {
+    // An engine without the secret: refused before its address is even received.
+    c->st.auth_rejected.fetch_add(1);
+    reject_unknown(c, lane, h.uid, h.call_id, param, Code::kAuthFailed,
+                   "engine '" + c->cfg.name +
+                       "' requires authentication: set the cluster's auth secret on the "
+                       "connecting engine");
+    return UCS_OK;
+  }
+  if (len == 0 || len > kMaxAddressBytes) {
+    c->st.malformed_dropped.fetch_add(1);
+    return UCS_OK;
+  }
   return recv_payload(lane, data, len, param, [c, lane, h](Code rc, std::string addr) {
     if (rc != Code::kOk) return;
-    lane->deferred.push_back([c, lane, h, addr] {
-      std::shared_ptr<Peer> peer;
-      try {
-        peer = c->peer_from_hello(h.uid, addr);
-      } catch (const Error&) {
-        return;  // malformed: ignore
-      }
-      ucs_status_t st = c->create_ep_locked(lane, peer.get());
-      if (st != UCS_OK) {
-        c->peer_failed(peer.get(), Code::kUnreachable, ucs_msg("endpoint back to caller", st));
+    lane->deferred.push_back([c, lane, h, addr] { c->finish_hello_locked(lane, h.uid, h.call_id, addr); });
+  });
+}
+
+// AUTH1 and AUTH_RESP: a header only, handed to the engine (auth.cpp).
+template <typename H, void (EngineCore::*Fn)(Lane*, const H&, const ucp_am_recv_param_t*)>
+ucs_status_t am_header_only(void* arg, const void* header, size_t hlen, void*, size_t,
+                            const ucp_am_recv_param_t* param) {
+  auto* lane = static_cast<Lane*>(arg);
+  H h;
+  if (!read_hdr(header, hlen, &h) || lane->core->closing.load()) return UCS_OK;
+  (lane->core->*Fn)(lane, h, param);
+  return UCS_OK;
+}
+
+ucs_status_t am_auth2(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                      const ucp_am_recv_param_t* param) {
+  auto* lane = static_cast<Lane*>(arg);
+  EngineCore* c = lane->core;
+  Auth2Hdr h;
+  if (!read_hdr(header, hlen, &h) || c->closing.load()) return UCS_OK;
+  EngineCore::Challenge ch;
+  if (!c->auth_on() || !c->take_challenge(h, &ch)) {
+    c->st.auth_rejected.fetch_add(1);  // no challenge of ours: forged or replayed
+    return UCS_OK;
+  }
+  if (len == 0 || len > kMaxAddressBytes) {
+    c->st.malformed_dropped.fetch_add(1);
+    return UCS_OK;
+  }
+  return recv_payload(lane, data, len, param, [c, lane, h, ch](Code rc, std::string addr) {
+    if (rc != Code::kOk) return;
+    lane->deferred.push_back([c, lane, h, ch, addr] {
+      if (!c->verify_auth2(h, ch, addr)) {
+        c->st.auth_rejected.fetch_add(1);
         return;
       }
-      c->send_reply_locked(lane, peer.get(), h.call_id, Code::kOk, std::string(), kAmHelloAck);
+      c->st.auth_handshakes.fetch_add(1);
+      c->finish_hello_locked(lane, h.uid, h.call_id, addr);
     });
   });
 }
@@ -148,11 +202,22 @@ ucs_status_t on_reply(void* arg, const void* header, size_t hlen, void* data, si
   EngineCore* c = lane->core;
   RepHdr h;
   if (!read_hdr(header, hlen, &h)) return UCS_OK;
+  if (c->auth_on()) {
+    bool tok_ok;
+    c->auth_peer(h.uid, h.tok, &tok_ok);
+    if (!tok_ok) return UCS_OK;  // dropped unread (counted)
+  }
   Pending p;
   if (!c->take_pending(h.call_id, &p)) return UCS_OK;  // late (abandoned): dropped
+  if (len > kMaxAmPayload) {
+    c->st.malformed_dropped.fetch_add(1);
+    if (p.on_reply) p.on_reply(Code::kTransferFailed);
+    p.op->sub_done(Code::kTransferFailed, "reply of " + std::to_string(len) + " bytes exceeds the limit");
+    return UCS_OK;
+  }
   if (p.is_call && p.lane >= 0 && p.lane != lane->idx) c->st.replies_off_lane.fetch_add(1);
   Code code = static_cast<Code>(h.code);
-  if (h.pad == kRepReject) {
+  if (h.pad == kRepReject && code != Code::kAuthFailed) {
     // The callee has no connection back to us (it lost it): drop ours too, so that the
     // next connect() performs a fresh handshake.
     if (auto peer = c->find_peer(h.uid))
@@ -181,9 +246,15 @@ ucs_status_t on_request(void* arg, const void* header, size_t hlen, void* data, 
   EngineCore* c = lane->core;
   RpcReqHdr h;
   if (!read_hdr(header, hlen, &h) || c->closing.load()) return UCS_OK;
-  auto peer = c->find_peer(h.uid);
+  bool tok_ok;
+  auto peer = c->auth_peer(h.uid, h.tok, &tok_ok);
+  if (!tok_ok) return UCS_OK;  // dropped unread (counted), never answered
   if (!peer || !peer->eps_[lane->idx]) {
-    reject_unknown(c, lane, h.call_id, param);
+    reject_unknown(c, lane, h.uid, h.call_id, param);
+    return UCS_OK;
+  }
+  if (len > kMaxAmPayload) {
+    reply_malformed(c, lane, peer, h.call_id, "request of " + std::to_string(len) + " bytes exceeds the limit");
     return UCS_OK;
   }
   return recv_payload(lane, data, len, param, [c, lane, peer, h](Code rc, std::string body) {
@@ -232,9 +303,16 @@ ucs_status_t on_push(void* arg, const void* header, size_t hlen, void* data, siz
   EngineCore* c = lane->core;
   PushHdr h;
   if (!read_hdr(header, hlen, &h) || c->closing.load()) return UCS_OK;
-  auto peer = c->find_peer(h.uid);
+  bool tok_ok;
+  auto peer = c->auth_peer(h.uid, h.tok, &tok_ok);
+  if (!tok_ok) return UCS_OK;  // dropped unread (counted), never answered
   if (!peer || !peer->eps_[lane->idx]) {
-    reject_unknown(c, lane, h.call_id, param);
+    reject_unknown(c, lane, h.uid, h.call_id, param);
+    return UCS_OK;
+  }
+  if (h.n_ext > kMaxExtentsPerPush || h.rkey_len == 0 || h.rkey_len > kMaxRkeyBytes ||
+      len != h.rkey_len + uint64_t(h.n_ext) * sizeof(Extent)) {
+    reply_malformed(c, lane, peer, h.call_id, "malformed push request");
     return UCS_OK;
   }
   return recv_payload(lane, data, len, param, [c, lane, peer, h](Code rc, std::string body) {
@@ -253,7 +331,10 @@ void EngineCore::register_am_handlers(Lane* lane) {
                {kAmHelloAck, on_reply},
                {kAmRpcReq, on_request},
                {kAmRpcRep, on_reply},
-               {kAmPushReq, on_push}};
+               {kAmPushReq, on_push},
+               {kAmAuth1, am_header_only<Auth1Hdr, &EngineCore::on_auth1>},
+               {kAmAuthResp, am_header_only<AuthRespHdr, &EngineCore::on_auth_resp>},
+               {kAmAuth2, am_auth2}};
   for (auto& t : table) {
     ucp_am_handler_param_t p;
     memset(&p, 0, sizeof p);
@@ -310,7 +391,8 @@ void EngineCore::send_reply_locked(Lane* lane, Peer* peer, uint64_t call_id, Cod
                                    std::string data, unsigned am_id) {
   void* ep = peer->eps_[lane->idx];
   if (!ep || peer->dead_.load()) return;  // the caller is gone: nobody to answer
-  RepHdr h{uid, call_id, int32_t(code), 0};
+  RepHdr h{uid, call_id, int32_t(code), 0, {}};
+  memcpy(h.tok, peer->tok_send_, kTokLen);
   am_send_locked(this, lane, ep, am_id, &h, sizeof h, std::move(data), 0, false, nullptr);
 }
 
@@ -338,7 +420,8 @@ std::shared_ptr<Op> EngineCore::call_async(const std::shared_ptr<Peer>& peer,
   op->add_lane(lane->idx);
   op->add_pending();
   add_pending(id, Pending{op, peer->uid_, {}, true, lane->idx});
-  RpcReqHdr h{uid, id, handler_id, 0};
+  RpcReqHdr h{uid, id, handler_id, 0, {}};
+  memcpy(h.tok, peer->tok_send_, kTokLen);
   ucs_status_t err = UCS_OK;
   bool ok;
   {
