@@ -24,6 +24,8 @@ class Node:
 
 
 class NodeTable:
+    """The store nodes this client has connected to, by node id (thread-safe)."""
+
     def __init__(self, engine, master):
         self._engine = engine
         self._master = master

@@ -35,6 +35,9 @@ EARLY_MEMCPY_MIN = 64 << 10  # a mapped read shorter than this takes less than t
 
 
 class Reader:
+    """A client's gets: looks keys up on the master, reads the bytes from the store nodes,
+    and gives the read leases back through ``releases``."""
+
     def __init__(self, engine, master, nodes, locs, releases, stats: dict, *, config, here: str | None):
         self._engine = engine
         self._master = master

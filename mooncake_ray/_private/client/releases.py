@@ -15,6 +15,8 @@ FLUSH_DELAY_S = 0.05  # how long a finished read's release waits for a GET to ca
 
 
 class Releases:
+    """Finished reads' ``[key, gen, lease]`` waiting to be given back to the master."""
+
     def __init__(self, master):
         self._master = master
         self._pending: list = []  # [key, gen, lease] of finished reads

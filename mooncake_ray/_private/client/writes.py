@@ -23,6 +23,9 @@ PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
 
 
 class Writer:
+    """A client's puts: writes the bytes into its slab or into extents the master
+    allocates, then publishes them; remembers where each value landed in ``locs``."""
+
     def __init__(self, engine, master, nodes, slabs, locs, *, config, owner: str, here: str | None):
         self._engine = engine
         self._master = master
