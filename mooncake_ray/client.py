@@ -39,6 +39,7 @@ from mooncake_ray.errors import (
     ObjectNotFoundError,
 )
 from mooncake_ray._private import rpc
+from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.buffers import readable, writable
 from mooncake_ray._private.client.args import Sized, check_key, same_length
 from mooncake_ray._private.client.locations import LocationCache
@@ -60,10 +61,7 @@ class Client:
     def __init__(self, config: StoreConfig, name: str = "client"):
         self.config = config
         t = config.transport
-        from mooncake_ray._private.transport import Engine  # the native module: load on use
-
-        self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
-                             ucx_options=t.ucx_options, read_mode=t.read_mode, name=name)
+        self.engine = role_engine(config, name)
         self._master = MasterChannel(self.engine, config.namespace,
                                      config.client.master_retry_timeout_s, t.rpc_timeout_s)
         owner = uuid.uuid4().hex

@@ -87,8 +87,9 @@ class TransportConfig(_Model):
     """UCX transports: auto (UCX chooses: shared memory on one host, tcp/RDMA across), or
     force one family."""
     devices: Devices = None
-    """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]
-    (None: UCX's default)."""
+    """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]. None:
+    the store's engines use the interface holding their Ray node's address, loopback and
+    the RDMA devices, not every interface of the host."""
     num_lanes: int = Field(2, ge=1, le=16)
     """Workers/endpoints (each with its own progress thread) a large transfer is striped
     over. Measured on 2 vCPUs over tcp, 1 -> 2 lanes: 4 MiB push read 3.2 -> 3.6 GB/s, put
@@ -138,6 +139,9 @@ class TransportConfig(_Model):
     """The client's timeout for reads and writes."""
     rpc_timeout_s: float = Field(5.0, gt=0)
     """The client's and store nodes' timeout for calls to the master."""
+    auth: bool = True
+    """Every engine of the store proves it holds the store's secret before a peer answers
+    it (docs/internals.md, "Peer authentication"). Off only to measure what it costs."""
 
     def linger_us(self) -> int:
         """``server_linger_us`` resolved: what a server engine (master, store node) uses."""

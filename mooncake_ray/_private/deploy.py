@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
-from mooncake_ray._private import preflight
+from mooncake_ray._private import auth, preflight
 from mooncake_ray._private.master.actor import master_actor_class
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from mooncake_ray._private.store.actor import StoreNodeActor
@@ -59,6 +59,8 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
     if cfg.segment_size_bytes == 0:
         nodes = []  # a client-only deployment onto an existing store
     preflight.check_transport(cfg)
+    if cfg.transport.auth:
+        auth.ensure_secret(cfg.namespace)  # before any member's engine is made
     preflight.check_nodes(cfg, [n for n in nodes if not _exists(store_actor_name(n["NodeID"]), cfg.namespace)])
     opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=-1, max_task_retries=-1)
@@ -105,7 +107,7 @@ def find_master(namespace: str):
 
 
 def teardown(namespace: str) -> int:
-    """Kill the store's actors in ``namespace``; returns how many."""
+    """Kill the store's actors in ``namespace`` and drop its secret; returns how many."""
     n = 0
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") != namespace:
@@ -117,4 +119,5 @@ def teardown(namespace: str) -> int:
                 n += 1
             except ValueError:
                 pass
+    auth.forget_secret(namespace)
     return n

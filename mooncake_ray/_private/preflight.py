@@ -68,9 +68,7 @@ def check_transport(cfg: StoreConfig) -> None:
     """
     from mooncake_ray._private.transport import Engine  # the native module: load on use
 
-    t = cfg.transport
-    Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes, ucx_options=t.ucx_options,
-           read_mode=t.read_mode, name="preflight").close()
+    Engine.from_config(cfg.transport, name="preflight").close()
 
 
 def check_nodes(cfg: StoreConfig, nodes: list[dict]) -> None:

@@ -41,6 +41,7 @@ import ray
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
@@ -61,8 +62,6 @@ class MasterActor:
     def __init__(self, config: dict):
         self.cfg = StoreConfig.model_validate(config)
         self.state = MasterState(Policy.from_config(self.cfg.master))
-        t = self.cfg.transport
-        from mooncake_ray._private.transport import Engine  # the native module: load on use
         from mooncake_ray._private.native import _native
 
         self.index = _native.MasterIndex()
@@ -72,9 +71,7 @@ class MasterActor:
         self.state.index = self.index
         self._lock = _StateLock(self.state, self.index, self._deliver)
 
-        self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=1,
-                             ucx_options=t.ucx_options, name="master",
-                             serve_linger_us=t.linger_us())
+        self.engine = role_engine(self.cfg, "master", server=True, num_lanes=1)
         self._peers: dict[str, object] = {}
         self._metrics = MasterMetrics()
         self.incarnation = f"{time.time_ns():x}"

@@ -42,6 +42,7 @@ from mooncake_ray.errors import (
     ObjectNotFoundError,
 )
 from mooncake_ray._private import preflight, rpc
+from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
@@ -69,11 +70,7 @@ class StoreNodeActor:
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:16]
         t = self.cfg.transport
-        from mooncake_ray._private.transport import Engine  # the native module: load on use
-
-        self.engine = Engine(protocol=t.protocol, devices=t.devices, num_lanes=t.num_lanes,
-                             ucx_options=t.ucx_options, read_mode=t.read_mode, name=f"store-{node_id[:8]}",
-                             serve_linger_us=t.linger_us())
+        self.engine = role_engine(self.cfg, f"store-{node_id[:8]}", server=True)
         seg, avail = self.cfg.segment_size_bytes, preflight.mem_available()
         if seg > avail:  # start() checked the host; this guards against memory taken since
             raise ConfigError(f"segment_size_bytes={seg} is more than this host's available memory "
