@@ -40,8 +40,9 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private import rpc
 from mooncake_ray._private.auth import role_engine
-from mooncake_ray._private.buffers import readable, writable
-from mooncake_ray._private.client.args import Sized, check_key, same_length
+from mooncake_ray._private.buffers import check_mapped, readable, writable
+from mooncake_ray._private.checks import check_ttl
+from mooncake_ray._private.client.args import Sized, check_key, key_errors, same_length
 from mooncake_ray._private.client.locations import LocationCache
 from mooncake_ray._private.client.nodes import NodeTable
 from mooncake_ray._private.client.reads import Reader
@@ -70,6 +71,7 @@ class Client:
         except Exception:  # not inside a Ray worker/driver: no local preference
             self._here = None
         self._regions: dict[int, Any] = {}
+        self._registered: dict[int, int] = {}  # address -> length of each registered buffer
         self._metrics = ClientMetrics()
         self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0, "early_reads": 0,
                             "early_reads_dropped": 0}
@@ -81,9 +83,10 @@ class Client:
         self._slabs = Slabs(self._master, owner, self._here, config.master.put_slab_bytes)
         nodes = NodeTable(self.engine, self._master)
         self._writes = Writer(self.engine, self._master, nodes, self._slabs, self._locs,
-                              config=config, owner=owner, here=self._here)
+                              config=config, owner=owner, here=self._here,
+                              registered=self._registered)
         self._reads = Reader(self.engine, self._master, nodes, self._locs, self._releases, self.local_stats,
-                             config=config, here=self._here)
+                             config=config, here=self._here, registered=self._registered)
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
         self._closed = False
@@ -99,7 +102,9 @@ class Client:
 
         Raises:
             ObjectExistsError: the key is stored already (use ``upsert``); not retryable.
-            InvalidArgumentError: bad key or value, or a value larger than every pool.
+            InvalidArgumentError: bad key or value, a value larger than every pool, or
+                ``replicas`` not an int from 1 to 64 (more than the store has nodes places
+                one copy per node).
             NoCapacityError: no room even after eviction (retryable).
             MasterUnavailableError, TransferError: retryable; a retry is safe.
         """
@@ -142,7 +147,9 @@ class Client:
         Raises:
             ObjectNotFoundError: a miss.
             InvalidArgumentError: the buffer is smaller than the value (nothing is read), or
-                a bad key.
+                a bad key or buffer.
+            NotRegisteredError: ``buffer`` is a raw ``(address, length)`` outside every
+                buffer registered with ``register_buffer``.
             MasterUnavailableError, TransferError: retryable.
 
         After any other error the buffer's content is unspecified (a read from a remembered
@@ -160,7 +167,8 @@ class Client:
         retryable error may be retried alone. ``upsert=True`` replaces stored values.
 
         Raises:
-            InvalidArgumentError: ``keys`` and ``values`` differ in length, or a bad key.
+            InvalidArgumentError: ``keys`` and ``values`` differ in length, or ``replicas``
+                is not a count of copies (a bad key or value is that key's entry).
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, values, "values")
@@ -172,32 +180,36 @@ class Client:
         only the first ``sizes[i]`` bytes of each. Returns ``None`` or the error per key.
 
         Raises:
-            InvalidArgumentError: the lists differ in length, or a bad key.
+            InvalidArgumentError: the lists differ in length (a bad key or buffer is that
+                key's entry).
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
         items = [Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
         return self._timed("batch_put", keys, lambda: self._writes.put_many(keys, items, replicas, False))
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of many keys, in order; ``None`` for a miss.
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None | InvalidArgumentError]:
+        """Values of many keys, in order; ``None`` for a miss, and for a bad key its
+        InvalidArgumentError (the other keys are read).
 
         Raises:
-            InvalidArgumentError: a bad key.
-            MasterUnavailableError, TransferError: a failure other than a miss (retryable).
+            MasterUnavailableError, TransferError: a failure other than a miss or a bad key
+                (retryable).
         """
         out = self._timed("batch_get", keys, lambda: self._reads.get_many(keys, None))
         for v in out:
-            if isinstance(v, BaseException) and not isinstance(v, ObjectNotFoundError):
+            if isinstance(v, BaseException) and not isinstance(v, (ObjectNotFoundError, InvalidArgumentError)):
                 raise v
-        return [None if isinstance(v, BaseException) else v for v in out]
+        return [None if isinstance(v, ObjectNotFoundError) else v for v in out]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | MooncakeRayError]:
         """Read many values into buffers; per key, the size read or the error
         (ObjectNotFoundError for a miss, InvalidArgumentError for a buffer too small).
 
         Raises:
-            InvalidArgumentError: ``keys`` and ``buffers`` differ in length, or a bad key.
+            InvalidArgumentError: ``keys`` and ``buffers`` differ in length (a bad key or
+                buffer is that key's entry; NotRegisteredError for a raw ``(address, length)``
+                outside every registered buffer).
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
@@ -214,10 +226,22 @@ class Client:
         return self._master.call(rpc.EXISTS, [key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """``exists`` for many keys, in one call; a bool per key. Raises as ``exists``."""
-        for k in keys:
-            self._check_key(k)
-        return self._master.call(rpc.EXISTS, list(keys)) if keys else []
+        """``exists`` for many keys, in one call; a bool per key (False for a key that is
+        not a valid key: it cannot be stored).
+
+        Raises:
+            MasterUnavailableError: the master did not answer in time (retryable).
+        """
+        keys = list(keys)
+        bad = key_errors(keys, self._max_key)
+        if not bad:
+            return self._master.call(rpc.EXISTS, keys) if keys else []
+        good = [i for i in range(len(keys)) if i not in bad]
+        out = [False] * len(keys)
+        if good:
+            for i, e in zip(good, self._master.call(rpc.EXISTS, [keys[i] for i in good])):
+                out[i] = e
+        return out
 
     def remove(self, key: str, *, force: bool = False) -> bool:
         """Remove ``key``; False if it was not stored.
@@ -263,10 +287,13 @@ class Client:
 
         Raises:
             ObjectNotFoundError: the key is not stored.
-            InvalidArgumentError: a bad key.
+            InvalidArgumentError: a bad key, or ``ttl_s`` not a finite positive number of
+                seconds (at most ten years).
         """
         self._check_key(key)
-        self._raise_first(self._master.call(rpc.PIN, [[key, hard, ttl_s]]))
+        if ttl_s is not None:
+            ttl_s = check_ttl(ttl_s)
+        self._raise_first(self._master.call(rpc.PIN, [[key, bool(hard), ttl_s]]))
 
     def unpin(self, key: str) -> None:
         """Remove a soft or hard pin; the value is evicted like any other from now on.
@@ -290,8 +317,11 @@ class Client:
         addr, n, keep = writable(buffer) if not isinstance(buffer, bytes) else readable(buffer)
         if n == 0:
             raise InvalidArgumentError("cannot register an empty buffer")
+        if keep is None:  # a raw (address, length): it must be this process's memory
+            check_mapped(addr, n)
         region = self.engine.register((addr, n))
         self._regions[addr] = (region, keep)
+        self._registered[addr] = n
         return region
 
     def unregister_buffer(self, buffer: Any) -> None:
@@ -304,6 +334,7 @@ class Client:
         addr = buffer.addr if hasattr(buffer, "rkey") else (
             writable(buffer)[0] if not isinstance(buffer, bytes) else readable(buffer)[0])
         entry = self._regions.pop(addr, None)
+        self._registered.pop(addr, None)
         if entry is None:
             raise NotRegisteredError(f"buffer at 0x{addr:x} is not registered")
         entry[0].close()
@@ -354,6 +385,7 @@ class Client:
         for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
+        self._registered.clear()
         self.engine.close()
 
     def __enter__(self):

@@ -68,16 +68,25 @@ def readable(value: Any) -> tuple[int, int, Any]:
     return (arr.ctypes.data if mv.nbytes else 0), mv.nbytes, (arr, value)
 
 
-def writable(buf: Any) -> tuple[int, int, Any]:
-    """``(address, nbytes, keep)`` of a buffer to read into."""
+def writable(buf: Any, registered: dict[int, int] | None = None) -> tuple[int, int, Any]:
+    """``(address, nbytes, keep)`` of a buffer to read into. A raw ``(address, length)``
+    must lie inside one of ``registered`` (``{address: length}``) when that is given.
+
+    Raises:
+        InvalidArgumentError: not writable contiguous memory, or a malformed raw range.
+        NotRegisteredError: a raw range outside every registered buffer.
+    """
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise InvalidArgumentError("numpy buffer must be C-contiguous and writeable")
         return buf.__array_interface__["data"][0], buf.nbytes, buf
     if _is_torch(buf):
         return _torch_view(buf, True)
-    if isinstance(buf, tuple) and len(buf) == 2:
-        return raw_range(buf) + (None,)  # (address, length) of memory the caller owns
+    if isinstance(buf, tuple) and len(buf) == 2:  # (address, length) of memory the caller owns
+        addr, n = raw_range(buf)
+        if registered is not None and not inside(addr, n, registered.items()):
+            raise not_registered(addr, n)
+        return addr, n, None
     try:
         mv = memoryview(buf)
     except TypeError:

@@ -93,3 +93,91 @@ def test_miss_is_keyerror(s):
         s.get("never-stored")
     with pytest.raises(ObjectNotFoundError, match="'never-stored' is not in the store"):
         s.get("never-stored")
+
+
+def test_lone_surrogate_key(s):
+    key = "page/\udc80/x"
+    for call in (lambda: s.put(key, b"v"), lambda: s.get(key), lambda: s.exists(key), lambda: s.remove(key)):
+        with pytest.raises(InvalidArgumentError, match=r"'\\udc80' at position 5 is a lone surrogate"):
+            call()
+
+
+@pytest.mark.parametrize("replicas,match", [
+    (0, "replicas must be an int from 1 to 64, got 0"),
+    (-1, "replicas must be an int from 1 to 64, got -1"),
+    (100, "replicas must be an int from 1 to 64, got 100"),
+    ("x", "replicas must be an int from 1 to 64, got 'x'"),
+    (2 ** 70, "replicas must be an int from 1 to 64, got 1180591620717411303424"),
+    (True, "replicas must be an int from 1 to 64, got True"),
+    (1.0, "replicas must be an int from 1 to 64, got 1.0"),
+])
+def test_bad_replicas(s, replicas, match):
+    for call in (lambda: s.put("r", b"v", replicas=replicas),
+                 lambda: s.put("r", bytes(40 << 20), replicas=replicas)):  # slab and two-call paths
+        with pytest.raises(InvalidArgumentError, match=match):
+            call()
+    assert not s.exists("r")
+
+
+def test_replicas_checked_by_the_master_too(s):
+    """A client that skips the checks gets the same errors from the master."""
+    from mooncake_ray._private import rpc
+
+    got = s._master.call(rpc.PUT_START, [["r", 16, 0, False], ["r", 16, "x", False]], None, "owner")
+    assert [rpc.to_exc(g).__class__ for g in got] == [InvalidArgumentError, InvalidArgumentError]
+    assert "got 0" in str(rpc.to_exc(got[0])) and "got 'x'" in str(rpc.to_exc(got[1]))
+
+
+@pytest.mark.parametrize("ttl,match", [
+    ("abc", "got 'abc'"), (float("nan"), "got nan"), (float("inf"), "got inf"), (-1, "got -1"),
+    (0, "got 0"), (2 ** 70, "got 1180591620717411303424"), (True, "got True"),
+])
+def test_bad_pin_ttl(s, ttl, match):
+    with pytest.raises(InvalidArgumentError, match="ttl_s must be a finite number of seconds .*" + match):
+        s.pin("keep", ttl_s=ttl)
+    from mooncake_ray._private import rpc
+
+    if not (type(ttl) is int and ttl >= 1 << 64):  # msgpack cannot carry 2**70 at all
+        got = s._master.call(rpc.PIN, [["keep", False, ttl]])  # the master checks too
+        assert isinstance(rpc.to_exc(got[0]), InvalidArgumentError)
+
+
+def test_raw_ranges(s):
+    arr = np.zeros(8192, np.uint8)
+    with pytest.raises(InvalidArgumentError, match=r"\(-0x1000, 16\) is not a memory range"):
+        s.get_into("keep", (-4096, 16))
+    with pytest.raises(InvalidArgumentError, match=r"must be two ints, got \(float, int\)"):
+        s.get_into("keep", (1.5, 16))
+    # mapped memory, but not registered: refused, never written
+    with pytest.raises(NotRegisteredError, match="is not inside a buffer registered with register_buffer"):
+        s.get_into("keep", (arr.ctypes.data, 4096))
+    with pytest.raises(NotRegisteredError, match="is not inside a buffer registered"):
+        s.put_from("raw", (arr.ctypes.data, 4096))
+    # unmapped memory cannot be registered (it would crash this process when read)
+    with pytest.raises(InvalidArgumentError, match="is not mapped read-write in this process"):
+        s.register_buffer((0x10000, 4096))
+    reg = s.register_buffer((arr.ctypes.data, arr.nbytes))
+    try:
+        assert s.get_into("keep", (arr.ctypes.data + 4096, 4096)) == 8
+        assert bytes(arr[4096:4104]) == b"precious"
+        with pytest.raises(NotRegisteredError):  # runs past the registered buffer
+            s.get_into("keep", (arr.ctypes.data + 4096, 8192))
+    finally:
+        s.unregister_buffer(reg)
+    assert not s.exists("raw")
+
+
+def test_batch_calls_answer_bad_keys_per_key(s):
+    s.remove_prefix("b/")
+    out = s.batch_put(["b/1", 123, "b/2", "", "b/3"], [b"1", b"x", "text", b"x", b"3"])
+    assert out[0] is None and out[4] is None
+    assert isinstance(out[1], InvalidArgumentError) and "got int" in str(out[1])
+    assert isinstance(out[2], InvalidArgumentError) and "is a str" in str(out[2])
+    assert isinstance(out[3], InvalidArgumentError) and "must not be empty" in str(out[3])
+    got = s.batch_get(["b/1", None, "b/3", "b/none"])
+    assert got[0] == b"1" and got[2] == b"3" and got[3] is None
+    assert isinstance(got[1], InvalidArgumentError)
+    bufs = [bytearray(8), b"read-only", bytearray(8)]
+    got = s.batch_get_into(["b/1", "b/3", "b/3"], bufs)
+    assert got[0] == 1 and got[2] == 1 and isinstance(got[1], InvalidArgumentError)
+    assert s.batch_exists(["b/1", 5, "b/2"]) == [True, False, False]

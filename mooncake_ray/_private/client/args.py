@@ -24,9 +24,41 @@ def check_key(key: Any, max_key: int) -> None:
         raise InvalidArgumentError(f"key must be a str, got {type(key).__name__}: {key!r:.80}")
     if not key:
         raise InvalidArgumentError("key must not be empty")
-    if len(key) * 4 > max_key and len(key.encode()) > max_key:
-        raise InvalidArgumentError(
-            f"key of {len(key.encode())} bytes is longer than max_key_bytes={max_key}: {key[:64]!r}...")
+    if not key.isascii():
+        try:
+            n = len(key.encode())
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"key is not valid Unicode text: {key[e.start:e.end]!r} at position {e.start} "
+                f"is a lone surrogate: {key[:64]!r}") from None
+    else:
+        n = len(key)
+    if n > max_key:
+        raise InvalidArgumentError(f"key of {n} bytes is longer than max_key_bytes={max_key}: {key[:64]!r}...")
+
+
+def key_errors(keys, max_key: int) -> dict[int, Exception]:
+    """``{index: InvalidArgumentError}`` of the bad keys among ``keys``."""
+    bad = {}
+    for i, k in enumerate(keys):
+        try:
+            check_key(k, max_key)
+        except InvalidArgumentError as e:
+            bad[i] = e
+    return bad
+
+
+def convert(items, fn, bad: dict[int, Exception]) -> list:
+    """``fn(item)`` for each item whose index is not in ``bad`` (None for those); an
+    InvalidArgumentError ``fn`` raises is put in ``bad`` under the item's index."""
+    out: list = [None] * len(items)
+    for i, v in enumerate(items):
+        if i not in bad:
+            try:
+                out[i] = fn(v)
+            except InvalidArgumentError as e:
+                bad[i] = e
+    return out
 
 
 def same_length(keys, other, what: str) -> None:
@@ -34,22 +66,19 @@ def same_length(keys, other, what: str) -> None:
         raise InvalidArgumentError(f"{len(keys)} keys but {len(other)} {what}")
 
 
-def sources(values) -> list[tuple]:
-    """``(address, size, keep-alive)`` of each value to put (a ``Sized`` or anything
+def source(v, registered: dict[int, int]) -> tuple:
+    """``(address, size, keep-alive)`` of a value to put (a ``Sized`` or anything
     ``readable``).
 
     Raises:
         InvalidArgumentError: a ``Sized`` size outside its buffer, or a bad value.
+        NotRegisteredError: a raw ``(address, length)`` outside every registered buffer.
     """
-    srcs = []
-    for v in values:
-        if isinstance(v, Sized):
-            addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf)
-            if v.size is not None:
-                if not 0 <= v.size <= n:
-                    raise InvalidArgumentError(f"size {v.size} is outside the buffer of {n} bytes")
-                n = v.size
-        else:
-            addr, n, keep = readable(v)
-        srcs.append((addr, n, keep))
-    return srcs
+    if isinstance(v, Sized):
+        addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf, registered)
+        if v.size is not None:
+            if type(v.size) is not int or not 0 <= v.size <= n:
+                raise InvalidArgumentError(f"size {v.size!r:.40} is outside the buffer of {n} bytes")
+            n = v.size
+        return addr, n, keep
+    return readable(v)

@@ -24,7 +24,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private import rpc, wire
 from mooncake_ray._private.buffers import new_bytes, writable
-from mooncake_ray._private.client.args import check_key
+from mooncake_ray._private.client.args import check_key, convert, key_errors
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.locations import Loc
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS, Node
@@ -38,8 +38,10 @@ class Reader:
     """A client's gets: looks keys up on the master, reads the bytes from the store nodes,
     and gives the read leases back through ``releases``."""
 
-    def __init__(self, engine, master, nodes, locs, releases, stats: dict, *, config, here: str | None):
+    def __init__(self, engine, master, nodes, locs, releases, stats: dict, *, config, here: str | None,
+                 registered: dict[int, int]):
         self._engine = engine
+        self._registered = registered  # {address: length} of the client's registered buffers
         self._master = master
         self._nodes = nodes
         self._locs = locs
@@ -65,7 +67,7 @@ class Reader:
         the value from before the read began until the lease was granted, so the bytes are
         the value's. Otherwise they are dropped and the value is read as usual."""
         check_key(key, self._max_key)
-        dst = writable(buffer) if buffer is not None else None
+        dst = writable(buffer, self._registered) if buffer is not None else None
         t0 = time.monotonic()
         args = ([key], self._here, self._releases.take())
         loc = self._locs.get(key)
@@ -158,11 +160,12 @@ class Reader:
         """Per key, the value (bytes, or its size when read into ``buffers[i]``) or the
         error: ObjectNotFoundError for a miss, InvalidArgumentError for a buffer too
         small, LeaseExpiredError for reads that kept outliving their lease."""
-        for k in keys:
-            check_key(k, self._max_key)
-        dsts = [writable(b) for b in buffers] if buffers is not None else None
         results: list = [None] * len(keys)
-        todo = list(range(len(keys)))
+        bad = key_errors(keys, self._max_key)
+        dsts = None if buffers is None else convert(buffers, lambda b: writable(b, self._registered), bad)
+        for i, e in bad.items():
+            results[i] = e
+        todo = [i for i in range(len(keys)) if i not in bad] if bad else list(range(len(keys)))
         attempt, backoff = 0, Backoff(self._backpressure_s)
         while todo:
             attempt += 1

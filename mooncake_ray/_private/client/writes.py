@@ -14,7 +14,8 @@ from mooncake_ray.errors import (
     TransferError,
 )
 from mooncake_ray._private import rpc, wire
-from mooncake_ray._private.client.args import check_key, sources
+from mooncake_ray._private.checks import check_replicas
+from mooncake_ray._private.client.args import convert, key_errors, source
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
 from mooncake_ray._private.master.allocator import align_up
@@ -26,8 +27,10 @@ class Writer:
     """A client's puts: writes the bytes into its slab or into extents the master
     allocates, then publishes them; remembers where each value landed in ``locs``."""
 
-    def __init__(self, engine, master, nodes, slabs, locs, *, config, owner: str, here: str | None):
+    def __init__(self, engine, master, nodes, slabs, locs, *, config, owner: str, here: str | None,
+                 registered: dict[int, int]):
         self._engine = engine
+        self._registered = registered  # {address: length} of the client's registered buffers
         self._master = master
         self._nodes = nodes
         self._slabs = slabs
@@ -41,10 +44,27 @@ class Writer:
         self.moved = 0  # bytes written by the call being timed (metrics only)
 
     def put_many(self, keys, values, replicas, upsert) -> list:
-        """Put each value; returns, per key, None or the error it got."""
-        for k in keys:
-            check_key(k, self._max_key)
-        srcs = sources(values)
+        """Put each value; returns, per key, None or the error it got (a bad key or value
+        is that key's InvalidArgumentError; the others are put).
+
+        Raises:
+            InvalidArgumentError: ``replicas`` is not a count of copies.
+        """
+        if replicas is not None:
+            check_replicas(replicas)
+        bad = key_errors(keys, self._max_key)
+        srcs = convert(values, lambda v: source(v, self._registered), bad)
+        if not bad:
+            return self._put_checked(keys, srcs, replicas, upsert)
+        good = [i for i in range(len(keys)) if i not in bad]
+        results: list = [bad.get(i) for i in range(len(keys))]
+        if good:
+            for i, r in zip(good, self._put_checked([keys[i] for i in good], [srcs[i] for i in good],
+                                                    replicas, upsert)):
+                results[i] = r
+        return results
+
+    def _put_checked(self, keys, srcs, replicas, upsert) -> list:
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
         if self._slabs.slab_bytes and (replicas or self._replicas) == 1:

@@ -45,6 +45,7 @@ from mooncake_ray.errors import (
     ObjectPendingError,
     OffloadPendingError,
 )
+from mooncake_ray._private.checks import check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex
 from mooncake_ray._private.master.fastpath import COMMIT, GRANT, ReadMirror
@@ -238,7 +239,7 @@ class MasterState:
             raise ObjectPendingError(f"a put of {key!r} is already in flight")
         if key in self._objects and not upsert:
             raise ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
-        want = replicas or self.policy.replicas
+        want = self.policy.replicas if replicas is None else check_replicas(replicas)
         usable = [n for n in self._nodes.values() if not n.suspect]
         if not usable:
             raise NoCapacityError("no store node is mounted" if not self._nodes
@@ -498,6 +499,8 @@ class MasterState:
             ObjectNotFoundError: ``key`` is not stored.
         """
         self._ready()
+        if ttl_s is not None:
+            check_ttl(ttl_s)
         obj = self._objects.get(key)
         if obj is None:
             raise ObjectNotFoundError(f"cannot pin {key!r}: not stored")

@@ -1,0 +1,35 @@
+"""Checks of call arguments shared by the client (which fails fast, before any call) and
+the master (which is called over the wire by clients it cannot trust to have checked)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mooncake_ray.errors import InvalidArgumentError
+
+MAX_REPLICAS = 64
+MAX_TTL_S = 10 * 365 * 86400.0  # ten years: a pin meant to outlive that is a hard pin
+
+
+def check_replicas(replicas: Any) -> int:
+    """``replicas`` as a count of copies.
+
+    Raises:
+        InvalidArgumentError: not an int (bool is not one) in 1..MAX_REPLICAS.
+    """
+    if type(replicas) is not int or not 1 <= replicas <= MAX_REPLICAS:
+        raise InvalidArgumentError(f"replicas must be an int from 1 to {MAX_REPLICAS}, got {replicas!r:.40}")
+    return replicas
+
+
+def check_ttl(ttl_s: Any) -> float:
+    """``ttl_s`` as a duration in seconds.
+
+    Raises:
+        InvalidArgumentError: not a finite number of seconds in (0, MAX_TTL_S].
+    """
+    if type(ttl_s) not in (int, float) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
+        raise InvalidArgumentError(
+            f"ttl_s must be a finite number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r:.40}")
+    return float(ttl_s)
