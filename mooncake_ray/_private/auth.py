@@ -11,9 +11,12 @@ cannot get it, and the transport refuses it (see docs/internals.md, "Peer authen
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 
-from mooncake_ray.errors import MasterUnavailableError
+from mooncake_ray.errors import AuthenticationError, MasterUnavailableError
+from mooncake_ray._private import rpc
 
 SECRET_BYTES = 32
 _KV_NAMESPACE = "mooncake_ray"
@@ -105,3 +108,47 @@ def role_engine(cfg, name: str, *, server: bool = False, **overrides):
             engine.close()
             raise
     return engine
+
+
+# ---- the node key: what only the master and its store nodes hold ------------------------
+# The store's secret admits every member (clients too). Calls that only a store node may
+# make to the master (OFFLOAD_DONE, PROMOTE_BEGIN, PROMOTE_DONE) and that only the master
+# may make to a store node (inventory messages) also carry an HMAC-SHA256 under the node
+# key: made by the master when it starts, handed to store nodes by a Ray call before they
+# mount, never sent over the transport and never given to clients.
+
+NODE_KEY_BYTES = 32
+MAC_BYTES = 32
+
+
+def new_node_key() -> bytes:
+    return os.urandom(NODE_KEY_BYTES)
+
+
+def mac(key: bytes, obj) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``obj`` as the RPC packs it."""
+    return hmac.new(key, rpc.pack(obj), hashlib.sha256).digest()
+
+
+def check_mac(key: bytes | None, obj, tag) -> None:
+    """Raises AuthenticationError unless ``tag`` is ``mac(key, obj)`` (constant-time)."""
+    if key is None or type(tag) is not bytes or not hmac.compare_digest(mac(key, obj), tag):
+        raise AuthenticationError("this call is only accepted from the store's master or store nodes "
+                                  "(its node-key signature is missing or wrong)")
+
+
+def seal(key: bytes, payload: bytes) -> bytes:
+    """``payload`` with its HMAC-SHA256 under ``key`` in front."""
+    return hmac.new(key, payload, hashlib.sha256).digest() + payload
+
+
+def unseal(key: bytes | None, data: bytes) -> bytes:
+    """The payload of ``seal(key, payload)``.
+
+    Raises:
+        AuthenticationError: the signature is missing or wrong (or no key is held yet).
+    """
+    if key is None or len(data) < MAC_BYTES or not hmac.compare_digest(
+            hmac.new(key, data[MAC_BYTES:], hashlib.sha256).digest(), data[:MAC_BYTES]):
+        raise AuthenticationError("an inventory message not signed by this store's master was refused")
+    return data[MAC_BYTES:]

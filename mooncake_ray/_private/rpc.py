@@ -8,7 +8,7 @@ bad key never fails its neighbours.
 
 Which calls are safe to retry after a lost reply (the client does so across a master
 restart): GET, EXISTS, NODES, PUT_END, PUT_REVOKE, PIN, OFFLOAD_DONE, PROMOTE_DONE,
-SLAB_RETURN are idempotent; PUT_START is made idempotent by the owner id (a retry from
+SLAB_RETURN, PROMOTE_BEGIN are idempotent; PUT_START is made idempotent by the owner id (a retry from
 the same client returns the same allocation), PUT_COMMIT by its extent (a value already
 committed at that extent answers with its generation); a retried SLAB_GRANT at worst
 grants a second slab, which expires unused;
@@ -26,9 +26,11 @@ from mooncake_ray import errors
 # Handler ids on the master's engine.
 MASTER_RPC = 1
 # Handler ids on store nodes: inventory deltas from the master; disk promotions asked by
-# clients (read a spilled object into a DRAM extent the master reserved).
+# clients (read a spilled object into a DRAM extent the master reserved); an echo the
+# master uses to check a client's report that the node is unreachable.
 NODE_INVENTORY_RPC = 2
 NODE_PROMOTE_RPC = 3
+NODE_ECHO_RPC = 4
 
 OK, ERR = 0, 1
 
@@ -51,6 +53,7 @@ RELEASE = 15
 SLAB_GRANT = 16
 PUT_COMMIT = 17
 SLAB_RETURN = 18
+PROMOTE_BEGIN = 19  # a store node asks which promote items are the master's reservations
 
 
 def pack(obj: Any) -> bytes:

@@ -79,3 +79,57 @@ def test_members_share_one_secret_per_store(make_store):
     a.put("k", b"a")
     b.put("k", b"b")
     assert a.get("k") == b"a" and b.get("k") == b"b"
+
+
+def _node_peer(s):
+    info = s._master.call(rpc.NODES)[0]
+    return info, s.engine.connect(info["address"])
+
+
+def test_a_client_cannot_play_master_or_store_node(make_store, tmp_path):
+    """A member holding the store's secret but not the node key: the calls only the
+    master makes to a store node, or a store node to the master, are refused."""
+    import pytest
+
+    from mooncake_ray.errors import AuthenticationError, MooncakeRayError
+
+    s = make_store(segment_size_bytes="8mb",
+                   spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "64mb"})
+    s.put("keep", b"precious")
+    info, peer = _node_peer(s)
+    before = s._master.call(rpc.NODES)
+    forged = rpc.pack([1, 1, [[["ghost", 1, 4096, "dram", 0, 4096, 0]], [], []]])
+    with pytest.raises(MooncakeRayError, match="not signed by this store's master"):
+        s.engine.call(peer, rpc.NODE_INVENTORY_RPC, forged, timeout_s=5.0)
+    for op, items in ((rpc.OFFLOAD_DONE, [["keep", 1, 4096, True, ""]]),
+                      (rpc.PROMOTE_BEGIN, [["keep", 1, 0, 8]]),
+                      (rpc.PROMOTE_DONE, [["keep", 1, 0, ""]])):
+        for tag in ((), (b"\0" * 32,)):
+            with pytest.raises(AuthenticationError, match="only accepted from the store's master or store nodes"):
+                s._master.call(op, info["node_id"], items, *tag)
+    # a promote of an extent the master did not reserve writes nothing
+    reply = rpc.unpack(s.engine.call(peer, rpc.NODE_PROMOTE_RPC, rpc.pack([["keep", 1, 0, 4096]]), timeout_s=5.0))
+    assert reply == ["InvalidArgumentError"]
+    assert s.get("keep") == b"precious" and not s.exists("ghost")
+    assert s._master.call(rpc.NODES) == before
+
+
+def test_a_client_cannot_take_a_healthy_node_out_of_use(make_store):
+    """A report that a node is unreachable is checked by the master: with heartbeats 5 s
+    apart, puts go to the node again well before the next heartbeat could vouch for it."""
+    import time
+
+    s = make_store(segment_size_bytes="8mb",  # no put slab: every put asks the master for room
+                   master={"heartbeat_interval_s": 5.0, "node_ttl_s": 30.0, "put_slab_bytes": 0})
+    s.put("first", b"v")
+    for n in s._master.call(rpc.NODES):
+        s._master.call(rpc.REPORT_UNREACHABLE, n["node_id"])
+    t0 = time.monotonic()
+    while True:
+        try:
+            s.put(f"after-{time.monotonic()}", b"v")
+            break
+        except Exception:
+            assert time.monotonic() - t0 < 1.5, "the reported nodes stayed out of use"
+            time.sleep(0.02)
+    assert time.monotonic() - t0 < 1.5

@@ -265,7 +265,7 @@ class Reader:
 
     def _promote_many(self, items) -> dict[int, Exception]:
         """Have the nodes holding disk copies read them into the DRAM extents the master
-        reserved (one request per node, read in parallel there), then tell the master.
+        reserved (one request per node, read in parallel there; the node tells the master).
         ``items`` are ``(index, key, gen, size, ReplicaLoc)``; returns errors by index."""
         by_node: dict[str, list] = {}
         for it in items:
@@ -280,8 +280,6 @@ class Reader:
                 for i, key, *_ in its:
                     errors[i] = ObjectNotFoundError(f"{key!r} was lost with its store node ({e})")
                 continue
-            self._master.call(rpc.PROMOTE_DONE, node_id, [r + [e] for r, e in zip(
-                [[key, gen, off] for key, gen, off, _ in req], errs)])
             for (i, key, *_), err in zip(its, errs):
                 if err:
                     errors[i] = ObjectNotFoundError(f"{key!r}'s copy on disk is unreadable ({err}): a miss")

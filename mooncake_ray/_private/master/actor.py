@@ -40,7 +40,7 @@ import ray
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
-from mooncake_ray._private import rpc
+from mooncake_ray._private import auth, rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -56,6 +56,7 @@ RETRY_BACKOFF_S = 0.2  # after a failed send; grows per attempt, up to 2 s
 SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message for this long
 ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)
 LIVENESS_GROUP = "liveness"
+PROBE_TIMEOUT_S = 1.0  # this master's own check of a node a client reported unreachable
 
 
 class MasterActor:
@@ -72,6 +73,8 @@ class MasterActor:
         self._lock = _StateLock(self.state, self.index, self._deliver)
 
         self.engine = role_engine(self.cfg, "master", server=True, num_lanes=1)
+        self._node_key = auth.new_node_key()  # a restarted master makes a new one: nodes remount
+        self._probing: set[str] = set()
         self._peers: dict[str, object] = {}
         self._metrics = MasterMetrics()
         self.incarnation = f"{time.time_ns():x}"
@@ -94,10 +97,12 @@ class MasterActor:
             rpc.NODES: self.state.nodes,
             rpc.PIN: lambda items: rpc.per_key(self.state.pin, items),
             rpc.UNPIN: lambda keys: rpc.per_key(self.state.unpin, keys),
-            rpc.REPORT_UNREACHABLE: self.state.report_unreachable,
+            rpc.REPORT_UNREACHABLE: self._report_unreachable,
             rpc.PING: lambda *pad: self.incarnation,
-            rpc.OFFLOAD_DONE: self.state.offload_done,
-            rpc.PROMOTE_DONE: self.state.promote_done,
+            # Only store nodes make these: signed with the node key (auth.py).
+            rpc.OFFLOAD_DONE: self._from_node(self.state.offload_done),
+            rpc.PROMOTE_BEGIN: self._from_node(self.state.promotions_reserved),
+            rpc.PROMOTE_DONE: self._from_node(self.state.promote_done),
             rpc.SLAB_GRANT: self._slab_grant,
             rpc.PUT_COMMIT: self._put_commit,
             rpc.SLAB_RETURN: self._return_slabs,
@@ -120,6 +125,35 @@ class MasterActor:
             threading.Thread(target=target, name=name, daemon=True).start()
 
     # ------------------------------------------------------------------- RPC door --
+    def _from_node(self, fn):
+        def checked(node_id, items, tag=None):
+            auth.check_mac(self._node_key, [node_id, items], tag)
+            return fn(node_id, items)
+
+        return checked
+
+    def _report_unreachable(self, node_id) -> None:
+        """A client could not reach a store node: no new puts go there until this master
+        has checked it can reach the node itself (an echo, on a thread of its own), or
+        until the node's next heartbeat; a client cannot take a healthy node out of use."""
+        self.state.report_unreachable(node_id)
+        if node_id in self.state._nodes and node_id not in self._probing:
+            self._probing.add(node_id)
+            threading.Thread(target=self._probe, args=(node_id,), name="master-probe", daemon=True).start()
+
+    def _probe(self, node_id: str) -> None:
+        try:
+            peer = self._peer(node_id)
+            if peer is not None:
+                self.engine.call(peer, rpc.NODE_ECHO_RPC, b"", timeout_s=PROBE_TIMEOUT_S)
+                with self._lock:
+                    self.state.vouch(node_id)
+        except MooncakeRayError as e:
+            log.info("store node %s reported unreachable; this master cannot reach it either (%s)", node_id, e)
+            self._peers.pop(node_id, None)
+        finally:
+            self._probing.discard(node_id)
+
     def _put_start(self, items, client_node=None, owner=""):
         # Whole-call, so the client's channel waits and retries (per key it would be an answer).
         self.state._allocation_gate(self.state._clock())
@@ -214,7 +248,7 @@ class MasterActor:
             handle = None
             if peer is not None:
                 try:
-                    handle = self.engine.call_async(peer, rpc.NODE_INVENTORY_RPC, payload)
+                    handle = self.engine.call_async(peer, rpc.NODE_INVENTORY_RPC, auth.seal(self._node_key, payload))
                 except MooncakeRayError as e:
                     log.info("inventory send to store node %s failed (%s); retrying", node_id, e)
                     self._peers.pop(node_id, None)
@@ -291,8 +325,8 @@ class MasterActor:
         return False
 
     def _peer(self, node_id: str):
-        """The endpoint to a store node (delivery thread only; connects without the lock:
-        the RPC handler runs on the progress thread and may be waiting for that lock)."""
+        """The endpoint to a store node (delivery and probe threads only; connects without
+        the lock: the RPC handler runs on the progress thread and may be waiting for it)."""
         peer = self._peers.get(node_id)
         if peer is None:
             with self._lock:
@@ -310,6 +344,11 @@ class MasterActor:
     # --------------------------------------------------------------- lifecycle door --
     def rpc_address(self) -> bytes:
         return self.engine.address
+
+    def node_key(self) -> bytes:
+        """The key store nodes sign their calls with (a Ray call: only Ray cluster members
+        reach it; store nodes fetch it before they mount)."""
+        return self._node_key
 
     def mount(self, info: dict, inventory: list, mount_id: int = 0) -> str:
         """A store node (re)joins with what it holds. Returns this master's incarnation.

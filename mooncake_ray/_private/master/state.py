@@ -377,6 +377,17 @@ class MasterState:
         adopted if it is the current value, dropped otherwise."""
         self._tier.offload_done(node_id, items, self._clock())
 
+    def promotions_reserved(self, node_id: str, items) -> list[bool]:
+        """Per ``(key, gen, offset, size)`` item: whether this master reserved that extent
+        of ``node_id`` to promote the value into (a store node reads a disk copy into its
+        arena only then)."""
+        return [isinstance(it, list) and len(it) == 4 and self._tier.reserved(node_id, *it) for it in items]
+
+    def vouch(self, node_id: str) -> None:
+        """This master reached the node itself: a client's report of it is discounted."""
+        if node_id in self._nodes:
+            self._nodes[node_id].suspect = False
+
     def promote_done(self, node_id: str, items) -> None:
         """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
         (``error_name`` empty on success). Idempotent."""

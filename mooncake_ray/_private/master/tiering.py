@@ -173,6 +173,15 @@ class DiskTier:
                     f"no DRAM free to promote {obj.key!r} from disk yet (offloads in flight); retry")
         return prom
 
+    def reserved(self, node_id: str, key, gen, offset, size) -> bool:
+        """Whether ``offset`` on ``node_id`` is the DRAM extent reserved to promote
+        ``key``/``gen`` (of ``size`` bytes) into, and not yet filled."""
+        obj = self._objects.get(key) if type(key) is str else None
+        if obj is None or obj.gen != gen or obj.size != size:
+            return False
+        return any(r.node_id == node_id and r.tier is Tier.DRAM and not r.ready and r.offset == offset
+                   for r in obj.replicas)
+
     def promote_done(self, node_id: str, items, now: float) -> None:
         """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
         (``error_name`` empty on success). Idempotent."""

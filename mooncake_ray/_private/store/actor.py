@@ -41,7 +41,7 @@ from mooncake_ray.errors import (
     MooncakeRayError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import preflight, rpc
+from mooncake_ray._private import auth, preflight, rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
@@ -83,8 +83,10 @@ class StoreNodeActor:
         self._work: queue.Queue = queue.Queue()
         self._master_rpc = MasterChannel(self.engine, self.cfg.namespace, retry_timeout_s=60.0,
                                          rpc_timeout_s=t.rpc_timeout_s)
+        self._node_key: bytes | None = None  # from the master, before each mount (auth.py)
         self.engine.serve(rpc.NODE_INVENTORY_RPC, self._on_inventory)
         self.engine.serve(rpc.NODE_PROMOTE_RPC, self._on_promote)
+        self.engine.serve_echo(rpc.NODE_ECHO_RPC)
         self._master = None
         self._mounted = threading.Event()
         self._stop = threading.Event()
@@ -112,7 +114,9 @@ class StoreNodeActor:
     def _on_promote(self, data: bytes) -> bytes:
         """Read spilled objects into the arena extents the master reserved for them:
         ``[[key, gen, offset, size], ...]`` in, an error class name per item out ("" = done).
-        An item whose extent is not inside the arena is refused, never read."""
+        Asked by a client; an item is read only if it is inside the arena and the master
+        confirms it reserved that extent for it (PROMOTE_BEGIN), and the outcome goes to
+        the master from here (PROMOTE_DONE), both signed with the node key."""
         items = rpc.unpack(data)
         if not isinstance(items, list):
             raise InvalidArgumentError(f"a promote request is a list of items, got {type(items).__name__}")
@@ -120,9 +124,13 @@ class StoreNodeActor:
             return rpc.pack([ObjectNotFoundError.__name__] * len(items))
         base, cap = self.arena.addr, self.arena.length
         good = [i for i, it in enumerate(items) if _promote_item_ok(it, cap)]
+        if good:
+            asked = [items[i] for i in good]
+            reserved = self._call_master(rpc.PROMOTE_BEGIN, asked)
+            good = [i for i, ok in zip(good, reserved) if ok]
         if len(good) < len(items):
-            log.warning("refused %d promote item(s) naming extents outside the arena of %d bytes",
-                        len(items) - len(good), cap)
+            log.warning("refused %d promote item(s): outside the arena, malformed, or not reserved by the master",
+                        len(items) - len(good))
         out = [InvalidArgumentError.__name__] * len(items)
         results = self.tier.read_many([(items[i][0], base + items[i][2], items[i][3]) for i in good])
         for i, res in zip(good, results):
@@ -135,7 +143,13 @@ class StoreNodeActor:
             else:
                 name = "" if res == gen else ObjectNotFoundError.__name__
             out[i] = name
+        if good:
+            self._call_master(rpc.PROMOTE_DONE, [[items[i][0], items[i][1], items[i][2], out[i]] for i in good])
         return rpc.pack(out)
+
+    def _call_master(self, op: int, items: list):
+        """A call only store nodes may make: signed with the node key."""
+        return self._master_rpc.call(op, self.node_id, items, auth.mac(self._node_key or b"", [self.node_id, items]))
 
     def _worker_loop(self) -> None:
         """Offloads and disk deletions, in the order the master asked for them."""
@@ -188,12 +202,13 @@ class StoreNodeActor:
                     self.inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
             report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
-        self._master_rpc.call(rpc.OFFLOAD_DONE, self.node_id, report)
+        self._call_master(rpc.OFFLOAD_DONE, report)
 
     # ---------------------------------------------------------------- inventory --
     def _on_inventory(self, data: bytes) -> bytes:
-        """One message of the master's stream: ``[mount_id, seq, [adds, drops, offloads]]``."""
-        mount_id, seq, delta = rpc.unpack(data)
+        """One message of the master's stream: ``[mount_id, seq, [adds, drops, offloads]]``,
+        signed with the node key (anyone else's is refused before it is decoded)."""
+        mount_id, seq, delta = rpc.unpack(auth.unseal(self._node_key, data))
         if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
             time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
@@ -230,6 +245,7 @@ class StoreNodeActor:
 
     def _mount(self) -> None:
         self._mounted.clear()
+        self._node_key = ray.get(self._master_handle().node_key.remote(), timeout=60)
         with self._lock:  # from here on, messages of earlier mounts are refused
             mount_id, entries = self.inv.begin_mount()
         ray.get(self._master_handle().mount.remote(self.info(), entries, mount_id), timeout=60)
