@@ -18,6 +18,7 @@ compute what a remounting node holds once it has applied what it was owed.
 
 from __future__ import annotations
 
+from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.master.types import InventoryEntry, NodeDelta
 
 DRAM, DISK = "dram", "disk"
@@ -42,6 +43,35 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
         e = InventoryEntry(*e)
         entries[(e.key, e.tier)] = e
     return files
+
+
+def _ints(xs) -> bool:
+    return all(type(x) is int for x in xs)
+
+
+def check_delta(delta) -> None:
+    """Refuse a malformed message ``[adds, drops, offloads]`` as a whole: applied in part,
+    it would count as applied, or keep an entry (a str gen, say) that breaks every later
+    message, and one bad offload item would fail the worker's whole batch.
+
+    Raises:
+        InvalidArgumentError: naming the first malformed record.
+    """
+    if not (isinstance(delta, (list, tuple)) and len(delta) == 3
+            and all(isinstance(part, (list, tuple)) for part in delta)):
+        raise InvalidArgumentError(f"an inventory delta is [adds, drops, offloads], got {delta!r:.200}")
+    adds, drops, offloads = delta
+    for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin]
+        if not (isinstance(e, (list, tuple)) and len(e) in (6, 7) and type(e[0]) is str and e[3] in (DRAM, DISK)
+                and _ints(e[1:3]) and _ints(e[4:])):
+            raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
+    for d in drops:  # key, gen, tier
+        if not (isinstance(d, (list, tuple)) and len(d) == 3 and type(d[0]) is str and type(d[1]) is int
+                and d[2] in (DRAM, DISK)):
+            raise InvalidArgumentError(f"malformed inventory drop {d!r:.200}")
+    for o in offloads:  # key, gen, size, offset, length
+        if not (isinstance(o, (list, tuple)) and len(o) == 5 and type(o[0]) is str and _ints(o[1:])):
+            raise InvalidArgumentError(f"malformed offload {o!r:.200}")
 
 
 class StoreInventory:
@@ -74,8 +104,11 @@ class StoreInventory:
         :data:`STALE`), and the work the message asks of the disk tier (empty unless
         applied now).
         """
+        if type(seq) is not int:
+            raise InvalidArgumentError(f"an inventory message's seq is an int, got {seq!r}")
         if mount_id != self.mount_id:
             return STALE, [], []
+        check_delta(delta)  # all of it, before any of it is applied or the seq moves
         if seq <= self.applied_seq:
             return APPLIED, [], []  # a retry of a message whose answer was late or lost
         self.applied_seq = seq

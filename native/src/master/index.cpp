@@ -57,6 +57,9 @@ class Reader {
       return fail();
     }
     if (size_t(end_ - p_) < n) return fail();
+    // Python reads a str as strict UTF-8 and refuses the request otherwise; a key it
+    // could not read must not reach the mirror or the log (drain() would raise).
+    if (!utf8_ok(p_, n)) return fail();
     s->assign(reinterpret_cast<const char*>(p_), n);
     p_ += n;
     return true;
@@ -74,6 +77,35 @@ class Reader {
   }
 
  private:
+  // Well-formed UTF-8 (Unicode table 3-7: no overlongs, surrogates or code points past
+  // U+10FFFF), as Python's strict decoder accepts it.
+  static bool utf8_ok(const uint8_t* p, size_t n) {
+    const uint8_t* e = p + n;
+    while (p < e) {
+      uint8_t c = *p++;
+      if (c < 0x80) continue;
+      size_t more;
+      uint8_t lo = 0x80, hi = 0xbf;
+      if (c >= 0xc2 && c <= 0xdf) {
+        more = 1;
+      } else if (c >= 0xe0 && c <= 0xef) {
+        more = 2;
+        if (c == 0xe0) lo = 0xa0;
+        if (c == 0xed) hi = 0x9f;
+      } else if (c >= 0xf0 && c <= 0xf4) {
+        more = 3;
+        if (c == 0xf0) lo = 0x90;
+        if (c == 0xf4) hi = 0x8f;
+      } else {
+        return false;
+      }
+      if (size_t(e - p) < more || *p < lo || *p > hi) return false;
+      ++p;
+      for (size_t i = 1; i < more; ++i, ++p)
+        if (*p < 0x80 || *p > 0xbf) return false;
+    }
+    return true;
+  }
   bool fail() { return ok_ = false; }
   bool byte(uint8_t* b) {
     if (!ok_ || p_ >= end_) return fail();
