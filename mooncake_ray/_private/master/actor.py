@@ -85,7 +85,28 @@ class MasterActor:
             expected = set(store_actor_ids(self.cfg.namespace))
             self.state.begin_recovery(expected)
             log.warning("master restarted; waiting for store nodes %s to remount", sorted(expected))
-        self._table = {
+        self._table = self._rpc_table()
+        self._stop = threading.Event()
+        self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
+        self._outbox_cv = threading.Condition()
+        # Inline: the handler never calls the engine (deliveries have their own thread).
+        # A plain function, not the bound method: Ray wraps every method of an actor class
+        # in a tracing shim, which would run on every call (~4% of the master's time).
+        handler = functools.partial(_serve_rpc, self)
+        if self.cfg.master.native_calls:
+            self.engine.serve_master(rpc.MASTER_RPC, self.index, handler)
+        else:
+            self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
+        with self._lock:  # enables the index unless the master is rebuilding
+            pass
+        for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
+                             (self._apply_loop, "master-apply")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    # ------------------------------------------------------------------- RPC door --
+    def _rpc_table(self) -> dict:
+        """The master's RPC operations and their handlers (``rpc.serve_request``)."""
+        return {
             rpc.PUT_START: self._put_start,
             rpc.PUT_END: lambda items: rpc.per_key(self.state.put_end, items),
             rpc.PUT_REVOKE: lambda items: rpc.per_key(self.state.put_revoke, items),
@@ -107,24 +128,7 @@ class MasterActor:
             rpc.PUT_COMMIT: self._put_commit,
             rpc.SLAB_RETURN: self._return_slabs,
         }
-        self._stop = threading.Event()
-        self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
-        self._outbox_cv = threading.Condition()
-        # Inline: the handler never calls the engine (deliveries have their own thread).
-        # A plain function, not the bound method: Ray wraps every method of an actor class
-        # in a tracing shim, which would run on every call (~4% of the master's time).
-        handler = functools.partial(_serve_rpc, self)
-        if self.cfg.master.native_calls:
-            self.engine.serve_master(rpc.MASTER_RPC, self.index, handler)
-        else:
-            self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
-        with self._lock:  # enables the index unless the master is rebuilding
-            pass
-        for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
-                             (self._apply_loop, "master-apply")):
-            threading.Thread(target=target, name=name, daemon=True).start()
 
-    # ------------------------------------------------------------------- RPC door --
     def _from_node(self, fn):
         def checked(node_id, items, tag=None):
             auth.check_mac(self._node_key, [node_id, items], tag)
@@ -139,7 +143,10 @@ class MasterActor:
         self.state.report_unreachable(node_id)
         if node_id in self.state._nodes and node_id not in self._probing:
             self._probing.add(node_id)
-            threading.Thread(target=self._probe, args=(node_id,), name="master-probe", daemon=True).start()
+            self._start_probe(node_id)
+
+    def _start_probe(self, node_id: str) -> None:
+        threading.Thread(target=self._probe, args=(node_id,), name="master-probe", daemon=True).start()
 
     def _probe(self, node_id: str) -> None:
         try:

@@ -374,14 +374,24 @@ class MasterState:
     def offload_done(self, node_id: str, items) -> None:
         """A node finished offloads: ``items`` of ``(key, gen, length, ok, error)``.
         Idempotent. A disk copy this master never asked for (it restarted meanwhile) is
-        adopted if it is the current value, dropped otherwise."""
+        adopted if it is the current value, dropped otherwise.
+
+        Raises:
+            InvalidArgumentError: a malformed item (nothing of the call is applied).
+        """
+        _check_items(items, (str, int, int, bool, str), "offload report")
         self._tier.offload_done(node_id, items, self._clock())
 
     def promotions_reserved(self, node_id: str, items) -> list[bool]:
         """Per ``(key, gen, offset, size)`` item: whether this master reserved that extent
         of ``node_id`` to promote the value into (a store node reads a disk copy into its
-        arena only then)."""
-        return [isinstance(it, list) and len(it) == 4 and self._tier.reserved(node_id, *it) for it in items]
+        arena only then).
+
+        Raises:
+            InvalidArgumentError: a malformed item.
+        """
+        _check_items(items, (str, int, int, int), "promote item")
+        return [self._tier.reserved(node_id, *it) for it in items]
 
     def vouch(self, node_id: str) -> None:
         """This master reached the node itself: a client's report of it is discounted."""
@@ -390,7 +400,12 @@ class MasterState:
 
     def promote_done(self, node_id: str, items) -> None:
         """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
-        (``error_name`` empty on success). Idempotent."""
+        (``error_name`` empty on success). Idempotent.
+
+        Raises:
+            InvalidArgumentError: a malformed item (nothing of the call is applied).
+        """
+        _check_items(items, (str, int, int, str), "promote report")
         self._tier.promote_done(node_id, items, self._clock())
 
     # ------------------------------------------------------------------- reads --
@@ -606,3 +621,18 @@ class MasterState:
         self._slab_table.check(live)  # adds the slabs' uncommitted pieces
         self._replicas.check(live)
         self._mirror.check(self._slab_table.slabs)
+
+
+def _check_items(items, types: tuple, what: str) -> None:
+    """That ``items`` is a list of records (lists or tuples) of exactly ``types`` (a bool is
+    not an int here).
+
+    Raises:
+        InvalidArgumentError: naming the first bad item.
+    """
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgumentError(f"{what}s must come as a list, got {type(items).__name__}")
+    for it in items:
+        if not (isinstance(it, (list, tuple)) and len(it) == len(types)
+                and all(type(x) is t for x, t in zip(it, types))):
+            raise InvalidArgumentError(f"malformed {what} {it!r:.120}: expected {[t.__name__ for t in types]}")
