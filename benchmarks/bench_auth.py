@@ -6,8 +6,8 @@ shared memory on one host, where bytes move by memcpy and only the metadata RPCs
 the session token; and ``"tcp"``, where every transfer is messages) two stores deployed
 side by side in their own namespaces, one with ``{"transport": {"auth": true}}`` and one
 with ``false``, same segment size (``--segment``, 1 GiB: a 4 MiB run writes 256 MiB;
-at 512 MiB the auth-on "auto" store lost a just-written 4 MiB key in round 3, twice, at
-304b3ad: not yet explained, see the report),
+at 512 MiB the auth-on "auto" store answered a just-written 4 MiB key as a miss in round
+3 of two runs: an open question, listed in docs/performance.md),
 each with one store node (a StoreNode actor process) and a client in this driver. Every
 store's pool is touched once before the first round.
 
