@@ -33,3 +33,18 @@ def check_ttl(ttl_s: Any) -> float:
         raise InvalidArgumentError(
             f"ttl_s must be a finite number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r:.40}")
     return float(ttl_s)
+
+
+def check_records(items, types: tuple, what: str) -> None:
+    """That ``items`` is a list of records (lists or tuples) of exactly ``types`` (a bool is
+    not an int here).
+
+    Raises:
+        InvalidArgumentError: naming the first bad item.
+    """
+    if not isinstance(items, (list, tuple)):
+        raise InvalidArgumentError(f"{what}s must come as a list, got {type(items).__name__}")
+    for it in items:
+        if not (isinstance(it, (list, tuple)) and len(it) == len(types)
+                and all(type(x) is t for x, t in zip(it, types))):
+            raise InvalidArgumentError(f"malformed {what} {it!r:.120}: expected {[t.__name__ for t in types]}")

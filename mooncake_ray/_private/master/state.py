@@ -45,7 +45,7 @@ from mooncake_ray.errors import (
     ObjectPendingError,
     OffloadPendingError,
 )
-from mooncake_ray._private.checks import check_replicas, check_ttl
+from mooncake_ray._private.checks import check_records, check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import RecencyIndex
 from mooncake_ray._private.master.fastpath import COMMIT, GRANT, ReadMirror
@@ -379,7 +379,7 @@ class MasterState:
         Raises:
             InvalidArgumentError: a malformed item (nothing of the call is applied).
         """
-        _check_items(items, (str, int, int, bool, str), "offload report")
+        check_records(items, (str, int, int, bool, str), "offload report")
         self._tier.offload_done(node_id, items, self._clock())
 
     def promotions_reserved(self, node_id: str, items) -> list[bool]:
@@ -390,7 +390,7 @@ class MasterState:
         Raises:
             InvalidArgumentError: a malformed item.
         """
-        _check_items(items, (str, int, int, int), "promote item")
+        check_records(items, (str, int, int, int), "promote item")
         return [self._tier.reserved(node_id, *it) for it in items]
 
     def vouch(self, node_id: str) -> None:
@@ -405,7 +405,7 @@ class MasterState:
         Raises:
             InvalidArgumentError: a malformed item (nothing of the call is applied).
         """
-        _check_items(items, (str, int, int, str), "promote report")
+        check_records(items, (str, int, int, str), "promote report")
         self._tier.promote_done(node_id, items, self._clock())
 
     # ------------------------------------------------------------------- reads --
@@ -622,17 +622,3 @@ class MasterState:
         self._replicas.check(live)
         self._mirror.check(self._slab_table.slabs)
 
-
-def _check_items(items, types: tuple, what: str) -> None:
-    """That ``items`` is a list of records (lists or tuples) of exactly ``types`` (a bool is
-    not an int here).
-
-    Raises:
-        InvalidArgumentError: naming the first bad item.
-    """
-    if not isinstance(items, (list, tuple)):
-        raise InvalidArgumentError(f"{what}s must come as a list, got {type(items).__name__}")
-    for it in items:
-        if not (isinstance(it, (list, tuple)) and len(it) == len(types)
-                and all(type(x) is t for x, t in zip(it, types))):
-            raise InvalidArgumentError(f"malformed {what} {it!r:.120}: expected {[t.__name__ for t in types]}")
