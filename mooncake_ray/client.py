@@ -404,11 +404,15 @@ class Client:
         return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def _timed(self, op: str, keys, fn):
+        disk_reads = self.local_stats["disk_reads"]
         t0 = time.perf_counter()
         out = fn()
+        dt = time.perf_counter() - t0
         moved = self._reads.moved + self._writes.moved
         self._reads.moved = self._writes.moved = 0
-        self._metrics.observe(op, time.perf_counter() - t0, len(keys), moved)
+        # A call that promoted a value from the disk tier counts as a disk-tier read.
+        tier = "disk" if self.local_stats["disk_reads"] != disk_reads else "dram"
+        self._metrics.observe(op, dt, len(keys), moved, tier)
         return out
 
     @staticmethod

@@ -1,8 +1,9 @@
 """Prometheus metrics through ``ray.util.metrics``: they appear on each Ray node's
 metrics endpoint (and so in the Ray dashboard and Grafana) with Ray's ``ray_`` prefix.
 
-Master side: capacity / used / keys per store node and tier, hits, misses, evictions,
-puts, and put bytes. Client side: put and get latency histograms, bytes moved.
+Master side: capacity / used / keys per store node and tier, hits (in all and per tier),
+misses, evictions, puts, put bytes, offloads and promotions (count and bytes). Client
+side: put and get latency histograms (tags ``op`` and ``tier``), bytes moved.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _LAT_BOUNDS_S = [2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-
 
 class MasterMetrics:
     COUNTERS = {
-        "hits": "Get hits",
+        "hits": "Get hits served from DRAM (disk-tier hits: mooncake_tier_hits)",
         "misses": "Get misses",
         "evictions": "Replicas evicted from DRAM",
         "evicted_bytes": "Bytes evicted from DRAM",
@@ -25,9 +26,14 @@ class MasterMetrics:
         "put_bytes": "Bytes published by puts",
         "offloads": "Objects written to the disk tier",
         "promotions": "Objects read back from the disk tier into DRAM",
+        "offload_bytes": "Value bytes written to the disk tier by completed offloads",
+        "promotion_bytes": "Value bytes read back into DRAM by completed promotions",
         "node_unmounts": "Store nodes unmounted for missing heartbeats past node_ttl_s",
         "unmount_lost_keys": "Objects lost because the only store node holding them was unmounted",
     }
+    # ``mooncake_tier_hits`` (tag ``tier``): gets served from DRAM (the ``hits`` counter)
+    # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).
+    TIER_HITS = {"dram": "hits", "disk": "disk_hits"}
 
     def __init__(self) -> None:
         tags = ("node", "tier")
@@ -36,6 +42,8 @@ class MasterMetrics:
         self.keys = metrics.Gauge("mooncake_keys", "Objects held", tag_keys=tags)
         self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight")
         self.counters = {name: metrics.Counter(f"mooncake_{name}", desc) for name, desc in self.COUNTERS.items()}
+        self.tier_hits = metrics.Counter("mooncake_tier_hits", "Get hits per tier (disk: promoted into DRAM)",
+                                         tag_keys=("tier",))
         self._last: dict[str, int] = {}
 
     def update(self, stats: dict) -> None:
@@ -48,13 +56,23 @@ class MasterMetrics:
                 self.keys.set(t.get("keys", 0), tags=tags)
         self.pending.set(stats.get("pending", 0))
         for name, counter in self.counters.items():
-            now = stats.get(name, 0)
-            delta = now - self._last.get(name, 0)
-            if delta < 0:  # counters reset (state rebuilt): start again from here
-                delta = now
+            delta = self._delta(stats, name)
             if delta:
                 counter.inc(delta)
-            self._last[name] = now
+        for tier, name in self.TIER_HITS.items():
+            delta = self._delta(stats, "tier_hits:" + name, name)
+            if delta:
+                self.tier_hits.inc(delta, tags={"tier": tier})
+
+    def _delta(self, stats: dict, slot: str, name: str | None = None) -> int:
+        """How much counter ``name`` (default ``slot``) of ``stats`` grew since the last
+        update seen under ``slot``."""
+        now = stats.get(name or slot, 0)
+        delta = now - self._last.get(slot, 0)
+        if delta < 0:  # counters reset (state rebuilt): start again from here
+            delta = now
+        self._last[slot] = now
+        return delta
 
 
 def _flush_every(owner, interval_s: float, name: str) -> threading.Thread:
@@ -85,22 +103,26 @@ class ClientMetrics:
     """Client-side metrics, aggregated in-process and exported once a second by a
     background thread, so the hot path only appends to a list: a Ray metric call per
     operation would cost more than a 4 KiB get itself. Latencies are sampled (at most
-    ``MAX_SAMPLES`` per op and interval) for the histogram; counters are exact."""
+    ``MAX_SAMPLES`` per op, tier and interval) for the histogram; counters are exact.
+
+    The latency histogram's ``tier`` tag says where a call's values came from: ``dram``,
+    or ``disk`` when the call promoted at least one value from the disk tier (puts:
+    ``dram``)."""
 
     MAX_SAMPLES = 256
     INTERVAL_S = 1.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lat: dict[str, list[float]] = {}
+        self._lat: dict[tuple[str, str], list[float]] = {}
         self._ops: dict[str, int] = {}
         self._bytes: dict[str, int] = {"read": 0, "write": 0}
         self._exported = None
         self._thread = _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-client-metrics")
 
-    def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0) -> None:
+    def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0, tier: str = "dram") -> None:
         with self._lock:
-            lat = self._lat.setdefault(op, [])
+            lat = self._lat.setdefault((op, tier), [])
             if len(lat) < self.MAX_SAMPLES:
                 lat.append(seconds)
             self._ops[op] = self._ops.get(op, 0) + keys
@@ -117,14 +139,15 @@ class ClientMetrics:
         if self._exported is None:
             self._exported = (
                 metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
-                                  boundaries=_LAT_BOUNDS_S, tag_keys=("op",)),
+                                  boundaries=_LAT_BOUNDS_S, tag_keys=("op", "tier")),
                 metrics.Counter("mooncake_client_ops", "Client calls (keys)", tag_keys=("op",)),
                 metrics.Counter("mooncake_client_bytes", "Bytes moved by clients", tag_keys=("direction",)),
             )
         hist, ops_c, bytes_c = self._exported
-        for op, values in lat.items():
+        for (op, tier), values in lat.items():
+            tags = {"op": op, "tier": tier}
             for v in values:
-                hist.observe(v, tags={"op": op})
+                hist.observe(v, tags=tags)
         for op, n in ops.items():
             ops_c.inc(n, tags={"op": op})
         for direction, n in nbytes.items():

@@ -67,6 +67,8 @@ class DiskTier:
         self._objects = objects
         self._lru = lru
         self.counters = counters
+        for name in ("offload_bytes", "promotion_bytes"):  # value bytes moved by completed offloads / promotions
+            counters.setdefault(name, 0)
         self._mirror = mirror
         self._delta = delta
         self._drop_replica = drop_replica
@@ -127,6 +129,7 @@ class DiskTier:
                 obj.replicas.append(Replica(node_id, Tier.DISK, 0, reserved))
                 node.tier_keys["disk"] += 1
                 self.counters["offloads"] += 1
+                self.counters["offload_bytes"] += obj.size
             else:
                 node.disk_used -= reserved
                 if error:
@@ -197,6 +200,7 @@ class DiskTier:
                     self._mirror.key(key)
                     self._nodes[node_id].tier_keys["dram"] += 1
                     self.counters["promotions"] += 1
+                    self.counters["promotion_bytes"] += obj.size
                     self._delta(node_id).add(inventory_entry(obj, rep))
                 continue
             if rep is not None:
