@@ -13,6 +13,12 @@ pool of engines doing both. Deployed with ``serve run serve_configs/<name>.yaml`
     prefill: {num_replicas: 2, engine: {...}, ray_actor_options: {...}}
     decode:  {num_replicas: 1, engine: {...}, ray_actor_options: {...}}
     router: {imbalance: 4}
+
+Which replica served a (non-streaming) request is in the response headers, for tests and
+debugging: ``x-mooncake-replica`` names the replica of the prefix-routed pool (the engine
+in aggregated mode, the prefill replica in disaggregated mode), ``x-mooncake-decode-replica``
+the decode replica (disaggregated). The ids are Serve's replica ids (``serve status``,
+``EngineServer.stats()["replica"]``).
 """
 
 
@@ -71,23 +77,29 @@ class OpenAIIngress:
                 req = {**req, "pin_replica": target["replica"]}  # decode where the pages wait
             pre = await self.first.prefill.remote(req, target)
             events = self.decode.options(stream=True).generate.remote(req, pre)
+            served_by = {"x-mooncake-replica": pre.get("replica")}
         else:
             events = self.first.options(stream=True).generate.remote(req, None)
+            served_by = {}
         if r.stream:
             return StreamingResponse(self._stream(r, events), media_type="text/event-stream")
-        return await self._collect(r, events)
+        return await self._collect(r, events, served_by)
 
-    async def _collect(self, r: openai.GenRequest, events) -> Response:
+    async def _collect(self, r: openai.GenRequest, events, served_by: dict) -> Response:
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, n, cached, prompt, last = [], 0, 0, len(r.tokens), None
         async for ev in events:
             n += 1
+            if ev.get("replica"):
+                served_by["x-mooncake-decode-replica" if self.mode == "disaggregated" else "x-mooncake-replica"] = \
+                    ev["replica"]
             cached, prompt, last = ev["cached_tokens"], ev["prompt_tokens"], ev["token"]
             if ev["token"] < 256:
                 text.append(dec.decode(bytes([ev["token"]])))
         text.append(dec.decode(b"", final=True))
         finish = "stop" if last == 257 and not r.ignore_eos else "length"
-        return JSONResponse(openai.full_response(r, "".join(text), finish, prompt, n, cached))
+        return JSONResponse(openai.full_response(r, "".join(text), finish, prompt, n, cached),
+                            headers={k: v for k, v in served_by.items() if v})
 
     async def _stream(self, r: openai.GenRequest, events):
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -36,6 +36,17 @@ from mooncake_ray.engines.model import EOS, ModelConfig
 log = logging.getLogger(__name__)
 
 
+def replica_id() -> str | None:
+    """This Serve replica's unique id (None outside a replica): reported with the
+    answers, so that a client can see which replica served a request."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica (engines built directly in tests)
+        return None
+
+
 def connect_store(store: dict | None):
     """A store client for an engine, or None (engine-only mode, or no store running).
     Engines wait at most ``store_wait_s`` for a master: they degrade, they never block."""
@@ -72,6 +83,7 @@ class EngineServer:
         self.handoff = handoff if self.engine.pool.layout == "page_first" else "store"
         self._xfer = self._peers = None
         self._reserved: dict[str, tuple] = {}
+        self.replica = replica_id()
         if self.handoff == "direct" and role != "both":
             from mooncake_ray._private.transport import Engine
 
@@ -100,7 +112,8 @@ class EngineServer:
         finally:
             self.engine.release(seq)
         return {"first_token": info.token, "prompt_tokens": info.prompt_tokens,
-                "cached_tokens": info.cached_tokens, "prefill_s": info.prefill_s, "kv_transfer_params": params}
+                "cached_tokens": info.cached_tokens, "prefill_s": info.prefill_s, "kv_transfer_params": params,
+                "replica": self.replica}
 
     def _write_pages(self, seq, target: dict) -> int:
         peer = self._peers.get(target["address"])
@@ -124,15 +137,14 @@ class EngineServer:
         async with self._lock:
             seq, first = self.engine.reserve(req["tokens"])
         self._reserved[req["request_id"]] = (seq, first, now)
-        from ray import serve
-
         return {"address": self._xfer.address, "rkey": self._region.rkey, "base": self._region.addr,
                 "length": self._region.length, "page_bytes": self.engine.pool.geometry.page_bytes,
                 "first_page": first, "page_ids": seq.pages[first:],
-                "replica": serve.get_replica_context().replica_id.unique_id}
+                "replica": self.replica}
 
     async def generate(self, req: dict, prefilled: dict | None = None):
-        """Stream ``{"token", "cached_tokens", "prompt_tokens"}`` events, one per new token."""
+        """Stream ``{"token", "cached_tokens", "prompt_tokens"}`` events, one per new token;
+        the first also names this replica (``replica``)."""
         t0 = time.monotonic()
         reserved = self._reserved.pop(req.get("request_id"), None)
         params = (prefilled or {}).get("kv_transfer_params", {})
@@ -152,7 +164,8 @@ class EngineServer:
             stop = not req.get("ignore_eos", False)
             for i in range(req["max_tokens"]):
                 yield {"token": info.token, "cached_tokens": cached, "prompt_tokens": info.prompt_tokens,
-                       "decode_load_tokens": info.cached_l3, "first_s": time.monotonic() - t0 if i == 0 else None}
+                       "decode_load_tokens": info.cached_l3, "first_s": time.monotonic() - t0 if i == 0 else None,
+                       "replica": self.replica if i == 0 else None}
                 if (stop and info.token == EOS) or i + 1 == req["max_tokens"]:
                     break
                 info = await self._run(self.engine.decode_step, seq, info.token)
@@ -161,4 +174,4 @@ class EngineServer:
 
     def stats(self) -> dict:
         return {**self.engine.stats, "role": self.role, "mismatches": self.mismatches,
-                "l3": self.client is not None, "handoff": self.handoff, "reserved": len(self._reserved)}
+                "l3": self.client is not None, "handoff": self.handoff, "reserved": len(self._reserved), "replica": self.replica}

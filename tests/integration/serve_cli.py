@@ -1,0 +1,147 @@
+"""Helpers for tests that drive the shipped ``serve_configs/*.yaml`` the way a user does:
+a Ray head started with ``ray start --head`` (here ``--block``, so the test owns one
+process to stop), ``serve run <file>`` as a subprocess, HTTP requests, then SIGINT.
+
+Only processes these helpers start are ever signalled, by pid or by the process group
+of a session they created; never ``ray stop`` (it would stop every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+CONFIGS = os.path.join(ROOT, "serve_configs")
+
+# What a clean stop must not print (Ray's and ours).
+ERROR_PATTERNS = re.compile(r"Traceback|\bERROR\b|\bError:|failed|killed by `?ray\.kill|SIGTERM received|"
+                            r"SIGSEGV|core dumped|Exception", re.IGNORECASE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def errors_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if ERROR_PATTERNS.search(line)]
+
+
+class RayHead:
+    """``ray start --head --block`` on free ports; ``env`` points the CLIs at it."""
+
+    def __init__(self, tmp_dir: str, num_cpus: int = 4, resources: str | None = None):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
+                    "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.env.pop("RAY_DASHBOARD_ADDRESS", None)
+        self.log_path = os.path.join(tmp_dir, "ray-head.log")
+        self._log = open(self.log_path, "w")
+        cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={num_cpus}",
+               "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+               f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+        if resources:
+            cmd.append(f"--resources={resources}")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ray start exited {self.proc.returncode}:\n{self.log()}")
+            if "Ray runtime started" in self.log():
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"ray head did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-5000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # --block: ray start stops its processes
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # anything of this head's session that outlived it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A CLI of the venv (``mooncake-ray``, ``serve``) against this head."""
+        return subprocess.run([f"{BIN}/{args[0]}", *args[1:]], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+
+
+class ServeRun:
+    """``serve run <config>`` in the background, as a user runs it."""
+
+    def __init__(self, head: RayHead, config: str, tmp_dir: str, port: int = 8000):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(tmp_dir, f"serve-run-{os.path.basename(config)}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([f"{BIN}/serve", "run", config], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=head.env, cwd=ROOT, start_new_session=True)
+        self.stopped_in = None
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self, path: str = "/v1/models", timeout_s: float = 180) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited {self.proc.returncode}:\n{self.log()[-5000:]}")
+            try:
+                r = httpx.get(self.url + path, timeout=5)
+                if r.status_code == 200:
+                    return r.json()
+                last = f"{r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.5)
+        raise AssertionError(f"{self.url}{path} not ready in {timeout_s}s ({last}):\n{self.log()[-5000:]}")
+
+    def interrupt(self, timeout_s: float = 60) -> float:
+        """Ctrl-C: SIGINT to ``serve run``; the seconds it took to exit."""
+        mark = len(self.log())
+        t = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stopped_in = time.monotonic() - t
+        self.stop_output = self.log()[mark:]
+        self._log.close()
+        return self.stopped_in
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.interrupt()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
