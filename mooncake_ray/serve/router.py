@@ -9,12 +9,6 @@ The router remembers, per page hash, which replicas it sent that prefix to (boun
 the replicas' pools are bounded too, so old entries are guesses that may have gone cold,
 which costs a load from L3, never correctness). A request carrying ``pin_replica`` (a
 direct KV handoff reserved pages there) goes to that replica while it lives.
-
-Queue lengths: before a prefix-routed decision the router asks each candidate replica
-for its number of ongoing requests (one small RPC per replica, in parallel). Serve's
-per-router cache alone undercounts streaming requests in flight (measured: it fell back to
-0 while five long streams ran), which made the imbalance bound ineffective. Without a
-prefix match the replicas are ranked one by one from the least loaded.
 """
 
 from __future__ import annotations
@@ -44,13 +38,6 @@ class PrefixAwareRouter(RequestRouter):
         q = self._replica_queue_len_cache.get(r.replica_id)
         return q if q is not None else 0
 
-    async def _refresh_queues(self, replicas: List[RunningReplica]) -> None:
-        """Ask the replicas for their queue lengths (fills Serve's cache)."""
-        try:
-            await self._probe_queue_lens(replicas, 0)
-        except Exception:  # noqa: BLE001 - a failed probe leaves the cached guess
-            pass
-
     def match(self, hashes: list[str], replica_id: ReplicaID) -> int:
         n = 0
         for h in hashes:
@@ -71,10 +58,9 @@ class PrefixAwareRouter(RequestRouter):
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pin]
             if pinned:
                 return [pinned]
-        if not tokens or len(candidate_replicas) == 1:
-            return [sorted(candidate_replicas, key=self._queue)]
-        await self._refresh_queues(candidate_replicas)
         by_load = sorted(candidate_replicas, key=self._queue)
+        if not tokens or len(candidate_replicas) == 1:
+            return [by_load]
         hashes = page_hashes(tokens, self._page_size)
         self._hashes[pending_request.metadata.request_id] = hashes
         while len(self._hashes) > 10_000:  # requests routed elsewhere never come back here
@@ -83,8 +69,8 @@ class PrefixAwareRouter(RequestRouter):
         eligible = [r for r in by_load if self._queue(r) <= floor]
         best = max(eligible, key=lambda r: (self.match(hashes, r.replica_id), -self._queue(r)))
         if self.match(hashes, best.replica_id) == 0:
-            return [[r] for r in by_load]
-        return [[best]] + [[r] for r in by_load if r is not best]
+            return [by_load]
+        return [[best], [r for r in by_load if r is not best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         hashes = self._hashes.pop(pending_request.metadata.request_id, None)
