@@ -16,7 +16,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-VENV=$ROOT/.venv
+VENV=${VENV:-$ROOT/.venv}
 [ "$(id -u)" = 0 ] || { echo "run.sh: needs root (namespaces, a test user)" >&2; exit 1; }
 [ -x "$VENV/bin/ray" ] || { echo "run.sh: no $VENV/bin/ray: make build first" >&2; exit 1; }
 for b in sshd rsync sudo; do
@@ -101,6 +101,16 @@ add_ns() {  # name address
   ip netns exec "$ns" ip route add default dev eth0
 }
 add_ns "$NS_CTL" "$CTL_IP" c
+# The venv's interpreter may live under /root (pyenv, uv), which the ssh user cannot enter:
+# inside the hosts only, /root becomes an empty tmpfs with that one directory bound back.
+PYREAL=$(readlink -f "$VENV/bin/python")
+ROOT_FIX=
+if [[ $PYREAL == /root/* ]]; then
+  top=/root/$(cut -d/ -f3 <<<"$PYREAL")  # e.g. /root/.pyenv
+  mkdir -p "$W/rootdir"
+  ROOT_FIX="mount --bind /root '$W/rootdir' && mount -t tmpfs -o mode=755 tmpfs /root &&
+      mkdir -p '$top' && mount --bind '$W/rootdir/${top#/root/}' '$top' &&"
+fi
 for i in "${!HOSTS[@]}"; do
   h=$W/h$i
   mkdir -p "$h/home/.ssh" "$h/tmp"
@@ -112,7 +122,7 @@ for i in "${!HOSTS[@]}"; do
   # The host: new PID namespace (sshd is its init), own mounts, hostname and IPC.
   ip netns exec "mcr$ID-h$i" unshare --pid --fork --kill-child --mount-proc --mount --uts --ipc \
     --propagation private sh -c "
-      hostname mcr-h$i &&
+      hostname mcr-h$i && $ROOT_FIX
       mount --bind '$h/home' '/home/$U' && mount --bind '$h/tmp' /tmp &&
       mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm &&
       exec /usr/sbin/sshd -D -e -f '$W/sshd_config' -o ListenAddress=$NET.${HOSTS[i]}" \
@@ -150,7 +160,7 @@ c["file_mounts"] = {"~/mooncake-ray": "$ROOT"}
 assert c["rsync_exclude"], "cluster.yaml ships no rsync_exclude"
 setup = c["setup_commands"]
 assert any("make build" in s for s in setup) and any("sudo" in s for s in setup), setup
-c["setup_commands"] = [
+c["setup_commands"] = [s for s in setup if "bashrc" in s] + [  # PATH, as shipped
     "sudo -n true",  # the real setup's apt-get runs through sudo
     # the Makefile's sysdeps step, as this user, with the packages present: no root needed
     "d=\$(mktemp -d) && cp ~/mooncake-ray/Makefile \$d && make -C \$d sysdeps && rm -rf \$d",
@@ -167,7 +177,7 @@ log "ray up"
 UP_DONE=1
 ctl "$VENV/bin/ray" up -y "$W/cluster.yaml" >"$W/up.log" 2>&1 || { tail -40 "$W/up.log"; exit 1; }
 log "ray up done; waiting for the two workers"
-MCR='~/mooncake-ray/.venv/bin/mooncake-ray'
+MCR=mooncake-ray                     # on PATH through cluster.yaml's setup
 RX() { ctl "$VENV/bin/ray" exec "$W/cluster.yaml" "$1"; }
 n=0
 for _ in $(seq 60); do
@@ -222,7 +232,7 @@ EOF
 # --- serve -------------------------------------------------------------------------------
 if [ -z "${NO_SERVE:-}" ]; then
   log "serve run serve_configs/aggregated.yaml"
-  RX "cd ~/mooncake-ray && .venv/bin/serve run --non-blocking serve_configs/aggregated.yaml" >"$W/serve.log" 2>&1 \
+  RX "cd ~/mooncake-ray && serve run --non-blocking serve_configs/aggregated.yaml" >"$W/serve.log" 2>&1 \
     || { tail -30 "$W/serve.log"; exit 1; }
   ok=
   for _ in $(seq 60); do
@@ -237,8 +247,14 @@ fi
 log "ray down"
 ctl "$VENV/bin/ray" down -y "$W/cluster.yaml" >"$W/down.log" 2>&1 || { tail -20 "$W/down.log"; exit 1; }
 DOWN_DONE=1
-for i in "${!HOSTS[@]}"; do
-  left=$(on "$i" "pgrep -c -u $U -f 'raylet|gcs_server' || true")
-  [ "$left" = 0 ] || { echo "host $i: $left Ray processes left after ray down"; exit 1; }
+# ray down runs `ray stop` on the head only; with the local provider a worker's raylet exits
+# by itself once the GCS is gone for gcs_rpc_server_reconnect_timeout_s (60 s).
+for i in "${!HOSTS[@]}"; do  # ([r]: the pattern must not match this command's own shell)
+  for _ in $(seq 45); do
+    left=$(on "$i" "pgrep -c -u $U -f '[r]aylet|[g]cs_server' || true")
+    [ "$left" = 0 ] && break; sleep 2
+  done
+  log "host $i: no Ray process left"
+  [ "$left" = 0 ] || { echo "host $i: $left Ray processes left after ray down"; on "$i" "ps -fu $U"; exit 1; }
 done
 log "cluster test passed"
