@@ -50,7 +50,8 @@ cleanup() {
   ip netns del "$NS_CTL" 2>/dev/null
   ip link del "$BR" 2>/dev/null
   rm -f "/etc/sudoers.d/$U"
-  id "$U" >/dev/null 2>&1 && userdel "$U" 2>/dev/null
+  # the killed hosts' processes may take a moment to go: -f, not to fail on them
+  id "$U" >/dev/null 2>&1 && { userdel -f "$U" 2>/dev/null || { sleep 2; userdel -f "$U"; }; }
   [ -n "${KEEP:-}" ] && echo "kept $W" || rm -rf "$W"
   [ -d "/home/$U" ] && rmdir "/home/$U" 2>/dev/null
   log "cleanup done (exit $rc)"
