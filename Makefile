@@ -11,20 +11,29 @@ NS := unshare --net --mount --propagation private sh -c
 NS_PRE := mount --make-rprivate / && ip link set lo up &&
 
 APT_PKGS := liburing-dev libssl-dev fio iproute2 util-linux prometheus
+# test-cluster's hosts: sshd, rsync for ray up's file mounts, sudo for the setup commands
+CLUSTER_APT_PKGS := openssh-server rsync sudo
+# apt-get as root, or through sudo (never prompting) for a user such as ray up's ssh user
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 NATIVE_SRC := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: all setup build demo test test-fast test-inner demo-inner bench clean sysdeps
+.PHONY: all setup build demo test test-fast test-inner demo-inner bench clean sysdeps test-cluster
 
 all: build
 
 # --- environment -------------------------------------------------------------------
-sysdeps: .venv/.sysdeps
-.venv/.sysdeps:
-	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# Installs only what is missing: with every package present it needs neither root nor sudo.
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+endef
+
+sysdeps: .venv/.sysdeps
+.venv/.sysdeps:
+	$(call apt_install,$(APT_PKGS))
 	@mkdir -p .venv && touch $@
 
 # pyproject.toml is the one list of dependencies; torch's pin is the one other
@@ -75,6 +84,13 @@ demo-inner:
 # Run a benchmark in the namespace: make bench B=benchmarks/bench_store.py ARGS=...
 bench: build
 	$(NS) '$(NS_PRE) exec $(PY) $(B) $(ARGS)'
+
+# `ray up cluster.yaml` for real, on three hosts made of network namespaces (own address on a
+# private bridge, own PID/mount/UTS/IPC namespaces, sshd, a sudo user): ray up, store start,
+# put on the head and get on a worker, status, serve, ray down. Root only; not part of `test`.
+test-cluster: build
+	$(call apt_install,$(CLUSTER_APT_PKGS))
+	bash tests/cluster/run.sh
 
 clean:
 	rm -rf build .venv
