@@ -70,8 +70,7 @@ class Client:
             self._here = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside a Ray worker/driver: no local preference
             self._here = None
-        self._regions: dict[int, Any] = {}
-        self._registered: dict[int, int] = {}  # address -> length of each registered buffer
+        self._regions: dict[int, Any] = {}  # address -> (Region, keep-alive) of each registered buffer
         self._metrics = ClientMetrics()
         self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0, "early_reads": 0,
                             "early_reads_dropped": 0}
@@ -84,9 +83,9 @@ class Client:
         nodes = NodeTable(self.engine, self._master)
         self._writes = Writer(self.engine, self._master, nodes, self._slabs, self._locs,
                               config=config, owner=owner, here=self._here,
-                              registered=self._registered)
+                              registered=self._inside_registered)
         self._reads = Reader(self.engine, self._master, nodes, self._locs, self._releases, self.local_stats,
-                             config=config, here=self._here, registered=self._registered)
+                             config=config, here=self._here, registered=self._inside_registered)
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
         self._closed = False
@@ -321,7 +320,6 @@ class Client:
             check_mapped(addr, n)
         region = self.engine.register((addr, n))
         self._regions[addr] = (region, keep)
-        self._registered[addr] = n
         return region
 
     def unregister_buffer(self, buffer: Any) -> None:
@@ -334,7 +332,6 @@ class Client:
         addr = buffer.addr if hasattr(buffer, "rkey") else (
             writable(buffer)[0] if not isinstance(buffer, bytes) else readable(buffer)[0])
         entry = self._regions.pop(addr, None)
-        self._registered.pop(addr, None)
         if entry is None:
             raise NotRegisteredError(f"buffer at 0x{addr:x} is not registered")
         entry[0].close()
@@ -385,7 +382,6 @@ class Client:
         for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
-        self._registered.clear()
         self.engine.close()
 
     def __enter__(self):
@@ -422,6 +418,9 @@ class Client:
                 raise r
             if rpc.is_err(r):
                 raise rpc.to_exc(r)
+
+    def _inside_registered(self, addr: int, n: int) -> bool:
+        return any(r.addr <= addr and addr + n <= r.addr + r.length for r, _ in list(self._regions.values()))
 
     def _check_key(self, key: Any) -> None:
         check_key(key, self._max_key)

@@ -125,9 +125,13 @@ def new_node_key() -> bytes:
     return os.urandom(NODE_KEY_BYTES)
 
 
+def _tag(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
 def mac(key: bytes, obj) -> bytes:
     """HMAC-SHA256 under ``key`` of ``obj`` as the RPC packs it."""
-    return hmac.new(key, rpc.pack(obj), hashlib.sha256).digest()
+    return _tag(key, rpc.pack(obj))
 
 
 def check_mac(key: bytes | None, obj, tag) -> None:
@@ -139,7 +143,7 @@ def check_mac(key: bytes | None, obj, tag) -> None:
 
 def seal(key: bytes, payload: bytes) -> bytes:
     """``payload`` with its HMAC-SHA256 under ``key`` in front."""
-    return hmac.new(key, payload, hashlib.sha256).digest() + payload
+    return _tag(key, payload) + payload
 
 
 def unseal(key: bytes | None, data: bytes) -> bytes:
@@ -149,6 +153,6 @@ def unseal(key: bytes | None, data: bytes) -> bytes:
         AuthenticationError: the signature is missing or wrong (or no key is held yet).
     """
     if key is None or len(data) < MAC_BYTES or not hmac.compare_digest(
-            hmac.new(key, data[MAC_BYTES:], hashlib.sha256).digest(), data[:MAC_BYTES]):
+            _tag(key, data[MAC_BYTES:]), data[:MAC_BYTES]):
         raise AuthenticationError("an inventory message not signed by this store's master was refused")
     return data[MAC_BYTES:]

@@ -8,7 +8,7 @@ referenced until the transfer completes.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -68,9 +68,9 @@ def readable(value: Any) -> tuple[int, int, Any]:
     return (arr.ctypes.data if mv.nbytes else 0), mv.nbytes, (arr, value)
 
 
-def writable(buf: Any, registered: dict[int, int] | None = None) -> tuple[int, int, Any]:
+def writable(buf: Any, registered: Callable[[int, int], bool] | None = None) -> tuple[int, int, Any]:
     """``(address, nbytes, keep)`` of a buffer to read into. A raw ``(address, length)``
-    must lie inside one of ``registered`` (``{address: length}``) when that is given.
+    must lie inside registered memory (``registered(address, length)``) when that is given.
 
     Raises:
         InvalidArgumentError: not writable contiguous memory, or a malformed raw range.
@@ -84,7 +84,7 @@ def writable(buf: Any, registered: dict[int, int] | None = None) -> tuple[int, i
         return _torch_view(buf, True)
     if isinstance(buf, tuple) and len(buf) == 2:  # (address, length) of memory the caller owns
         addr, n = raw_range(buf)
-        if registered is not None and not inside(addr, n, registered.items()):
+        if registered is not None and not registered(addr, n):
             raise not_registered(addr, n)
         return addr, n, None
     try:
@@ -143,11 +143,6 @@ def check_mapped(addr: int, n: int) -> None:
     if at < end:
         raise InvalidArgumentError(
             f"(address, length) = ({addr:#x}, {n}): {at:#x} is not mapped read-write in this process")
-
-
-def inside(addr: int, n: int, regions) -> bool:
-    """Whether ``[addr, addr + n)`` lies inside one of ``regions`` (``(start, length)`` pairs)."""
-    return any(start <= addr and addr + n <= start + length for start, length in regions)
 
 
 def not_registered(addr: int, n: int) -> NotRegisteredError:

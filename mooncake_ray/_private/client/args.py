@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.buffers import readable, writable
@@ -66,7 +66,7 @@ def same_length(keys, other, what: str) -> None:
         raise InvalidArgumentError(f"{len(keys)} keys but {len(other)} {what}")
 
 
-def source(v, registered: dict[int, int]) -> tuple:
+def source(v, registered: Callable[[int, int], bool]) -> tuple:
     """``(address, size, keep-alive)`` of a value to put (a ``Sized`` or anything
     ``readable``).
 

@@ -39,9 +39,9 @@ class Reader:
     and gives the read leases back through ``releases``."""
 
     def __init__(self, engine, master, nodes, locs, releases, stats: dict, *, config, here: str | None,
-                 registered: dict[int, int]):
+                 registered):
         self._engine = engine
-        self._registered = registered  # {address: length} of the client's registered buffers
+        self._registered = registered  # (address, length) -> inside a buffer the client registered
         self._master = master
         self._nodes = nodes
         self._locs = locs

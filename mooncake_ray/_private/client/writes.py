@@ -28,9 +28,9 @@ class Writer:
     allocates, then publishes them; remembers where each value landed in ``locs``."""
 
     def __init__(self, engine, master, nodes, slabs, locs, *, config, owner: str, here: str | None,
-                 registered: dict[int, int]):
+                 registered):
         self._engine = engine
-        self._registered = registered  # {address: length} of the client's registered buffers
+        self._registered = registered  # (address, length) -> inside a buffer the client registered
         self._master = master
         self._nodes = nodes
         self._slabs = slabs
