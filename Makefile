@@ -87,7 +87,7 @@ bench: build
 
 # `ray up cluster.yaml` for real, on three hosts made of network namespaces (own address on a
 # private bridge, own PID/mount/UTS/IPC namespaces, sshd, a sudo user): ray up, store start,
-# put on the head and get on a worker, status, serve, ray down. Root only; not part of `test`.
+# put on the head and get on a worker, status, serve, ray down. Root only; CI runs it after `test` (.ci/run).
 test-cluster: build
 	$(call apt_install,$(CLUSTER_APT_PKGS))
 	bash tests/cluster/run.sh

@@ -14,6 +14,16 @@ Three configurations in one run, the engine's own pool (L1) small as a GPU's wou
     make bench B=benchmarks/bench_multiturn.py ARGS="--num-clients 12 --num-rounds 8"
 
 Writes benchmarks/results/bench_multiturn.{json,png}.
+
+``--serve-config FILE`` measures what users deploy instead: ``ray start --head``, then
+``serve run FILE`` as a user runs it, and the same file with ``store.enabled: false``, each
+driven over ``/v1/chat/completions`` with text turns (``--turn-chars`` characters of
+question, the answer as the server returned it re-sent in the history, so the chat
+template is rendered anew every turn). Targets, over the rounds after the engines' own
+page pools overflowed: >= 85% of prompt tokens cached with the store, mean TTFT <= 0.5x
+the store-off run. Writes ``bench_multiturn_serve.{json,png}``.
+
+    make bench B=benchmarks/bench_multiturn.py ARGS="--serve-config serve_configs/aggregated.yaml"
 """
 
 from __future__ import annotations
@@ -131,6 +141,240 @@ def deploy(mode, args, port):
     return name, ns
 
 
+WORDS = ("cache page store prefix token layer replica engine request answer question model memory disk "
+         "transfer batch round client latency throughput region arena spill master lease key value").split()
+
+
+def turn_text(rng: random.Random, chars: int) -> str:
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+async def one_chat(http, url, model_id, messages, out_len):
+    body = {"model": model_id, "messages": messages, "max_tokens": out_len, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("error"):
+                raise RuntimeError(f"stream error: {ev['error']}")
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for c in ev.get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece is not None and ttft is None and c.get("finish_reason") is None:
+                    ttft = time.perf_counter() - t0
+                text.append(piece or "")
+    return ttft, usage, "".join(text), time.perf_counter() - t0
+
+
+async def run_chat_workload(url, model_id, args, seed, probe, page_size=16):
+    """Text conversations over /v1/chat/completions; ``probe()`` returns the engines'
+    summed stats after each round."""
+    import httpx
+
+    rng = random.Random(seed)
+    convs = [[{"role": "user", "content": turn_text(rng, args.turn_chars)}] for _ in range(args.num_clients)]
+    rounds, before = [], await asyncio.to_thread(probe)
+    prev_prompt = [0] * args.num_clients
+    t_start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as http:
+        for rnd in range(args.num_rounds):
+            ready = list(range(args.num_clients))
+            rng.shuffle(ready)
+            sem = asyncio.Semaphore(args.max_parallel)
+            recs = []
+
+            async def go(c):
+                async with sem:
+                    ttft, usage, answer, lat = await one_chat(http, url, model_id, convs[c], args.output_length)
+                # what a prefix cache can serve: the previous round's prompt, whole pages
+                reusable = prev_prompt[c] // page_size * page_size
+                prev_prompt[c] = usage["prompt_tokens"]
+                recs.append({"client": c, "ttft": ttft, "latency": lat, "prompt": usage["prompt_tokens"],
+                             "cached": usage["prompt_tokens_details"]["cached_tokens"], "reusable": reusable})
+                convs[c] += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": turn_text(rng, args.turn_chars)}]
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(go(c) for c in ready))
+            dt = time.perf_counter() - t0
+            after = await asyncio.to_thread(probe)
+            delta = {k: after[k] - before.get(k, 0) for k in after}
+            before = after
+            prompt = sum(r["prompt"] for r in recs)
+            rounds.append({"round": rnd, "mean_ttft_s": statistics.mean(r["ttft"] for r in recs),
+                           "p90_ttft_s": sorted(r["ttft"] for r in recs)[int(0.9 * (len(recs) - 1))],
+                           "cache_hit_rate": sum(r["cached"] for r in recs) / prompt, "prompt_tokens": prompt,
+                           "reusable_tokens": sum(r["reusable"] for r in recs),
+                           "input_throughput_tok_s": prompt / dt, "duration_s": dt, "engines": delta,
+                           "requests": recs})
+            print(f"  round {rnd}: ttft {rounds[-1]['mean_ttft_s']:.3f}s hit {rounds[-1]['cache_hit_rate']:.3f} "
+                  f"(l1 {delta['cached_l1']} l3 {delta['cached_l3']} computed {delta['computed']}, "
+                  f"l1 evictions {delta['l1_evictions']}, l3 errors {delta['l3_errors']} "
+                  f"{ {k: v for k, v in delta.items() if k.startswith('l3_failed') and v} }) in {dt:.1f}s", flush=True)
+    total = time.perf_counter() - t_start
+    allr = [r for rd in rounds for r in rd["requests"]]
+    return {"rounds": rounds, "mean_ttft_s": statistics.mean(r["ttft"] for r in allr),
+            "cache_hit_rate": sum(r["cached"] for r in allr) / sum(r["prompt"] for r in allr),
+            "input_throughput_tok_s": sum(r["prompt"] for r in allr) / total}
+
+
+def serve_config_run(args) -> None:
+    """Measure a shipped serve config as deployed by ``serve run``, against the same file
+    with the store disabled; ``--repeat`` times, alternating. Each measurement runs in a
+    process of its own (one Ray driver per process), on a Ray head of its own."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    src = Path(args.serve_config).resolve()
+    doc = yaml.safe_load(src.read_text())
+    app = doc["applications"][0]
+    work = Path(tempfile.mkdtemp(prefix="bench-multiturn-serve-"))
+    off = work / f"store-off-{src.name}"
+    doc["applications"][0]["args"]["store"] = {"enabled": False}
+    off.write_text(yaml.safe_dump(doc))
+    results = {"args": vars(args), "serve_config": str(src.relative_to(root) if src.is_relative_to(root) else src),
+               "model": app["args"]["model"], "configs": {}, "repeats": []}
+    for rep in range(args.repeat):
+        one = {}
+        for label, path in (("store", src), ("store_off", off)):
+            print(f"repeat {rep} config {label}: serve run {path.name}", flush=True)
+            part = work / f"{label}-{rep}.json"
+            argv = [sys.executable, __file__, "--measure", f"{label}={path}", "--measure-out", str(part),
+                    "--serve-config", str(src)] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                                   if k in ("num_clients", "num_rounds", "turn_chars", "output_length",
+                                                            "max_parallel", "seed", "head_cpus")]
+            subprocess.run(argv, check=True, cwd=root)
+            one[label] = json.loads(part.read_text())
+        results["repeats"].append(one)
+    results["configs"] = results["repeats"][-1]
+    results["summary"] = summarize_serve(results)
+    out = Path(args.out if args.out != str(RESULTS / "bench_multiturn.json") else RESULTS / "bench_multiturn_serve.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
+    print(json.dumps(results["summary"], indent=2))
+
+
+def measure_one(args) -> None:
+    """One ``--measure LABEL=FILE``: a Ray head, ``serve run FILE``, the chat workload."""
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from tests.integration.serve_cli import RayHead, ServeRun
+
+    label, path = args.measure.split("=", 1)
+    app = yaml.safe_load(Path(path).read_text())["applications"][0]
+    a = app["args"]
+    deployment = "LLM" if a.get("mode", "aggregated") == "aggregated" else "Decode"
+    replicas = a.get("engines", a.get("decode", {})).get("num_replicas", 1)
+    work = Path(tempfile.mkdtemp(prefix=f"bench-multiturn-{label}-"))
+    # Ray reads its auth settings when imported: set them first
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(work / "ray-auth-token")})
+    head = RayHead(str(work), num_cpus=args.head_cpus)
+    run = None
+    import ray
+    from ray import serve
+
+    try:
+        ray.init(address=head.address, logging_level="WARNING", log_to_driver=False)
+        run = ServeRun(head, path, str(work))
+        run.wait_ready()
+        handle = serve.get_deployment_handle(deployment, app["name"])
+
+        def probe():
+            seen = {}
+            for _ in range(40):  # calls land on replicas at random: ask until all answered
+                st = handle.stats.remote().result(timeout_s=60)
+                seen[st["replica"]] = st
+                if len(seen) >= replicas:
+                    break
+            keys = ("requests", "prompt_tokens", "cached_l1", "cached_l3", "computed", "l3_errors",
+                    "l3_saved_pages", "l1_evictions", "load_s", "compute_s", "admission_waits")
+            out = {k: sum(s.get(k, 0) for s in seen.values()) for k in keys}
+            for st in seen.values():
+                for k, v in st.get("l3_page_failures", {}).items():
+                    out[f"l3_failed_{k}"] = out.get(f"l3_failed_{k}", 0) + v
+            return out
+
+        res = asyncio.run(run_chat_workload(run.url, a["model"]["model_id"], args, args.seed, probe,
+                                            a["model"].get("page_size", 16)))
+        if a.get("store", {}).get("enabled", True):
+            st = head.run("mooncake-ray", "status", "--json", "--namespace", a["store"].get("namespace", "mooncake_ray"))
+            res["store"] = json.loads(st.stdout) if st.returncode == 0 else {"error": st.stderr[-2000:]}
+        res["stopped_in_s"] = run.interrupt()
+        Path(args.measure_out).write_text(json.dumps(res))
+    finally:
+        if run is not None:
+            run.close()
+        ray.shutdown()
+        head.stop()
+
+
+def _after_overflow(pair: dict) -> dict:
+    """Store on against store off, over the rounds that began with the engines' own pools
+    full (the rounds after the first one in which the store-off run's engines evicted)."""
+    on, off = pair["store"]["rounds"], pair["store_off"]["rounds"]
+    n = len(off)
+    first = next((r["round"] for r in off if r["engines"]["l1_evictions"]), n)
+    late = list(range(first + 1, n))
+    if not late:
+        return {"rounds": []}
+
+    def tot(rounds, key):
+        return sum(rounds[i][key] for i in late)
+
+    def ttft(rounds):
+        return statistics.mean(r["ttft"] for i in late for r in rounds[i]["requests"])
+
+    hit_on = sum(r["cached"] for i in late for r in on[i]["requests"]) / tot(on, "prompt_tokens")
+    hit_off = sum(r["cached"] for i in late for r in off[i]["requests"]) / tot(off, "prompt_tokens")
+    return {"rounds": late, "pools_first_evicted_in_round": first,
+            "cache_hit_rate_store": hit_on, "cache_hit_rate_store_off": hit_off,
+            "repeated_prefix_share": tot(on, "reusable_tokens") / tot(on, "prompt_tokens"),
+            "cached_of_repeated_prefix_store": sum(r["cached"] for i in late for r in on[i]["requests"])
+            / tot(on, "reusable_tokens"),
+            "mean_ttft_s_store": ttft(on), "mean_ttft_s_store_off": ttft(off),
+            "ttft_ratio": ttft(on) / ttft(off),
+            "input_throughput_ratio": (tot(on, "prompt_tokens") / tot(on, "duration_s"))
+            / (tot(off, "prompt_tokens") / tot(off, "duration_s")),
+            "l3_errors_store": sum(on[i]["engines"]["l3_errors"] for i in late),
+            "l3_load_s_per_token": sum(on[i]["engines"]["load_s"] for i in late)
+            / max(1, sum(on[i]["engines"]["cached_l3"] for i in late)),
+            "compute_s_per_token_store_off": sum(off[i]["engines"]["compute_s"] for i in late)
+            / max(1, sum(off[i]["engines"]["computed"] for i in late))}
+
+
+def summarize_serve(results) -> dict:
+    per = [_after_overflow(pair) for pair in results["repeats"]]
+    out = {"after_pools_overflow": per}
+    keys = ("cache_hit_rate_store", "cache_hit_rate_store_off", "ttft_ratio", "input_throughput_ratio")
+    if all(p.get("rounds") for p in per):
+        out["median"] = {k: statistics.median(p[k] for p in per) for k in keys}
+        out["range"] = {k: [min(p[k] for p in per), max(p[k] for p in per)] for k in keys}
+        m = out["median"]
+        out["targets"] = {"cache_hit_rate_store>=0.85": m["cache_hit_rate_store"] >= 0.85,
+                          "ttft_store/store_off<=0.5": m["ttft_ratio"] <= 0.5}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-clients", type=int, default=12)
@@ -150,8 +394,20 @@ def main() -> None:
     ap.add_argument("--configs", default="engine,dram,spill")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "bench_multiturn.json"))
+    ap.add_argument("--serve-config", help="measure this serve config deployed with serve run (see above)")
+    ap.add_argument("--turn-chars", type=int, default=2000, help="--serve-config: characters per question")
+    ap.add_argument("--head-cpus", type=int, default=4, help="--serve-config: ray start --head --num-cpus")
+    ap.add_argument("--repeat", type=int, default=1, help="--serve-config: store on/off pairs to run")
+    ap.add_argument("--measure", help=argparse.SUPPRESS)  # LABEL=FILE: one measurement (a child process)
+    ap.add_argument("--measure-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.serve_config:
+        if args.output_length == 1:
+            args.output_length = 32
+        if args.max_parallel == 4:
+            args.max_parallel = 2
+        return measure_one(args) if args.measure else serve_config_run(args)
     import ray
     from ray import serve
 
@@ -222,7 +478,8 @@ def plot(results, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = {"engine": "engine only (L1)", "dram": "+ store DRAM", "spill": "+ store DRAM + spill"}
+    labels = {"engine": "engine only (L1)", "dram": "+ store DRAM", "spill": "+ store DRAM + spill",
+              "store": "store on", "store_off": "store off"}
     for mode, r in results["configs"].items():
         xs = [x["round"] for x in r["rounds"]]
         a.plot(xs, [x["mean_ttft_s"] for x in r["rounds"]], marker="o", label=labels.get(mode, mode))

@@ -169,6 +169,15 @@ class KVStore:
         self.client, self.geometry = client, geometry
         self.prefix = key_prefix(model, geometry, layout, tp_rank, tp_size)
         self._registered: set[int] = set()
+        # pages a batch call answered with an error, by error type ("put:..."/"get:..."):
+        # a batch reports per key, so these do not raise; they are counted here
+        self.failures: dict[str, int] = {}
+
+    def _count(self, op: str, res) -> None:
+        for r in res:
+            if isinstance(r, Exception) and not isinstance(r, ObjectExistsError):
+                k = f"{op}:{type(r).__name__}"
+                self.failures[k] = self.failures.get(k, 0) + 1
 
     def keys(self, tokens: Sequence[int]) -> list[str]:
         return [self.prefix + h for h in page_hashes(tokens, self.geometry.page_size)]
@@ -204,6 +213,7 @@ class KVStore:
         if not todo:
             return 0
         res = self.client.batch_put_from([k for k, _ in todo], [pool.page(pid) for _, pid in todo])
+        self._count("put", res)
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
 
     def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
@@ -215,6 +225,7 @@ class KVStore:
             return 0
         targets = [pool.load_target(pid) for pid in page_ids[:len(keys)]]
         sizes = self.client.batch_get_into(keys, targets)
+        self._count("get", sizes)
         n = 0
         for pid, size in zip(page_ids, sizes):
             if isinstance(size, MooncakeRayError) or size != self.geometry.page_bytes:

@@ -98,7 +98,8 @@ class InferenceEngine:
         self._l1: OrderedDict[str, int] = OrderedDict()  # hash -> page, LRU first
         self._hash_of: dict[int, str] = {}
         self.stats = {"requests": 0, "prompt_tokens": 0, "cached_l1": 0, "cached_l3": 0, "computed": 0,
-                      "l3_errors": 0, "l3_saved_pages": 0}
+                      "l3_errors": 0, "l3_saved_pages": 0, "l1_evictions": 0,
+                      "load_s": 0.0, "compute_s": 0.0}
 
     # ------------------------------------------------------------------ pages ----
     def _alloc(self) -> int:
@@ -109,17 +110,30 @@ class InferenceEngine:
                 if self._refs[page] == 0:
                     del self._l1[h]
                     del self._hash_of[page]
+                    self.stats["l1_evictions"] += 1
                     break
             else:
                 raise PoolExhausted(f"all {len(self._refs)} pool pages are in use")
         self._refs[page] = 1
         return page
 
+    def pages_for(self, tokens: int) -> int:
+        """Pool pages a sequence of ``tokens`` tokens occupies."""
+        return -(-tokens // self.cfg.page_size)
+
     def _hold(self, page: int) -> None:
         self._refs[page] += 1
 
     def release(self, seq: Sequence_) -> None:
-        """Drop a finished sequence's pages (indexed ones stay cached in L1)."""
+        """Drop a finished sequence's pages (indexed ones stay cached in L1).
+
+        Its indexed pages are touched last page first, so that within one sequence the
+        deepest pages are the least recently used: eviction then shortens a cached prefix
+        from its end (as a radix tree evicts leaves) instead of taking its first page,
+        which would strand every page after it (a prefix is only found from its start)."""
+        for h in reversed(seq.hashes[:seq.registered]):
+            if h in self._l1:
+                self._l1.move_to_end(h)
         for page in seq.pages:
             self._refs[page] -= 1
             if self._refs[page] == 0 and page not in self._hash_of:
@@ -255,9 +269,12 @@ class InferenceEngine:
         n = len(seq.tokens)
         seq.computed = cached
         self._index(seq)  # loaded or handed-over pages join L1
+        t_compute = time.monotonic()
         logits = self._compute(seq, cached, n)
-        self._save_l3(seq, self._index(seq))
         st = self.stats
+        st["compute_s"] += time.monotonic() - t_compute
+        st["load_s"] += load_s
+        self._save_l3(seq, self._index(seq))
         st["requests"] += 1
         st["prompt_tokens"] += n
         st["cached_l1"] += seq.cached_l1

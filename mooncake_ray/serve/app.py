@@ -86,6 +86,13 @@ class OpenAIIngress:
         return await self._collect(r, events, served_by)
 
     async def _collect(self, r: openai.GenRequest, events, served_by: dict) -> Response:
+        try:
+            return await self._collect_events(r, events, served_by)
+        except ValueError as e:  # refused by the engine (e.g. larger than its page pool)
+            err = openai.OpenAIError(400, str(e))
+            return JSONResponse(err.body(), status_code=err.status)
+
+    async def _collect_events(self, r: openai.GenRequest, events, served_by: dict) -> Response:
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, n, cached, prompt, last = [], 0, 0, len(r.tokens), None
         async for ev in events:

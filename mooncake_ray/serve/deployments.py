@@ -22,6 +22,13 @@ Two ways to hand the prompt's KV from prefill to decode (``handoff``):
 Steps run on a worker thread under an asyncio lock, one engine step at a time: a
 prefill holds the engine for its whole prompt, decode steps of concurrent requests
 interleave token by token.
+
+Admission: a request is started only when the pool pages it may occupy (prompt plus
+``max_tokens``) fit beside those of the requests already running; otherwise it waits
+for one to finish, as an engine's scheduler holds requests back when its KV blocks run
+short. Without this, two long conversations on one replica take every page between
+them and the next allocation fails mid-request. A request that could never fit
+(larger than the whole pool) is refused with a ``ValueError`` naming both sizes.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class EngineServer:
             opts["save_decode_cache"] = False
         self.engine = InferenceEngine(self.cfg, store=self.client, **opts)
         self._lock = asyncio.Lock()
+        self._room = asyncio.Event()  # set when pages are given back
+        self._committed = 0  # pool pages promised to admitted requests
+        self.admission_waits = 0
         self.mismatches = 0
         if handoff not in ("store", "direct"):
             raise ValueError(f"handoff must be store or direct, got {handoff!r}")
@@ -92,6 +102,27 @@ class EngineServer:
             self._region = self._xfer.register(self.engine.pool.tensor)
             self._peers = {}
 
+    async def _admit(self, tokens: int) -> int:
+        """Wait until ``tokens`` tokens' pages fit beside the running requests'; returns
+        the pages promised (give them back with ``_leave``)."""
+        need, size = self.engine.pages_for(tokens), self.engine.pool.num_pages
+        if need > size:
+            raise ValueError(f"a request of {tokens} tokens (prompt + max_tokens) needs {need} pool pages; "
+                             f"this engine's pool has {size} (engine.pool_pages)")
+        if self._committed + need > size:
+            self.admission_waits += 1
+            while self._committed + need > size:  # one event loop: no await between test and take
+                self._room.clear()
+                await self._room.wait()
+        self._committed += need
+        return need
+
+    def _leave(self, need: int) -> None:
+        """Synchronous, so that it runs in any ``finally`` (a generator closed by its
+        consumer going away included)."""
+        self._committed -= need
+        self._room.set()
+
     async def _run(self, fn, *args):
         async with self._lock:
             return await asyncio.to_thread(fn, *args)
@@ -99,7 +130,12 @@ class EngineServer:
     async def prefill(self, req: dict, target: dict | None = None) -> dict:
         """Prefill role: compute the prompt's KV; it reaches decode through the store, or
         (``target`` from a decode replica's ``reserve``) written straight into its pool."""
-        seq, info = await self._run(self.engine.prefill, req["tokens"])
+        need = await self._admit(len(req["tokens"]))
+        try:
+            seq, info = await self._run(self.engine.prefill, req["tokens"])
+        except BaseException:
+            self._leave(need)
+            raise
         params = {"mode": "store", "pages": (len(req["tokens"]) - 1) // self.cfg.page_size}
         try:
             if target is not None and self._xfer is not None:
@@ -111,6 +147,7 @@ class EngineServer:
             log.warning("direct KV handoff failed (%s): decode falls back to the store", e)
         finally:
             self.engine.release(seq)
+            self._leave(need)
         return {"first_token": info.token, "prompt_tokens": info.prompt_tokens,
                 "cached_tokens": info.cached_tokens, "prefill_s": info.prefill_s, "kv_transfer_params": params,
                 "replica": self.replica}
@@ -133,10 +170,17 @@ class EngineServer:
             return None
         now = time.monotonic()
         for rid in [r for r, v in self._reserved.items() if now - v[2] > 120]:  # abandoned
-            self.engine.release(self._reserved.pop(rid)[0])
-        async with self._lock:
-            seq, first = self.engine.reserve(req["tokens"])
-        self._reserved[req["request_id"]] = (seq, first, now)
+            stale = self._reserved.pop(rid)
+            self.engine.release(stale[0])
+            self._leave(stale[3])
+        need = await self._admit(len(req["tokens"]) + req["max_tokens"])
+        try:
+            async with self._lock:
+                seq, first = self.engine.reserve(req["tokens"])
+        except BaseException:
+            self._leave(need)
+            raise
+        self._reserved[req["request_id"]] = (seq, first, now, need)
         return {"address": self._xfer.address, "rkey": self._region.rkey, "base": self._region.addr,
                 "length": self._region.length, "page_bytes": self.engine.pool.geometry.page_bytes,
                 "first_page": first, "page_ids": seq.pages[first:],
@@ -148,12 +192,17 @@ class EngineServer:
         t0 = time.monotonic()
         reserved = self._reserved.pop(req.get("request_id"), None)
         params = (prefilled or {}).get("kv_transfer_params", {})
-        if reserved is not None and params.get("mode") == "direct":
-            seq, info = reserved[0], await self._run(self.engine.prefill_reserved, reserved[0], params["filled"])
-        else:
-            if reserved is not None:  # the direct write did not happen: use the store
-                self.engine.release(reserved[0])
-            seq, info = await self._run(self.engine.prefill, req["tokens"])
+        need = reserved[3] if reserved is not None else await self._admit(len(req["tokens"]) + req["max_tokens"])
+        try:
+            if reserved is not None and params.get("mode") == "direct":
+                seq, info = reserved[0], await self._run(self.engine.prefill_reserved, reserved[0], params["filled"])
+            else:
+                if reserved is not None:  # the direct write did not happen: use the store
+                    self.engine.release(reserved[0])
+                seq, info = await self._run(self.engine.prefill, req["tokens"])
+        except BaseException:
+            self._leave(need)
+            raise
         cached = info.cached_tokens
         if prefilled is not None:
             if info.token != prefilled["first_token"]:  # exactness says this never happens
@@ -171,7 +220,10 @@ class EngineServer:
                 info = await self._run(self.engine.decode_step, seq, info.token)
         finally:
             self.engine.release(seq)
+            self._leave(need)
 
     def stats(self) -> dict:
         return {**self.engine.stats, "role": self.role, "mismatches": self.mismatches,
+                "admission_waits": self.admission_waits, "pages_committed": self._committed,
+                "l3_page_failures": dict(self.engine.kv.failures) if self.engine.kv else {},
                 "l3": self.client is not None, "handoff": self.handoff, "reserved": len(self._reserved), "replica": self.replica}

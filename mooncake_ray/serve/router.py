@@ -33,10 +33,24 @@ class PrefixAwareRouter(RequestRouter):
         self._page_size, self._imbalance, self._max = page_size, imbalance, max_entries
         self._owners: OrderedDict[str, set] = OrderedDict()
         self._hashes: dict[str, list[str]] = {}
+        # Requests this router sent and that have not finished, per replica: a stream
+        # counts until its last token. Serve's own queue-length cache is refreshed by
+        # probes and expires; this count is exact for what passed through here.
+        self._inflight: dict[ReplicaID, int] = {}
+        self._routed: dict[str, ReplicaID] = {}
 
     def _queue(self, r: RunningReplica) -> int:
         q = self._replica_queue_len_cache.get(r.replica_id)
-        return q if q is not None else 0
+        return max(q or 0, self._inflight.get(r.replica_id, 0))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._routed.pop(internal_request_id, None)
+        if rid is not None:
+            self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)
 
     def match(self, hashes: list[str], replica_id: ReplicaID) -> int:
         n = 0
@@ -73,6 +87,10 @@ class PrefixAwareRouter(RequestRouter):
         return [[best], [r for r in by_load if r is not best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        if rid and rid not in self._routed:
+            self._routed[rid] = replica_id
+            self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
         hashes = self._hashes.pop(pending_request.metadata.request_id, None)
         if hashes is None:
             tokens = _tokens(pending_request)

@@ -141,3 +141,47 @@ def test_direct_handoff_into_reserved_pages_is_bit_exact():
     toks_a = [s.token for s in a.continue_(seq_a, info_a, 6, False)]
     toks_b = [s.token for s in b.continue_(seq_b, info_b, 6, False)]
     assert toks_a == toks_b
+
+
+def test_pool_overflow_shortens_a_cached_prefix_from_its_end():
+    """An overflowing pool evicts a finished conversation's deepest pages first: its next
+    turn still finds the leading pages in L1 (evicting the first page would strand all
+    the others, which are only found through it)."""
+    tok = ByteTokenizer()
+    a = tok.encode("conversation A " * 10)[:121]  # 15 full pages of 8
+    b = tok.encode("another talk B " * 10)[:121]
+    e = InferenceEngine(CFG, pool_pages=24)
+    run(e, a, n=1)
+    run(e, b, n=1)  # needs 16 pages: 8 more than are free, taken from A's cached pages
+    assert e.stats["l1_evictions"] > 0
+    first = run(e, a, n=1)[2]
+    assert first.cached_l1 >= 5 * 8, first  # A's leading pages survived, not its trailing ones
+    assert torch.equal(first.logits, run(InferenceEngine(CFG, pool_pages=64), a, n=1)[2].logits)
+
+
+def test_engine_server_admits_requests_only_while_their_pages_fit():
+    """Two requests that cannot both fit in the pool run one after the other instead of
+    the second failing for want of pages; a request larger than the pool is refused with
+    both sizes named."""
+    import asyncio
+
+    from mooncake_ray.serve.deployments import EngineServer
+
+    model = {k: getattr(CFG, k) for k in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads", "hidden", "ffn",
+                                          "page_size", "kv_dtype")}
+    srv = EngineServer("both", model, {"pool_pages": 24})
+    tok = ByteTokenizer()
+
+    async def one(text, max_tokens=4):
+        req = {"tokens": tok.encode(text)[:120], "max_tokens": max_tokens, "ignore_eos": True}
+        return [ev["token"] async for ev in srv.generate(req)]
+
+    async def main():
+        return await asyncio.gather(one("first request " * 10), one("second request " * 10))
+
+    outs = asyncio.run(main())  # 16 pages each, 24 in the pool
+    assert [len(o) for o in outs] == [4, 4]
+    assert srv.admission_waits == 1 and srv._committed == 0
+    with pytest.raises(ValueError, match=r"needs 26 pool pages; this engine's pool has 24"):
+        asyncio.run(one("x" * 300, max_tokens=88))  # 120 + 88 tokens = 26 pages
+    assert srv._committed == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -46,6 +47,14 @@ class RayHead:
         self.env = {**os.environ, "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
                     "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
         self.env.pop("RAY_DASHBOARD_ADDRESS", None)
+        # this head's own token (Ray's token auth is on): the CLIs and drivers given
+        # ``env`` find it; nothing depends on a ~/.ray/auth_token left by an earlier run
+        token = os.path.join(tmp_dir, "ray-auth-token")
+        if not os.path.exists(token):  # heads started from one directory share it
+            with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(secrets.token_hex(32))
+        self.env["RAY_AUTH_TOKEN_PATH"] = token
+        self.env.pop("RAY_AUTH_TOKEN", None)
         self.log_path = os.path.join(tmp_dir, "ray-head.log")
         self._log = open(self.log_path, "w")
         cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={num_cpus}",

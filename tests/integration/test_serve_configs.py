@@ -114,8 +114,6 @@ def test_prefix_routing_follows_the_conversation(aggregated):
         assert cached(r) > 0
 
 
-@pytest.mark.xfail(reason="open: the next turn still goes to the busy replica; the router's queue lengths "
-                   "(Serve's per-router cache) do not see the held streams", strict=False)
 def test_prefix_routing_gives_way_to_an_imbalanced_queue(aggregated):
     """With more than ``imbalance`` requests in flight on the conversation's replica and
     none on the other, its next turn goes to the other replica."""

@@ -1,86 +1,45 @@
-"""Ray Serve LLM serving real vLLM engines (CPU) with the mooncake-ray KV connector, over
-HTTP (OpenAI API), on the test Ray cluster.
+"""The shipped Ray Serve LLM configs (serve_configs/vllm-aggregated.yaml and
+vllm-disaggregated.yaml) serving real vLLM engines (CPU) with the mooncake-ray KV
+connector, deployed as a user does: ``ray start --head``, ``serve run <file>``, OpenAI
+requests over HTTP, Ctrl-C, ``mooncake-ray stop``.
 
 The aggregated app (one engine, kv_both) and the prefill/decode app (kv_producer ->
-kv_consumer) are deployed one after the other, each with a store of its own that its
-engines deploy themselves (``deploy_store``), and both serve the same two-turn chat
-(greedy). The P/D app must answer exactly as the aggregated one, report cached tokens on
-turn 2, and its decode engine must have read the prefill's KV from the store.
+kv_consumer) are run one after the other, each with a store its engines deploy themselves
+(``deploy_store``, removed by ``mooncake-ray stop`` in between), and both serve the same
+two-turn chat (greedy). The P/D app must answer exactly as the aggregated one, report
+cached tokens on turn 2, and its decode engine must have read the prefill's KV from the
+prefill engine's memory.
 """
 
 from __future__ import annotations
 
-import socket
+import json
+import os
 import time
-import uuid
 
 import httpx
 import pytest
 
-from tests.conftest import store_config
+from tests.integration.serve_cli import CONFIGS, RayHead, ServeRun
 
 # two vLLM apps start one after the other (engine start-up 20-70 s each here)
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 MODEL_ID = "tiny-llama"
 # Logical CPUs for Serve LLM: a {CPU: 2} placement group per engine replica, {CPU: 1} for
-# the ingress (P/D: 5). Added as a node of the session cluster (one ray.init per process).
-SERVE_NODE_CPUS = 6
+# the ingress (P/D: 5), as the configs' comments tell users.
+HEAD_CPUS = 8
 TURN1 = 100  # words (= tokens) of the first user message: three full 32-token blocks
 TURN2 = 40
 MAX_TOKENS = 16
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kv_transfer_config(role: str, namespace: str) -> dict:
-    return {
-        "kv_connector": "MooncakeRayConnector",
-        "kv_connector_module_path": "mooncake_ray.integrations.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {
-            # the engines deploy the store themselves (the backend's setup); its namespace
-            # becomes the connector's
-            "deploy_store": store_config(namespace=namespace, segment_size_bytes="128mb"),
-        },
-    }
-
-
-def llm_config(model_dir: str, role: str, namespace: str) -> dict:
-    return {
-        "model_loading_config": {"model_id": MODEL_ID, "model_source": model_dir},
-        "accelerator_config": {"kind": "cpu"},
-        "deployment_config": {"num_replicas": 1},
-        "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
-        "engine_kwargs": {
-            "block_size": 32, "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
-            "dtype": "bfloat16", "enable_prefix_caching": True,
-            "enable_prompt_tokens_details": True,
-            "kv_transfer_config": kv_transfer_config(role, namespace),
-        },
-    }
+STOP_LIMIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def serve_url(ray_cluster):
-    from ray import serve
-
-    node = ray_cluster.add_node(num_cpus=SERVE_NODE_CPUS)
-    ray_cluster.wait_for_nodes()
-    port = _port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray_cluster.remove_node(node)
+def head(tmp_path_factory):
+    h = RayHead(str(tmp_path_factory.mktemp("vllm-head")), num_cpus=HEAD_CPUS)
+    yield h
+    h.stop()
 
 
 def chat(url: str, messages: list) -> tuple[str, dict]:
@@ -91,14 +50,13 @@ def chat(url: str, messages: list) -> tuple[str, dict]:
     return out["choices"][0]["message"]["content"], out["usage"]
 
 
-def master_stats(namespace: str) -> dict:
-    import ray
-    from mooncake_ray._private import deploy
+def master_stats(head) -> dict:
+    r = head.run("mooncake-ray", "status", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
-    return ray.get(deploy.find_master(namespace).stats.remote(), timeout=30)
 
-
-def run_conversation(url: str, namespace: str) -> dict:
+def run_conversation(url: str, head) -> dict:
     """Two turns of a chat; the store's stats after each."""
     from mooncake_ray.integrations.tiny_model import words
 
@@ -106,61 +64,54 @@ def run_conversation(url: str, namespace: str) -> dict:
     t = time.monotonic()
     text1, usage1 = chat(url, messages)
     ttft1 = time.monotonic() - t
-    stats1 = master_stats(namespace)
+    stats1 = master_stats(head)
     messages += [{"role": "assistant", "content": text1},
                  {"role": "user", "content": words(range(500, 500 + TURN2))}]
     t = time.monotonic()
     text2, usage2 = chat(url, messages)
     ttft2 = time.monotonic() - t
-    stats2 = master_stats(namespace)
+    stats2 = master_stats(head)
     return {"texts": [text1, text2], "usage": [usage1, usage2], "stats": [stats1, stats2],
             "seconds": [ttft1, ttft2]}
 
 
-def deploy_and_chat(url: str, builder, args: dict, namespace: str) -> dict:
-    from ray import serve
-
-    from mooncake_ray._private import deploy
-
-    name = f"vllm-{uuid.uuid4().hex[:6]}"
+def deploy_and_chat(head, config: str, tmp: str) -> dict:
     t = time.monotonic()
+    s = ServeRun(head, os.path.join(CONFIGS, config), tmp)
     try:
-        serve.run(builder(args), name=name, route_prefix="/")
+        models = s.wait_ready("/v1/models", timeout_s=600)
+        assert MODEL_ID in [m["id"] for m in models["data"]], models
         ready_s = time.monotonic() - t
-        out = run_conversation(url, namespace)
+        out = run_conversation(s.url, head)
         out["ready_s"] = ready_s
-        print(f"\n{builder.__name__}: ready in {ready_s:.0f} s, turns {out['seconds']} s, "
-              f"usage {out['usage']}, texts {out['texts']}, store hits/keys "
-              f"{[(st['hits'], st['keys']) for st in out['stats']]}")
+        out["stopped_in"] = s.interrupt()
+        out["returncode"], out["stop_output"] = s.proc.returncode, s.stop_output
+        print(f"\n{config}: ready in {ready_s:.0f} s, turns {out['seconds']} s, usage {out['usage']}, "
+              f"texts {out['texts']}, store hits/keys {[(st['hits'], st['keys']) for st in out['stats']]}, "
+              f"stopped in {out['stopped_in']:.1f} s")
         return out
     finally:
-        serve.delete(name)
-        deploy.teardown(namespace)
+        s.close()
+        head.run("mooncake-ray", "stop")
 
 
 @pytest.fixture(scope="module")
-def aggregated(serve_url, model_dir):
-    from mooncake_ray.integrations.ray_serve_llm import build_app
-
-    ns = f"agg{uuid.uuid4().hex[:8]}"
-    args = {"tiny_model": {"out_dir": model_dir, "layers": 2},
-            "llm_configs": [llm_config(model_dir, "kv_both", ns)]}
-    return deploy_and_chat(serve_url, build_app, args, ns)
+def aggregated(head, tmp_path_factory):
+    return deploy_and_chat(head, "vllm-aggregated.yaml", str(tmp_path_factory.mktemp("vllm-agg")))
 
 
 @pytest.fixture(scope="module")
-def disaggregated(serve_url, model_dir, aggregated):  # after the aggregated app is gone
-    from mooncake_ray.integrations.ray_serve_llm import build_pd_app
-
-    ns = f"pd{uuid.uuid4().hex[:8]}"
-    args = {"tiny_model": {"out_dir": model_dir, "layers": 2},
-            "prefill_config": llm_config(model_dir, "kv_producer", ns),
-            "decode_config": llm_config(model_dir, "kv_consumer", ns)}
-    return deploy_and_chat(serve_url, build_pd_app, args, ns)
+def disaggregated(head, tmp_path_factory, aggregated):  # after the aggregated app is gone
+    return deploy_and_chat(head, "vllm-disaggregated.yaml", str(tmp_path_factory.mktemp("vllm-pd")))
 
 
 def cached(usage: dict) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_serve_run_stops_on_ctrl_c(aggregated, disaggregated):
+    for run in (aggregated, disaggregated):
+        assert run["returncode"] == 0 and run["stopped_in"] < STOP_LIMIT_S, run["stop_output"]
 
 
 def test_aggregated_chat_reuses_turn_one(aggregated):
