@@ -328,13 +328,14 @@ def measure_one(args) -> None:
         head.stop()
 
 
-def _after_overflow(pair: dict) -> dict:
+def _after_overflow(pair: dict, last: int | None = None) -> dict:
     """Store on against store off, over the rounds that began with the engines' own pools
-    full (the rounds after the first one in which the store-off run's engines evicted)."""
+    full (the rounds after the first one in which the store-off run's engines evicted),
+    or over the ``last`` rounds."""
     on, off = pair["store"]["rounds"], pair["store_off"]["rounds"]
     n = len(off)
     first = next((r["round"] for r in off if r["engines"]["l1_evictions"]), n)
-    late = list(range(first + 1, n))
+    late = list(range(first + 1, n)) if last is None else list(range(max(first + 1, n - last), n))
     if not late:
         return {"rounds": []}
 
@@ -364,11 +365,14 @@ def _after_overflow(pair: dict) -> dict:
 
 def summarize_serve(results) -> dict:
     per = [_after_overflow(pair) for pair in results["repeats"]]
-    out = {"after_pools_overflow": per}
-    keys = ("cache_hit_rate_store", "cache_hit_rate_store_off", "ttft_ratio", "input_throughput_ratio")
-    if all(p.get("rounds") for p in per):
-        out["median"] = {k: statistics.median(p[k] for p in per) for k in keys}
-        out["range"] = {k: [min(p[k] for p in per), max(p[k] for p in per)] for k in keys}
+    tail = [_after_overflow(pair, last=3) for pair in results["repeats"]]
+    out = {"after_pools_overflow": per, "last_3_rounds": tail}
+    keys = ("cache_hit_rate_store", "cache_hit_rate_store_off", "repeated_prefix_share",
+            "cached_of_repeated_prefix_store", "ttft_ratio", "input_throughput_ratio")
+    if all(p.get("rounds") for p in per + tail):
+        for name, rows in (("", per), ("last_3_rounds_", tail)):
+            out[name + "median"] = {k: statistics.median(p[k] for p in rows) for k in keys}
+            out[name + "range"] = {k: [min(p[k] for p in rows), max(p[k] for p in rows)] for k in keys}
         m = out["median"]
         out["targets"] = {"cache_hit_rate_store>=0.85": m["cache_hit_rate_store"] >= 0.85,
                           "ttft_store/store_off<=0.5": m["ttft_ratio"] <= 0.5}

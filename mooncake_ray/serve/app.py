@@ -33,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from mooncake_ray.engines.model import ByteTokenizer, ModelConfig
 from mooncake_ray.serve import openai
 from mooncake_ray.serve.deployments import EngineServer
-from mooncake_ray.serve.router import PrefixAwareRouter
+from mooncake_ray.serve.router import PrefixAwareRouter, request_finished
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +71,37 @@ class OpenAIIngress:
         except openai.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         req = r.to_dict()
-        if self.mode == "disaggregated":
-            target = await self.decode.reserve.remote(req) if self.handoff == "direct" else None
-            if target is not None:
-                req = {**req, "pin_replica": target["replica"]}  # decode where the pages wait
-            pre = await self.first.prefill.remote(req, target)
-            events = self.decode.options(stream=True).generate.remote(req, pre)
-            served_by = {"x-mooncake-replica": pre.get("replica")}
-        else:
-            events = self.first.options(stream=True).generate.remote(req, None)
-            served_by = {}
+        # the routers count a request against its replica until it is finished here
+        last = (self.decode if self.mode == "disaggregated" else self.first).deployment_name
+        try:
+            if self.mode == "disaggregated":
+                target = await self.decode.reserve.remote(req) if self.handoff == "direct" else None
+                if target is not None:
+                    req = {**req, "pin_replica": target["replica"]}  # decode where the pages wait
+                try:
+                    pre = await self.first.prefill.remote(req, target)
+                finally:
+                    request_finished(self.first.deployment_name, r.request_id)
+                events = self.decode.options(stream=True).generate.remote(req, pre)
+                served_by = {"x-mooncake-replica": pre.get("replica")}
+            else:
+                events = self.first.options(stream=True).generate.remote(req, None)
+                served_by = {}
+        except BaseException:
+            request_finished(last, r.request_id)
+            raise
         if r.stream:
-            return StreamingResponse(self._stream(r, events), media_type="text/event-stream")
-        return await self._collect(r, events, served_by)
+            return StreamingResponse(self._stream(r, events, last), media_type="text/event-stream")
+        return await self._collect(r, events, served_by, last)
 
-    async def _collect(self, r: openai.GenRequest, events, served_by: dict) -> Response:
+    async def _collect(self, r: openai.GenRequest, events, served_by: dict, last: str) -> Response:
         try:
             return await self._collect_events(r, events, served_by)
         except ValueError as e:  # refused by the engine (e.g. larger than its page pool)
             err = openai.OpenAIError(400, str(e))
             return JSONResponse(err.body(), status_code=err.status)
+        finally:
+            request_finished(last, r.request_id)
 
     async def _collect_events(self, r: openai.GenRequest, events, served_by: dict) -> Response:
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -108,7 +119,7 @@ class OpenAIIngress:
         return JSONResponse(openai.full_response(r, "".join(text), finish, prompt, n, cached),
                             headers={k: v for k, v in served_by.items() if v})
 
-    async def _stream(self, r: openai.GenRequest, events):
+    async def _stream(self, r: openai.GenRequest, events, last: str):
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         n, cached, prompt, last = 0, 0, len(r.tokens), None
         try:
@@ -124,6 +135,8 @@ class OpenAIIngress:
         except Exception as e:  # noqa: BLE001 - a stream cannot change its status any more
             log.exception("stream failed")
             yield openai.sse({"error": {"message": str(e), "type": "server_error"}})
+        finally:
+            request_finished(last, r.request_id)
         yield openai.sse("[DONE]")
 
 

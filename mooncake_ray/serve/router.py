@@ -13,6 +13,7 @@ direct KV handoff reserved pages there) goes to that replica while it lives.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import List, Optional
 
@@ -28,29 +29,71 @@ def _tokens(req: Optional[PendingRequest]) -> list[int] | None:
     return first.get("tokens") if isinstance(first, dict) else None
 
 
+class _InFlight:
+    """Requests routed to each replica and not finished yet, per deployment.
+
+    Serve reports a streaming request complete (``on_request_completed``) as soon as its
+    stream is set up, and its queue-length cache follows the same signal, so a replica
+    streaming long answers looks idle to a router. The ingress, which consumes the
+    streams, says when a request is really done (:func:`request_finished`); routers and
+    the ingress of one Serve replica share this process, so they share this registry.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._where: dict[tuple[str, str], str] = {}  # (deployment, request id) -> replica
+        self._count: dict[tuple[str, str], int] = {}  # (deployment, replica) -> in flight
+
+    def add(self, deployment: str, request_id: str, replica: str) -> None:
+        with self._lock:
+            if (deployment, request_id) in self._where:
+                return
+            self._where[(deployment, request_id)] = replica
+            self._count[(deployment, replica)] = self._count.get((deployment, replica), 0) + 1
+
+    def done(self, deployment: str, request_id: str) -> None:
+        with self._lock:
+            replica = self._where.pop((deployment, request_id), None)
+            if replica is not None:
+                self._count[(deployment, replica)] -= 1
+
+    def count(self, deployment: str, replica: str) -> int:
+        return self._count.get((deployment, replica), 0)
+
+    def forget_replica(self, deployment: str, replica: str) -> None:
+        with self._lock:
+            self._count.pop((deployment, replica), None)
+            for k in [k for k, v in self._where.items() if k[0] == deployment and v == replica]:
+                del self._where[k]
+
+
+_INFLIGHT = _InFlight()
+
+
+def request_finished(deployment: str, request_id: str) -> None:
+    """The ingress is done with ``request_id`` on ``deployment`` (its answer consumed)."""
+    _INFLIGHT.done(deployment, request_id)
+
+
+def _request_id(req: Optional[PendingRequest]) -> str | None:
+    if req is None or not req.args or not isinstance(req.args[0], dict):
+        return None
+    return req.args[0].get("request_id")
+
+
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, page_size: int = 16, imbalance: int = 4, max_entries: int = 200_000):
         self._page_size, self._imbalance, self._max = page_size, imbalance, max_entries
         self._owners: OrderedDict[str, set] = OrderedDict()
         self._hashes: dict[str, list[str]] = {}
-        # Requests this router sent and that have not finished, per replica: a stream
-        # counts until its last token. Serve's own queue-length cache is refreshed by
-        # probes and expires; this count is exact for what passed through here.
-        self._inflight: dict[ReplicaID, int] = {}
-        self._routed: dict[str, ReplicaID] = {}
 
     def _queue(self, r: RunningReplica) -> int:
         q = self._replica_queue_len_cache.get(r.replica_id)
-        return max(q or 0, self._inflight.get(r.replica_id, 0))
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self._routed.pop(internal_request_id, None)
-        if rid is not None:
-            self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        return max(q or 0, _INFLIGHT.count(self._deployment_id.name, r.replica_id.unique_id))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._inflight.pop(replica_id, None)
+        _INFLIGHT.forget_replica(self._deployment_id.name, replica_id.unique_id)
 
     def match(self, hashes: list[str], replica_id: ReplicaID) -> int:
         n = 0
@@ -87,10 +130,9 @@ class PrefixAwareRouter(RequestRouter):
         return [[best], [r for r in by_load if r is not best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        rid = pending_request.metadata.internal_request_id
-        if rid and rid not in self._routed:
-            self._routed[rid] = replica_id
-            self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
+        rid = _request_id(pending_request)
+        if rid:
+            _INFLIGHT.add(self._deployment_id.name, rid, replica_id.unique_id)
         hashes = self._hashes.pop(pending_request.metadata.request_id, None)
         if hashes is None:
             tokens = _tokens(pending_request)
