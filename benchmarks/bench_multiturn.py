@@ -19,11 +19,15 @@ Writes benchmarks/results/bench_multiturn.{json,png}.
 ``serve run FILE`` as a user runs it, and the same file with ``store.enabled: false``, each
 driven over ``/v1/chat/completions`` with text turns (``--turn-chars`` characters of
 question, the answer as the server returned it re-sent in the history, so the chat
-template is rendered anew every turn). Targets, over the rounds after the engines' own
-page pools overflowed: >= 85% of prompt tokens cached with the store, mean TTFT <= 0.5x
-the store-off run. Writes ``bench_multiturn_serve.{json,png}``.
+template is rendered anew every turn). Each measurement runs on a Ray head of its own;
+``--repeat N`` runs N store-on/store-off pairs. Reported over the rounds that began with the
+engines' own page pools full, and over the last three rounds: the share of prompt tokens
+cached, the share that repeated the previous turn's prompt (the most any cache can serve),
+mean TTFT and input throughput as ratios to store-off, and the engines' load time per
+loaded token against compute time per computed token. Targets: >= 85% of prompt tokens
+cached with the store, mean TTFT <= 0.5x store-off. Writes ``bench_multiturn_serve.{json,png}``.
 
-    make bench B=benchmarks/bench_multiturn.py ARGS="--serve-config serve_configs/aggregated.yaml"
+    make bench B=benchmarks/bench_multiturn.py ARGS="--serve-config serve_configs/aggregated.yaml --repeat 3"
 """
 
 from __future__ import annotations
@@ -373,8 +377,11 @@ def summarize_serve(results) -> dict:
         for name, rows in (("", per), ("last_3_rounds_", tail)):
             out[name + "median"] = {k: statistics.median(p[k] for p in rows) for k in keys}
             out[name + "range"] = {k: [min(p[k] for p in rows), max(p[k] for p in rows)] for k in keys}
-        m = out["median"]
-        out["targets"] = {"cache_hit_rate_store>=0.85": m["cache_hit_rate_store"] >= 0.85,
+        m, t = out["median"], out["last_3_rounds_median"]
+        # the cached share can reach at most the repeated share (each turn's new text is
+        # computed), reported as repeated_prefix_share: below 0.85 in early rounds
+        out["targets"] = {"cache_hit_rate_store>=0.85 (last 3 rounds)": t["cache_hit_rate_store"] >= 0.85,
+                          "cache_hit_rate_store>=0.85 (all rounds after overflow)": m["cache_hit_rate_store"] >= 0.85,
                           "ttft_store/store_off<=0.5": m["ttft_ratio"] <= 0.5}
     return out
 
