@@ -112,6 +112,14 @@ if [[ $PYREAL == /root/* ]]; then
   ROOT_FIX="mount --bind /root '$W/rootdir' && mount -t tmpfs -o mode=755 tmpfs /root &&
       mkdir -p '$top' && mount --bind '$W/rootdir/${top#/root/}' '$top' &&"
 fi
+# Hosts and the driver's side get a /tmp of their own; a checkout under /tmp (a CI clone made
+# with mktemp) is bound back at its own path inside each (the venv runs from it).
+TMP_PRE= TMP_POST=
+if [[ $ROOT == /tmp/* ]]; then
+  mkdir -p "$W/rootsrc"
+  TMP_PRE="mount --bind '$ROOT' '$W/rootsrc' &&"
+  TMP_POST="mkdir -p '$ROOT' && mount --bind '$W/rootsrc' '$ROOT' &&"
+fi
 for i in "${!HOSTS[@]}"; do
   h=$W/h$i
   mkdir -p "$h/home/.ssh" "$h/tmp"
@@ -123,8 +131,8 @@ for i in "${!HOSTS[@]}"; do
   # The host: new PID namespace (sshd is its init), own mounts, hostname and IPC.
   ip netns exec "mcr$ID-h$i" unshare --pid --fork --kill-child --mount-proc --mount --uts --ipc \
     --propagation private sh -c "
-      hostname mcr-h$i && $ROOT_FIX
-      mount --bind '$h/home' '/home/$U' && mount --bind '$h/tmp' /tmp &&
+      hostname mcr-h$i && $ROOT_FIX $TMP_PRE
+      mount --bind '$h/home' '/home/$U' && mount --bind '$h/tmp' /tmp && $TMP_POST
       mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm &&
       exec /usr/sbin/sshd -D -e -f '$W/sshd_config' -o ListenAddress=$NET.${HOSTS[i]}" \
     >"$W/sshd-h$i.log" 2>&1 &
@@ -135,7 +143,7 @@ done
 mkdir -p "$W/ctl/tmp" "$W/ctl/home"
 ctl() {
   ip netns exec "$NS_CTL" unshare --mount --propagation private sh -c \
-    "mount --bind '$W/ctl/tmp' /tmp && cd '$ROOT' && exec env HOME='$W/ctl/home' RAY_UP_enable_autoscaler_v2=0 \"\$@\"" sh "$@"
+    "$TMP_PRE mount --bind '$W/ctl/tmp' /tmp && $TMP_POST cd '$ROOT' && exec env HOME='$W/ctl/home' RAY_UP_enable_autoscaler_v2=0 \"\$@\"" sh "$@"
 }
 SSH_OPTS=(-i "$W/key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=5)
 on() {  # host-index command...: run as the ssh user on that host
