@@ -54,6 +54,7 @@ cleanup() {
   id "$U" >/dev/null 2>&1 && { userdel -f "$U" 2>/dev/null || { sleep 2; userdel -f "$U"; }; }
   [ -n "${KEEP:-}" ] && echo "kept $W" || rm -rf "$W"
   [ -d "/home/$U" ] && rmdir "/home/$U" 2>/dev/null
+  [ -n "${ROOT_MODE:-}" ] && chmod "$ROOT_MODE" "$ROOT"
   log "cleanup done (exit $rc)"
   exit $rc
 }
@@ -116,6 +117,9 @@ fi
 # with mktemp) is bound back at its own path inside each (the venv runs from it).
 TMP_PRE= TMP_POST=
 if [[ $ROOT == /tmp/* ]]; then
+  # mktemp -d makes it 0700: the ssh user must enter it (restored on exit)
+  ROOT_MODE=$(stat -c %a "$ROOT")
+  chmod a+rx "$ROOT"
   mkdir -p "$W/rootsrc"
   TMP_PRE="mount --bind '$ROOT' '$W/rootsrc' &&"
   TMP_POST="mkdir -p '$ROOT' && mount --bind '$W/rootsrc' '$ROOT' &&"
