@@ -491,10 +491,15 @@ def plot(results, path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     labels = {"engine": "engine only (L1)", "dram": "+ store DRAM", "spill": "+ store DRAM + spill",
               "store": "store on", "store_off": "store off"}
-    for mode, r in results["configs"].items():
-        xs = [x["round"] for x in r["rounds"]]
-        a.plot(xs, [x["mean_ttft_s"] for x in r["rounds"]], marker="o", label=labels.get(mode, mode))
-        b.plot(xs, [x["cache_hit_rate"] for x in r["rounds"]], marker="o", label=labels.get(mode, mode))
+    runs = results.get("repeats") or [results["configs"]]  # --serve-config: every repeat
+    for k, configs in enumerate(runs):
+        for c, (mode, r) in enumerate(configs.items()):
+            xs = [x["round"] for x in r["rounds"]]
+            style = dict(marker="o", color=f"C{c}", alpha=1.0 if len(runs) == 1 else 0.6,
+                         label=labels.get(mode, mode) + (f" ({len(runs)} runs)" if len(runs) > 1 else "")
+                         if k == 0 else None)
+            a.plot(xs, [x["mean_ttft_s"] for x in r["rounds"]], **style)
+            b.plot(xs, [x["cache_hit_rate"] for x in r["rounds"]], **style)
     a.set_xlabel("round"), a.set_ylabel("mean TTFT (s)"), a.grid(alpha=0.3), a.legend()
     b.set_xlabel("round"), b.set_ylabel("cache hit rate"), b.set_ylim(0, 1.05), b.grid(alpha=0.3), b.legend()
     fig.suptitle("multi-turn chat: TTFT and cache hit rate per round")
