@@ -56,25 +56,34 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(http, url, tokens, out_len):
-    body = {"model": MODEL["model_id"], "prompt": tokens, "max_tokens": out_len, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def stream_openai(http, url, path, body):
+    """POST a streaming OpenAI request; returns (TTFT, usage, generated text, latency)."""
+    body = {**body, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, out, usage = None, [], None
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+    ttft, text, usage = None, [], None
+    async with http.stream("POST", f"{url}{path}", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])
+            if ev.get("error"):
+                raise RuntimeError(f"stream error: {ev['error']}")
             if ev.get("usage"):
                 usage = ev["usage"]
             for c in ev.get("choices", []):
-                if c.get("text") is not None and ttft is None and c.get("finish_reason") is None:
+                piece = c["text"] if "text" in c else (c.get("delta") or {}).get("content")
+                if piece is not None and ttft is None and c.get("finish_reason") is None:
                     ttft = time.perf_counter() - t0
-                out.append(c.get("text", ""))
-    return ttft, usage, time.perf_counter() - t0
+                text.append(piece or "")
+    return ttft, usage, "".join(text), time.perf_counter() - t0
+
+
+async def one_request(http, url, tokens, out_len):
+    ttft, usage, _, lat = await stream_openai(http, url, "/v1/completions",
+                                              {"model": MODEL["model_id"], "prompt": tokens, "max_tokens": out_len})
+    return ttft, usage, lat
 
 
 async def run_workload(url, args, seed, probe=None):
@@ -159,27 +168,8 @@ def turn_text(rng: random.Random, chars: int) -> str:
 
 
 async def one_chat(http, url, model_id, messages, out_len):
-    body = {"model": model_id, "messages": messages, "max_tokens": out_len, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, text, usage = None, [], None
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("error"):
-                raise RuntimeError(f"stream error: {ev['error']}")
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for c in ev.get("choices", []):
-                piece = (c.get("delta") or {}).get("content")
-                if piece is not None and ttft is None and c.get("finish_reason") is None:
-                    ttft = time.perf_counter() - t0
-                text.append(piece or "")
-    return ttft, usage, "".join(text), time.perf_counter() - t0
+    return await stream_openai(http, url, "/v1/chat/completions",
+                               {"model": model_id, "messages": messages, "max_tokens": out_len})
 
 
 async def run_chat_workload(url, model_id, args, seed, probe, page_size=16):
