@@ -37,8 +37,6 @@ node costs recomputation, never a failed request or a wrong token.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mooncake_ray.config import _explain
 from mooncake_ray.errors import ConfigError
+from mooncake_ray.integrations import _store
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
 from mooncake_ray.integrations._vllm_worker import KVTransfer, LayerBlocks
@@ -115,41 +114,11 @@ def parse_config(extra: dict | None) -> MooncakeRayConnectorConfig:
 
 
 # ------------------------------------------------------------------------ store ----
-_clients: dict[str, Any] = {}
-_clients_lock = threading.Lock()
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return  # "auto", "ray://..." and the like: ray.init reports those itself
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConfigError(f"MooncakeRayConnector: Ray address {address!r} is unreachable ({e})") from None
-
-
 def store_client(cfg: MooncakeRayConnectorConfig):
     """This process's client of the store (shared by the scheduler and worker sides)."""
-    import ray
-
-    import mooncake_ray
-
-    with _clients_lock:
-        client = _clients.get(cfg.namespace)
-        if client is not None:
-            return client
-        if not ray.is_initialized():
-            address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-            _check_reachable(address, cfg.connect_timeout_s)
-            try:
-                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ConfigError(f"MooncakeRayConnector: cannot join the Ray cluster at {address!r}: {e}") from None
-        client = mooncake_ray.connect(namespace=cfg.namespace, config={
-            "namespace": cfg.namespace, "client": {"master_retry_timeout_s": cfg.store_wait_s, "backpressure_timeout_s": cfg.store_wait_s}})
-        _clients[cfg.namespace] = client
-        return client
+    return _store.store_client(namespace=cfg.namespace, ray_address=cfg.ray_address,
+                               store_wait_s=cfg.store_wait_s, connect_timeout_s=cfg.connect_timeout_s,
+                               who="MooncakeRayConnector")
 
 
 # ---------------------------------------------------------------------- stats ----
