@@ -121,14 +121,14 @@ class OpenAIIngress:
 
     async def _stream(self, r: openai.GenRequest, events, last: str):
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        n, cached, prompt, last = 0, 0, len(r.tokens), None
+        n, cached, prompt, token = 0, 0, len(r.tokens), None
         try:
             async for ev in events:
                 piece = dec.decode(bytes([ev["token"]])) if ev["token"] < 256 else ""
-                cached, prompt, last = ev["cached_tokens"], ev["prompt_tokens"], ev["token"]
+                cached, prompt, token = ev["cached_tokens"], ev["prompt_tokens"], ev["token"]
                 yield openai.sse(openai.chunk(r, piece, None, first=n == 0))
                 n += 1
-            finish = "stop" if last == 257 and not r.ignore_eos else "length"
+            finish = "stop" if token == 257 and not r.ignore_eos else "length"
             yield openai.sse(openai.chunk(r, dec.decode(b"", final=True), finish))
             if r.include_usage:
                 yield openai.sse(openai.usage_chunk(r, prompt, n, cached))

@@ -13,6 +13,7 @@ direct KV handoff reserved pages there) goes to that replica while it lives.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections import OrderedDict
 from typing import List, Optional
@@ -70,9 +71,17 @@ class _InFlight:
 _INFLIGHT = _InFlight()
 
 
+def _inflight() -> _InFlight:
+    """The process's one registry. Serve hands the router class to the process that routes
+    by value (pickled with the deployment's config), which makes a second copy of this
+    module with a registry of its own that the ingress never updates; so both sides use
+    the registry of the module that ``import`` finds."""
+    return importlib.import_module(__name__)._INFLIGHT
+
+
 def request_finished(deployment: str, request_id: str) -> None:
     """The ingress is done with ``request_id`` on ``deployment`` (its answer consumed)."""
-    _INFLIGHT.done(deployment, request_id)
+    _inflight().done(deployment, request_id)
 
 
 def _request_id(req: Optional[PendingRequest]) -> str | None:
@@ -88,12 +97,15 @@ class PrefixAwareRouter(RequestRouter):
         self._hashes: dict[str, list[str]] = {}
 
     def _queue(self, r: RunningReplica) -> int:
+        """Requests in flight on ``r``: this process's own count (streams included), or
+        Serve's cached queue length where that is higher (requests other ingress replicas
+        sent)."""
         q = self._replica_queue_len_cache.get(r.replica_id)
-        return max(q or 0, _INFLIGHT.count(self._deployment_id.name, r.replica_id.unique_id))
+        return max(q or 0, _inflight().count(self._deployment_id.name, r.replica_id.unique_id))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        _INFLIGHT.forget_replica(self._deployment_id.name, replica_id.unique_id)
+        _inflight().forget_replica(self._deployment_id.name, replica_id.unique_id)
 
     def match(self, hashes: list[str], replica_id: ReplicaID) -> int:
         n = 0
@@ -132,7 +144,7 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = _request_id(pending_request)
         if rid:
-            _INFLIGHT.add(self._deployment_id.name, rid, replica_id.unique_id)
+            _inflight().add(self._deployment_id.name, rid, replica_id.unique_id)
         hashes = self._hashes.pop(pending_request.metadata.request_id, None)
         if hashes is None:
             tokens = _tokens(pending_request)

@@ -114,9 +114,6 @@ def test_prefix_routing_follows_the_conversation(aggregated):
         assert cached(r) > 0
 
 
-@pytest.mark.xfail(reason="open: passes in about half the runs; the router now counts held streams "
-                   "(Serve reports them complete when they start), yet the next turn still sometimes goes "
-                   "to the busy replica", strict=False)
 def test_prefix_routing_gives_way_to_an_imbalanced_queue(aggregated):
     """With more than ``imbalance`` requests in flight on the conversation's replica and
     none on the other, its next turn goes to the other replica."""
@@ -126,10 +123,12 @@ def test_prefix_routing_gives_way_to_an_imbalanced_queue(aggregated):
     hold = {"model": MODEL_ID, "messages": prefix, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(timeout=120))
+        held = []  # the line iterators too: one dropped closes its stream, and the server cancels it
         for _ in range(IMBALANCE + 1):  # each joins the owner's queue: they share its prefix
             resp = stack.enter_context(client.stream("POST", f"{url}/v1/chat/completions", json=hold))
             assert resp.status_code == 200
-            next(resp.iter_lines())  # its first token: in flight on a replica
+            held.append(resp.iter_lines())
+            assert next(held[-1]).startswith("data: ")  # its first token: in flight on a replica
         ext = prefix + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Anything else?"}]
         r = chat(url, ext)
         assert r.headers["x-mooncake-replica"] != owner, "went to the replica with the long queue"
