@@ -72,6 +72,22 @@ def test_mixed_batch_large_values_take_two_calls_and_errors_match(make_store):
     assert s.get("a") == b"replaced"
 
 
+def test_a_batch_spanning_several_slabs_commits_every_value_once(make_store):
+    """A slab replaced in the middle of a batch is given back only with the commit of the
+    values carved from it: none of them is refused and written again the two-call way."""
+    s = make_store(master={"put_slab_bytes": "1mb"})
+    calls = CallCounter(s)
+    keys = [f"span{i}" for i in range(24)]
+    vals = [rand(200 * KB, i) for i in range(24)]  # 4.8 MB: five 1 MiB slabs
+    assert s.batch_put(keys, vals) == [None] * 24
+    assert calls.ops.count(rpc.SLAB_GRANT) >= 4
+    assert calls.ops.count(rpc.PUT_COMMIT) == 1
+    assert rpc.PUT_START not in calls.ops  # nothing fell back to the two-call path
+    assert s.batch_get(keys) == vals
+    st = s.stats()  # the replaced slabs went back with the commit: only the current one is held
+    assert st["slabs"] == 1 and st["used"] - st["slab_bytes"] == 24 * 200 * KB
+
+
 def test_idle_client_gives_its_slab_back(make_store):
     s = make_store(master={"put_slab_ttl_s": 0.5})
     calls = CallCounter(s)

@@ -1,6 +1,12 @@
 """The put slab: a run of one node's DRAM this client carves single-call puts from (see
 master/slabs.py and docs/internals.md, "Put slabs"). A slab is written into only within
-3/4 of its ttl of asking for it, and given back when idle, given up, or on close."""
+3/4 of its ttl of asking for it, and given back when idle, given up, or on close.
+
+A slab replaced while puts carved from it are still being written is not given back until
+those puts are settled (committed or abandoned): the master frees a returned slab's
+uncommitted space, so their commits would fail and another client could be handed the
+room they are writing into. The last such put's PUT_COMMIT carries the return (the master
+applies a PUT_COMMIT's commits before its returns)."""
 
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ class Slabs:
         self._slab: Slab | None = None
         self._lock = threading.Lock()
         self._returns: list[int] = []
+        self._inuse: dict[int, int] = {}  # slab id -> puts carved from it, not settled yet
+        self._retired: set[int] = set()  # replaced slabs waiting for their puts to settle
         self._timer: threading.Timer | None = None
         self._closed = False
 
@@ -63,18 +71,45 @@ class Slabs:
                         continue
                 out.append((s, s.cur))
                 s.cur += n
+                self._inuse[s.slab_id] = self._inuse.get(s.slab_id, 0) + 1
         return out
+
+    def settle(self, slab_ids: list[int]) -> None:
+        """Puts carved from these slabs (one id per put) are committed or abandoned."""
+        with self._lock:
+            self._settle(slab_ids)
+
+    def _settle(self, slab_ids: list[int]) -> None:  # lock held
+        for sid in slab_ids:
+            left = self._inuse.get(sid, 0) - 1
+            if left > 0:
+                self._inuse[sid] = left
+                continue
+            self._inuse.pop(sid, None)
+            if sid in self._retired:
+                self._retired.discard(sid)
+                self._returns.append(sid)
+
+    def _retire(self, slab: Slab) -> None:  # lock held
+        """Stop carving from ``slab``; give it back once its puts are settled."""
+        if self._inuse.get(slab.slab_id, 0) > 0:
+            self._retired.add(slab.slab_id)
+        else:
+            self._returns.append(slab.slab_id)
 
     def give_up(self, slab_ids: set[int]) -> None:
         """Stop writing into these slabs (their node failed a write) and give them back."""
         with self._lock:
             if self._slab is not None and self._slab.slab_id in slab_ids:
                 self._slab = None
+            self._retired -= slab_ids
             self._returns.extend(slab_ids)
 
-    def take_returns(self) -> list[int]:
-        """The ids of slabs to give back, to send with a PUT_COMMIT."""
+    def take_returns(self, settled: list[int] = ()) -> list[int]:
+        """The ids of slabs to give back, to send with a PUT_COMMIT; ``settled``: the slab
+        id of each put that PUT_COMMIT commits (or that was abandoned)."""
         with self._lock:
+            self._settle(settled)
             return self._take_returns()
 
     def _take_returns(self) -> list[int]:  # lock held
@@ -84,7 +119,7 @@ class Slabs:
     def _new_slab(self, need: int) -> bool:
         """Replace the current slab (lock held). False if the master has none to give."""
         if self._slab is not None:
-            self._returns.append(self._slab.slab_id)
+            self._retire(self._slab)
             self._slab = None
         sent = time.monotonic()
         try:
@@ -110,8 +145,11 @@ class Slabs:
         with self._lock:
             s = self._slab
             if s is not None and (not expired_only or time.monotonic() > s.use_until):
-                self._returns.append(s.slab_id)
+                self._retire(s)
                 self._slab = s = None
+            if not expired_only:  # closing: nothing more will be written or committed
+                self._returns.extend(self._retired)
+                self._retired.clear()
             ids = self._take_returns()
             if s is not None and not self._closed:  # still in use: look again when it runs out
                 self._arm_timer(max(0.05, s.use_until - time.monotonic()))

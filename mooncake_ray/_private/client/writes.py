@@ -109,6 +109,7 @@ class Writer:
                 owners.append(i)
         if not items:
             return sorted(rest)
+        settled = [slab.slab_id for _, slab, _ in items]  # each put's slab, once committed or abandoned
         failed = self._write(ops, owners)
         if failed:  # the slab's node failed us: give the slab up, retry those the two-call way
             self._slabs.give_up({s.slab_id for i, s, _ in items if i in failed})
@@ -116,8 +117,10 @@ class Writer:
         commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
                    if i not in failed]
         rest.extend(failed)
-        if commits:
-            returns = self._slabs.take_returns()
+        if not commits:
+            self._slabs.settle(settled)
+        else:
+            returns = self._slabs.take_returns(settled)
             try:
                 done = self._master.call(rpc.PUT_COMMIT, [c for _, c in commits], self._owner, returns)
             except MasterUnavailableError as e:

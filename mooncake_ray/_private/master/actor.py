@@ -177,12 +177,12 @@ class MasterActor:
         return self.state.slab_grant(owner, client_node, need)
 
     def _put_commit(self, items, owner, returns=()):
-        self._return_slabs(returns)
-
         def one(key, slab_id, offset, size, upsert=False):
             return self.state.put_commit(key, slab_id, offset, size, upsert, owner)
 
-        return rpc.per_key(one, items)
+        out = rpc.per_key(one, items)
+        self._return_slabs(returns)  # after the commits: a returned slab may hold some of them
+        return out
 
     def _release(self, done) -> None:
         for key, gen, lease in done:
