@@ -141,6 +141,30 @@ def test_forced_remove_of_leased_object_defers_extent_reuse():
     m.check_invariants()
 
 
+def test_a_removed_or_replaced_value_is_freed_when_its_readers_release():
+    """A reader's release of a dropped value frees its extent at once, not at the
+    lease's expiry; with two readers, only the second release does."""
+    m, clock = make(n_nodes=1, cap=4 * K, lease_ttl_s=10, high_watermark=1.0)
+    _, ext = put(m, "a", 4 * K)
+    _, gen, _, _, l1 = m.get("a")
+    *_, l2 = m.get("a")
+    m.release("a", gen, m.get("a")[4])  # a third lease, released before the remove
+    assert m.remove("a", force=True)
+    m.release("a", gen, l1)
+    with pytest.raises(NoCapacityError):  # the other reader still copies from it
+        m.put_start("b", 4 * K)
+    m.release("a", gen, l2)
+    m.release("a", gen, l2)  # idempotent
+    gen_b, ext2 = m.put_start("b", 4 * K)
+    assert ext2[0][1] == ext[0][1]
+    m.check_invariants()
+    clock.t += 11  # the deferred entry's time passes: nothing is freed twice
+    m.put_end("b", gen_b)
+    m.put_start("c", 4 * K)  # room for c only by evicting b: the old entry freed nothing
+    assert not m.exists("b")
+    m.check_invariants()
+
+
 def test_eviction_order_is_lru_skipping_leased_pinned_pending():
     # 10 slots of 1 granule; watermark eviction off so the order is observed on demand.
     m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.1)

@@ -56,7 +56,14 @@ class ReplicaTable:
         self.counters = counters
         self._mirror = mirror
         self._offload = offload
-        self.deferred: list[tuple[float, str, str, int, int]] = []  # (until, incarnation, node, off, len)
+        # extents of dropped objects waiting for their read leases to end:
+        # (until, seq, incarnation, node, off, len, (key, gen) or None)
+        self.deferred: list[tuple[float, int, str, str, int, int, tuple | None]] = []
+        self._seq = 0
+        # a dropped object's leases still out, and its deferred entries: its readers'
+        # releases free the extents before ``until`` (entries freed so: ``_void``)
+        self._dropped: dict[tuple[str, int], tuple[set, list]] = {}
+        self._void: set[int] = set()
         self.effects: dict[str, NodeDelta] = {}
 
     def publish(self, obj: Obj, now: float) -> None:
@@ -135,12 +142,32 @@ class ReplicaTable:
         return self._last_placed
 
     def drop_object(self, obj: Obj, now: float) -> None:
-        """Forget a complete object; its extents wait for its lease to end."""
+        """Forget a complete object; its extents wait for its lease to end (or for the
+        release of its last lease, :meth:`end_dropped_lease`)."""
         del self._objects[obj.key]
         self._lru.discard(obj.key)
         self._mirror.key(obj.key)
-        for r in obj.replicas:
-            self._release_replica(obj, r)
+        owner = (obj.key, obj.gen) if obj.leases else None
+        entries = [e for r in obj.replicas if (e := self._release_replica(obj, r, owner)) is not None]
+        if entries and owner is not None:
+            self._dropped[owner] = (set(obj.leases), entries)
+
+    def end_dropped_lease(self, key: str, gen: int, lease: int) -> None:
+        """A reader released ``lease`` on a dropped (removed or replaced) version of
+        ``key``; the last release frees its extents at once. Unknown leases: no-op."""
+        d = self._dropped.get((key, gen))
+        if d is None:
+            return
+        leases, entries = d
+        leases.discard(lease)
+        if leases:
+            return
+        del self._dropped[(key, gen)]
+        for _, seq, inc, node_id, off, length, _ in entries:
+            self._void.add(seq)
+            node = self._nodes.get(node_id)
+            if node is not None and node.incarnation == inc:
+                self._alloc[node_id].release(off, length)
 
     def drop_replica(self, obj: Obj, rep: Replica, now: float) -> None:
         """Drop one replica; an object left with none is gone (a miss from now on)."""
@@ -152,10 +179,13 @@ class ReplicaTable:
                 self._lru.discard(obj.key)
             self._mirror.key(obj.key)
 
-    def _release_replica(self, obj: Obj, r: Replica) -> None:
+    def _release_replica(self, obj: Obj, r: Replica, owner: tuple | None = None):
+        """Forget replica ``r`` of ``obj``; returns the deferred entry of its extent, if
+        it waits for a lease (``owner``: the dropped object it belongs to)."""
         node = self._nodes.get(r.node_id)
         if node is None:
-            return
+            return None
+        entry = None
         # An add of this replica still in the delta (published, then evicted before
         # delivery) is cancelled there, in O(1).
         self.delta(r.node_id).drop(obj.key, obj.gen, r.tier.value)
@@ -166,8 +196,9 @@ class ReplicaTable:
         else:
             if r.offloading:  # the offload's disk reservation ends with offload_done
                 node.offload_inflight -= r.length
-            self.free_extent(r, obj.lease_until)
+            entry = self.free_extent(r, obj.lease_until, owner)
         self.unindex(r.node_id, obj.key)
+        return entry
 
     def unindex(self, node_id: str, key: str) -> None:
         """Drop ``key`` from a node's index unless some version of it still lives there."""
@@ -180,18 +211,28 @@ class ReplicaTable:
                 return
         node.keys.discard(key)
 
-    def free_extent(self, rep: Replica, until: float) -> None:
+    def free_extent(self, rep: Replica, until: float, owner: tuple | None = None):
+        """Free a DRAM replica's extent now, or at ``until`` (a lease's end); returns the
+        deferred entry, if deferred."""
         if rep.tier is not Tier.DRAM or rep.node_id not in self._alloc:
-            return
+            return None
         if until > self._clock():
             node = self._nodes[rep.node_id]
-            heapq.heappush(self.deferred, (until, node.incarnation, rep.node_id, rep.offset, rep.length))
-        else:
-            self._alloc[rep.node_id].release(rep.offset, rep.length)
+            self._seq += 1
+            entry = (until, self._seq, node.incarnation, rep.node_id, rep.offset, rep.length, owner)
+            heapq.heappush(self.deferred, entry)
+            return entry
+        self._alloc[rep.node_id].release(rep.offset, rep.length)
+        return None
 
     def release_deferred(self, now: float) -> None:
         while self.deferred and self.deferred[0][0] <= now:
-            _, inc, node_id, off, length = heapq.heappop(self.deferred)
+            _, seq, inc, node_id, off, length, owner = heapq.heappop(self.deferred)
+            if seq in self._void:  # freed already, by its readers' releases
+                self._void.discard(seq)
+                continue
+            if owner is not None:
+                self._dropped.pop(owner, None)
             node = self._nodes.get(node_id)
             if node is not None and node.incarnation == inc:
                 self._alloc[node_id].release(off, length)
@@ -269,7 +310,15 @@ class ReplicaTable:
         of objects lost."""
         node_id = node.node_id
         self.effects.pop(node_id, None)
-        self.deferred = [d for d in self.deferred if d[2] != node_id]
+        kept = []
+        for d in self.deferred:
+            if d[3] != node_id:
+                kept.append(d)
+            elif d[1] in self._void:
+                self._void.discard(d[1])
+            elif d[6] is not None:
+                self._dropped.pop(d[6], None)
+        self.deferred = kept
         heapq.heapify(self.deferred)
         lost = 0
         for key in node.keys:
@@ -310,8 +359,8 @@ class ReplicaTable:
                         inflight[r.node_id] += r.length
                 if table is self._objects:
                     assert obj.replicas, f"{key}: complete object without replicas"
-        for _, inc, node_id, off, length in self.deferred:
-            if self._nodes[node_id].incarnation == inc:
+        for _, seq, inc, node_id, off, length, _ in self.deferred:
+            if seq not in self._void and self._nodes[node_id].incarnation == inc:
                 live[node_id].append((off, length))
         for node_id, node in self._nodes.items():
             counted = {"dram": 0, "disk": 0}

@@ -356,8 +356,9 @@ class MasterState:
                 full.add(self._slab_table.apply_logged(key, gen, lease, offset, size, now))
                 continue
             obj = objects.get(key)
-            if obj is None or obj.gen != gen:
-                continue  # a release of a replaced value (a grant cannot be: see fastpath.py)
+            if obj is None or obj.gen != gen:  # a release of a dropped value (a grant cannot be: see fastpath.py)
+                self._replicas.end_dropped_lease(key, gen, lease)
+                continue
             if kind == GRANT:
                 self._replicas.grant_lease(obj, lease, now)
                 self.counters["hits"] += 1
@@ -453,9 +454,10 @@ class MasterState:
         working set larger than DRAM never waits for leases. Idempotent (a lease id is
         released once; retrying after a lost reply is safe)."""
         obj = self._objects.get(key)
-        if obj is None or obj.gen != gen or not obj.leases:
-            return
-        self._replicas.end_lease(obj, lease, self._clock() if now is None else now)
+        if obj is None or obj.gen != gen:
+            self._replicas.end_dropped_lease(key, gen, lease)
+        elif obj.leases:
+            self._replicas.end_lease(obj, lease, self._clock() if now is None else now)
 
     def exists(self, key: str) -> bool:
         self._ready()
