@@ -40,7 +40,7 @@ sysdeps: .venv/.sysdeps
 # (requirements-torch.txt), installed with pip, which takes the local CPU wheel.
 EXTRA = $(shell python3 -c 'import tomllib,sys; print(" ".join(repr(r) for r in tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"][sys.argv[1]]))' $(1))
 
-.venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt
+.venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt requirements-nodeps.txt
 	@command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
 	@[ -x $(PY) ] || uv venv --seed -q --allow-existing -p python3.11 .venv || uv venv --seed -q --allow-existing .venv
 	$(PIP) install -q -r requirements-torch.txt
@@ -48,7 +48,11 @@ EXTRA = $(shell python3 -c 'import tomllib,sys; print(" ".join(repr(r) for r in 
 	@# brings CUDA-linked torchvision/torchaudio/torchcodec that break transformers' imports here.
 	$(PIP) install -q $(call EXTRA,vllm)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	uv pip install -q -p $(PY) -r pyproject.toml --extra dev
+	uv pip install -q -p $(PY) -r pyproject.toml --extra dev --extra integrations
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	@# SGLang imports torchvision, whose PyPI build cannot load its CUDA-linked ops on a CPU
+	@# torch and, in site-packages, breaks vLLM's imports: kept aside for the SGLang tests only.
+	$(PIP) install -q --no-deps --upgrade --target .venv/sglang-extra torchvision==0.28.0
 	@touch $@
 
 setup: .venv/.env

@@ -90,3 +90,32 @@ def ucx_perftest(tls: str, test: str, size: int, iters: int, extra: tuple = ()) 
             return {"lat_us": float(f[2]), "gbps": float(f[6]) * (1 << 20) / 1e9}
     print(f"ucx_perftest {tls} {test} {size} gave no result:\n{out[-2000:]}", file=sys.stderr)
     return failed
+
+
+def versions(packages) -> dict:
+    """Installed version of each distribution (None where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in packages:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def wait_port(port: int, timeout_s: float = 30.0, proc=None, log=None) -> None:
+    """Wait until something listens on 127.0.0.1:``port``; fail at once if ``proc`` (the
+    process expected to listen) exits, quoting the end of its ``log``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log).read_text(errors="replace").splitlines()[-4:] if log else []
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: " + " | ".join(tail))
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")

