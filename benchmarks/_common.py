@@ -119,3 +119,17 @@ def wait_port(port: int, timeout_s: float = 30.0, proc=None, log=None) -> None:
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def stop_processes(procs: list, wait_s: float = 15.0) -> None:
+    """Stop the child processes a benchmark started (by pid, last started first): SIGTERM,
+    then SIGKILL after ``wait_s``; empties ``procs``."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    procs.clear()

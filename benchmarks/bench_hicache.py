@@ -76,7 +76,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import ROOT, RESULTS, free_port, spread, versions, wait_port
+from _common import ROOT, RESULTS, free_port, spread, stop_processes, versions, wait_port
 
 MODEL = "Qwen/Qwen3-8B"
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_TOKENS = 36, 8, 128, 2, 64
@@ -240,14 +240,7 @@ class Processes:
         return p, log
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_processes(self.procs, wait_s=10)
 
 
 def mooncake_master(procs: Processes, name: str, lease_ms: int) -> str:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import free_port, spread, ucx_perftest
+from _common import free_port, spread, stop_processes, ucx_perftest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -445,15 +445,7 @@ class MooncakePeer:
             except Exception:  # noqa: BLE001
                 pass
             self.store = None
-        for p in reversed(self.procs):  # only the processes started here, by pid
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        self.procs.clear()
+        stop_processes(self.procs)  # only the processes started here, by pid
 
 
 # ================================================================ ucx_perftest ==
