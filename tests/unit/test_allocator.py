@@ -74,3 +74,20 @@ def test_random_against_model():
                 owned[off] = ln
         assert a.used == sum(owned.values())
         assert a.used + sum(l for _, l in a.free_runs()) == cap
+
+
+def test_release_many_merges_neighbours_before_touching_the_free_index():
+    a = ExtentAllocator(16 * ALIGN)
+    ext = [a.allocate(ALIGN) for _ in range(16)]
+    assert a.free_runs() == []
+    # out of order, with a gap at 8: two runs come back, merged with nothing else
+    a.release_many([ext[i] for i in (3, 1, 2, 0, 9, 10, 11)])
+    assert a.free_runs() == [(0, 4 * ALIGN), (9 * ALIGN, 3 * ALIGN)] and a.used == 9 * ALIGN
+    a.release_many([ext[8], ext[4]])  # each joins its free neighbours
+    assert a.free_runs() == [(0, 5 * ALIGN), (8 * ALIGN, 4 * ALIGN)]
+    a.release_many([])
+    with pytest.raises(ValueError, match="double free"):
+        a.release_many([ext[5], ext[5]])
+    assert a.free_runs() == [(0, 6 * ALIGN), (8 * ALIGN, 4 * ALIGN)]  # the first copy only
+    with pytest.raises(ValueError, match="double free"):
+        a.release_many([ext[0]])

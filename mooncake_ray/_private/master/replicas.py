@@ -64,6 +64,8 @@ class ReplicaTable:
         # releases free the extents before ``until`` (entries freed so: ``_void``)
         self._dropped: dict[tuple[str, int], tuple[set, list]] = {}
         self._void: set[int] = set()
+        self._batch_free: list | None = None  # extents an eviction batch freed, released at its end
+        self._batch_node: str | None = None
         self.effects: dict[str, NodeDelta] = {}
 
     def publish(self, obj: Obj, now: float) -> None:
@@ -80,7 +82,7 @@ class ReplicaTable:
         for r in obj.replicas:
             node = self._nodes[r.node_id]
             node.keys.add(key)  # dropping the old value may have unindexed it
-            node.tier_keys[r.tier.value] += 1
+            node.tier_keys[r.tier._value_] += 1
             self.delta(r.node_id).add(inventory_entry(obj, r))
         self._mirror.key(key)
 
@@ -188,9 +190,9 @@ class ReplicaTable:
         entry = None
         # An add of this replica still in the delta (published, then evicted before
         # delivery) is cancelled there, in O(1).
-        self.delta(r.node_id).drop(obj.key, obj.gen, r.tier.value)
+        self.delta(r.node_id).drop(obj.key, obj.gen, r.tier._value_)
         if obj.complete and r.ready:
-            node.tier_keys[r.tier.value] -= 1
+            node.tier_keys[r.tier._value_] -= 1
         if r.tier is Tier.DISK:
             node.disk_used -= r.length
         else:
@@ -222,7 +224,10 @@ class ReplicaTable:
             entry = (until, self._seq, node.incarnation, rep.node_id, rep.offset, rep.length, owner)
             heapq.heappush(self.deferred, entry)
             return entry
-        self._alloc[rep.node_id].release(rep.offset, rep.length)
+        if self._batch_free is not None and rep.node_id == self._batch_node:
+            self._batch_free.append((rep.offset, rep.length))
+        else:
+            self._alloc[rep.node_id].release(rep.offset, rep.length)
         return None
 
     def release_deferred(self, now: float) -> None:
@@ -258,16 +263,23 @@ class ReplicaTable:
             # per object (at most a quarter of the arena).
             need = max(need, min(8 * need, alloc.capacity // 4))
         need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
-        freed = 0
+        freed = evicted = 0
         if need <= 0:
             return 0
-        for obj, rep in pick_victims(self._lru, self._objects, node_id, need, now):
-            if self._offload(node, obj, rep, now):
-                continue
-            self.drop_replica(obj, rep, now)
-            freed += rep.length
-            self.counters["evictions"] += 1
-            self.counters["evicted_bytes"] += rep.length
+        batch: list[tuple[int, int]] = []
+        self._batch_free, self._batch_node = batch, node_id
+        try:
+            for obj, rep in pick_victims(self._lru, self._objects, node_id, need, now):
+                if self._offload(node, obj, rep, now):
+                    continue
+                self.drop_replica(obj, rep, now)
+                freed += rep.length
+                evicted += 1
+        finally:
+            self._batch_free = self._batch_node = None
+            alloc.release_many(batch)
+        self.counters["evictions"] += evicted
+        self.counters["evicted_bytes"] += freed
         return freed
 
     def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:

@@ -78,10 +78,12 @@ class DiskTier:
     # -------------------------------------------------------------- offload ----
     def try_offload(self, node: NodeInfo, obj: Obj, rep: Replica, now: float) -> bool:
         """Start offloading ``rep`` instead of dropping it; False if the disk can't take it."""
+        if not node.spill_usable():
+            return False
         if any(r.node_id == node.node_id and r.tier is Tier.DISK for r in obj.replicas):
             return False  # already on this node's disk: dropping the DRAM copy is enough
         length = disk_length(obj.size, obj.key)
-        if not node.spill_usable() or not self._reserve_disk(node, length, now):
+        if not self._reserve_disk(node, length, now):
             return False
         node.disk_pending[(obj.key, obj.gen)] = length
         rep.offloading = True
