@@ -90,7 +90,9 @@ class Reader:
             self._stats["misses"] += 1
             return ObjectNotFoundError(f"{key!r} is not in the store")
         if rpc.is_err(d):
-            return rpc.to_exc(d)
+            e = rpc.to_exc(d)
+            # no DRAM yet to promote the value into: the general path waits for offloads
+            return self._careful(key, buffer) if isinstance(e, OffloadPendingError) else e
         g = wire.read_grant(d)
         rep = g.replicas[0]
         if rep.tier != "dram":
