@@ -133,3 +133,23 @@ def stop_processes(procs: list, wait_s: float = 15.0) -> None:
                 p.kill()
                 p.wait()
     procs.clear()
+
+
+class Processes:
+    """Child processes a benchmark starts, each logging to ``log_dir/<name>.log``; all
+    stopped, by pid, on ``stop_all``."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.procs: list = []
+
+    def start(self, name: str, argv: list[str]):
+        """Start ``argv`` in a session of its own; returns ``(process, log path)``."""
+        log = self.log_dir / f"{name}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p, log
+
+    def stop_all(self, wait_s: float = 15.0) -> None:
+        stop_processes(self.procs, wait_s)

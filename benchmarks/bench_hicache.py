@@ -76,7 +76,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import ROOT, RESULTS, free_port, spread, stop_processes, versions, wait_port
+from _common import ROOT, RESULTS, Processes, free_port, spread, versions, wait_port
 
 MODEL = "Qwen/Qwen3-8B"
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_TOKENS = 36, 8, 128, 2, 64
@@ -223,24 +223,6 @@ class Shape:
     def close(self) -> None:
         if self._close is not None:
             self._close()
-
-
-class Processes:
-    """Child processes the benchmark starts; all stopped, by pid, on exit."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p, log
-
-    def stop_all(self) -> None:
-        stop_processes(self.procs, wait_s=10)
 
 
 def mooncake_master(procs: Processes, name: str, lease_ms: int) -> str:

@@ -74,7 +74,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from _common import RESULTS, free_port, spread, stop_processes, versions, wait_port
+from _common import RESULTS, Processes, free_port, spread, versions, wait_port
 
 OURS, MOONCAKE = "mooncake-ray", "mooncake"
 SYSTEMS = (OURS, MOONCAKE)
@@ -357,28 +357,21 @@ class Mooncake:
 
     def __init__(self, a, size: int, log_dir: Path):
         self.a, self.local_buffer, self.log_dir = a, local_buffer(a, size), log_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs = Processes(log_dir)
         self.client = None
-
-    def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p, log
 
     def start(self) -> None:
         bin_dir = Path(sys.executable).parent
         if not (bin_dir / "mooncake_master").exists():
             raise FileNotFoundError("mooncake_master: pip package mooncake-transfer-engine-non-cuda is not installed")
         rpc, self.metrics_port, svc = free_port(), free_port(), free_port()
-        master, log = self._spawn("mooncake_master", [
+        master, log = self.procs.start("mooncake_master", [
             str(bin_dir / "mooncake_master"), f"-rpc_port={rpc}", "-rpc_address=127.0.0.1",
             "-enable_http_metadata_server=false", "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
             "-logtostderr"])
         wait_port(rpc, proc=master, log=log)
         self.master_addr = f"127.0.0.1:{rpc}"
-        store, log = self._spawn("mooncake_client", [
+        store, log = self.procs.start("mooncake_client", [
             str(bin_dir / "mooncake_client"), "-host=127.0.0.1", f"-port={svc}",
             f"-global_segment_size={self.a.arena}", f"-master_server_address={self.master_addr}",
             "-metadata_server=P2PHANDSHAKE", "-protocol=tcp", "-logtostderr"])
@@ -418,7 +411,7 @@ class Mooncake:
             except Exception as e:  # noqa: BLE001
                 print(f"mooncake client close: {e!r}", file=sys.stderr)
             self.client = None
-        stop_processes(self.procs)  # only the processes started here, by pid
+        self.procs.stop_all()  # only the processes started here, by pid
 
 
 def local_buffer(a, size: int) -> int:
