@@ -149,6 +149,17 @@ class ServeRun:
             time.sleep(0.5)
         raise AssertionError(f"{self.url}{path} not ready in {timeout_s}s ({last}):\n{self.log()[-5000:]}")
 
+    def wait_quiet(self, quiet_s: float = 1.0, timeout_s: float = 15.0) -> None:
+        """Wait until the log has not grown for ``quiet_s`` (Ray delivers replicas' log lines
+        to ``serve run`` late: what earlier requests logged must not count as the stop's)."""
+        deadline = time.monotonic() + timeout_s
+        size, since = len(self.log()), time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+            time.sleep(0.1)
+            now = len(self.log())
+            if now != size:
+                size, since = now, time.monotonic()
+
     def interrupt(self, timeout_s: float = 60) -> float:
         """Ctrl-C: SIGINT to ``serve run``; the seconds it took to exit."""
         mark = len(self.log())

@@ -142,6 +142,7 @@ def test_prefix_routing_gives_way_to_an_imbalanced_queue(aggregated):
 
 
 def _assert_clean_stop(head, serve_run):
+    serve_run.wait_quiet()  # earlier tests' cancelled streams log their own lines
     took = serve_run.interrupt()
     out = serve_run.stop_output
     assert serve_run.proc.returncode == 0, out
