@@ -24,7 +24,7 @@ from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.master.outbox import plan_mount
-from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.allocator import ALIGN, extent_length
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
@@ -298,9 +298,13 @@ class Sim:
         """A one-call put through a slab, as the client does it: carve, (write), commit;
         sometimes into a dead slab, sometimes never committed (the client died)."""
         m, rng = self.m, self.rng
-        size = rng.choice([1, 100, ALIGN, 3 * ALIGN])
-        length = -(-size // ALIGN) * ALIGN if size else ALIGN
-        fits = [sid for sid, (cur, end, _o) in self.slabs.items() if end - cur >= length]
+        size = rng.choice([1, 100, 256, ALIGN, 3 * ALIGN])
+        length = extent_length(size)
+
+        def at(cur):  # where the client carves it: packed, or on the next page
+            return -(-cur // ALIGN) * ALIGN if length >= ALIGN else cur
+
+        fits = [sid for sid, (cur, end, _o) in self.slabs.items() if end - at(cur) >= length]
         if not fits or rng.random() < 0.2:
             sid, _n, off, ln, _inc, _ttl = self.python(lambda: m.slab_grant(
                 self.owner, rng.choice([None, "rn0", "rn1"]), rng.choice([0, size])))
@@ -308,6 +312,7 @@ class Sim:
             fits = [sid]
         sid = rng.choice(fits)
         cur, _end, owner = self.slabs[sid]
+        cur = at(cur)
         self.slabs[sid][0] = cur + length
         if rng.random() < 0.1:
             return  # carved, never committed: the slab's expiry reclaims it

@@ -2,13 +2,53 @@ import random
 
 import pytest
 
-from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, align_up
+from mooncake_ray._private.master.allocator import ALIGN, GRANULE, ExtentAllocator, carve, extent_length, page_up
 
 K = ALIGN
+G = GRANULE
 
 
-def test_align_up():
-    assert [align_up(n) for n in (0, 1, K, K + 1, 3 * K)] == [K, K, K, 2 * K, 3 * K]
+def test_extent_lengths():
+    assert [page_up(n) for n in (0, 1, K, K + 1, 3 * K)] == [K, K, K, 2 * K, 3 * K]
+    assert [extent_length(n) for n in (0, 1, G, G + 1, 256, K - 1, K, K + 1)] == \
+        [G, G, G, 2 * G, 256, K, K, 2 * K]
+
+
+def test_small_values_are_packed_and_large_ones_stay_on_pages():
+    a = ExtentAllocator(4 * K)
+    small = [a.allocate(256) for _ in range(16)]  # one page holds sixteen 256-byte values
+    assert small == [(i * 256, 256) for i in range(16)]
+    assert a.allocate(100) == (K, 128)            # the next granule multiple
+    big = a.allocate(K + 1)                       # skips to the next page boundary
+    assert big == (2 * K, 2 * K)
+    assert a.free_runs() == [(K + 128, K - 128)]  # the gap before it stays free for small ones
+    assert a.allocate(K) is None                  # 3968 bytes free, but no free page
+    assert not a.can_fit(K)
+    assert a.allocate(K - 128) == (K + 128, K - 128)
+    assert a.free == 0
+    a.release_many([(o, n) for o, n in small])
+    assert a.allocate(K) == (0, K)
+
+
+def test_paged_allocation_skips_short_misaligned_runs():
+    a = ExtentAllocator(64 * K)
+    offs = [a.allocate(K)[0] for _ in range(64)]
+    # 12 runs of 1.25 pages from mid-page to 3/4 of the next: none holds a whole page
+    for i in range(12):
+        a.release(offs[4 * i] + K // 2, K // 2)
+        a.release(offs[4 * i + 1], 3 * K // 4)
+    a.release(offs[60], 2 * K)  # the one run that fits
+    assert a.allocate(K) == (offs[60], K)
+    assert a.allocate(K) == (offs[61], K)
+    assert a.allocate(K) is None
+
+
+def test_carve_checks_the_alignment_of_the_extent_kind():
+    free = {0: 4 * K}
+    assert not carve(free, 64, K)       # a paged extent must start on a page
+    assert not carve(free, 32, 64)      # a packed one on a granule
+    assert carve(free, 64, 128) and free == {0: 64, 192: 4 * K - 192}
+    assert carve(free, K, K) and free == {0: 64, 192: K - 192, 2 * K: 2 * K}
 
 
 def test_best_fit_picks_smallest_run_lowest_offset():
@@ -45,6 +85,8 @@ def test_double_free_and_bad_extents_raise():
     with pytest.raises(ValueError):
         a.release(K + 1, K)
     with pytest.raises(ValueError):
+        a.release(K, G + 1)
+    with pytest.raises(ValueError):
         a.release(8 * K, K)
 
 
@@ -67,9 +109,10 @@ def test_random_against_model():
             off = rng.choice(list(owned))
             a.release(off, owned.pop(off))
         else:
-            got = a.allocate(rng.randint(1, 9 * K))
+            got = a.allocate(rng.choice((rng.randint(1, K), rng.randint(1, 9 * K))))
             if got:
                 off, ln = got
+                assert off % (K if ln >= K else G) == 0
                 assert all(off + ln <= o or o + l <= off for o, l in owned.items())
                 owned[off] = ln
         assert a.used == sum(owned.values())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, NoCapacityError
 from mooncake_ray._private import rpc, wire
+from mooncake_ray._private.master.allocator import ALIGN
 
 _GRANTS_PER_CARVE = 8  # new slabs one carve may ask for before it leaves the rest uncarved
 
@@ -53,24 +54,28 @@ class Slabs:
         return self._slab
 
     def carve(self, lengths: list[int]) -> list:
-        """``(slab, offset)`` per length from this client's slab, asking the master for a
-        new one when it runs out; ``None`` for lengths that got no room."""
+        """``(slab, offset)`` per extent length (``allocator.extent_length``) from this
+        client's slab, asking the master for a new one when it runs out; ``None`` for
+        lengths that got no room. Packed extents follow each other; a paged one starts at
+        the next 4 KiB boundary (the gap stays uncommitted and goes back with the slab)."""
         out: list = []
         with self._lock:
             grants = 0
             for j, n in enumerate(lengths):
                 s = self._slab
-                if s is None or s.end - s.cur < n or time.monotonic() > s.use_until:
+                at = s and (-(-s.cur // ALIGN) * ALIGN if n >= ALIGN else s.cur)
+                if s is None or s.end - at < n or time.monotonic() > s.use_until:
                     if grants >= _GRANTS_PER_CARVE or not self._new_slab(min(sum(lengths[j:]), self.slab_bytes)):
                         out.extend([None] * (len(lengths) - j))
                         break
                     grants += 1
                     s = self._slab
-                    if s.end - s.cur < n:
+                    at = s.cur  # a new slab starts on a page
+                    if s.end - at < n:
                         out.append(None)
                         continue
-                out.append((s, s.cur))
-                s.cur += n
+                out.append((s, at))
+                s.cur = at + n
                 self._inuse[s.slab_id] = self._inuse.get(s.slab_id, 0) + 1
         return out
 

@@ -18,7 +18,7 @@ from mooncake_ray._private.checks import check_replicas
 from mooncake_ray._private.client.args import convert, key_errors, source
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
-from mooncake_ray._private.master.allocator import align_up
+from mooncake_ray._private.master.allocator import extent_length
 
 PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
 
@@ -91,7 +91,7 @@ class Writer:
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
         limit = self._slabs.slab_bytes // 2
-        lengths = [align_up(s[1]) for s in srcs]
+        lengths = [extent_length(s[1]) for s in srcs]
         idxs = [i for i, n in enumerate(lengths) if n <= limit]
         rest = [i for i, n in enumerate(lengths) if n > limit]
         if not idxs:

@@ -1,10 +1,15 @@
 """Extent allocator for one store node's arena (pure Python, no Ray).
 
-The arena is one contiguous region of ``capacity`` bytes. Extents are handed out in
-multiples of ``ALIGN`` (4 KiB) at 4 KiB-aligned offsets: the spill tier writes extents to
-disk with O_DIRECT straight from the arena, which needs aligned addresses and lengths, and
-KV pages are large enough (tens of KiB and up) that the rounding costs little. A 100-byte
-value still takes 4 KiB; that is the price of zero-copy disk I/O.
+The arena is one contiguous region of ``capacity`` bytes. Extents come in two kinds
+(``extent_length``, ``extent_align``):
+
+- a value of 4 KiB (``ALIGN``) or more takes a 4 KiB multiple at a 4 KiB-aligned offset:
+  the spill tier writes such extents to disk with O_DIRECT straight from the arena, which
+  needs aligned addresses and lengths, and KV pages are large enough that the rounding
+  costs little;
+- a smaller value is packed: it takes its size rounded up to ``GRANULE`` (64 bytes, one
+  cache line) at any 64-byte offset, so a 256-byte value costs 256 bytes of arena. The
+  spill tier copies such values through an aligned staging buffer.
 
 Free space is a set of maximal free runs, indexed two ways:
 
@@ -22,12 +27,26 @@ from __future__ import annotations
 
 from sortedcontainers import SortedDict, SortedList
 
-ALIGN = 4096
+ALIGN = 4096  # page: the length and offset alignment of values this size and larger
+GRANULE = 64  # the allocation unit of smaller values (packed)
 
 
-def align_up(n: int) -> int:
-    """Round ``n`` up to the allocation granule (at least one granule)."""
+def page_up(n: int) -> int:
+    """Round ``n`` up to whole 4 KiB pages (at least one)."""
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
+
+
+def extent_length(size: int) -> int:
+    """Arena bytes a value of ``size`` bytes takes: whole pages from 4 KiB up, whole
+    64-byte granules below (at least one)."""
+    if size >= ALIGN:
+        return (size + ALIGN - 1) // ALIGN * ALIGN
+    return max(GRANULE, (size + GRANULE - 1) // GRANULE * GRANULE)
+
+
+def extent_align(length: int) -> int:
+    """The offset alignment of an extent of ``length`` bytes (an ``extent_length``)."""
+    return ALIGN if length >= ALIGN else GRANULE
 
 
 def carve(free: dict, offset: int, length: int) -> bool:
@@ -35,7 +54,7 @@ def carve(free: dict, offset: int, length: int) -> bool:
     one run holds all of it; False (``free`` untouched) otherwise. A put slab's
     uncommitted pieces are such a map (``slabs.py``, and the reference read index
     ``pyindex.py``; the C++ index carves the same way)."""
-    if not isinstance(offset, int) or offset % ALIGN:
+    if not isinstance(offset, int) or offset % extent_align(length):
         return False
     for start, ln in free.items():
         if start <= offset and offset + length <= start + ln:
@@ -71,7 +90,7 @@ class ExtentAllocator:
         return self._by_size[-1][0] if self._by_size else 0
 
     def can_fit(self, size: int) -> bool:
-        return self.largest_free() >= align_up(size)
+        return self._find(extent_length(size)) is not None
 
     def free_runs(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every free run, by offset (for tests and checks)."""
@@ -80,16 +99,19 @@ class ExtentAllocator:
     # -- mutations ----------------------------------------------------------------
     def allocate(self, size: int) -> tuple[int, int] | None:
         """Allocate ``size`` bytes; returns ``(offset, allocated_length)`` or ``None``."""
-        need = align_up(size)
-        i = self._by_size.bisect_left((need, -1))
-        if i == len(self._by_size):
+        need = extent_length(size)
+        found = self._find(need)
+        if found is None:
             return None
-        length, offset = self._by_size[i]
+        length, offset, start = found
         self._remove_run(offset, length)
-        if length > need:
-            self._add_run(offset + need, length - need)
+        if start > offset:
+            self._add_run(offset, start - offset)
+        tail = offset + length - (start + need)
+        if tail:
+            self._add_run(start + need, tail)
         self.used += need
-        return offset, need
+        return start, need
 
     def reserve(self, offset: int, length: int) -> None:
         """Mark a specific extent used (rebuilding from a store node's inventory).
@@ -97,7 +119,7 @@ class ExtentAllocator:
         Raises:
             ValueError: the extent is misaligned, out of range or not entirely free.
         """
-        if offset % ALIGN or length % ALIGN or length <= 0 or offset + length > self.capacity:
+        if offset % GRANULE or length % GRANULE or length <= 0 or offset < 0 or offset + length > self.capacity:
             raise ValueError(f"bad extent ({offset}, {length}) for capacity {self.capacity}")
         run = self._run_containing(offset)
         if run is None or run[0] + run[1] < offset + length:
@@ -117,7 +139,7 @@ class ExtentAllocator:
         Raises:
             ValueError: the extent overlaps free space (double free) or is out of range.
         """
-        if offset % ALIGN or length % ALIGN or length <= 0 or offset + length > self.capacity:
+        if offset % GRANULE or length % GRANULE or length <= 0 or offset < 0 or offset + length > self.capacity:
             raise ValueError(f"bad extent ({offset}, {length}) for capacity {self.capacity}")
         if self._overlaps_free(offset, length):
             raise ValueError(f"double free of extent ({offset}, {length})")
@@ -157,6 +179,36 @@ class ExtentAllocator:
             self.release(start, end - start)
 
     # -- internals ----------------------------------------------------------------
+    def _find(self, need: int) -> tuple[int, int, int] | None:
+        """Best fit for an extent of ``need`` bytes: ``(run length, run offset, extent
+        offset)`` of the smallest free run that holds it at its alignment, or None.
+
+        A packed (small) extent fits any run long enough. A paged one may need to skip to
+        the run's first 4 KiB boundary; only runs shorter than ``need + ALIGN - GRANULE``
+        can fail that, so the search tries a few of those and then takes the first longer one.
+        """
+        by_size = self._by_size
+        i = by_size.bisect_left((need, -1))
+        n = len(by_size)
+        if i == n:
+            return None
+        length, offset = by_size[i]
+        if need < ALIGN or not offset % ALIGN:
+            return length, offset, offset
+        sure = need + ALIGN - GRANULE  # any run this long holds an aligned extent
+        tries = 0
+        while True:
+            start = -(-offset // ALIGN) * ALIGN
+            if start + need <= offset + length:
+                return length, offset, start
+            i += 1
+            tries += 1
+            if tries == 8 and i < n and by_size[i][0] < sure:
+                i = by_size.bisect_left((sure, -1))  # skip the rest of the short runs
+            if i >= n:
+                return None
+            length, offset = by_size[i]
+
     def _add_run(self, offset: int, length: int) -> None:
         self._by_size.add((length, offset))
         self._start[offset] = length

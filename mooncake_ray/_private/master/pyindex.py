@@ -14,7 +14,7 @@ import time
 import msgpack
 
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.allocator import align_up, carve
+from mooncake_ray._private.master.allocator import carve, extent_length
 from mooncake_ray._private.master.fastpath import COMMIT, FIRST_LEASE, GRANT, RELEASE
 from mooncake_ray._private.master.types import Tier
 from mooncake_ray._private.wire import Commit, ReadGrant, ReplicaLoc
@@ -181,7 +181,7 @@ class PyIndex:
             if key in self._pending or key in self._map or slab is None or slab[0] != owner:
                 return None
             free = scratch.setdefault(slab_id, dict(slab[4]))
-            if not carve(free, offset, align_up(size)):
+            if not carve(free, offset, extent_length(size)):
                 return None
         for slab_id, free in scratch.items():
             self._slabs[slab_id] = (*self._slabs[slab_id][:4], free)
@@ -189,7 +189,7 @@ class PyIndex:
         for key, slab_id, offset, size, _upsert in items:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
-            self._map[key] = (size, gen, [(node_id, ray_node_id, offset, align_up(size), inc, 0)])
+            self._map[key] = (size, gen, [(node_id, ray_node_id, offset, extent_length(size), inc, 0)])
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size))
             gens.append(gen)
         self._served += 1

@@ -44,7 +44,7 @@ from mooncake_ray.errors import (
     ObjectExistsError,
     ObjectPendingError,
 )
-from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, align_up, carve
+from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, carve, extent_length, page_up
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.types import Generations, NodeInfo, Obj, Policy, Replica, Tier
 from mooncake_ray._private.wire import SlabGrant
@@ -100,7 +100,7 @@ class SlabTable:
         policy = self.policy
         for node in order_nodes(policy.allocation_strategy, usable, self._alloc, client_node, self._rng):
             cap = self._alloc[node.node_id].capacity
-            length = max(align_up(need), min(policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
+            length = max(page_up(need), min(policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
             if length > cap // 4:
                 continue  # a slab must not take a large share of any arena
             got = self._replicas.allocate(node.node_id, length, now)
@@ -136,7 +136,7 @@ class SlabTable:
         if slab is None or slab.node_id not in self._nodes or slab.owner != owner:
             raise LeaseExpiredError(f"put slab {slab_id} is gone (expired, returned or its node left); "
                                     f"put {key!r} again")
-        length = align_up(size)
+        length = extent_length(size)
         if carve(slab.free, offset, length):
             self._mirror.slab(slab_id, slab)
         else:
@@ -163,14 +163,14 @@ class SlabTable:
         ``commit`` without the watermark check, which the caller makes once the whole log is
         applied (see ``fastpath.py``). Returns the slab's node."""
         slab = self.slabs[slab_id]
-        taken = carve(slab.free, offset, align_up(size))
+        taken = carve(slab.free, offset, extent_length(size))
         assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
         self._gens.seen(gen)
         self._publish(slab, key, size, gen, offset, now, evict=False)
         return slab.node_id
 
     def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, evict: bool) -> None:
-        obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, align_up(size))])
+        obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, extent_length(size))])
         self._nodes[slab.node_id].keys.add(key)
         if evict:
             self._replicas.watermark(slab.node_id, now)

@@ -42,10 +42,10 @@ DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
 def disk_length(size: int, key: str = "") -> int:
     """Disk bytes one object takes: its header (one 4 KiB block, two for keys over 4032
     bytes) plus 4 KiB-padded data (see store/spill.py)."""
-    from mooncake_ray._private.master.allocator import align_up
+    from mooncake_ray._private.master.allocator import page_up
 
     header = DISK_HEADER if len(key.encode("utf-8", "surrogatepass")) <= 4032 else 2 * DISK_HEADER
-    return align_up(size) + header
+    return page_up(size) + header
 
 
 class DiskTier:

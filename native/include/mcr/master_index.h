@@ -70,7 +70,8 @@ class MasterIndex {
   static constexpr int kCommit = 2;
   // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
   static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15, kOpPutCommit = 17;
-  static constexpr uint64_t kAlign = 4096;  // the allocator's granule (allocator.py ALIGN)
+  static constexpr uint64_t kAlign = 4096;   // paged extents (allocator.py ALIGN)
+  static constexpr uint64_t kGranule = 64;  // packed extents (allocator.py GRANULE)
   // Native lease ids start here, far above the ids Python's counter hands out.
   static constexpr uint64_t kFirstLease = 1ull << 40;
 

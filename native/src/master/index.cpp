@@ -176,14 +176,14 @@ uint64_t wall_ns() {  // Python's time.time_ns()
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 
-uint64_t align_up(uint64_t n) {  // allocator.py align_up: at least one granule
-  uint64_t a = MasterIndex::kAlign;
+uint64_t extent_length(uint64_t n) {  // allocator.py extent_length
+  const uint64_t a = n >= MasterIndex::kAlign ? MasterIndex::kAlign : MasterIndex::kGranule;
   return std::max(a, (n + a - 1) / a * a);
 }
 
 // slabs.py _carve: take [offset, offset+length) out of the uncommitted pieces.
 bool carve(std::map<uint64_t, uint64_t>& free, uint64_t offset, uint64_t length) {
-  if (offset % MasterIndex::kAlign) return false;
+  if (offset % (length >= MasterIndex::kAlign ? MasterIndex::kAlign : MasterIndex::kGranule)) return false;
   auto it = free.upper_bound(offset);
   if (it == free.begin()) return false;
   --it;
@@ -391,7 +391,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
     if (s == slabs_.end() || s->second.owner != owner) return false;
     auto sc = scratch.find(it.slab);
     if (sc == scratch.end()) sc = scratch.emplace(it.slab, s->second.free).first;
-    if (!carve(sc->second, it.offset, align_up(it.size))) return false;
+    if (!carve(sc->second, it.offset, extent_length(it.size))) return false;
   }
   for (auto& kv : scratch) slabs_[kv.first].free = std::move(kv.second);
   const double now = monotonic_s();
@@ -406,7 +406,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
     next_gen_ = gen;
     IndexReplica rep = slabs_[it.slab].node;
     rep.offset = it.offset;
-    rep.length = align_up(it.size);
+    rep.length = extent_length(it.size);
     IndexEntry& e = map_[it.key];
     e.size = it.size;
     e.gen = gen;
