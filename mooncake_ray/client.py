@@ -42,6 +42,7 @@ from mooncake_ray._private import rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.buffers import check_mapped, readable, writable
 from mooncake_ray._private.checks import check_ttl
+from mooncake_ray._private.client import gcpause
 from mooncake_ray._private.client.args import Sized, check_key, key_errors, same_length
 from mooncake_ray._private.client.locations import LocationCache
 from mooncake_ray._private.client.nodes import NodeTable
@@ -402,7 +403,11 @@ class Client:
     def _timed(self, op: str, keys, fn):
         disk_reads = self.local_stats["disk_reads"]
         t0 = time.perf_counter()
-        out = fn()
+        if len(keys) >= gcpause.BATCH_MIN:
+            with gcpause.paused():
+                out = fn()
+        else:
+            out = fn()
         dt = time.perf_counter() - t0
         moved = self._reads.moved + self._writes.moved
         self._reads.moved = self._writes.moved = 0

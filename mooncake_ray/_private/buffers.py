@@ -19,15 +19,39 @@ _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 
 
+def _data_address(b: bytes) -> int:
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
+def _data_offset() -> int | None:
+    """Where a ``bytes`` object's storage starts relative to ``id()`` (CPython keeps it
+    inline, after the header), if this interpreter does so for every size; else None."""
+    offsets = {_data_address(b) - id(b) for b in (_new_bytes(None, n) for n in (0, 1, 255, 4096, 1 << 20))}
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+_DATA_OFFSET = _data_offset()
+
+
 def new_bytes(n: int) -> tuple[bytes, int]:
     """An uninitialised ``bytes`` of ``n`` bytes and the address of its storage.
 
     The C API documents ``PyBytes_FromStringAndSize(NULL, n)`` as "contents
     uninitialised" for exactly this use: fill it once, before anyone else sees it. It saves
-    the second copy a ``bytes(bytearray)`` would make.
+    the second copy a ``bytes(bytearray)`` would make. Below ``_ZEROED_MAX`` a zeroed
+    ``bytes(n)`` is cheaper than that ctypes call (a fresh object for n >= 2: CPython
+    shares only the empty and the one-byte values). The address is ``id()`` plus the
+    header size, checked against ctypes at import (a ctypes cast costs 1.4 us a value,
+    most of a small get's client time).
     """
-    b = _new_bytes(None, n)
-    return b, ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+    if _DATA_OFFSET is None:
+        b = _new_bytes(None, n)
+        return b, _data_address(b)
+    b = bytes(n) if 2 <= n < _ZEROED_MAX else _new_bytes(None, n)
+    return b, id(b) + _DATA_OFFSET
+
+
+_ZEROED_MAX = 16 << 10
 
 
 def _torch_view(t: Any, writable: bool) -> tuple[int, int, Any]:

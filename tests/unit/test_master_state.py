@@ -385,6 +385,30 @@ def test_released_leases_end_at_once_and_release_is_idempotent():
     assert m.remove("a")  # no reader left: no need to wait for expiry
 
 
+def test_one_reader_holds_its_lease_without_a_set_and_a_released_value_holds_none():
+    m, clock = make(n_nodes=1, lease_ttl_s=10)
+    put(m, "a")
+    obj = m._objects["a"]
+    *_, l1 = m.get("a")
+    assert obj.leases == l1                      # one reader: the id itself
+    *_, l2 = m.get("a")
+    assert obj.leases == {l1, l2}
+    m.release("a", obj.gen, l2)
+    m.release("a", obj.gen, l2)
+    assert obj.leases == {l1} and obj.lease_until > clock.t
+    m.release("a", obj.gen, l1 + l2 + 1)         # not a lease of it: no-op
+    m.release("a", obj.gen, l1)
+    assert obj.leases is None and obj.lease_until <= clock.t
+    *_, l3 = m.get("a")
+    clock.t += 11                                # l3 expires unreleased
+    *_, l4 = m.get("a")
+    assert obj.leases == l4
+    m.release("a", obj.gen, l3)                  # the expired lease's late release
+    assert obj.leases == l4 and obj.lease_until > clock.t
+    m.release("a", obj.gen, l4)
+    assert obj.leases is None and m.remove("a")
+
+
 def test_random_strategy_spreads_over_nodes():
     m, _ = make(n_nodes=3, allocation_strategy="random")
     nodes = {put(m, f"k{i}")[1][0][0] for i in range(30)}

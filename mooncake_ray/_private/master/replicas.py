@@ -123,20 +123,35 @@ class ReplicaTable:
         touch (``get``, and the leases native GETs granted). Returns the end of ``obj``'s
         leases before this one (to undo it)."""
         until = obj.lease_until
-        if until <= now or obj.leases is None:
-            obj.leases = set()  # earlier leases expired, released or not
-        obj.leases.add(lease)
+        held = obj.leases
+        if until <= now or held is None:
+            obj.leases = lease  # earlier leases expired, released or not
+        elif type(held) is int:
+            obj.leases = {held, lease}
+        else:
+            held.add(lease)
         obj.lease_until = max(until, now + self.policy.lease_ttl_s)
         self._lru.touch(obj.key)
         return until
 
     @staticmethod
-    def end_lease(obj: Obj, lease: int, now: float) -> None:
-        """Lease ``lease`` on ``obj`` is released (``obj.leases`` not empty); the last
-        one ends the lease at ``now``, not at its expiry."""
-        obj.leases.discard(lease)
-        if not obj.leases:
-            obj.lease_until = min(obj.lease_until, now)
+    def end_lease(obj: Obj, lease: int, now: float, until: float | None = None) -> None:
+        """Lease ``lease`` on ``obj`` is released; the last one ends the lease at ``now``,
+        not at its expiry (or sets it back to ``until``: undoing a grant). An id not held
+        is a no-op."""
+        held = obj.leases
+        if type(held) is int:
+            if held != lease:
+                return
+            obj.leases = None
+        elif held is not None:
+            held.discard(lease)
+            if held:
+                return
+            obj.leases = None
+        else:
+            return
+        obj.lease_until = min(obj.lease_until, now) if until is None else until
 
     def new_placement(self) -> int:
         """A ``Replica.placed`` id no replica of this master (or an earlier one) has had."""
@@ -149,10 +164,11 @@ class ReplicaTable:
         del self._objects[obj.key]
         self._lru.discard(obj.key)
         self._mirror.key(obj.key)
-        owner = (obj.key, obj.gen) if obj.leases else None
+        owner = (obj.key, obj.gen) if obj.leases is not None else None
         entries = [e for r in obj.replicas if (e := self._release_replica(obj, r, owner)) is not None]
         if entries and owner is not None:
-            self._dropped[owner] = (set(obj.leases), entries)
+            held = obj.leases
+            self._dropped[owner] = ({held} if type(held) is int else set(held), entries)
 
     def end_dropped_lease(self, key: str, gen: int, lease: int) -> None:
         """A reader released ``lease`` on a dropped (removed or replaced) version of

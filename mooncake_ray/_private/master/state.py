@@ -362,7 +362,7 @@ class MasterState:
             if kind == GRANT:
                 self._replicas.grant_lease(obj, lease, now)
                 self.counters["hits"] += 1
-            elif obj.leases:
+            elif obj.leases is not None:
                 self._replicas.end_lease(obj, lease, now)
         if full and decide:
             now = self._clock()
@@ -435,9 +435,7 @@ class MasterState:
             try:
                 reps = [self._tier.promotion(obj, client_node, now)]
             except OffloadPendingError:
-                obj.leases.discard(lease)
-                if not obj.leases:
-                    obj.lease_until = until
+                self._replicas.end_lease(obj, lease, now, until)
                 raise
             self.counters["disk_hits"] += 1
             tier = PROMOTE
@@ -456,7 +454,7 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.gen != gen:
             self._replicas.end_dropped_lease(key, gen, lease)
-        elif obj.leases:
+        elif obj.leases is not None:
             self._replicas.end_lease(obj, lease, self._clock() if now is None else now)
 
     def exists(self, key: str) -> bool:

@@ -50,7 +50,9 @@ class Obj:
     replicas: list[Replica]
     complete: bool = False
     lease_until: float = 0.0
-    leases: set | None = None  # ids of leases granted and not released (a dead reader's expire)
+    leases: int | set | None = None
+    """Ids of the leases granted and not released (a dead reader's expire): None, one id,
+    or a set of several (most values are read by one reader at a time; a set costs 216 B)."""
     pin: Pin = Pin.NONE
     pin_until: float = 0.0
     put_deadline: float = 0.0
