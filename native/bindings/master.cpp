@@ -22,13 +22,14 @@ void bind_master(nb::module_& m) {
           nb::tuple t = nb::cast<nb::tuple>(r);
           if (t.size() != 6)
             throw nb::type_error("a replica is (node_id, ray_node_id, offset, length, incarnation, placed)");
-          v.push_back(mcr::IndexReplica{nb::cast<std::string>(t[0]), nb::cast<std::string>(t[1]),
-                                        nb::cast<uint64_t>(t[2]), nb::cast<uint64_t>(t[3]),
-                                        nb::cast<std::string>(t[4]), nb::cast<uint64_t>(t[5])});
+          v.push_back(mcr::IndexReplica{
+              ix.node(nb::cast<std::string>(t[0]), nb::cast<std::string>(t[1]), nb::cast<std::string>(t[4])),
+              nb::cast<uint64_t>(t[2]), nb::cast<uint64_t>(t[3]), nb::cast<uint64_t>(t[5])});
         }
         ix.set(key, size, gen, std::move(v));
       }, "key"_a, "size"_a, "gen"_a, "reps"_a)
       .def("drop", &mcr::MasterIndex::drop, "key"_a)
+      .def("drop_many", &mcr::MasterIndex::drop_many, "keys"_a)
       .def("clear", &mcr::MasterIndex::clear)
       // Blocks only while a native GET holds the mutex (microseconds): the GIL stays held.
       .def("lock", &mcr::MasterIndex::lock)
@@ -53,7 +54,7 @@ void bind_master(nb::module_& m) {
                           const std::vector<std::pair<uint64_t, uint64_t>>& free) {
         mcr::IndexSlab s;
         s.owner = owner;
-        s.node = mcr::IndexReplica{node_id, ray_node_id, 0, 0, incarnation, 0};
+        s.node = mcr::IndexReplica{ix.node(node_id, ray_node_id, incarnation), 0, 0, 0};
         for (auto& p : free) s.free[p.first] = p.second;
         ix.set_slab(id, std::move(s));
       }, "slab_id"_a, "owner"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "free"_a)
@@ -64,7 +65,8 @@ void bind_master(nb::module_& m) {
         if (!ix.lookup_slab(id, &s)) return nb::none();
         nb::list free;
         for (auto& p : s.free) free.append(nb::make_tuple(p.first, p.second));
-        return nb::make_tuple(s.owner, s.node.node_id, s.node.ray_node_id, s.node.incarnation, free);
+        const mcr::IndexNode& n = *s.node.node;
+        return nb::make_tuple(s.owner, n.node_id, n.ray_node_id, n.incarnation, free);
       }, "slab_id"_a)
       .def("slab_count", &mcr::MasterIndex::slab_count)
       .def("add_pending", &mcr::MasterIndex::add_pending, "key"_a)
@@ -82,7 +84,8 @@ void bind_master(nb::module_& m) {
         if (!ix.lookup(key, &e)) return nb::none();
         nb::list reps;
         for (auto& r : e.reps)
-          reps.append(nb::make_tuple(r.node_id, r.ray_node_id, r.offset, r.length, r.incarnation, r.placed));
+          reps.append(nb::make_tuple(r.node->node_id, r.node->ray_node_id, r.offset, r.length, r.node->incarnation,
+                                     r.placed));
         return nb::make_tuple(e.size, e.gen, reps);
       }, "key"_a)
       // What the RPC handler would answer natively: the reply bytes, or None (Python's turn).

@@ -11,6 +11,8 @@ import ray
 import mooncake_ray
 from mooncake_ray import ObjectExistsError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.master.actor import GC_YOUNG_THRESHOLD
+from mooncake_ray._private.naming import MASTER_NAME
 from tests.conftest import wait_for
 
 KB, MB = 1 << 10, 1 << 20
@@ -140,3 +142,27 @@ def test_dead_clients_slab_is_reclaimed(make_store):
     wait_for(lambda: s.stats()["slabs"] == 0, timeout_s=15, what="the dead client's slab to expire")
     assert time.monotonic() - t0 < 10
     assert s.stats()["used"] == base + 8 * KB and s.get("from-dead") == b"y" * 5000
+
+
+def test_small_values_are_packed_and_evicted_ones_make_room(make_store):
+    """256-byte values take 256 bytes of arena each; more of them than the arena holds
+    evict the oldest and keep the newest, byte-exact (the master's batched eviction)."""
+    s = make_store(segment_size_bytes="4mb", master={"put_slab_bytes": "64kb"})
+    keys = [f"small{i}" for i in range(1000)]
+    vals = [k.encode().ljust(256, b"#") for k in keys]
+    assert s.batch_put(keys, vals) == [None] * 1000
+    st = s.stats()
+    assert st["used"] - st["slab_bytes"] == 1000 * 256
+    assert s.batch_get(keys) == vals
+    more = [f"more{i}" for i in range(40_000)]  # 10 MiB into two 4 MiB arenas
+    for i in range(0, len(more), 1000):
+        assert s.batch_put(more[i:i + 1000], [k.encode().ljust(256, b"#") for k in more[i:i + 1000]]) == [None] * 1000
+    st = s.stats()
+    assert st["evictions"] > 0
+    got = s.batch_get(more[-1000:])
+    assert got == [k.encode().ljust(256, b"#") for k in more[-1000:]]
+    kept = [v for v in s.batch_get(more) if v is not None]
+    assert len(kept) > 20_000  # 2 x 4 MiB at 256 B each, less the watermark and the slabs
+    master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
+    assert ray.get(master.__ray_call__.remote(lambda _self: __import__("gc").get_threshold()[0])) == \
+        GC_YOUNG_THRESHOLD

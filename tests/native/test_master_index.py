@@ -36,8 +36,8 @@ def random_commit(rng: random.Random, slabs: dict):
     sid = rng.choice(list(slabs) + [999]) if slabs else 999
     base = slabs.get(sid, 0)
     items = [[random_key(rng) if rng.random() < 0.3 else f"new{rng.randrange(1 << 40)}", sid,
-              base + 4096 * rng.choice([-1, 0, 0, 1, 4, 4, 5, 8, 8, 11]) + (1 if rng.random() < 0.03 else 0),
-              rng.choice([0, 1, 4096, 5000, 20000]), *([rng.random() < 0.3] if rng.random() < 0.8 else [])]
+              base + 4096 * rng.choice([-1, 0, 0, 1, 4, 4, 5, 8, 8, 11]) + rng.choice([0] * 30 + [1, 64, 192, 2048]),
+              rng.choice([0, 1, 100, 256, 4096, 5000, 20000]), *([rng.random() < 0.3] if rng.random() < 0.8 else [])]
              for _ in range(rng.choice([1, 1, 1, 2, 4]))]
     owner = "c2" if rng.random() < 0.1 else "c1"
     return [rpc.PUT_COMMIT, items, owner, *rng.choice([[], [[]], [[]], [None], [[sid]]])]
@@ -116,10 +116,14 @@ def test_native_index_matches_reference(seed):
             reps = random_reps(rng)
             native.set(key, size, gen, reps)
             ref.set(key, size, gen, reps)
-        elif r < 0.32:
+        elif r < 0.30:
             key = random_key(rng)
             native.drop(key)
             ref.drop(key)
+        elif r < 0.32:
+            keys = [random_key(rng) for _ in range(rng.randrange(4))]
+            native.drop_many(keys)
+            ref.drop_many(keys)
         elif r < 0.33:
             on = rng.random() < 0.7
             native.set_enabled(on)
@@ -210,3 +214,19 @@ def test_serve_master_answers_reads_natively_and_hands_the_rest_to_python(engine
     assert call(rpc.GET, ["k"]) == "from python"
     assert [c[0] for c in python_calls] == [rpc.PUT_START, rpc.GET]
     assert ix.served() == 2
+
+
+def test_replicas_share_their_node_record_and_a_remount_gets_a_new_one():
+    ix = _native.MasterIndex()
+    ix.set("a", 10, 1, [("n1", "ray1", 0, 64, "inc1", 0)])
+    ix.set("b", 10, 2, [("n1", "ray1", 64, 64, "inc1", 0), ("n2", "ray2", 0, 64, "inc7", 5)])
+    ix.set("c", 10, 3, [("n1", "ray1", 128, 64, "inc2", 0)])  # n1 remounted
+    assert ix.lookup("a") == (10, 1, [("n1", "ray1", 0, 64, "inc1", 0)])
+    assert ix.lookup("b") == (10, 2, [("n1", "ray1", 64, 64, "inc1", 0), ("n2", "ray2", 0, 64, "inc7", 5)])
+    assert ix.lookup("c") == (10, 3, [("n1", "ray1", 128, 64, "inc2", 0)])
+    for i in range(5000):  # many incarnations: the unused ones are forgotten, the used kept
+        ix.set(f"k{i}", 1, 1, [("n3", "ray3", 0, 64, f"x{i}", 0)])
+        ix.drop(f"k{i}")
+    ix.drop_many(["b", "missing"])
+    assert ix.lookup("a") == (10, 1, [("n1", "ray1", 0, 64, "inc1", 0)]) and ix.lookup("b") is None
+    assert len(ix) == 2

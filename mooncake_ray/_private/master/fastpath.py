@@ -87,6 +87,11 @@ class ReadMirror:
         else:
             self.index.set(key, obj.size, obj.gen, self.entry(obj))
 
+    def gone(self, keys: list[str]) -> None:
+        """Tell the index these keys are gone (a batch of evictions)."""
+        if self.index is not None and keys:
+            self.index.drop_many(keys)
+
     def pending(self, key: str) -> None:
         """Tell the index whether a put of ``key`` is in flight."""
         if self.index is None:

@@ -48,6 +48,10 @@ class PyIndex:
     def drop(self, key) -> None:
         self._map.pop(key, None)
 
+    def drop_many(self, keys) -> None:
+        for key in keys:
+            self._map.pop(key, None)
+
     def clear(self) -> None:
         self._map.clear()
 

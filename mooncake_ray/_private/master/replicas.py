@@ -283,17 +283,37 @@ class ReplicaTable:
         if need <= 0:
             return 0
         batch: list[tuple[int, int]] = []
+        gone: list[str] = []  # keys dropped whole (the mirror learns them in one call)
         self._batch_free, self._batch_node = batch, node_id
+        objects, pending, lru, keys = self._objects, self._pending, self._lru, node.keys
+        delta, dram, spill = self.delta(node_id), Tier.DRAM, node.spill_usable()
         try:
-            for obj, rep in pick_victims(self._lru, self._objects, node_id, need, now):
-                if self._offload(node, obj, rep, now):
+            for obj, rep in pick_victims(lru, objects, node_id, need, now):
+                if spill and self._offload(node, obj, rep, now):
                     continue
-                self.drop_replica(obj, rep, now)
+                key = obj.key
+                if len(obj.replicas) == 1 and rep.tier is dram and not rep.offloading and objects.get(key) is obj:
+                    # The common case, inline (drop_replica's effects for it, in its order):
+                    # the only copy of a complete, unleased value (pick_victims checked).
+                    obj.replicas = []
+                    delta.drop(key, obj.gen, "dram")
+                    if rep.ready:
+                        node.tier_keys["dram"] -= 1
+                    batch.append((rep.offset, rep.length))
+                    del objects[key]
+                    lru.discard(key)
+                    p = pending.get(key)
+                    if p is None or not any(r.node_id == node_id for r in p.replicas):
+                        keys.discard(key)
+                    gone.append(key)
+                else:
+                    self.drop_replica(obj, rep, now)
                 freed += rep.length
                 evicted += 1
         finally:
             self._batch_free = self._batch_node = None
             alloc.release_many(batch)
+            self._mirror.gone(gone)
         self.counters["evictions"] += evicted
         self.counters["evicted_bytes"] += freed
         return freed

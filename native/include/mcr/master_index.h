@@ -21,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -29,12 +30,18 @@
 
 namespace mcr {
 
-struct IndexReplica {
+// A store node incarnation, shared by every replica on it (MasterIndex::node interns them:
+// three strings per replica were most of the mirror's memory per key).
+struct IndexNode {
   std::string node_id;
   std::string ray_node_id;
+  std::string incarnation;
+};
+
+struct IndexReplica {
+  std::shared_ptr<const IndexNode> node;
   uint64_t offset = 0;
   uint64_t length = 0;
-  std::string incarnation;
   uint64_t placed = 0;  // Replica.placed: 0 = where the value's put wrote it
 };
 
@@ -77,6 +84,10 @@ class MasterIndex {
 
   void set(const std::string& key, uint64_t size, uint64_t gen, std::vector<IndexReplica> reps);
   void drop(const std::string& key);
+  void drop_many(const std::vector<std::string>& keys);
+  // The shared record of a node incarnation (made on first use).
+  std::shared_ptr<const IndexNode> node(const std::string& node_id, const std::string& ray_node_id,
+                                        const std::string& incarnation);
   void clear();
   void lock() { mu_.lock(); }
   void unlock() { mu_.unlock(); }
@@ -118,6 +129,7 @@ class MasterIndex {
 
   std::recursive_mutex mu_;
   std::unordered_map<std::string, IndexEntry> map_;
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<const IndexNode>> nodes_;  // (id, incarnation)
   std::vector<IndexLogEntry> log_;
   uint64_t misses_ = 0;
   uint64_t served_ = 0;

@@ -239,6 +239,24 @@ void MasterIndex::drop(const std::string& key) {
   map_.erase(key);
 }
 
+void MasterIndex::drop_many(const std::vector<std::string>& keys) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  for (auto& k : keys) map_.erase(k);
+}
+
+std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, const std::string& ray_node_id,
+                                                   const std::string& incarnation) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  auto& slot = nodes_[{node_id, incarnation}];
+  if (!slot || slot->ray_node_id != ray_node_id)
+    slot = std::make_shared<const IndexNode>(IndexNode{node_id, ray_node_id, incarnation});
+  if (nodes_.size() > 4096) {  // remounts made many: forget those no replica or slab uses
+    for (auto it = nodes_.begin(); it != nodes_.end();)
+      it = it->second.use_count() == 1 && it->second != slot ? nodes_.erase(it) : std::next(it);
+  }
+  return slot;
+}
+
 void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   map_.clear();
@@ -487,7 +505,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
     for (auto& rep : e->reps) order.push_back(&rep);
     if (!client_node.empty() && order.size() > 1)
       std::stable_partition(order.begin(), order.end(), [&](const IndexReplica* x) {
-        return x->node_id == client_node || x->ray_node_id == client_node;
+        return x->node->node_id == client_node || x->node->ray_node_id == client_node;
       });
     w.array(5);
     w.uint(e->size);
@@ -496,11 +514,11 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
     w.array(uint32_t(order.size()));
     for (auto* x : order) {
       w.array(6);
-      w.str(x->node_id);
+      w.str(x->node->node_id);
       w.str("dram");
       w.uint(x->offset);
       w.uint(x->length);
-      w.str(x->incarnation);
+      w.str(x->node->incarnation);
       w.uint(x->placed);
     }
     w.uint(lease);
