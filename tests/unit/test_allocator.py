@@ -134,3 +134,12 @@ def test_release_many_merges_neighbours_before_touching_the_free_index():
     assert a.free_runs() == [(0, 6 * ALIGN), (8 * ALIGN, 4 * ALIGN)]  # the first copy only
     with pytest.raises(ValueError, match="double free"):
         a.release_many([ext[0]])
+
+
+def test_largest_paged_is_what_the_largest_run_holds_on_pages():
+    a = ExtentAllocator(8 * K)
+    assert a.largest_paged() == 8 * K
+    a.allocate(100)                      # [0, 128) used: the run from 128 holds 7 pages
+    assert a.largest_paged() == 7 * K
+    a.allocate(7 * K)
+    assert a.largest_paged() == 0        # 3968 bytes free, not one whole page

@@ -151,3 +151,25 @@ def test_restarted_master_allocates_nothing_until_old_slabs_are_dead():
     grant(m)
     m.put_start("a", K)
     m.check_invariants()
+
+
+def test_a_fragmented_arena_gets_a_shorter_slab_rather_than_evictions():
+    """Slabs given back partly used leave free runs a little shorter than a slab; a grant
+    there takes the largest run instead of evicting until a whole slab's run forms."""
+    M = 1 << 20
+    m, _ = make(n_nodes=1, cap=64 * M, put_slab_bytes=4 * M, high_watermark=0.95, evict_ratio=0.05)
+    for i in range(16):  # fill the arena with 16 slabs, each given back with its first MiB unused
+        sid, _nid, off, length = grant(m)
+        assert (off, length) == (4 * M * i, 4 * M)
+        for j in range(1, 4):
+            commit(m, f"k{i}.{j}", sid, off + j * M, M)
+        m.slab_return(sid)
+    assert m.stats()["used"] == 48 * M
+    sid, _nid, off, length = grant(m)
+    assert length == M  # the largest free run (1 MiB), no eviction
+    assert m.stats()["evictions"] == 0 and len(m._objects) == 48
+    commit(m, "last", sid, off, M)
+    assert m.stats()["evictions"] == 0
+    sid, _nid, off, length = grant(m)  # 15 runs of 1 MiB left: the same again
+    assert length == M and m.stats()["evictions"] == 0
+    m.check_invariants()

@@ -153,3 +153,19 @@ def test_offload_of_removed_object_deletes_its_file():
     assert ("a", 1, "disk") in m.drain_effects()["n"].drops
     assert m.stats()["disk_used"] == 0
     m.check_invariants()
+
+
+def test_an_unfinished_promotion_expires_and_the_tick_looks_only_at_promotions():
+    m, clock = a_on_disk()
+    _, gen, _, ((_, tier, off, _, _, _),), _ = m.get("a")
+    assert tier == "promote" and len(m._tier._promoting) == 1
+    m.tick()
+    assert len(m._tier._promoting) == 1  # not due yet
+    clock.t += m.policy.put_timeout_s + 1
+    assert m._tier.expire_promotions(clock.t) == 1  # the reader never came back: the extent is freed
+    assert m.where("a") == [("n", "disk", True)] and not m._tier._promoting
+    _, gen, _, ((_, tier, off, _, _, _),), _ = m.get("a")  # a new promotion, done this time
+    m.promote_done("n", [("a", gen, off, "")])
+    m.tick()
+    assert not m._tier._promoting  # a finished one is forgotten at the next tick
+    m.check_invariants()

@@ -89,6 +89,14 @@ class ExtentAllocator:
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
+    def largest_paged(self) -> int:
+        """The longest page-aligned extent the largest free run holds."""
+        if not self._by_size:
+            return 0
+        length, offset = self._by_size[-1]
+        start = -(-offset // ALIGN) * ALIGN
+        return max(0, (offset + length - start) // ALIGN * ALIGN)
+
     def can_fit(self, size: int) -> bool:
         return self._find(extent_length(size)) is not None
 

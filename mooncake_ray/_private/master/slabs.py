@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.replicas import ReplicaTable
 
 
+SLAB_MIN = 1 << 20  # the shortest slab granted out of a fragmented arena rather than evicting
+
+
 @dataclass(slots=True)
 class Slab:
     slab_id: int
@@ -103,7 +106,9 @@ class SlabTable:
             length = max(page_up(need), min(policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
             if length > cap // 4:
                 continue  # a slab must not take a large share of any arena
-            got = self._replicas.allocate(node.node_id, length, now)
+            got = self._fit(node.node_id, length, need, now)
+            if got is None:
+                got = self._replicas.allocate(node.node_id, length, now)  # evicting
             if got is None:
                 continue
             # Unique across master incarnations (like generations), so a commit into a
@@ -116,6 +121,21 @@ class SlabTable:
             return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
                              policy.put_slab_ttl_s)
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more")
+
+    def _fit(self, node_id: str, length: int, need: int, now: float) -> tuple[int, int] | None:
+        """A slab of ``length`` bytes, or a shorter one (down to ``SLAB_MIN`` or ``need``)
+        out of the largest free run, without evicting. Slabs given back partly used leave
+        free runs a little shorter than a slab: asking for a whole slab there would evict
+        until a run that long formed, evicting far more than the values need."""
+        alloc = self._alloc[node_id]
+        got = alloc.allocate(length)
+        if got is None:
+            shorter = min(length, alloc.largest_paged())
+            if shorter >= min(page_up(need), SLAB_MIN):
+                got = alloc.allocate(shorter)
+        if got is not None:
+            self._replicas.watermark(node_id, now)
+        return got
 
     # ----------------------------------------------------------------- commit ----
     def commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool, owner: str, now: float) -> int:
