@@ -331,6 +331,9 @@ class Sim:
         finally:
             m.index = index
         now = self.clock.t
+        pins = [o.effective_pin(now) for o in m._objects.values()]  # counted without a scan = a scan
+        st = m.stats()
+        assert (st["pinned"], st["soft_pinned"]) == (sum(p != 0 for p in pins), sum(p == 1 for p in pins))
         for key, (gen, until, seen, _lease) in list(self.leases.items()):
             if until <= now or key in self.forced:
                 self.leases.pop(key)

@@ -426,3 +426,26 @@ def test_rebuild_resolves_overlapping_entries_in_favour_of_the_newer_allocation(
     assert m.exists("new") and not m.exists("old")
     assert ("old", 5, "dram") in m.drain_effects()["n0"].drops
     m.check_invariants()
+
+
+def test_pin_counts_follow_pins_unpins_expiry_removal_and_replacement():
+    m, clock = make(n_nodes=1)
+    for k in "abcdef":
+        put(m, k)
+    m.pin("a", hard=True)
+    m.pin("b", ttl_s=5)
+    m.pin("c")
+    m.unpin("c")
+    m.pin("d")
+    m.remove("d")
+    m.pin("e")
+    gen, _ = m.put_start("e", K, upsert=True)
+    m.put_end("e", gen)  # the new value is not pinned
+    st = m.stats()
+    assert (st["pinned"], st["soft_pinned"]) == (2, 1)
+    clock.t += 6  # b's soft pin expires
+    st = m.stats()
+    assert (st["pinned"], st["soft_pinned"]) == (1, 0)
+    m.pin("f")
+    assert (m.stats()["pinned"], m.stats()["soft_pinned"]) == (2, 1)
+    assert set(m._replicas.pinned) <= {"a", "b", "f"}  # the others were forgotten when counted

@@ -67,6 +67,10 @@ class ReplicaTable:
         self._batch_free: list | None = None  # extents an eviction batch freed, released at its end
         self._batch_node: str | None = None
         self.effects: dict[str, NodeDelta] = {}
+        # Objects that were pinned (key -> object; entries for values since replaced,
+        # dropped or unpinned go when counted): stats() counts pins without a scan of
+        # every object, which at ten million keys held the state lock for seconds.
+        self.pinned: dict[str, Obj] = {}
 
     def publish(self, obj: Obj, now: float) -> None:
         """Make a written value visible, replacing the key's old value if any."""
@@ -112,6 +116,8 @@ class ReplicaTable:
                       pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s)
             self._objects[e.key] = obj
             self._lru.touch(e.key)
+            if obj.pin is not Pin.NONE:
+                self.pinned[e.key] = obj
         # Not the put's placement as far as this master knows: a new id (see Replica.placed).
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self.new_placement()))
         node.keys.add(e.key)

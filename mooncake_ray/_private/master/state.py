@@ -532,6 +532,7 @@ class MasterState:
             raise ObjectNotFoundError(f"cannot pin {key!r}: not stored")
         obj.pin = Pin.HARD if hard else Pin.SOFT
         obj.pin_until = self._clock() + (ttl_s if ttl_s is not None else self.policy.soft_pin_ttl_s)
+        self._replicas.pinned[key] = obj
         self._publish_pin(obj)
 
     def unpin(self, key: str) -> None:
@@ -589,8 +590,15 @@ class MasterState:
     def stats(self) -> dict:
         now = self._clock()
         nodes = {node_id: node.usage(self._alloc[node_id], detail=True) for node_id, node in self._nodes.items()}
-        pinned = sum(1 for o in self._objects.values() if o.effective_pin(now) is not Pin.NONE)
-        soft = sum(1 for o in self._objects.values() if o.effective_pin(now) is Pin.SOFT)
+        pinned = soft = 0
+        table, objects = self._replicas.pinned, self._objects
+        for key, obj in list(table.items()):
+            pin = obj.effective_pin(now)
+            if objects.get(key) is not obj or obj.pin is Pin.NONE:
+                del table[key]  # replaced, dropped or unpinned since
+            elif pin is not Pin.NONE:
+                pinned += 1
+                soft += pin is Pin.SOFT
         return {
             "capacity": sum(a.capacity for a in self._alloc.values()),
             "used": sum(a.used for a in self._alloc.values()),
