@@ -21,7 +21,7 @@ class ReplicaLoc(NamedTuple):
     node_id: str
     tier: str  # "dram", or tiering.PROMOTE: on disk, being read into the DRAM extent named
     offset: int  # arena offset of the DRAM extent
-    length: int  # bytes reserved (a 4 KiB multiple)
+    length: int  # bytes reserved (allocator.extent_length of the size)
     incarnation: str  # the node's arena this extent belongs to (a restarted node has another)
     placed: int  # changes whenever the value's DRAM copy is made anew (see types.Replica)
 

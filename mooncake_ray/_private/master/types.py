@@ -27,7 +27,7 @@ class Replica:
     node_id: str
     tier: Tier
     offset: int  # arena offset (DRAM); 0 on disk
-    length: int  # bytes reserved (4 KiB multiple on DRAM)
+    length: int  # bytes reserved on DRAM (allocator.extent_length: pages, or 64-byte granules under 4 KiB)
     offloading: bool = False  # DRAM copy being written to disk (spill tier)
     ready: bool = True  # False: a DRAM copy being promoted from disk, not readable yet
     deadline: float = 0.0  # when an unfinished promotion is abandoned
