@@ -124,8 +124,11 @@ class ServeRun:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(tmp_dir, f"serve-run-{os.path.basename(config)}.log")
         self._log = open(self.log_path, "w")
+        # Unbuffered, and with faulthandler on: if a stop hangs, ``interrupt`` has it print
+        # every thread's stack before killing it, and nothing it printed is lost.
+        env = {**head.env, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen([f"{BIN}/serve", "run", config], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=head.env, cwd=ROOT, start_new_session=True)
+                                     env=env, cwd=ROOT, start_new_session=True)
         self.stopped_in = None
 
     def log(self) -> str:
@@ -168,8 +171,12 @@ class ServeRun:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack to the log
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.stopped_in = time.monotonic() - t
         self.stop_output = self.log()[mark:]
         self._log.close()
