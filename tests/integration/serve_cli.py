@@ -117,6 +117,15 @@ class RayHead:
                               timeout=timeout, cwd=ROOT)
 
 
+def _terminal_signals() -> None:
+    """In the child before exec: Ctrl-C as a terminal delivers it, whatever this test
+    process's signal mask and SIGINT disposition are (a child inherits a blocked or ignored
+    SIGINT, and Python then never raises KeyboardInterrupt). In two full-suite runs
+    ``serve run`` slept on through the test's SIGINT, its main thread in its idle loop."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServeRun:
     """``serve run <config>`` in the background, as a user runs it."""
 
@@ -128,7 +137,7 @@ class ServeRun:
         # every thread's stack before killing it, and nothing it printed is lost.
         env = {**head.env, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen([f"{BIN}/serve", "run", config], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, cwd=ROOT, start_new_session=True)
+                                     env=env, cwd=ROOT, start_new_session=True, preexec_fn=_terminal_signals)
         self.stopped_in = None
 
     def log(self) -> str:
