@@ -129,7 +129,7 @@ class SlabTable:
         until a run that long formed, evicting far more than the values need."""
         alloc = self._alloc[node_id]
         got = alloc.allocate(length)
-        if got is None:
+        if got is None and length >= 4 * SLAB_MIN:  # small arenas' slabs keep the whole-slab rule
             shorter = min(length, alloc.largest_paged())
             if shorter >= min(page_up(need), SLAB_MIN):
                 got = alloc.allocate(shorter)
