@@ -126,10 +126,12 @@ class SlabTable:
         """A slab of ``length`` bytes, or a shorter one (down to ``SLAB_MIN`` or ``need``)
         out of the largest free run, without evicting. Slabs given back partly used leave
         free runs a little shorter than a slab: asking for a whole slab there would evict
-        until a run that long formed, evicting far more than the values need."""
+        until a run that long formed, evicting far more than the values need. Only slabs of
+        4 MiB and up are shortened: in small arenas a store filled with pinned values must
+        still report itself full rather than hand out ever smaller pieces."""
         alloc = self._alloc[node_id]
         got = alloc.allocate(length)
-        if got is None and length >= 4 * SLAB_MIN:  # small arenas' slabs keep the whole-slab rule
+        if got is None and length >= 4 * SLAB_MIN:
             shorter = min(length, alloc.largest_paged())
             if shorter >= min(page_up(need), SLAB_MIN):
                 got = alloc.allocate(shorter)
