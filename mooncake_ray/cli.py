@@ -37,6 +37,12 @@ def format_status(stats: dict) -> str:
              f"Evictions: {stats.get('evictions', 0)} Offloads: {stats.get('offloads', 0)} "
              f"Promotions: {stats.get('promotions', 0)}"
              + (" | RECOVERING" if stats.get("recovering") else "")]
+    shards = stats.get("shards")
+    if isinstance(shards, list):
+        down = [i for i, p in enumerate(shards) if "error" in p]
+        lines.append(f"Master shards: {len(shards)}" + (f" (not answering: {down})" if down else "")
+                     + "".join(f" | shard {i}: {p.get('keys', 0)} keys" + (" RECOVERING" if p.get("recovering") else "")
+                               for i, p in enumerate(shards) if "error" not in p))
     header = f"{'node':<14} {'tier':<5} {'used':>11} {'capacity':>11} {'use%':>6} {'keys':>8}  state"
     lines += [header, "-" * len(header)]
     for node_id, node in sorted(stats["nodes"].items()):
@@ -77,11 +83,10 @@ def start(config_path: str | None, address: str | None) -> None:
     try:
         cfg = load_config(config_path)
         _ray_init(address or cfg.ray_address)
-        master, nodes = deploy.deploy(cfg)
-        import ray
-
-        click.echo(f"mooncake-ray started in namespace {cfg.namespace!r} with {len(nodes)} store node(s)")
-        click.echo(format_status(ray.get(master.stats.remote(), timeout=30)))
+        masters, nodes = deploy.deploy(cfg)
+        shards = f" and {len(masters)} master shards" if len(masters) > 1 else ""
+        click.echo(f"mooncake-ray started in namespace {cfg.namespace!r} with {len(nodes)} store node(s){shards}")
+        click.echo(format_status(deploy.store_stats(cfg.namespace)))
     except MooncakeRayError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -93,13 +98,11 @@ def start(config_path: str | None, address: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
 def status(namespace: str, address: str | None, as_json: bool) -> None:
     """Capacity, usage and keys of the store, per node and tier."""
-    import ray
-
     from mooncake_ray._private import deploy
 
     try:
         _ray_init(address)
-        stats = ray.get(deploy.find_master(namespace).stats.remote(), timeout=30)
+        stats = deploy.store_stats(namespace)
     except MooncakeRayError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

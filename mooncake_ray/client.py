@@ -14,6 +14,11 @@ Reads are validated: a get's descriptors come with a read lease, and bytes are o
 returned if the copy finished before the lease could have ended (measured from before
 the request was sent), so extents reallocated to another key are never returned.
 
+With ``master.shards`` > 1 each key belongs to one master shard (``_private/shards.py``):
+a call goes to its key's shard, a batch is split by shard and the parts run at once, on
+threads of this client (the engine releases the GIL while it waits), and a shard that is
+down delays only its own keys.
+
 Thread-safe: calls may come from several threads; the async variants run the batch calls
 on a small thread pool (the engine releases the GIL while it waits).
 
@@ -34,11 +39,12 @@ import ray
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import (
     InvalidArgumentError,
+    MasterUnavailableError,
     MooncakeRayError,
     NotRegisteredError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import rpc
+from mooncake_ray._private import rpc, shards
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.buffers import check_mapped, readable, writable
 from mooncake_ray._private.checks import check_ttl
@@ -52,8 +58,19 @@ from mooncake_ray._private.client.slabs import Slabs
 from mooncake_ray._private.client.writes import Writer
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.metrics import ClientMetrics
+from mooncake_ray._private.naming import master_name
 
 __all__ = ["Client"]
+
+
+class _Shard:
+    """One master shard as this client sees it: its channel, the read leases to give
+    back to it, the put slab it granted, and the put and get paths through it."""
+
+    __slots__ = ("master", "releases", "slabs", "writes", "reads")
+
+    def __init__(self, master: MasterChannel, releases: Releases, slabs: Slabs, writes: Writer, reads: Reader):
+        self.master, self.releases, self.slabs, self.writes, self.reads = master, releases, slabs, writes, reads
 
 
 class Client:
@@ -64,8 +81,9 @@ class Client:
         self.config = config
         t = config.transport
         self.engine = role_engine(config, name)
-        self._master = MasterChannel(self.engine, config.namespace,
-                                     config.client.master_retry_timeout_s, t.rpc_timeout_s)
+        n = config.master.shards
+        masters = [MasterChannel(self.engine, config.namespace, config.client.master_retry_timeout_s,
+                                 t.rpc_timeout_s, name=master_name(i)) for i in range(n)]
         owner = uuid.uuid4().hex
         try:
             self._here = ray.get_runtime_context().get_node_id()
@@ -79,14 +97,23 @@ class Client:
         done while the lookup was in flight (location cache), and such reads whose bytes
         were dropped because the value had moved or gone."""
         self._locs = LocationCache()
-        self._releases = Releases(self._master)
-        self._slabs = Slabs(self._master, owner, self._here, config.master.put_slab_bytes)
-        nodes = NodeTable(self.engine, self._master)
-        self._writes = Writer(self.engine, self._master, nodes, self._slabs, self._locs,
-                              config=config, owner=owner, here=self._here,
-                              registered=self._inside_registered)
-        self._reads = Reader(self.engine, self._master, nodes, self._locs, self._releases, self.local_stats,
-                             config=config, here=self._here, registered=self._inside_registered)
+        table = NodeTable(self.engine, masters[0], masters[1:])
+        self._shards = []
+        for i, master in enumerate(masters):
+            nodes = table.via(master, masters[:i] + masters[i + 1:])
+            releases = Releases(master)
+            slabs = Slabs(master, owner, self._here, config.master.put_slab_bytes)
+            self._shards.append(_Shard(
+                master, releases, slabs,
+                Writer(self.engine, master, nodes, slabs, self._locs, config=config, owner=owner, here=self._here,
+                       registered=self._inside_registered),
+                Reader(self.engine, master, nodes, self._locs, releases, self.local_stats, config=config,
+                       here=self._here, registered=self._inside_registered)))
+        # Shard 0's parts (the only shard of an unsharded store).
+        first = self._shards[0]
+        self._master, self._releases, self._slabs = first.master, first.releases, first.slabs
+        self._writes, self._reads = first.writes, first.reads
+        self._fanout: ThreadPoolExecutor | None = None  # runs a batch's parts on other shards
         self._pool: ThreadPoolExecutor | None = None
         self._max_key = config.master.max_key_bytes
         self._closed = False
@@ -108,13 +135,15 @@ class Client:
             NoCapacityError: no room even after eviction (retryable).
             MasterUnavailableError, TransferError: retryable; a retry is safe.
         """
-        self._raise_first(self._timed("put", [key], lambda: self._writes.put_many([key], [value], replicas, False)))
+        w = self._shard(key).writes
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, False)))
 
     def upsert(self, key: str, value: Any, *, replicas: int | None = None) -> None:
         """Store ``value`` under ``key``, replacing any stored value. Readers see the old
         value until the new one is complete. Returns None; raises as ``put`` (never
         ObjectExistsError)."""
-        self._raise_first(self._timed("put", [key], lambda: self._writes.put_many([key], [value], replicas, True)))
+        w = self._shard(key).writes
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, True)))
 
     def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None) -> None:
         """``put`` from a buffer (zero-copy if it was registered with ``register_buffer``);
@@ -124,8 +153,8 @@ class Client:
             InvalidArgumentError: ``size`` outside the buffer, or a bad key or buffer.
             Otherwise as ``put``.
         """
-        self._raise_first(self._timed("put", [key], lambda: self._writes.put_many(
-            [key], [Sized(buffer, size)], replicas, False)))
+        w = self._shard(key).writes
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [Sized(buffer, size)], replicas, False)))
 
     def get(self, key: str) -> bytes:
         """The value stored under ``key``, as bytes.
@@ -135,7 +164,8 @@ class Client:
             InvalidArgumentError: a bad key.
             MasterUnavailableError, TransferError: retryable.
         """
-        out = self._timed("get", [key], lambda: self._reads.get_one(key, None))
+        r = self._shard(key).reads
+        out = self._timed("get", [key], lambda: r.get_one(key, None))
         if isinstance(out, BaseException):
             raise out
         return out
@@ -155,7 +185,8 @@ class Client:
         After any other error the buffer's content is unspecified (a read from a remembered
         location may have landed before the master said the value had moved or gone).
         """
-        out = self._timed("get", [key], lambda: self._reads.get_one(key, buffer))
+        r = self._shard(key).reads
+        out = self._timed("get", [key], lambda: r.get_one(key, buffer))
         if isinstance(out, BaseException):
             raise out
         return out
@@ -172,7 +203,9 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, values, "values")
-        return self._timed("batch_put", keys, lambda: self._writes.put_many(keys, values, replicas, upsert))
+        return self._timed("batch_put", keys, lambda: self._by_shard(
+            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [values[i] for i in idx], replicas, upsert),
+            lambda sh: sh.writes.put_many(keys, values, replicas, upsert)))
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
                        *, replicas: int | None = None) -> list[MooncakeRayError | None]:
@@ -186,7 +219,9 @@ class Client:
         """
         same_length(keys, buffers, "buffers")
         items = [Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
-        return self._timed("batch_put", keys, lambda: self._writes.put_many(keys, items, replicas, False))
+        return self._timed("batch_put", keys, lambda: self._by_shard(
+            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, False),
+            lambda sh: sh.writes.put_many(keys, items, replicas, False)))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None | InvalidArgumentError]:
         """Values of many keys, in order; ``None`` for a miss, and for a bad key its
@@ -196,7 +231,8 @@ class Client:
             MasterUnavailableError, TransferError: a failure other than a miss or a bad key
                 (retryable).
         """
-        out = self._timed("batch_get", keys, lambda: self._reads.get_many(keys, None))
+        out = self._timed("batch_get", keys, lambda: self._by_shard(
+            keys, lambda sh, ks, idx: sh.reads.get_many(ks, None), lambda sh: sh.reads.get_many(keys, None)))
         for v in out:
             if isinstance(v, BaseException) and not isinstance(v, (ObjectNotFoundError, InvalidArgumentError)):
                 raise v
@@ -213,7 +249,9 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
-        return self._timed("batch_get", keys, lambda: self._reads.get_many(keys, buffers))
+        return self._timed("batch_get", keys, lambda: self._by_shard(
+            keys, lambda sh, ks, idx: sh.reads.get_many(ks, [buffers[i] for i in idx]),
+            lambda sh: sh.reads.get_many(keys, buffers)))
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is stored and complete (a put in flight is not). Safe to retry.
@@ -223,7 +261,7 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         self._check_key(key)
-        return self._master.call(rpc.EXISTS, [key])[0]
+        return self._shard(key).master.call(rpc.EXISTS, [key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """``exists`` for many keys, in one call; a bool per key (False for a key that is
@@ -234,13 +272,17 @@ class Client:
         """
         keys = list(keys)
         bad = key_errors(keys, self._max_key)
-        if not bad:
-            return self._master.call(rpc.EXISTS, keys) if keys else []
-        good = [i for i in range(len(keys)) if i not in bad]
+        good = [i for i in range(len(keys)) if i not in bad] if bad else None
+        if not keys or good == []:
+            return [False] * len(keys)
+        ask = keys if good is None else [keys[i] for i in good]
+        found = self._by_shard(ask, lambda sh, ks, idx: sh.master.call(rpc.EXISTS, ks),
+                               lambda sh: sh.master.call(rpc.EXISTS, ask), per_key_errors=False)
+        if good is None:
+            return found
         out = [False] * len(keys)
-        if good:
-            for i, e in zip(good, self._master.call(rpc.EXISTS, [keys[i] for i in good])):
-                out[i] = e
+        for i, e in zip(good, found):
+            out[i] = e
         return out
 
     def remove(self, key: str, *, force: bool = False) -> bool:
@@ -253,7 +295,9 @@ class Client:
         """
         self._check_key(key)
         self._locs.pop(key, None)
-        res = self._master.call(rpc.REMOVE, [key], force)[0]
+        sh = self._shard(key)
+        sh.releases.flush()  # this client's own finished reads must not hold the key
+        res = sh.master.call(rpc.REMOVE, [key], force)[0]
         if rpc.is_err(res):
             raise rpc.to_exc(res)
         return res
@@ -269,7 +313,7 @@ class Client:
         if not isinstance(prefix, str):
             raise InvalidArgumentError(f"prefix must be a str, got {type(prefix).__name__}")
         self._locs.forget_prefix(prefix)
-        return self._master.call(rpc.REMOVE_PREFIX, prefix, force)
+        return self._on_every_shard(lambda sh: (sh.releases.flush(), sh.master.call(rpc.REMOVE_PREFIX, prefix, force))[1])
 
     def remove_all(self, *, force: bool = False) -> int:
         """Remove every key (leased ones only with ``force``); returns how many. Safe to
@@ -279,7 +323,7 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         self._locs.clear()
-        return self._master.call(rpc.REMOVE_PREFIX, "", force)
+        return self._on_every_shard(lambda sh: (sh.releases.flush(), sh.master.call(rpc.REMOVE_PREFIX, "", force))[1])
 
     def pin(self, key: str, *, hard: bool = False, ttl_s: float | None = None) -> None:
         """Soft pin (evicted last; expires after ``ttl_s`` or the configured soft-pin TTL)
@@ -293,7 +337,7 @@ class Client:
         self._check_key(key)
         if ttl_s is not None:
             ttl_s = check_ttl(ttl_s)
-        self._raise_first(self._master.call(rpc.PIN, [[key, bool(hard), ttl_s]]))
+        self._raise_first(self._shard(key).master.call(rpc.PIN, [[key, bool(hard), ttl_s]]))
 
     def unpin(self, key: str) -> None:
         """Remove a soft or hard pin; the value is evicted like any other from now on.
@@ -304,7 +348,7 @@ class Client:
             InvalidArgumentError: a bad key.
         """
         self._check_key(key)
-        self._raise_first(self._master.call(rpc.UNPIN, [key]))
+        self._raise_first(self._shard(key).master.call(rpc.UNPIN, [key]))
 
     def register_buffer(self, buffer: Any):
         """Register memory with the transport so puts from it and gets into it are
@@ -339,13 +383,23 @@ class Client:
 
     def stats(self) -> dict:
         """The master's statistics (capacity, used, keys, hits, misses, evictions, per
-        node and tier), as a dict.
+        node and tier), as a dict; with several master shards, summed over them
+        (``master_shards``; each shard's own under ``shards``, a shard that did not answer
+        as ``{"error": ...}``, and ``recovering`` is then true).
 
         Raises:
-            ray.exceptions.GetTimeoutError: no answer within 30 s.
-            ray.exceptions.RayActorError: the master actor is dead.
+            ray.exceptions.GetTimeoutError: no answer within 30 s (one master shard).
+            ray.exceptions.RayActorError: the master actor is dead (one master shard).
         """
-        return ray.get(self._master.handle().stats.remote(), timeout=30)
+        if len(self._shards) == 1:
+            return shards.merge_stats([ray.get(self._master.handle().stats.remote(), timeout=30)])
+        parts = []
+        for i, sh in enumerate(self._shards):
+            try:
+                parts.append(ray.get(sh.master.handle().stats.remote(), timeout=30))
+            except (ray.exceptions.RayError, ValueError) as e:
+                parts.append({"error": f"master shard {i}: {type(e).__name__}: {e}"})
+        return shards.merge_stats(parts)
 
     # async variants of the batch calls: the same call on a small thread pool of this client
     async def batch_put_async(self, *args, **kwargs):
@@ -375,11 +429,13 @@ class Client:
         master)."""
         if self._closed:
             return
-        self._releases.close()
-        self._slabs.close()
+        for sh in self._shards:
+            sh.releases.close()
+            sh.slabs.close()
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._fanout):
+            if pool is not None:
+                pool.shutdown(wait=True)
         for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
@@ -394,6 +450,55 @@ class Client:
         self.close()
 
     # ================================================================ internals ==
+    def _shard(self, key) -> "_Shard":
+        """The master shard that owns ``key`` (shard 0 for a key that is not a str: its
+        checks raise there)."""
+        if len(self._shards) == 1 or not isinstance(key, str):
+            return self._shards[0]
+        return self._shards[shards.shard_of(key, len(self._shards))]
+
+    def _by_shard(self, keys, part, whole, per_key_errors: bool = True) -> list:
+        """A batch call split by master shard: ``part(shard, keys, indices)`` for each
+        shard's keys, at once (all but one on this client's fan-out threads), joined back
+        in the order of ``keys``; ``whole(shard)`` when one shard owns them all.
+
+        A shard that does not answer (``MasterUnavailableError``) fails only its own
+        keys: with ``per_key_errors`` each gets that error as its entry, unless no shard
+        answered, which raises it (as without shards)."""
+        n = len(self._shards)
+        if n == 1:
+            return whole(self._shards[0])
+        groups = shards.split([k if isinstance(k, str) else "" for k in keys], n)
+        busy = [(self._shards[s], idx) for s, idx in enumerate(groups) if idx]
+        if len(busy) == 1:
+            return whole(busy[0][0])
+        if self._fanout is None:
+            self._fanout = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mooncake-shard")
+        futures = [self._fanout.submit(part, sh, [keys[i] for i in idx], idx) for sh, idx in busy[1:]]
+        out: list = [None] * len(keys)
+        down: list[MasterUnavailableError] = []
+        for j, (sh, idx) in enumerate(busy):
+            try:
+                got = part(sh, [keys[i] for i in idx], idx) if j == 0 else futures[j - 1].result()
+            except MasterUnavailableError as e:
+                down.append(e)
+                got = [e] * len(idx)
+            for i, r in zip(idx, got):
+                out[i] = r
+        if down and (not per_key_errors or len(down) == len(busy)):
+            raise down[0]
+        return out
+
+    def _on_every_shard(self, fn) -> int:
+        """``fn(shard)`` on every master shard at once; the sum of what they return."""
+        if len(self._shards) == 1:
+            return fn(self._shards[0])
+        if self._fanout is None:
+            self._fanout = ThreadPoolExecutor(max_workers=len(self._shards) - 1, thread_name_prefix="mooncake-shard")
+        futures = [self._fanout.submit(fn, sh) for sh in self._shards[1:]]
+        total = fn(self._shards[0])
+        return total + sum(f.result() for f in futures)
+
     def _in_pool(self, fn, *args, **kwargs):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-client")
@@ -409,8 +514,10 @@ class Client:
         else:
             out = fn()
         dt = time.perf_counter() - t0
-        moved = self._reads.moved + self._writes.moved
-        self._reads.moved = self._writes.moved = 0
+        moved = 0
+        for sh in self._shards:
+            moved += sh.reads.moved + sh.writes.moved
+            sh.reads.moved = sh.writes.moved = 0
         # A call that promoted a value from the disk tier counts as a disk-tier read.
         tier = "disk" if self.local_stats["disk_reads"] != disk_reads else "dram"
         self._metrics.observe(op, dt, len(keys), moved, tier)

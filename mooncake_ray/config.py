@@ -218,6 +218,11 @@ class MasterConfig(_Model):
     """Answer GET, EXISTS, lease releases and clean one-call put commits in C++ on the RPC
     thread from a mirror of the index (False: every call runs the Python state machine)."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
+    shards: int = Field(1, ge=1, le=64)
+    """Master actors, each owning the keys that hash to it and an equal part of every
+    store node's arena (``_private/shards.py``): more metadata throughput, and a shard's
+    restart pauses only its own keys. A value must fit in one part (1/shards of
+    ``segment_size_bytes``)."""
     max_restarts: int = Field(-1, ge=-1)
     num_cpus: float = Field(0.0, ge=0)
 

@@ -1,6 +1,7 @@
-"""Deploying the store onto a Ray cluster: one master, one store node per Ray node that
-offers memory, all detached named actors in the store's namespace (so the store outlives
-the driver that started it, and ``connect`` finds it from any process)."""
+"""Deploying the store onto a Ray cluster: the master (one actor per shard,
+``master.shards``), one store node per Ray node that offers memory, all detached named
+actors in the store's namespace (so the store outlives the driver that started it, and
+``connect`` finds it from any process)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
 from mooncake_ray._private import auth, preflight
 from mooncake_ray._private.master.actor import master_actor_class
-from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+from mooncake_ray._private.naming import is_master_name, master_name, store_actor_name
+from mooncake_ray._private.shards import merge_stats
 from mooncake_ray._private.store.actor import StoreNodeActor
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ def _exists(name: str, namespace: str) -> bool:
 
 
 def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
-    """Create (or find) the master and the store nodes; wait until every node is mounted.
+    """Create (or find) the master shards and the store nodes; wait until every node is
+    mounted on every shard. Returns ``(masters, store_nodes)``: the masters' actor handles,
+    shard 0 first.
 
     Raises:
         ConfigError: the transport settings are rejected, the arenas do not fit in a host's
@@ -65,10 +69,10 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
     opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
                 max_restarts=-1, max_task_retries=-1)
     head = ray.get_runtime_context().get_node_id()
-    master = master_actor_class().options(
-        name=MASTER_NAME, max_concurrency=4,
+    masters = [master_actor_class().options(
+        name=master_name(shard), max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **opts,
-    ).remote(cfg.model_dump())
+    ).remote(cfg.model_dump(), shard) for shard in range(cfg.master.shards)]
     actors = []
     for n in nodes:
         node_id = n["NodeID"]
@@ -77,7 +81,7 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **opts,
         ).remote(cfg.model_dump(), node_id))
     deadline = time.monotonic() + timeout_s
-    ray.get(master.ping.remote(), timeout=timeout_s)
+    ray.get([m.ping.remote() for m in masters], timeout=timeout_s)
     for n, a in zip(nodes, actors):
         left = max(1.0, deadline - time.monotonic())
         try:
@@ -87,7 +91,7 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
                 f"the store node on Ray node {n['NodeID'][:12]} failed to start: {_cause(e)}") from None
         if not mounted:
             raise NodeUnavailableError(f"a store node did not mount within {timeout_s:.0f}s")
-    return master, actors
+    return masters, actors
 
 
 def _cause(e: BaseException) -> str:
@@ -97,13 +101,42 @@ def _cause(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def find_master(namespace: str):
+def find_master(namespace: str, shard: int = 0):
     try:
-        return ray.get_actor(MASTER_NAME, namespace=namespace)
+        return ray.get_actor(master_name(shard), namespace=namespace)
     except ValueError:
         raise MasterUnavailableError(
             f"no mooncake-ray store in Ray namespace {namespace!r}: call mooncake_ray.start() "
             "or run `mooncake-ray start`") from None
+
+
+def store_stats(namespace: str, timeout_s: float = 30.0) -> dict:
+    """The store's statistics, summed over its master shards (``shards.merge_stats``).
+
+    Raises:
+        MasterUnavailableError: no store in ``namespace``.
+        ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: with one shard, its
+            master did not answer (with several, a shard that does not answer is reported
+            in ``stats["shards"]`` instead).
+    """
+    first = find_master(namespace)
+    n = StoreConfig.model_validate(ray.get(first.config.remote(), timeout=timeout_s)).master.shards
+    if n == 1:
+        return merge_stats([ray.get(first.stats.remote(), timeout=timeout_s)])
+    refs = [first.stats.remote()]
+    for shard in range(1, n):
+        try:
+            refs.append(find_master(namespace, shard).stats.remote())
+        except MasterUnavailableError as e:
+            refs.append(e)
+    parts = []
+    for shard, ref in enumerate(refs):
+        try:
+            parts.append(ref if isinstance(ref, dict) else
+                         {"error": str(ref)} if isinstance(ref, Exception) else ray.get(ref, timeout=timeout_s))
+        except (ray.exceptions.RayError, ValueError) as e:
+            parts.append({"error": f"master shard {shard}: {type(e).__name__}: {e}"})
+    return merge_stats(parts)
 
 
 def teardown(namespace: str) -> int:
@@ -113,7 +146,7 @@ def teardown(namespace: str) -> int:
         if entry.get("namespace") != namespace:
             continue
         name = entry["name"]
-        if name == MASTER_NAME or name.startswith(store_actor_name("")):
+        if is_master_name(name) or name.startswith(store_actor_name("")):
             try:
                 ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
                 n += 1

@@ -28,9 +28,13 @@ from mooncake_ray._private.naming import MASTER_NAME
 
 
 class MasterChannel:
-    def __init__(self, engine, namespace: str, retry_timeout_s: float, rpc_timeout_s: float):
+    """Calls to one master actor (``name``: a shard's, ``naming.master_name``)."""
+
+    def __init__(self, engine, namespace: str, retry_timeout_s: float, rpc_timeout_s: float,
+                 name: str = MASTER_NAME):
         self._engine = engine
         self._namespace = namespace
+        self.name = name
         self._retry_timeout_s = retry_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._lock = threading.Lock()
@@ -41,7 +45,7 @@ class MasterChannel:
     def handle(self):
         """The master's Ray actor handle (lifecycle calls: stats, nodes, config)."""
         if self._handle is None:
-            self._handle = ray.get_actor(MASTER_NAME, namespace=self._namespace)
+            self._handle = ray.get_actor(self.name, namespace=self._namespace)
         return self._handle
 
     def _connect(self, deadline: float):
@@ -137,7 +141,8 @@ class MasterChannel:
                 except MasterUnavailableError as e:  # rebuilding its index: come back later
                     last = e
             if time.monotonic() + delay > deadline:
+                who = "master" if self.name == MASTER_NAME else f"master {self.name!r}"
                 raise MasterUnavailableError(
-                    f"master did not answer within {self._retry_timeout_s:.0f}s: {last}") from last
+                    f"{who} did not answer within {self._retry_timeout_s:.0f}s: {last}") from last
             time.sleep(delay)
             delay = min(delay * 2, 0.5)

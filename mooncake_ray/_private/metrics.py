@@ -35,34 +35,39 @@ class MasterMetrics:
     # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).
     TIER_HITS = {"dram": "hits", "disk": "disk_hits"}
 
-    def __init__(self) -> None:
-        tags = ("node", "tier")
+    def __init__(self, shard: int = 0) -> None:
+        # Every series carries the master shard that exports it (tag ``shard``): a node's
+        # capacity and use are the sum over shards of their parts of its arena.
+        self._shard = {"shard": str(shard)}
+        tags = ("node", "tier", "shard")
         self.capacity = metrics.Gauge("mooncake_capacity_bytes", "Store capacity", tag_keys=tags)
         self.used = metrics.Gauge("mooncake_used_bytes", "Store bytes in use", tag_keys=tags)
         self.keys = metrics.Gauge("mooncake_keys", "Objects held", tag_keys=tags)
-        self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight")
-        self.counters = {name: metrics.Counter(f"mooncake_{name}", desc) for name, desc in self.COUNTERS.items()}
+        self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight", tag_keys=("shard",))
+        self.counters = {name: metrics.Counter(f"mooncake_{name}", desc, tag_keys=("shard",))
+                         for name, desc in self.COUNTERS.items()}
         self.tier_hits = metrics.Counter("mooncake_tier_hits", "Get hits per tier (disk: promoted into DRAM)",
-                                         tag_keys=("tier",))
+                                         tag_keys=("tier", "shard"))
         self._last: dict[str, int] = {}
 
     def update(self, stats: dict) -> None:
+        shard = self._shard
         for node_id, node in stats["nodes"].items():
             for tier in ("dram", "disk"):
                 t = node[tier]
-                tags = {"node": node_id[:12], "tier": tier}
+                tags = {"node": node_id[:12], "tier": tier, **shard}
                 self.capacity.set(t["capacity"], tags=tags)
                 self.used.set(t["used"], tags=tags)
                 self.keys.set(t.get("keys", 0), tags=tags)
-        self.pending.set(stats.get("pending", 0))
+        self.pending.set(stats.get("pending", 0), tags=shard)
         for name, counter in self.counters.items():
             delta = self._delta(stats, name)
             if delta:
-                counter.inc(delta)
+                counter.inc(delta, tags=shard)
         for tier, name in self.TIER_HITS.items():
             delta = self._delta(stats, "tier_hits:" + name, name)
             if delta:
-                self.tier_hits.inc(delta, tags={"tier": tier})
+                self.tier_hits.inc(delta, tags={"tier": tier, **shard})
 
     def _delta(self, stats: dict, slot: str, name: str | None = None) -> int:
         """How much counter ``name`` (default ``slot``) of ``stats`` grew since the last

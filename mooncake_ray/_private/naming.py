@@ -9,6 +9,15 @@ MASTER_NAME = "mooncake_master"
 STORE_PREFIX = "mooncake_store:"
 
 
+def master_name(shard: int = 0) -> str:
+    """The Ray actor name of a master shard (shard 0 keeps the unsharded store's name)."""
+    return MASTER_NAME if shard == 0 else f"{MASTER_NAME}.{shard}"
+
+
+def is_master_name(name: str) -> bool:
+    return name == MASTER_NAME or name.startswith(MASTER_NAME + ".")
+
+
 def store_actor_name(node_id: str) -> str:
     return STORE_PREFIX + node_id
 

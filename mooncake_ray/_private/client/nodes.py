@@ -24,13 +24,21 @@ class Node:
 
 
 class NodeTable:
-    """The store nodes this client has connected to, by node id (thread-safe)."""
+    """The store nodes this client has connected to, by node id (thread-safe). ``master``
+    is the channel its refreshes ask; ``others``, the other master shards' (told of an
+    unreachable node too). ``via`` gives another shard's view of the same table."""
 
-    def __init__(self, engine, master):
+    def __init__(self, engine, master, others=(), *, _shared: "NodeTable | None" = None):
         self._engine = engine
         self._master = master
-        self._nodes: dict[str, Node] = {}
-        self._lock = threading.Lock()
+        self._others = list(others)
+        self._nodes: dict[str, Node] = {} if _shared is None else _shared._nodes
+        self._lock = threading.Lock() if _shared is None else _shared._lock
+
+    def via(self, master, others=()) -> "NodeTable":
+        """The same nodes and connections, refreshed from ``master`` (a master shard's
+        channel): a shard that is down never holds up another shard's reads and writes."""
+        return NodeTable(self._engine, master, others, _shared=self)
 
     def peek(self, node_id: str) -> Node | None:
         """The cached view of a node, if any (never asks the master)."""
@@ -66,11 +74,14 @@ class NodeTable:
         return node
 
     def report(self, node_id: str) -> None:
-        """Tell the master the node is unreachable (best effort) and forget it."""
+        """Tell the master (and, without waiting on a shard that is down, the other master
+        shards) that the node is unreachable, best effort, and forget it."""
         try:
             self._master.call(rpc.REPORT_UNREACHABLE, node_id)
         except MooncakeRayError:
             pass
+        for other in self._others:
+            other.try_call(rpc.REPORT_UNREACHABLE, node_id)
         with self._lock:
             self._nodes.pop(node_id, None)
 

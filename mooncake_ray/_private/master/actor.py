@@ -34,6 +34,7 @@ import functools
 import gc
 import logging
 import math
+import os
 import threading
 import time
 
@@ -68,8 +69,10 @@ GC_YOUNG_THRESHOLD = 50_000
 
 
 class MasterActor:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, shard: int = 0):
         self.cfg = StoreConfig.model_validate(config)
+        self.shard = shard  # which of master.shards this is (shards.py: its keys, its part of each arena)
+        self._inventory_rpc = rpc.node_inventory_rpc(shard)
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])  # this actor's own process
         self.state = MasterState(Policy.from_config(self.cfg.master))
         from mooncake_ray._private.native import _native
@@ -81,11 +84,11 @@ class MasterActor:
         self.state.index = self.index
         self._lock = _StateLock(self.state, self.index, self._deliver)
 
-        self.engine = role_engine(self.cfg, "master", server=True, num_lanes=1)
+        self.engine = role_engine(self.cfg, "master" if shard == 0 else f"master{shard}", server=True, num_lanes=1)
         self._node_key = auth.new_node_key()  # a restarted master makes a new one: nodes remount
         self._probing: set[str] = set()
         self._peers: dict[str, object] = {}
-        self._metrics = MasterMetrics()
+        self._metrics = MasterMetrics(shard)
         self.incarnation = f"{time.time_ns():x}"
         ctx = ray.get_runtime_context()
         if ctx.was_current_actor_reconstructed:
@@ -93,7 +96,7 @@ class MasterActor:
             # through their heartbeat (this master does not know them) and remount.
             expected = set(store_actor_ids(self.cfg.namespace))
             self.state.begin_recovery(expected)
-            log.warning("master restarted; waiting for store nodes %s to remount", sorted(expected))
+            log.warning("master shard %d restarted; waiting for store nodes %s to remount", shard, sorted(expected))
         self._table = self._rpc_table()
         self._stop = threading.Event()
         self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
@@ -264,7 +267,7 @@ class MasterActor:
             handle = None
             if peer is not None:
                 try:
-                    handle = self.engine.call_async(peer, rpc.NODE_INVENTORY_RPC, auth.seal(self._node_key, payload))
+                    handle = self.engine.call_async(peer, self._inventory_rpc, auth.seal(self._node_key, payload))
                 except MooncakeRayError as e:
                     log.info("inventory send to store node %s failed (%s); retrying", node_id, e)
                     self._peers.pop(node_id, None)
@@ -436,6 +439,10 @@ class MasterActor:
 
     def ping(self) -> str:
         return self.incarnation
+
+    def pid(self) -> int:
+        """This master's process id (fault-injection tests stop and kill it)."""
+        return os.getpid()
 
     def _tick_loop(self) -> None:
         ttl = self.cfg.master.node_ttl_s

@@ -68,18 +68,25 @@ def carve(free: dict, offset: int, length: int) -> bool:
 
 
 class ExtentAllocator:
-    """Best-fit allocator of aligned extents over ``[0, capacity)``."""
+    """Best-fit allocator of aligned extents over ``[origin, origin + capacity)``.
 
-    def __init__(self, capacity: int):
+    ``origin`` is where this allocator's part of the arena begins: 0 for a whole arena, a
+    page-aligned offset for one master shard's part of it (``shards.arena_part``); the
+    offsets it hands out and takes back are arena offsets either way."""
+
+    def __init__(self, capacity: int, origin: int = 0):
         capacity = capacity // ALIGN * ALIGN
         if capacity <= 0:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes, got {capacity}")
+        if origin < 0 or origin % ALIGN:
+            raise ValueError(f"an allocator's origin must be a page-aligned offset, got {origin}")
         self.capacity = capacity
+        self.origin = origin
         self.used = 0
         self._by_size: SortedList = SortedList()
         self._start: SortedDict = SortedDict()
         self._end: dict[int, int] = {}
-        self._add_run(0, capacity)
+        self._add_run(origin, capacity)
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -127,8 +134,7 @@ class ExtentAllocator:
         Raises:
             ValueError: the extent is misaligned, out of range or not entirely free.
         """
-        if offset % GRANULE or length % GRANULE or length <= 0 or offset < 0 or offset + length > self.capacity:
-            raise ValueError(f"bad extent ({offset}, {length}) for capacity {self.capacity}")
+        self._check_extent(offset, length)
         run = self._run_containing(offset)
         if run is None or run[0] + run[1] < offset + length:
             raise ValueError(f"extent ({offset}, {length}) is not free")
@@ -147,8 +153,7 @@ class ExtentAllocator:
         Raises:
             ValueError: the extent overlaps free space (double free) or is out of range.
         """
-        if offset % GRANULE or length % GRANULE or length <= 0 or offset < 0 or offset + length > self.capacity:
-            raise ValueError(f"bad extent ({offset}, {length}) for capacity {self.capacity}")
+        self._check_extent(offset, length)
         if self._overlaps_free(offset, length):
             raise ValueError(f"double free of extent ({offset}, {length})")
         start, end = offset, offset + length
@@ -187,6 +192,12 @@ class ExtentAllocator:
             self.release(start, end - start)
 
     # -- internals ----------------------------------------------------------------
+    def _check_extent(self, offset: int, length: int) -> None:
+        if (offset % GRANULE or length % GRANULE or length <= 0 or offset < self.origin
+                or offset + length > self.origin + self.capacity):
+            raise ValueError(f"bad extent ({offset}, {length}) for [{self.origin}, "
+                             f"{self.origin + self.capacity})")
+
     def _find(self, need: int) -> tuple[int, int, int] | None:
         """Best fit for an extent of ``need`` bytes: ``(run length, run offset, extent
         offset)`` of the smallest free run that holds it at its alignment, or None.

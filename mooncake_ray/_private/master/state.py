@@ -133,7 +133,7 @@ class MasterState:
             self.unmount(node.node_id, "remounted with a new incarnation")
         node.last_heartbeat, node.keys = now, set()
         self._nodes[node.node_id] = node
-        self._alloc[node.node_id] = ExtentAllocator(node.capacity)
+        self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
         # Newest allocation first: if two entries overlap (a drop that never reached the
         # node before a crash, then the extent reused), the newer one wins.
         for e in sorted((InventoryEntry(*e) for e in inventory), key=lambda e: -e.gen):
@@ -246,8 +246,10 @@ class MasterState:
                                   else "every store node is unreachable")
         biggest = max(self._alloc[n.node_id].capacity for n in usable)
         if size > biggest:
-            raise InvalidArgumentError(
-                f"value of {size} bytes is larger than any store node's arena (largest: {biggest} bytes)")
+            where = ("any store node's arena" if all(n.arena_length <= n.capacity for n in usable) else
+                     "this master shard's part of any store node's arena (each of master.shards takes an "
+                     "equal part)")
+            raise InvalidArgumentError(f"value of {size} bytes is larger than {where} (largest: {biggest} bytes)")
         ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
         placed = self._replicas.place(size, want, ordered, now)
         if not placed:

@@ -176,8 +176,10 @@ class NodeInfo:
     address: bytes  # the node's transport address (UCX worker addresses)
     rkey: bytes  # packed remote key of its arena
     base: int  # arena base address in the node's process
-    capacity: int
+    capacity: int  # bytes of the arena this master allocates from
     ray_node_id: str = ""
+    part_offset: int = 0  # where that part begins in the arena (a sharded master's part)
+    arena_length: int = 0  # the whole arena (0: ``capacity``, an unsharded master's)
     spill_capacity: int = 0
     spill_high_watermark: float = 0.9
     last_heartbeat: float = 0.0
@@ -213,7 +215,7 @@ class NodeInfo:
             "address": self.address,
             "rkey": self.rkey,
             "base": self.base,
-            "capacity": self.capacity,
+            "capacity": self.arena_length or self.capacity,  # the whole arena: clients map it all
             "ray_node_id": self.ray_node_id,
             "spill_capacity": self.spill_capacity,
         }

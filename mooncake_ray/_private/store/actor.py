@@ -18,11 +18,18 @@ runs here in Python is bookkeeping and the disk tier:
   answered "unknown" means the master restarted or unmounted us, and we remount with
   the inventory.
 
-Lock order: ``_lock`` guards the inventory; it is never held across a call out.
+With ``master.shards`` > 1 (``_private/shards.py``) all of this is per shard: each master
+shard allocates from its own part of the arena and 1/N of the spill capacity, and this
+node keeps one inventory per shard (a key's entries live in its shard's), takes each
+shard's messages on a handler of its own, and mounts on and heartbeats to each shard from
+a thread of its own, so a shard that is down or restarting holds up no other.
+
+Lock order: ``_lock`` guards the inventories; it is never held across a call out.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -41,13 +48,13 @@ from mooncake_ray.errors import (
     MooncakeRayError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import auth, preflight, rpc
+from mooncake_ray._private import auth, preflight, rpc, shards
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.store.inventory import DISK, StoreInventory
-from mooncake_ray._private.naming import MASTER_NAME
+from mooncake_ray._private.naming import master_name
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,20 @@ def _promote_item_ok(item, capacity: int) -> bool:
             and _extent_ok(item[2], item[3], capacity))
 
 
+class _ShardLink:
+    """This node's side of one master shard: the inventory of that shard's keys, the
+    node key it signs with, its mount, and the channel its calls go over."""
+
+    def __init__(self, shard: int, part: tuple[int, int], channel: MasterChannel) -> None:
+        self.shard = shard
+        self.part_offset, self.part_length = part
+        self.inv = StoreInventory()
+        self.node_key: bytes | None = None  # from the master, before each mount (auth.py)
+        self.mounted = threading.Event()
+        self.channel = channel
+        self.handle = None  # the master shard's Ray actor handle
+
+
 class StoreNodeActor:
     def __init__(self, config: dict, node_id: str):
         self.cfg = StoreConfig.model_validate(config)
@@ -77,23 +98,32 @@ class StoreNodeActor:
                               f"({avail} bytes): the arena's pre-fault would exhaust it")
         self.arena = self.engine.alloc_arena(seg)
         self._lock = threading.Lock()
-        self.inv = StoreInventory()
+        n = self.cfg.master.shards
+        self._links = [_ShardLink(i, shards.arena_part(self.arena.length, n, i),
+                                  MasterChannel(self.engine, self.cfg.namespace, retry_timeout_s=60.0,
+                                                rpc_timeout_s=t.rpc_timeout_s, name=master_name(i)))
+                       for i in range(n)]
         self._stall_until = 0.0  # fault injection: inventory messages wait until then
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
-        self._master_rpc = MasterChannel(self.engine, self.cfg.namespace, retry_timeout_s=60.0,
-                                         rpc_timeout_s=t.rpc_timeout_s)
-        self._node_key: bytes | None = None  # from the master, before each mount (auth.py)
-        self.engine.serve(rpc.NODE_INVENTORY_RPC, self._on_inventory)
+        for link in self._links:
+            self.engine.serve(rpc.node_inventory_rpc(link.shard), functools.partial(self._on_inventory, link))
         self.engine.serve(rpc.NODE_PROMOTE_RPC, self._on_promote)
         self.engine.serve_echo(rpc.NODE_ECHO_RPC)
-        self._master = None
-        self._mounted = threading.Event()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._heartbeat_loop, name="store-heartbeat", daemon=True),
-                         threading.Thread(target=self._worker_loop, name="store-offload", daemon=True)]
+        self._threads = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
+                                          name=f"store-heartbeat-{link.shard}") for link in self._links]
+        self._threads.append(threading.Thread(target=self._worker_loop, name="store-offload", daemon=True))
         for th in self._threads:
             th.start()
+
+    @property
+    def inv(self) -> StoreInventory:
+        """The inventory of an unsharded store (shard 0's)."""
+        return self._links[0].inv
+
+    def _link(self, key: str) -> _ShardLink:
+        return self._links[shards.shard_of(key, len(self._links))]
 
     # ------------------------------------------------------------------ spill ----
     def _open_spill(self):
@@ -107,7 +137,7 @@ class StoreNodeActor:
         cap = sp.capacity_bytes or int(shutil.disk_usage(directory).free * 0.95)
         tier = SpillTier(directory, cap, queue_depth=sp.queue_depth, use_uring=sp.use_uring)
         for key, gen, length in tier.keys():  # opening the tier scanned the headers
-            self.inv.add_disk(InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key)))
+            self._link(key).inv.add_disk(InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key)))
         log.info("spill tier %s: %d objects found", directory, tier.num_keys)
         return tier
 
@@ -139,7 +169,7 @@ class StoreNodeActor:
                 name = type(res).__name__
                 if isinstance(res, (ChecksumError, ObjectNotFoundError)):
                     with self._lock:  # the tier deleted the corrupt file
-                        self.inv.drop_disk(key, gen)
+                        self._link(key).inv.drop_disk(key, gen)
             else:
                 name = "" if res == gen else ObjectNotFoundError.__name__
             out[i] = name
@@ -147,9 +177,25 @@ class StoreNodeActor:
             self._call_master(rpc.PROMOTE_DONE, [[items[i][0], items[i][1], items[i][2], out[i]] for i in good])
         return rpc.pack(out)
 
-    def _call_master(self, op: int, items: list):
-        """A call only store nodes may make: signed with the node key."""
-        return self._master_rpc.call(op, self.node_id, items, auth.mac(self._node_key or b"", [self.node_id, items]))
+    def _call_master(self, op: int, items: list) -> list | None:
+        """A call only store nodes may make, signed with the node key: to each shard, its
+        keys' items (each item's first field is its key). Returns the replies' lists joined
+        in the order of ``items`` (None for calls that answer nothing)."""
+        if len(self._links) == 1:
+            return self._call_shard(self._links[0], op, items)
+        out: list = [None] * len(items)
+        answered = False
+        for link, idxs in zip(self._links, shards.split([it[0] for it in items], len(self._links))):
+            if idxs:
+                got = self._call_shard(link, op, [items[i] for i in idxs])
+                if got is not None:
+                    answered = True
+                    for i, g in zip(idxs, got):
+                        out[i] = g
+        return out if answered else None
+
+    def _call_shard(self, link: _ShardLink, op: int, items: list):
+        return link.channel.call(op, self.node_id, items, auth.mac(link.node_key or b"", [self.node_id, items]))
 
     def _worker_loop(self) -> None:
         """Offloads and disk deletions, in the order the master asked for them."""
@@ -178,7 +224,7 @@ class StoreNodeActor:
                 if info is not None and info[1] <= gen:
                     self.tier.remove(key)
                 with self._lock:
-                    self.inv.drop_disk(key, gen)
+                    self._link(key).inv.drop_disk(key, gen)
             else:
                 offloads.append(item)
         if not offloads:
@@ -199,20 +245,21 @@ class StoreNodeActor:
             ok = not isinstance(res, BaseException)
             if ok:
                 with self._lock:
-                    self.inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
+                    self._link(key).inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
             report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
         self._call_master(rpc.OFFLOAD_DONE, report)
 
     # ---------------------------------------------------------------- inventory --
-    def _on_inventory(self, data: bytes) -> bytes:
-        """One message of the master's stream: ``[mount_id, seq, [adds, drops, offloads]]``,
-        signed with the node key (anyone else's is refused before it is decoded)."""
-        mount_id, seq, delta = rpc.unpack(auth.unseal(self._node_key, data))
+    def _on_inventory(self, link: _ShardLink, data: bytes) -> bytes:
+        """One message of a master shard's stream: ``[mount_id, seq, [adds, drops,
+        offloads]]``, signed with that shard's node key (anyone else's is refused before it
+        is decoded)."""
+        mount_id, seq, delta = rpc.unpack(auth.unseal(link.node_key, data))
         if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
             time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
-            answer, files, offloads = self.inv.apply(mount_id, seq, delta)
+            answer, files, offloads = link.inv.apply(mount_id, seq, delta)
         for key, gen in files:
             self._work.put(("drop", (key, gen)))
         for item in offloads:
@@ -223,70 +270,82 @@ class StoreNodeActor:
         """Fault injection: hold inventory messages for ``seconds`` before applying them."""
         self._stall_until = time.monotonic() + seconds
 
-    def info(self) -> dict:
+    def info(self, shard: int = 0) -> dict:
+        """What master shard ``shard`` knows of this node: its transport address and arena,
+        the part of the arena it allocates from, and its share of the spill capacity."""
         sp = self.cfg.spill
+        link = self._links[shard]
         return {
             "node_id": self.node_id,
             "incarnation": self.incarnation,
             "address": self.engine.address,
             "rkey": self.arena.rkey,
             "base": self.arena.addr,
-            "capacity": self.arena.length,
+            "capacity": link.part_length,
+            "part_offset": link.part_offset,
+            "arena_length": self.arena.length,
             "ray_node_id": self.node_id,
-            "spill_capacity": self.tier.capacity_bytes if self.tier else 0,
+            "spill_capacity": self.tier.capacity_bytes // len(self._links) if self.tier else 0,
             "spill_high_watermark": sp.high_watermark,
         }
 
     # ---------------------------------------------------------------- liveness --
-    def _master_handle(self):
-        if self._master is None:
-            self._master = ray.get_actor(MASTER_NAME, namespace=self.cfg.namespace)
-        return self._master
+    def _master_handle(self, link: _ShardLink):
+        if link.handle is None:
+            link.handle = ray.get_actor(master_name(link.shard), namespace=self.cfg.namespace)
+        return link.handle
 
-    def _mount(self) -> None:
-        self._mounted.clear()
-        self._node_key = ray.get(self._master_handle().node_key.remote(), timeout=60)
+    def _mount(self, link: _ShardLink) -> None:
+        link.mounted.clear()
+        master = self._master_handle(link)
+        link.node_key = ray.get(master.node_key.remote(), timeout=60)
         with self._lock:  # from here on, messages of earlier mounts are refused
-            mount_id, entries = self.inv.begin_mount()
-        ray.get(self._master_handle().mount.remote(self.info(), entries, mount_id), timeout=60)
-        self._mounted.set()
+            mount_id, entries = link.inv.begin_mount()
+        ray.get(master.mount.remote(self.info(link.shard), entries, mount_id), timeout=60)
+        link.mounted.set()
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, link: _ShardLink) -> None:
         period = self.cfg.master.heartbeat_interval_s
         beats = 0
         while not self._stop.is_set():
             try:
-                if not self._mounted.is_set():
-                    self._mount()
+                if not link.mounted.is_set():
+                    self._mount(link)
                 else:
                     degraded = self.tier.degraded if self.tier else None
-                    if degraded and beats % 10 == 0:
+                    if degraded and beats % 10 == 0 and link.shard == 0:
                         self.tier.recover()  # the disk may be back (space freed, dir recreated)
                         degraded = self.tier.degraded
-                    ok = ray.get(self._master_handle().heartbeat.remote(
-                        self.node_id, self.incarnation, self.inv.mount_id,
-                        self.tier.used_bytes if self.tier else None, degraded),
+                    # The disk's use as the node sees it: reported to shard 0 only, so the
+                    # shards' stats add up to it.
+                    used = self.tier.used_bytes if self.tier and link.shard == 0 else None
+                    ok = ray.get(self._master_handle(link).heartbeat.remote(
+                        self.node_id, self.incarnation, link.inv.mount_id, used, degraded),
                         timeout=max(2.0, period * 3))
                     if not ok:
-                        log.warning("master does not know this store node: remounting")
-                        self._mount()
+                        log.warning("master shard %d does not know this store node: remounting", link.shard)
+                        self._mount(link)
             except Exception as e:  # master restarting or unreachable: keep trying
-                log.info("heartbeat/mount failed (%s); retrying", e)
+                log.info("heartbeat/mount to master shard %d failed (%s); retrying", link.shard, e)
                 if isinstance(e, ValueError):
-                    self._master = None
+                    link.handle = None
             beats += 1
             self._stop.wait(period)
 
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:
-        return self._mounted.wait(timeout_s)
+        """Whether every master shard has mounted this node within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        return all(link.mounted.wait(max(0.0, deadline - time.monotonic())) for link in self._links)
 
     def inventory_snapshot(self) -> list:
+        """Every entry of every shard's inventory."""
         with self._lock:
-            return self.inv.snapshot()
+            return [e for link in self._links for e in link.inv.snapshot()]
 
     def stats(self) -> dict:
         with self._lock:
-            counts = self.inv.counts()
+            parts = [link.inv.counts() for link in self._links]
+        counts = {k: sum(p[k] for p in parts) for k in parts[0]}
         out = {"node_id": self.node_id, "capacity": self.arena.length, **counts}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
