@@ -10,12 +10,19 @@ processes put (then read) disjoint key ranges at once; with one, the writer is t
 process. A run stops putting early, and says so, if the host's available memory falls
 below ``--min-free``.
 
+Sweep. ``--clients`` and ``--shards`` each take a comma-separated list (``1,2,4``): ours
+runs once for every (clients, shards) pair, with that many master shards
+(``{"master": {"shards": N}}``: N master actors, each owning the keys that hash to it and
+1/N of the arena); Mooncake has one master, so it runs once per clients value (recorded
+as shards = 1), and each of ours is compared with Mooncake at the same clients count.
+
 Shapes. Both systems get the same arena, batch size, keys and values, through their bytes
 API, with their default settings otherwise:
 
 - mooncake-ray: a Ray instance started by the script (no dashboard), the store deployed on
-  it with ``mooncake_ray.start`` (one master actor, one store node actor holding the arena);
-  clients call ``batch_put`` / ``batch_get``.
+  it with ``mooncake_ray.start`` (``--shards`` master actors, one store node actor holding
+  the arena); clients call ``batch_put`` / ``batch_get`` (which split a batch by shard and
+  run the parts at once).
 - mooncake: ``mooncake_master`` (pip package ``mooncake-transfer-engine-non-cuda``) and a
   ``mooncake_client`` process holding the segment (Mooncake's shape for a store process of
   its own); clients are client-only ``MooncakeDistributedStore`` instances (no segment of
@@ -23,10 +30,10 @@ API, with their default settings otherwise:
   call returns one code per batch: a batch with an error counts all its keys as failed
   (what was really kept is counted by reading back).
 
-Each system is started from scratch for each run and stopped after it, so the two never
-run at once; with ``--repeats`` the order alternates.
+Each system is started from scratch for each run and stopped after it, so two never run
+at once; with ``--repeats`` the order of the systems alternates.
 
-What is reported, per system:
+What is reported, per system and (clients, shards):
 
 - put and get keys/s: keys over the time during which at least one client was inside a
   batch call (for one client, the sum of its call durations: building keys and values and
@@ -34,31 +41,49 @@ What is reported, per system:
 - the put rate over the run: the same measure for each tenth of the keys (and up to 50
   windows for the plot), which shows eviction and index growth slowing puts down;
 - values kept: values read back intact at the end over keys put;
-- the master's process (ours: the master actor's worker process, its pid asked of the
-  actor; Mooncake: ``mooncake_master``): resident memory before the puts, after them and
-  after the reads; its growth over the keys the master holds after the puts ("bytes per
-  live key") and over the keys put (the two differ when values were evicted: memory a
-  process freed is not necessarily given back to the system); its CPU seconds (utime +
-  stime from ``/proc/<pid>/stat``) per key put and per key read; the same for the store
-  process and the clients, to show where the CPU goes on a small host (a client of ours
-  maps the store's arena and counts the pages it wrote, ``rss_shmem``); a sample of the
-  master's and store's memory every half second;
-- the master's own counters: live keys, arena bytes in use, evictions.
+- the master's processes (ours: every master shard's actor worker process, its pid asked
+  of the actor, summed over the shards as role ``master`` and also each alone as
+  ``shard0``, ``shard1``, ... when there are several; Mooncake: ``mooncake_master``):
+  resident memory before the puts, after them and after the reads; its growth over the
+  keys the masters hold after the puts ("bytes per live key") and over the keys put (the
+  two differ when values were evicted: memory a process freed is not necessarily given
+  back to the system); their CPU seconds (utime + stime from ``/proc/<pid>/stat``) per
+  key put and per key read; the same for the store process and the clients, to show
+  where the CPU goes on a small host (a client of ours maps the store's arena and counts
+  the pages it wrote, ``rss_shmem``); a sample of the masters' and store's memory every
+  half second;
+- the master's own counters (ours: summed over the shards): live keys, arena bytes in
+  use, evictions;
+- the projected master capacity: ``master_put_capacity_keys_per_s = shards * 1e6 /
+  master_cpu_us_per_put`` (and the same for reads), where the CPU per key is summed over
+  every master shard. It is a projection, not a measurement: on a small host (2 vCPUs)
+  the clients, the store and the masters share the cores, so measured keys/s cannot show
+  what more shards would give; the projection says how many keys/s the masters' own CPU
+  cost would allow with a core for each shard (keys spread evenly over the shards by
+  hash; nothing else limiting). For Mooncake (one master) it is ``1e6 / CPU us per key``:
+  what one core of its master allows.
 
-Medians and min-max over repeats; the summary prints the ratio ours/Mooncake of the medians.
-``--shards`` records the number of master shards (the master has one).
+Medians and min-max over repeats; the summary prints the ratio ours/Mooncake of the
+medians (at the same clients count). With one (clients, shards) pair it prints every
+figure; with a sweep, a table of one row per system and pair.
 
     make bench B=benchmarks/bench_scale.py ARGS="--quick"          # 100k x 256 B, about a minute
     make bench B=benchmarks/bench_scale.py                         # 1M x 256 B
     make bench B=benchmarks/bench_scale.py ARGS="--keys 10000000 --value-bytes 256,16k"
+    make bench B=benchmarks/bench_scale.py ARGS="--keys 200000 --clients 1,2,4 --shards 1,2,4 --systems mooncake-ray,mooncake"
 
 Run it inside a private network namespace (``make bench`` does): Ray and Mooncake listen on
-every interface. Writes benchmarks/results/bench_scale.json and bench_scale.png.
+every interface. Writes benchmarks/results/bench_scale.json and bench_scale.png; with more
+than one clients value or shards other than 1, bench_scale_shards.json and .png
+(``--out`` names another file; the plot is saved beside it, as ``.png``), whose figure has
+a third row: put and get keys/s and the projected master capacity against shards, a line
+per clients value (Mooncake's as dashed horizontal lines).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -86,10 +111,14 @@ MEM_CHECK_BATCHES = 16
 
 # ============================================================== processes, memory ==
 
-def proc_sample(pid: int) -> dict:
+def proc_sample(pid: int | tuple) -> dict:
     """Resident, peak resident, anonymous and shared-memory resident bytes, and CPU seconds
-    (user + system, all threads) of one process. A process that maps another's shared
+    (user + system, all threads) of one process, or summed over a tuple of processes (a
+    role of several, such as every master shard). A process that maps another's shared
     memory and touches it counts those pages too (``rss_shmem``)."""
+    if isinstance(pid, tuple):
+        parts = [proc_sample(p) for p in pid]
+        return {k: sum(p[k] for p in parts) for k in parts[0]}
     mem = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, rest = line.partition(":")
@@ -114,9 +143,10 @@ def own_cpu_s() -> float:
 
 
 class Sampler:
-    """Memory and CPU of the named processes every ``SAMPLE_S`` seconds, on a thread."""
+    """Memory and CPU of the named processes (or tuples of processes, summed) every
+    ``SAMPLE_S`` seconds, on a thread."""
 
-    def __init__(self, pids: dict[str, int]):
+    def __init__(self, pids: dict[str, int | tuple]):
         self.pids, self.rows, self.phase = pids, [], "idle"
         self._stop = threading.Event()
         self._t0 = time.monotonic()
@@ -298,7 +328,8 @@ def open_client(system: str, info: dict):
 
 
 class Ours:
-    """Ray started here, the store deployed on it: one master actor, one store node actor."""
+    """Ray started here, the store deployed on it: ``a.shards`` master actors, one store
+    node actor."""
 
     name = OURS
 
@@ -312,34 +343,48 @@ class Ours:
         import ray
 
         import mooncake_ray
-        from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+        from mooncake_ray._private.naming import master_name, store_actor_name
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         ctx = ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                        log_to_driver=False, object_store_memory=256 << 20)
+        n = self.a.shards
         self.client = mooncake_ray.start({
             "namespace": self.ns, "segment_size_bytes": self.a.arena, "transport": {"devices": ["lo"]},
-            "spill": {"enabled": False}, "client": {"local_buffer_size_bytes": self.local_buffer}})
-        self.master = ray.get_actor(MASTER_NAME, namespace=self.ns)
-        nodes = list(ray.get(self.master.stats.remote())["nodes"])
+            "master": {"shards": n}, "spill": {"enabled": False},
+            "client": {"local_buffer_size_bytes": self.local_buffer}})
+        self.masters = [ray.get_actor(master_name(i), namespace=self.ns) for i in range(n)]
+        nodes = list(self._stats(60)["nodes"])
         store = ray.get_actor(store_actor_name(nodes[0]), namespace=self.ns)
-        self.pids = {"master": ray.get(self.master.__ray_call__.remote(lambda _self: os.getpid())),
+        shard_pids = ray.get([m.pid.remote() for m in self.masters], timeout=60)
+        # "master": every shard's process, summed (one shard: that process alone, as before)
+        self.pids = {"master": shard_pids[0] if n == 1 else tuple(shard_pids),
+                     **({f"shard{i}": pid for i, pid in enumerate(shard_pids)} if n > 1 else {}),
                      "store": ray.get(store.pid.remote())}
         self.info = {"gcs": ctx.address_info["gcs_address"], "namespace": self.ns,
                      "local_buffer": self.local_buffer}
-        self.shape = {"master": "Ray actor process (MasterActor)", "store": "Ray actor process (StoreNodeActor)",
+        self.shape = {"master": "Ray actor process (MasterActor)" + (f", {n} shards" if n > 1 else ""),
+                      "master_shards": n, "store": "Ray actor process (StoreNodeActor)",
                       "client_api": "Client.batch_put / batch_get (bytes)", "store_nodes": len(nodes),
-                      "config": ray.get(self.master.config.remote())}
+                      "config": ray.get(self.masters[0].config.remote())}
 
     def local_client(self):
         return OursClient(self.client)
 
-    def counters(self) -> dict:
+    def _stats(self, timeout: float) -> dict:
+        """The masters' statistics, summed over the shards."""
         import ray
 
-        st = ray.get(self.master.stats.remote(), timeout=120)
+        from mooncake_ray._private.shards import merge_stats
+
+        return merge_stats(ray.get([m.stats.remote() for m in self.masters], timeout=timeout))
+
+    def counters(self) -> dict:
+        st = self._stats(120)
         return {"live_keys": st["keys"], "arena_used_bytes": st["used"], "arena_capacity_bytes": st["capacity"],
-                "evictions": st["evictions"], "slab_bytes": st.get("slab_bytes"), "pending": st.get("pending")}
+                "evictions": st["evictions"], "slab_bytes": st.get("slab_bytes"), "pending": st.get("pending"),
+                "master_shards": st["master_shards"],
+                **({"shards_live_keys": [x["keys"] for x in st["shards"]]} if "shards" in st else {})}
 
     def stop(self) -> None:
         import ray
@@ -531,7 +576,7 @@ def run_one(cls, a, size: int, rep: int, log_dir: Path) -> dict:
         gets = writers.get(puts)
         meter["after_get"] = {r: proc_sample(p) for r, p in pids.items()}
         out["counters_after_get"] = system.counters()
-        out.update(measures(puts, gets, meter, out["counters_after_put"], out["counters_before"]))
+        out.update(measures(puts, gets, meter, out["counters_after_put"], out["counters_before"], a.shards))
     finally:
         if sampler is not None:
             out["samples"] = sampler.stop()
@@ -541,8 +586,9 @@ def run_one(cls, a, size: int, rep: int, log_dir: Path) -> dict:
     return out
 
 
-def measures(puts: list, gets: list, meter: dict, live: dict, start: dict) -> dict:
-    """The figures of one run from the clients' call intervals and the process meters."""
+def measures(puts: list, gets: list, meter: dict, live: dict, start: dict, shards: int) -> dict:
+    """The figures of one run from the clients' call intervals and the process meters
+    (role ``master`` is every master process, summed; ``shard<i>`` one shard's alone)."""
     keys_put = sum(p["keys"] for p in puts)
     keys_read = sum(g["keys"] for g in gets)
     put_rate, tenths, _ = busy_rate([m for p in puts for m in p["marks"]], 10)
@@ -577,6 +623,9 @@ def measures(puts: list, gets: list, meter: dict, live: dict, start: dict) -> di
     for role in ("master", "store", "client"):
         metrics[f"{role}_cpu_us_per_put"] = 1e6 * cpu(role, "put") / max(1, keys_put)
         metrics[f"{role}_cpu_us_per_get"] = 1e6 * cpu(role, "get") / max(1, keys_read)
+    for op in ("put", "get"):  # a projection: a core for each shard (module docstring)
+        us = metrics[f"master_cpu_us_per_{op}"]
+        metrics[f"master_{op}_capacity_keys_per_s"] = shards * 1e6 / us if us > 0 else None
     return {
         "metrics": metrics,
         "put": {"rate_by_tenth": tenths, "curve_keys_per_s": curve, "curve_end_s": ends,
@@ -609,28 +658,56 @@ LABELS = {
     "arena_bytes_per_live_key": "arena bytes in use per live key",
     "master_cpu_us_per_put": "master CPU us per key put",
     "master_cpu_us_per_get": "master CPU us per key read",
+    "master_put_capacity_keys_per_s": "projected master put keys/s, core/shard",
+    "master_get_capacity_keys_per_s": "projected master get keys/s, core/shard",
     "store_cpu_us_per_put": "store process CPU us per key put",
     "store_cpu_us_per_get": "store process CPU us per key read",
     "client_cpu_us_per_put": "client CPU us per key put",
     "client_cpu_us_per_get": "client CPU us per key read",
     "put_failed": "keys whose put failed",
 }
+# the sweep's table: a column per metric (median), then ours/Mooncake for some of them
+SWEEP = {"put_keys_per_s": "put/s", "get_keys_per_s": "get/s", "kept_fraction": "kept",
+         "master_cpu_us_per_put": "us/put", "master_cpu_us_per_get": "us/get",
+         "master_put_capacity_keys_per_s": "cap put/s", "master_get_capacity_keys_per_s": "cap get/s"}
+SWEEP_RATIOS = ("put_keys_per_s", "get_keys_per_s", "master_put_capacity_keys_per_s",
+                "master_get_capacity_keys_per_s")
+
+
+def case_key(clients: int, shards: int) -> str:
+    return f"clients={clients} shards={shards}"
+
+
+def case_of(key: str) -> tuple[int, int]:
+    """``(clients, shards)`` of a ``case_key``."""
+    clients, shards = (int(part.partition("=")[2]) for part in key.split())
+    return clients, shards
 
 
 def summarize(runs: list[dict]) -> tuple[dict, dict]:
-    """Per value size and system, the spread of each metric over repeats; and per value
-    size the ratio ours/Mooncake of the medians."""
+    """Per value size, (clients, shards) case (``case_key``) and system, the spread of each
+    metric over repeats; and per value size and case of ours, the ratio ours/Mooncake of
+    the medians, Mooncake's at the same clients count (it always runs with one shard)."""
     table: dict = {}
     for r in runs:
         if "metrics" in r:
-            table.setdefault(str(r["value_bytes"]), {}).setdefault(r["system"], []).append(r["metrics"])
-    summary = {size: {sys_: {m: spread([x[m] for x in rows], keep=True) for m in LABELS}
-                      for sys_, rows in by_sys.items()} for size, by_sys in table.items()}
-    ratios = {}
-    for size, by_sys in summary.items():
-        if OURS in by_sys and MOONCAKE in by_sys:
-            ratios[size] = {m: _ratio(by_sys[OURS][m], by_sys[MOONCAKE][m]) for m in LABELS}
+            table.setdefault(str(r["value_bytes"]), {}).setdefault((r["clients"], r["shards"]), {}) \
+                .setdefault(r["system"], []).append(r["metrics"])
+    summary = {size: {case_key(*case): {sys_: {m: spread([x.get(m) for x in rows], keep=True) for m in LABELS}
+                                        for sys_, rows in by_case[case].items()}
+                      for case in sorted(by_case)} for size, by_case in table.items()}
+    ratios: dict = {}
+    for size, by_case in summary.items():
+        for case, by_sys in by_case.items():
+            peer = mooncake_at(by_case, case_of(case)[0])
+            if OURS in by_sys and peer:
+                ratios.setdefault(size, {})[case] = {m: _ratio(by_sys[OURS][m], peer[m]) for m in LABELS}
     return summary, ratios
+
+
+def mooncake_at(by_case: dict, clients: int) -> dict | None:
+    """Mooncake's figures at ``clients`` (one master: shards = 1) in a size's summary."""
+    return by_case.get(case_key(clients, 1), {}).get(MOONCAKE)
 
 
 def _ratio(a, b):
@@ -640,16 +717,33 @@ def _ratio(a, b):
 
 
 def print_summary(summary: dict, ratios: dict) -> None:
-    for size, by_sys in summary.items():
-        print(f"\n{size} B values: median (min-max) over repeats")
-        print(f"  {'':40} {'mooncake-ray':>22} {'mooncake':>22} {'ours/mooncake':>14}")
-        for m, label in LABELS.items():
-            cells = []
+    """One (clients, shards) case per size: every figure; several: the sweep's table."""
+    for size, by_case in summary.items():
+        if len(by_case) == 1:
+            (case, by_sys), = by_case.items()
+            print(f"\n{size} B values, {case}: median (min-max) over repeats")
+            print(f"  {'':40} {'mooncake-ray':>22} {'mooncake':>22} {'ours/mooncake':>14}")
+            for m, label in LABELS.items():
+                cells = []
+                for s in SYSTEMS:
+                    v = by_sys.get(s, {}).get(m)
+                    cells.append(f"{_fmt(v['median'])} ({_fmt(v['min'])}-{_fmt(v['max'])})" if v else "-")
+                r = ratios.get(size, {}).get(case, {}).get(m)
+                print(f"  {label:40} {cells[0]:>22} {cells[1]:>22} {'' if r is None else f'{r:.2f}':>14}")
+            continue
+        print(f"\n{size} B values: medians over repeats; us = master CPU per key (all shards); cap = projected "
+              f"master keys/s with a core per shard (shards x 1e6 / us); x = ours / mooncake at the same clients")
+        print(f"  {'system':13} {'clients':>7} {'shards':>6} " + " ".join(f"{h:>9}" for h in SWEEP.values())
+              + " " + " ".join(f"{'x ' + SWEEP[m]:>11}" for m in SWEEP_RATIOS))
+        for case, by_sys in by_case.items():
+            clients, shards = case_of(case)
             for s in SYSTEMS:
-                v = by_sys.get(s, {}).get(m)
-                cells.append(f"{_fmt(v['median'])} ({_fmt(v['min'])}-{_fmt(v['max'])})" if v else "-")
-            r = ratios.get(size, {}).get(m)
-            print(f"  {label:40} {cells[0]:>22} {cells[1]:>22} {'' if r is None else f'{r:.2f}':>14}")
+                if s not in by_sys:
+                    continue
+                cells = [_fmt(v["median"]) if (v := by_sys[s][m]) else "-" for m in SWEEP]
+                r = ratios.get(size, {}).get(case, {}) if s == OURS else {}
+                print(f"  {s:13} {clients:>7} {shards:>6} " + " ".join(f"{c:>9}" for c in cells) + " "
+                      + " ".join(f"{'' if r.get(m) is None else f'{r[m]:.2f}':>11}" for m in SWEEP_RATIOS))
 
 
 def _fmt(x: float) -> str:
@@ -660,65 +754,120 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
+def _series(runs: list[dict]) -> list[tuple[str, int]]:
+    """The (system, shards) pairs the runs hold, ours first: a colour each in the plot."""
+    return sorted({(r["system"], r["shards"]) for r in runs}, key=lambda x: (SYSTEMS.index(x[0]), x[1]))
+
+
+def _series_label(series: list, system: str, shards: int) -> str:
+    alone = sum(s == system for s, _n in series) == 1
+    return system if alone else f"{system}, {shards} shard{'s' if shards > 1 else ''}"
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
-    color = {OURS: "C0", MOONCAKE: "C1"}
-    styles = ["-", "--", ":", "-."]
+    runs = [r for r in res["runs"] if "metrics" in r]
+    series = _series(runs)
     sizes = list(res["summary"])
-    for r in res["runs"]:
-        if "metrics" not in r or r["repeat"] != 0:
+    clients = sorted({r["clients"] for r in runs})
+    shards = sorted({r["shards"] for r in runs if r["system"] == OURS})
+    sweep = any(len(by_case) > 1 for by_case in res["summary"].values())
+    fig, ax = plt.subplots(3 if sweep else 2, 3, figsize=(16, 12.5 if sweep else 8.5))
+    styles = ["-", "--", ":", "-."]
+    for r in runs:
+        if r["repeat"] != 0:
             continue
-        ls = styles[sizes.index(str(r["value_bytes"])) % len(styles)]
-        label = f"{r['system']} {r['value_bytes']} B"
+        k = series.index((r["system"], r["shards"]))
+        ls = styles[(sizes.index(str(r["value_bytes"])) * len(clients) + clients.index(r["clients"])) % len(styles)]
+        label = (_series_label(series, r["system"], r["shards"])
+                 + (f", {r['clients']} cl." if len(clients) > 1 else "") + f" {r['value_bytes']} B")
         ax[0, 0].plot(r["put"]["curve_end_s"], [x / 1e3 for x in r["put"]["curve_keys_per_s"]], ls,
-                      color=color[r["system"]], label=label)
+                      color=f"C{k}", label=label)
         samples = [s for s in r.get("samples", []) if "master_rss" in s]
         ax[1, 2].plot([s["t"] for s in samples], [s["master_rss"] / 2**20 for s in samples], ls,
-                      color=color[r["system"]], label=label)
+                      color=f"C{k}", label=label)
     ax[0, 0].set(xlabel="seconds into the puts", ylabel="put k keys/s", title="put rate over the run")
     ax[1, 2].set(xlabel="seconds since the puts began", ylabel="MiB",
-                 title="master resident memory (puts, then reads)")
-    _bars(ax[0, 1], res["summary"], ["put_keys_per_s", "get_keys_per_s"], ["put", "get"], 1e-3, "k keys/s")
-    _bars(ax[0, 2], res["summary"], ["kept_fraction"], ["kept"], 1, "values kept / keys put")
-    _bars(ax[1, 0], res["summary"], ["master_bytes_per_live_key", "arena_bytes_per_live_key"],
-          ["master RSS", "arena"], 1, "bytes per live key")
-    _bars(ax[1, 1], res["summary"], ["master_cpu_us_per_put", "master_cpu_us_per_get",
-                                     "store_cpu_us_per_put", "client_cpu_us_per_put"],
-          ["master put", "master get", "store put", "client put"], 1, "CPU us per key")
+                 title="master resident memory, all shards (puts, then reads)")
+    bars = functools.partial(_bars, summary=res["summary"], series=series, clients=clients)
+    bars(ax[0, 1], ["put_keys_per_s", "get_keys_per_s"], ["put", "get"], 1e-3, "k keys/s")
+    bars(ax[0, 2], ["kept_fraction"], ["kept"], 1, "values kept / keys put")
+    bars(ax[1, 0], ["master_bytes_per_live_key", "arena_bytes_per_live_key"], ["master RSS", "arena"], 1,
+         "bytes per live key")
+    bars(ax[1, 1], ["master_cpu_us_per_put", "master_cpu_us_per_get", "store_cpu_us_per_put",
+                    "client_cpu_us_per_put"],
+         ["master put", "master get", "store put", "client put"], 1, "CPU us per key (master: all shards)")
+    if sweep:
+        _sweep(ax[2, 0], res["summary"], clients, shards, ["put_keys_per_s"], "measured put k keys/s")
+        _sweep(ax[2, 1], res["summary"], clients, shards, ["get_keys_per_s"], "measured get k keys/s")
+        _sweep(ax[2, 2], res["summary"], clients, shards,
+               ["master_put_capacity_keys_per_s", "master_get_capacity_keys_per_s"],
+               "projected master k keys/s, a core per shard\n(shards x 1e6 / master CPU us per key; o put, s get)")
     for a in ax.flat:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)
     p = res["params"]
+    if sweep:
+        cases = f"clients {','.join(map(str, clients))} x shards {','.join(map(str, shards))} (mooncake: one master)"
+    else:
+        cases = f"{clients[0]} client(s)" + (f", {shards[0]} master shards" if shards and shards[0] > 1 else "")
     fig.suptitle(f"{p['keys']:,} keys in batches of {p['batch']}, {p['arena'] / 2**30:g} GiB arena, no spill, "
-                 f"{p['clients']} client(s), one host; medians, bars min-max over {p['repeats']} repeat(s)")
+                 f"{cases}, one host; medians, bars min-max over {p['repeats']} repeat(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def _bars(ax, summary: dict, metrics: list, names: list, scale: float, ylabel: str) -> None:
-    groups = [(size, m, n) for size in summary for m, n in zip(metrics, names)]
-    width = 0.38
-    for k, s in enumerate(SYSTEMS):
+def _bars(ax, metrics: list, names: list, scale: float, ylabel: str, *, summary: dict, series: list,
+          clients: list) -> None:
+    """A group of bars per value size, clients count and metric; a bar per (system, shards)."""
+    groups = [(size, c, m, n) for size in summary for c in clients for m, n in zip(metrics, names)]
+    width = 0.76 / len(series)
+    for k, (s, shards) in enumerate(series):
         xs, ys, lo, hi = [], [], [], []
-        for i, (size, m, _n) in enumerate(groups):
-            v = summary[size].get(s, {}).get(m)
+        for i, (size, c, m, _n) in enumerate(groups):
+            v = summary[size].get(case_key(c, shards), {}).get(s, {}).get(m)
             if v:
-                xs.append(i + (k - 0.5) * width)
+                xs.append(i + (k - (len(series) - 1) / 2) * width)
                 ys.append(v["median"] * scale)
                 lo.append((v["median"] - v["min"]) * scale)
                 hi.append((v["max"] - v["median"]) * scale)
-        ax.bar(xs, ys, width, yerr=[lo, hi], label=s, color=f"C{k}", capsize=3)
+        ax.bar(xs, ys, width, yerr=[lo, hi], label=_series_label(series, s, shards), color=f"C{k}", capsize=3)
         for x, y in zip(xs, ys):
-            ax.text(x, y, _fmt(y), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{n}\n{size} B" if len(summary) > 1 else n for size, _m, n in groups],
-                  fontsize=8)
+            ax.text(x, y, _fmt(y), ha="center", va="bottom", fontsize=7 if len(series) <= 2 else 5)
+    ax.set_xticks(range(len(groups)), ["\n".join([n] + ([f"{size} B"] if len(summary) > 1 else [])
+                                                 + ([f"{c} cl."] if len(clients) > 1 else []))
+                                       for size, c, _m, n in groups], fontsize=8)
     ax.set_ylabel(ylabel)
+
+
+def _sweep(ax, summary: dict, clients: list, shards: list, metrics: list, title: str) -> None:
+    """Ours against shards, a line per clients count (and value size, and metric: o, s
+    markers); Mooncake (one master) a dashed horizontal line at its figure."""
+    markers = ["o", "s", "^", "D"]
+    for j, size in enumerate(summary):
+        for i, c in enumerate(clients):
+            for k, m in enumerate(metrics):
+                pts = [(n, v) for n in shards if (v := summary[size].get(case_key(c, n), {}).get(OURS, {}).get(m))]
+                label = f"{c} client{'s' if c > 1 else ''}" + (f", {size} B" if len(summary) > 1 else "")
+                style = dict(color=f"C{i}", marker=markers[(j * len(metrics) + k) % len(markers)],
+                             ls=["-", "--", ":", "-."][j % 4])
+                if pts:
+                    ax.errorbar([n for n, _v in pts], [v["median"] / 1e3 for _n, v in pts],
+                                yerr=[[(v["median"] - v["min"]) / 1e3 for _n, v in pts],
+                                      [(v["max"] - v["median"]) / 1e3 for _n, v in pts]],
+                                capsize=3, label=f"mooncake-ray, {label}" if k == 0 else None, **style)
+                peer = (mooncake_at(summary[size], c) or {}).get(m)
+                if peer:
+                    ax.axhline(peer["median"] / 1e3, color=f"C{i}", ls="--", lw=1, alpha=0.7,
+                               label=f"mooncake, {label}" if k == 0 else None)
+    ax.set_xticks(shards)
+    ax.set(xlabel="master shards (mooncake-ray)", ylabel="k keys/s", title=title)
+    ax.set_ylim(bottom=0)
 
 
 # =========================================================================== main ==
@@ -730,10 +879,12 @@ def parse_args(argv=None):
     ap.add_argument("--value-bytes", default="256", help="value size(s), comma-separated: 256,16k")
     ap.add_argument("--batch", type=int, default=1000, help="keys per put or get call")
     ap.add_argument("--arena", default="2gb", help="DRAM of the store process (both systems)")
-    ap.add_argument("--clients", type=int, default=1,
-                    help="client processes putting disjoint key ranges at once (1: this process)")
-    ap.add_argument("--shards", type=int, default=1, help="master shards (recorded; our master has one)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per system and value size")
+    ap.add_argument("--clients", default="1", help="client processes putting disjoint key ranges at once "
+                                                   "(1: this process); comma-separated for a sweep: 1,2,4")
+    ap.add_argument("--shards", default="1", help="master shards of ours (Mooncake has one master); "
+                                                  "comma-separated for a sweep: 1,2,4")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per system, value size and "
+                                                                       "(clients, shards)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
     ap.add_argument("--min-free", default="2gb",
                     help="stop putting when the host's available memory falls below this")
@@ -741,22 +892,32 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="100k keys: a check that everything runs")
     ap.add_argument("--log-dir", default=None, help="keep the Mooncake processes' logs here (else a temporary "
                                                     "directory, kept only if a run fails)")
-    ap.add_argument("--out", default=str(RESULTS / "bench_scale.json"))
+    ap.add_argument("--out", default=None, help=f"results file (the plot beside it, .png); default "
+                                                f"{RESULTS / 'bench_scale.json'}, or bench_scale_shards.json "
+                                                f"there with more than one clients value or shards other than 1")
     a = ap.parse_args(argv)
     if a.quick:  # other defaults; what is given on the command line still wins
         ap.set_defaults(keys=100_000)
         a = ap.parse_args(argv)
     from mooncake_ray import parse_size  # the package itself (``_common.parse_size`` would stub it)
+    from mooncake_ray._private.shards import MAX_SHARDS
 
-    if a.shards != 1:
-        ap.error(f"--shards {a.shards}: the master runs as one shard; only 1 is accepted")
+    try:
+        a.clients, a.shards = (sorted({int(x) for x in v.split(",") if x.strip()}) for v in (a.clients, a.shards))
+    except ValueError:
+        ap.error(f"--clients and --shards take comma-separated integers (got {a.clients!r}, {a.shards!r})")
+    if not a.clients or not a.shards or not all(1 <= n <= MAX_SHARDS for n in a.shards):
+        ap.error(f"--shards from 1 to {MAX_SHARDS}, and at least one clients and shards value")
+    if a.out is None:  # a sweep (or other shards) does not overwrite the single-shard results
+        sweep = len(a.clients) > 1 or a.shards != [1]
+        a.out = str(RESULTS / ("bench_scale_shards.json" if sweep else "bench_scale.json"))
     a.sizes = [parse_size(s) for s in a.value_bytes.split(",") if s.strip()]
     if min(a.sizes) < len(key_of(a.keys)):
         ap.error(f"--value-bytes must be at least {len(key_of(a.keys))} (a value holds its key)")
     a.arena, a.min_free = parse_size(a.arena), parse_size(a.min_free)
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     unknown = set(a.systems) - set(SYSTEMS)
-    if unknown or a.clients < 1 or a.keys < a.clients or a.batch < 1:
+    if unknown or a.clients[0] < 1 or a.keys < a.clients[-1] or a.batch < 1:
         ap.error(f"systems from {SYSTEMS}, clients >= 1, keys >= clients (got {sorted(unknown)}, "
                  f"{a.clients}, {a.keys})")
     return a
@@ -773,6 +934,18 @@ def environment() -> dict:
             "versions": versions(["ray", "mooncake-transfer-engine-non-cuda", "mooncake-ray", "numpy"])}
 
 
+def plan(a):
+    """``(value size, repeat, clients, system, shards)`` of every run, in order: ours once
+    per shards value, Mooncake (one master) once, for each clients value; the systems'
+    order alternates between repeats."""
+    for size in a.sizes:
+        for rep in range(a.repeats):
+            for clients in a.clients:
+                for name in (a.systems if rep % 2 == 0 else a.systems[::-1]):
+                    for shards in (a.shards if name == OURS else [1]):
+                        yield size, rep, clients, name, shards
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="bench_scale-"))
@@ -784,29 +957,31 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     classes = {OURS: Ours, MOONCAKE: Mooncake}
     t_all = time.perf_counter()
-    for size in a.sizes:
-        for rep in range(a.repeats):
-            order = a.systems if rep % 2 == 0 else a.systems[::-1]
-            for name in order:
-                t = time.perf_counter()
-                print(f"{name}: {a.keys:,} x {size} B, repeat {rep} ...", flush=True)
-                try:
-                    run = run_one(classes[name], a, size, rep, log_dir)
-                except Exception:  # noqa: BLE001 - a system that fails is recorded; the other runs
-                    err = traceback.format_exc()
-                    res["errors"].append({"system": name, "value_bytes": size, "repeat": rep, "traceback": err})
-                    print(f"{name} failed:\n{err}", file=sys.stderr, flush=True)
-                    continue
-                run["seconds"] = time.perf_counter() - t
-                res["runs"].append(run)
-                res["summary"], res["ratios"] = summarize(res["runs"])
-                out.write_text(json.dumps(res, indent=1, default=str))
-                m = run["metrics"]
-                print(f"  {run['seconds']:.0f} s: put {m['put_keys_per_s']:.0f} keys/s (tenths "
-                      f"{' '.join(f'{x:.0f}' for x in run['put']['rate_by_tenth'])}), "
-                      f"get {m['get_keys_per_s']:.0f} keys/s, kept {m['kept']}/{m['keys_put']}, "
-                      f"master {m['master_bytes_per_live_key']:.0f} B/live key, "
-                      f"{m['master_cpu_us_per_put']:.1f} us CPU/put", flush=True)
+    for size, rep, clients, name, shards in plan(a):
+        t = time.perf_counter()
+        print(f"{name}: {a.keys:,} x {size} B, {clients} client(s), {shards} master shard(s), repeat {rep} ...",
+              flush=True)
+        try:
+            run = run_one(classes[name], argparse.Namespace(**{**vars(a), "clients": clients, "shards": shards}),
+                          size, rep, log_dir)
+        except Exception:  # noqa: BLE001 - a system that fails is recorded; the other runs
+            err = traceback.format_exc()
+            res["errors"].append({"system": name, "value_bytes": size, "repeat": rep, "clients": clients,
+                                  "shards": shards, "traceback": err})
+            print(f"{name} failed:\n{err}", file=sys.stderr, flush=True)
+            continue
+        run["seconds"] = time.perf_counter() - t
+        res["runs"].append(run)
+        res["summary"], res["ratios"] = summarize(res["runs"])
+        out.write_text(json.dumps(res, indent=1, default=str))
+        m = run["metrics"]
+        print(f"  {run['seconds']:.0f} s: put {m['put_keys_per_s']:.0f} keys/s (tenths "
+              f"{' '.join(f'{x:.0f}' for x in run['put']['rate_by_tenth'])}), "
+              f"get {m['get_keys_per_s']:.0f} keys/s, kept {m['kept']}/{m['keys_put']}, "
+              f"master {m['master_bytes_per_live_key']:.0f} B/live key, "
+              f"{m['master_cpu_us_per_put']:.1f} / {m['master_cpu_us_per_get']:.1f} us CPU/put / get, projected "
+              f"{_fmt(m['master_put_capacity_keys_per_s'])} / {_fmt(m['master_get_capacity_keys_per_s'])} "
+              f"keys/s", flush=True)
     res["seconds"] = time.perf_counter() - t_all
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["summary"], res["ratios"] = summarize(res["runs"])
@@ -821,6 +996,8 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--plot":  # redraw from a results file
-        plot(json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[2]).with_suffix(".png"))
+        res = json.loads(Path(sys.argv[2]).read_text())
+        res["summary"], res["ratios"] = summarize(res["runs"])  # files from before the sweep: another shape
+        plot(res, Path(sys.argv[2]).with_suffix(".png"))
     else:
         main()

@@ -10,6 +10,7 @@ import mooncake_ray
 from mooncake_ray._private.naming import master_name, store_actor_name
 from mooncake_ray._private.shards import arena_part, shard_of
 from mooncake_ray.cli import format_status
+from tests.conftest import wait_for
 
 SHARDS = 4
 MB = 1 << 20
@@ -98,3 +99,37 @@ def test_each_shard_evicts_within_its_own_part(make_store):
     # The newest values survive in every shard (each shard's LRU is its own).
     newest = keys[-100:]
     assert all(v is not None for v in s.batch_get(newest))
+
+
+def test_sharded_spill_tier_offloads_promotes_and_survives_a_store_node_restart(make_store, tmp_path):
+    """Each shard offloads its own keys to the shared spill directory and promotes them
+    back; a restarted store node hands every spilled key to the shard that owns it."""
+    s = make_store(master={"shards": SHARDS}, segment_size_bytes="16mb",
+                   spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "512mb"})
+    ns = s.config.namespace
+    keys = [f"sp/{i}" for i in range(160)]
+    for lo in range(0, 160, 20):  # 40 MiB of values into 2 x 16 MiB of DRAM
+        assert s.batch_put(keys[lo:lo + 20], [val(i, 256 * 1024) for i in range(lo, lo + 20)]) == [None] * 20
+    got = s.batch_get(keys)
+    assert got == [val(i, 256 * 1024) for i in range(160)]
+    st = s.stats()
+    assert all(p["offloads"] > 0 for p in st["shards"]) and st["promotions"] > 0
+    assert all(n["disk"]["capacity"] == 512 * MB // SHARDS * SHARDS for n in st["nodes"].values())
+
+    # Restart one store node: its DRAM is gone, its spill files are found again and each
+    # goes to its own shard's inventory; those keys stay readable.
+    masters = [ray.get_actor(master_name(i), namespace=ns) for i in range(SHARDS)]
+    assert all(ray.get([m.flush_inventory.remote() for m in masters]))
+    victim = next(n for n, v in st["nodes"].items() if v["disk"]["keys"] > 0)
+    on_disk = {k for m in masters for k, _g, _s, tier, *_ in ray.get(m.node_entries.remote(victim)) if tier == "disk"}
+    assert on_disk
+    old = {n["node_id"]: n["incarnation"] for n in ray.get(masters[0].nodes.remote())}[victim]
+    ray.kill(ray.get_actor(store_actor_name(victim), namespace=ns), no_restart=False)
+
+    def remounted():
+        return all({n["node_id"]: n["incarnation"] for n in ray.get(m.nodes.remote())}.get(victim) not in (None, old)
+                   for m in masters)
+
+    wait_for(remounted, timeout_s=60, what="the store node to remount on every shard")
+    after = s.batch_get(sorted(on_disk))
+    assert after == [val(int(k.split("/")[1]), 256 * 1024) for k in sorted(on_disk)]

@@ -13,7 +13,14 @@ and the master's messages reach them through the shipped outboxes (``NodeOutbox`
 ``plan_mount``), with faults: a message lost, an answer lost (the message is applied, then
 sent again), a node silent past ``node_ttl_s`` that rejoins. The invariant for a mounted
 node is that its inventory, with what it is still owed applied, is exactly the master's
-view of it."""
+view of it.
+
+``ShardedSim`` runs several master shards over the same store nodes, as ``master.shards``
+does (``_private/shards.py``): one ``Sim`` per shard, each with its own master, its part of
+every arena, its inventory on every node and its outboxes; keys go to the shard that owns
+them, node deaths and pauses hit every shard at once, and a master restart hits one shard
+while the others go on. On top of each shard's invariants: every key lives in its own
+shard's index and inventories only, and every extent lies in its shard's part."""
 
 import os
 import random
@@ -28,6 +35,7 @@ from mooncake_ray._private.master.allocator import ALIGN, extent_length
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry, NodeInfo
+from mooncake_ray._private.shards import arena_part, shard_of
 from mooncake_ray._private.store.inventory import StoreInventory, reconcile
 
 SEEDS = [int(os.environ["MCR_SIM_SEED"])] if "MCR_SIM_SEED" in os.environ else list(range(40))
@@ -42,25 +50,37 @@ class Clock:
 
 
 class Sim:
-    def __init__(self, seed, spill=None):
-        self.rng = random.Random(seed)
-        self.clock = Clock()
+    """One master (or one master shard, ``shard`` of ``shards``, sharing the nodes, the
+    clock and the random stream of ``world``, the first shard's ``Sim``)."""
+
+    def __init__(self, seed, spill=None, shards=1, shard=0, world=None):
+        self.shards, self.shard = shards, shard
+        self.rng = random.Random(seed) if world is None else world.rng
+        self.clock = Clock() if world is None else world.clock
         self.losses = {}
         self.totals = {}  # counters of earlier master incarnations
-        strategy = self.rng.choice(["random", "free_ratio_first", "local_first"])
-        self.spill = self.rng.random() < 0.6 if spill is None else spill
-        self.policy = Policy(lease_ttl_s=5, soft_pin_ttl_s=50, node_ttl_s=8, put_timeout_s=20,
-                             allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
-                             high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05)
+        if world is None:
+            strategy = self.rng.choice(["random", "free_ratio_first", "local_first"])
+            self.spill = self.rng.random() < 0.6 if spill is None else spill
+            self.policy = Policy(lease_ttl_s=5, soft_pin_ttl_s=50, node_ttl_s=8, put_timeout_s=20,
+                                 allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
+                                 high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05)
+        else:  # the shards of one store share its configuration
+            self.spill, self.policy = world.spill, world.policy
         self.m = self._new_master()
-        self.inv = {}       # node_id -> StoreInventory
+        self.inv = {}       # node_id -> StoreInventory (of this shard's keys)
         self.outboxes = {}  # node_id -> NodeOutbox (the master actor's)
-        self.paused = {}    # node_id -> clock time it resumes (SIGSTOP): no answers, no heartbeats
-        self.incs, self.caps, self.spills = {}, {}, {}
+        # node_id -> clock time it resumes (SIGSTOP): no answers, no heartbeats
+        self.paused = {} if world is None else world.paused
+        self.incs, self.caps, self.spills = ({}, {}, {}) if world is None else (world.incs, world.caps, world.spills)
         self.offloads = {}  # node_id -> queued (key, gen, size, offset, length)
         self.promotions = []  # (node_id, key, gen, offset)
-        for i in range(3):
-            self.add_node(f"n{i}")
+        self.restarts = 0
+        self.kill_node = self._kill_node  # a sharded run kills the node on every shard
+        for n in ([f"n{i}" for i in range(3)] if world is None else list(world.incs)):
+            if world is None:
+                self.new_incarnation(n)
+            self.join(n)
         self.pending = {}
         self.leases = {}
         self.forced = set()
@@ -105,18 +125,34 @@ class Sim:
         return None if reply is None else [rpc.decode_reply(reply)]
 
     def info(self, n):
-        return NodeInfo(n, self.incs[n], b"", b"", 0, self.caps[n], ray_node_id="r" + n,
-                        spill_capacity=self.spills[n])
+        part_offset, part_length = arena_part(self.caps[n], self.shards, self.shard)
+        return NodeInfo(n, self.incs[n], b"", b"", 0, part_length, ray_node_id="r" + n,
+                        spill_capacity=self.spills[n] // self.shards, part_offset=part_offset,
+                        arena_length=self.caps[n])
 
-    def add_node(self, node_id, keep_disk=False):
+    def new_incarnation(self, node_id):
+        """A store node process starts (shared by every shard)."""
         self.incs[node_id] = f"{node_id}.{self.rng.randrange(1 << 30)}"
+        self.caps[node_id] = self.rng.choice([32, 64, 128]) * ALIGN * self.shards
+        self.spills.setdefault(node_id, self.rng.choice([64, 256]) * ALIGN * self.shards if self.spill else 0)
+
+    def join(self, node_id, keep_disk=False):
+        """This shard's side of a node that started: its inventory, mounted."""
         old = self.inv[node_id].entries.values() if node_id in self.inv else ()
         # a restarted node keeps its spill files, never its DRAM
         self.inv[node_id] = StoreInventory([e for e in old if e.tier == "disk"] if keep_disk else [])
         self.offloads[node_id] = []
-        self.caps[node_id] = self.rng.choice([32, 64, 128]) * ALIGN
-        self.spills.setdefault(node_id, self.rng.choice([64, 256]) * ALIGN if self.spill else 0)
         self.remount(node_id)
+
+    def add_node(self, node_id, keep_disk=False):
+        self.new_incarnation(node_id)
+        self.join(node_id, keep_disk)
+
+    def _kill_node(self, victim):
+        """A store node dies and comes back: DRAM empty, spill files kept."""
+        self.m.unmount(victim, "killed")
+        self.add_node(victim, keep_disk=True)
+        self.promotions = [p for p in self.promotions if p[0] != victim]
 
     def remount(self, n):
         """What the store node's heartbeat thread and the master actor's ``mount`` do."""
@@ -185,9 +221,9 @@ class Sim:
                 self.inv[node_id].drop_disk(key, gen)  # a corrupt file is removed by the node
             self.m.promote_done(node_id, [(key, gen, off, err)])
 
-    def step(self):
+    def step(self, key=None):
         r, m, rng = self.rng.random(), self.m, self.rng
-        key = f"k{rng.randrange(60)}"
+        key = key or f"k{rng.randrange(60)}"
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
         if rng.random() < 0.1:  # the actor's applier: the log applied, decisions left for later
             m.apply_index_log(*m.index.drain(), decide=False)
@@ -267,13 +303,11 @@ class Sim:
             elif r < 0.885:  # a store node pauses, sometimes past node_ttl_s
                 self.paused[rng.choice(list(self.incs))] = self.clock.t + rng.choice([2, 5, 12, 20])
             elif r < 0.90:   # a store node dies and comes back: DRAM empty, spill files kept
-                victim = rng.choice(list(self.incs))
-                m.unmount(victim, "killed")
-                self.add_node(victim, keep_disk=True)
-                self.promotions = [p for p in self.promotions if p[0] != victim]
+                self.kill_node(rng.choice(list(self.incs)))
             elif r < 0.92:   # the master restarts and rebuilds from the inventories
                 self.flush()  # (a put acknowledged inside the delivery window is lost: not modelled)
                 self.outboxes = {}
+                self.restarts += 1
                 for k, v in m.counters.items():
                     self.totals[k] = self.totals.get(k, 0) + v
                 self.m = m = self._new_master()
@@ -368,6 +402,75 @@ class Sim:
                 if r.ready:
                     assert (key, r.tier.value) in views[r.node_id], \
                         f"{key}/{r.tier.value} on {r.node_id} missing from its inventory"
+
+
+class ShardedSim:
+    """Several master shards over the same store nodes (see the module docstring)."""
+
+    def __init__(self, seed, shards):
+        first = Sim(seed, shards=shards, shard=0)
+        self.sims = [first] + [Sim(seed, shards=shards, shard=i, world=first) for i in range(1, shards)]
+        self.rng = first.rng
+        for sim in self.sims:
+            sim.kill_node = self.kill_node
+        self.kills = 0
+
+    def kill_node(self, victim):
+        """The node's process dies and restarts: every shard unmounts the old incarnation
+        and mounts the new one (each with its own inventory's spill files)."""
+        self.kills += 1
+        for sim in self.sims:  # each under its actor's lock: its index's log applied first
+            sim.python(lambda: sim.m.unmount(victim, "killed"))
+        self.sims[0].new_incarnation(victim)
+        for sim in self.sims:
+            sim.python(lambda: sim.join(victim, keep_disk=True))
+            sim.deliver()  # what the mount queued (the actor's mount hands it to the outbox)
+            sim.promotions = [p for p in sim.promotions if p[0] != victim]
+
+    def step(self):
+        key = f"k{self.rng.randrange(90)}"
+        self.sims[shard_of(key, len(self.sims))].step(key)
+
+    def check(self):
+        n = len(self.sims)
+        for shard, sim in enumerate(self.sims):
+            sim.check()
+            m = sim.m
+            assert all(shard_of(k, n) == shard for k in m._objects), f"shard {shard} holds another shard's key"
+            for node_id, inv in sim.inv.items():
+                assert all(shard_of(e.key, n) == shard for e in inv.entries.values()), \
+                    f"{node_id}'s inventory for shard {shard} holds another shard's key"
+            for node_id, alloc in m._alloc.items():
+                lo, length = arena_part(sim.caps[node_id], n, shard)
+                assert (alloc.origin, alloc.capacity) == (lo, length), f"shard {shard} allocates outside its part"
+                for obj in list(m._objects.values()) + list(m._pending.values()):
+                    for r in obj.replicas:
+                        if r.node_id == node_id and r.tier.value == "dram":
+                            assert lo <= r.offset and r.offset + r.length <= lo + length, \
+                                f"shard {shard}: {obj.key} at {r.offset} outside its part [{lo}, {lo + length})"
+
+
+@pytest.mark.parametrize("seed", SEEDS[:15])
+def test_sharded_masters_keep_invariants(seed):
+    sim = ShardedSim(seed, shards=3)
+    for i in range(STEPS):
+        sim.step()
+        try:
+            sim.check()
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, step {i}: {e} (rerun: MCR_SIM_SEED={seed})") from None
+
+
+def test_sharded_runs_exercise_shard_restarts_node_deaths_and_the_disk_tier():
+    restarts = kills = offloads = 0
+    for seed in range(10):
+        sim = ShardedSim(seed, shards=3)
+        for _ in range(STEPS):
+            sim.step()
+        restarts += sum(s.restarts for s in sim.sims)
+        kills += sim.kills
+        offloads += sum(s.m.counters["offloads"] + s.totals.get("offloads", 0) for s in sim.sims)
+    assert restarts > 10 and kills > 10 and offloads > 20, (restarts, kills, offloads)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -143,3 +143,21 @@ def test_largest_paged_is_what_the_largest_run_holds_on_pages():
     assert a.largest_paged() == 7 * K
     a.allocate(7 * K)
     assert a.largest_paged() == 0        # 3968 bytes free, not one whole page
+
+
+def test_an_allocator_with_an_origin_keeps_to_its_part_of_the_arena():
+    """A master shard's allocator covers one part of an arena; its offsets are the
+    arena's, and nothing outside the part is handed out or taken back."""
+    a = ExtentAllocator(4 * K, origin=8 * K)
+    assert a.allocate(256) == (8 * K, 256)
+    assert a.allocate(K) == (9 * K, K)
+    assert a.free_runs() == [(8 * K + 256, K - 256), (10 * K, 2 * K)]
+    a.reserve(11 * K, K)
+    assert a.allocate(2 * K) is None and a.allocate(K) == (10 * K, K)
+    for bad in ((7 * K, K), (12 * K, K), (11 * K + K // 2, K)):
+        with pytest.raises(ValueError, match="bad extent"):
+            a.release(*bad)
+    with pytest.raises(ValueError, match="page-aligned"):
+        ExtentAllocator(4 * K, origin=100)
+    a.release_many([(8 * K, 256), (9 * K, K), (10 * K, K), (11 * K, K)])
+    assert a.used == 0 and a.free_runs() == [(8 * K, 4 * K)]
