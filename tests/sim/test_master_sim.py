@@ -450,15 +450,20 @@ class ShardedSim:
                                 f"shard {shard}: {obj.key} at {r.offset} outside its part [{lo}, {lo + length})"
 
 
-@pytest.mark.parametrize("seed", SEEDS[:15])
-def test_sharded_masters_keep_invariants(seed):
-    sim = ShardedSim(seed, shards=3)
+def run_checked(sim, seed) -> None:
+    """``STEPS`` steps of ``sim``, its invariants checked after each; a failure names the
+    seed and step to replay."""
     for i in range(STEPS):
         sim.step()
         try:
             sim.check()
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, step {i}: {e} (rerun: MCR_SIM_SEED={seed})") from None
+
+
+@pytest.mark.parametrize("seed", SEEDS[:15])
+def test_sharded_masters_keep_invariants(seed):
+    run_checked(ShardedSim(seed, shards=3), seed)
 
 
 def test_sharded_runs_exercise_shard_restarts_node_deaths_and_the_disk_tier():
@@ -475,13 +480,7 @@ def test_sharded_runs_exercise_shard_restarts_node_deaths_and_the_disk_tier():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_operations_keep_invariants(seed):
-    sim = Sim(seed)
-    for i in range(STEPS):
-        sim.step()
-        try:
-            sim.check()
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}, step {i}: {e} (rerun: MCR_SIM_SEED={seed})") from None
+    run_checked(Sim(seed), seed)
 
 
 def test_spill_runs_exercise_offload_and_promotion():
