@@ -749,6 +749,8 @@ def print_summary(summary: dict, ratios: dict) -> None:
 def _fmt(x: float) -> str:
     if x is None:
         return "-"
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:.2f}M"
     if abs(x) >= 1e4:
         return f"{x / 1e3:.1f}k"
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
@@ -802,15 +804,15 @@ def plot(res: dict, path: Path) -> None:
                     "client_cpu_us_per_put"],
          ["master put", "master get", "store put", "client put"], 1, "CPU us per key (master: all shards)")
     if sweep:
-        _sweep(ax[2, 0], res["summary"], clients, shards, ["put_keys_per_s"], "measured put k keys/s")
-        _sweep(ax[2, 1], res["summary"], clients, shards, ["get_keys_per_s"], "measured get k keys/s")
+        _sweep(ax[2, 0], res["summary"], clients, shards, {"put_keys_per_s": "put"}, "measured put keys/s")
+        _sweep(ax[2, 1], res["summary"], clients, shards, {"get_keys_per_s": "get"}, "measured get keys/s")
         _sweep(ax[2, 2], res["summary"], clients, shards,
-               ["master_put_capacity_keys_per_s", "master_get_capacity_keys_per_s"],
-               "projected master k keys/s, a core per shard\n(shards x 1e6 / master CPU us per key; o put, s get)")
+               {"master_put_capacity_keys_per_s": "put", "master_get_capacity_keys_per_s": "get"},
+               "projected master keys/s with a core per shard\n(shards x 1e6 / master CPU us per key, all shards)")
     for a in ax.flat:
         a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=7)
+        if n := len(a.get_legend_handles_labels()[0]):
+            a.legend(fontsize=7 if n <= 6 else 6, ncol=1 if n <= 6 else 2)
     p = res["params"]
     if sweep:
         cases = f"clients {','.join(map(str, clients))} x shards {','.join(map(str, shards))} (mooncake: one master)"
@@ -818,7 +820,7 @@ def plot(res: dict, path: Path) -> None:
         cases = f"{clients[0]} client(s)" + (f", {shards[0]} master shards" if shards and shards[0] > 1 else "")
     fig.suptitle(f"{p['keys']:,} keys in batches of {p['batch']}, {p['arena'] / 2**30:g} GiB arena, no spill, "
                  f"{cases}, one host; medians, bars min-max over {p['repeats']} repeat(s)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
 
 
@@ -841,30 +843,30 @@ def _bars(ax, metrics: list, names: list, scale: float, ylabel: str, *, summary:
             ax.text(x, y, _fmt(y), ha="center", va="bottom", fontsize=7 if len(series) <= 2 else 5)
     ax.set_xticks(range(len(groups)), ["\n".join([n] + ([f"{size} B"] if len(summary) > 1 else [])
                                                  + ([f"{c} cl."] if len(clients) > 1 else []))
-                                       for size, c, _m, n in groups], fontsize=8)
+                                       for size, c, _m, n in groups], fontsize=8 if len(groups) <= 6 else 6.5)
     ax.set_ylabel(ylabel)
 
 
-def _sweep(ax, summary: dict, clients: list, shards: list, metrics: list, title: str) -> None:
-    """Ours against shards, a line per clients count (and value size, and metric: o, s
-    markers); Mooncake (one master) a dashed horizontal line at its figure."""
+def _sweep(ax, summary: dict, clients: list, shards: list, metrics: dict, title: str) -> None:
+    """Ours against shards, a line per clients count (a colour), metric (solid, dotted)
+    and value size (a marker); Mooncake (one master) a dashed line at its figure."""
     markers = ["o", "s", "^", "D"]
     for j, size in enumerate(summary):
         for i, c in enumerate(clients):
-            for k, m in enumerate(metrics):
+            for k, (m, what) in enumerate(metrics.items()):
+                label = (f"{what + ', ' if len(metrics) > 1 else ''}{c} client{'s' if c > 1 else ''}"
+                         + (f", {size} B" if len(summary) > 1 else ""))
                 pts = [(n, v) for n in shards if (v := summary[size].get(case_key(c, n), {}).get(OURS, {}).get(m))]
-                label = f"{c} client{'s' if c > 1 else ''}" + (f", {size} B" if len(summary) > 1 else "")
-                style = dict(color=f"C{i}", marker=markers[(j * len(metrics) + k) % len(markers)],
-                             ls=["-", "--", ":", "-."][j % 4])
                 if pts:
                     ax.errorbar([n for n, _v in pts], [v["median"] / 1e3 for _n, v in pts],
                                 yerr=[[(v["median"] - v["min"]) / 1e3 for _n, v in pts],
                                       [(v["max"] - v["median"]) / 1e3 for _n, v in pts]],
-                                capsize=3, label=f"mooncake-ray, {label}" if k == 0 else None, **style)
+                                capsize=3, color=f"C{i}", marker=markers[j % len(markers)], ls=["-", ":"][k % 2],
+                                label=f"mooncake-ray, {label}")
                 peer = (mooncake_at(summary[size], c) or {}).get(m)
                 if peer:
-                    ax.axhline(peer["median"] / 1e3, color=f"C{i}", ls="--", lw=1, alpha=0.7,
-                               label=f"mooncake, {label}" if k == 0 else None)
+                    ax.axhline(peer["median"] / 1e3, color=f"C{i}", ls=["--", "-."][k % 2], lw=1, alpha=0.7,
+                               label=f"mooncake, {label}")
     ax.set_xticks(shards)
     ax.set(xlabel="master shards (mooncake-ray)", ylabel="k keys/s", title=title)
     ax.set_ylim(bottom=0)
