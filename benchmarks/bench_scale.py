@@ -75,9 +75,10 @@ figure; with a sweep, a table of one row per system and pair.
 Run it inside a private network namespace (``make bench`` does): Ray and Mooncake listen on
 every interface. Writes benchmarks/results/bench_scale.json and bench_scale.png; with more
 than one clients value or shards other than 1, bench_scale_shards.json and .png
-(``--out`` names another file; the plot is saved beside it, as ``.png``), whose figure has
-a third row: put and get keys/s and the projected master capacity against shards, a line
-per clients value (Mooncake's as dashed horizontal lines).
+(``--out`` names another file; the plot is saved beside it, as ``.png``). With more than
+one (clients, shards) pair the figure has a third row: put and get keys/s and the
+projected master capacity against shards, a line per clients value (Mooncake's as dashed
+horizontal lines).
 """
 
 from __future__ import annotations
