@@ -1,5 +1,6 @@
-// nanobind layer over mcr::MasterIndex (the master's native read path). The Python side
-// (mooncake_ray/_private/master/fastpath.py) keeps it in step with the state machine.
+// nanobind layer over mcr::MasterIndex (the master's object table and native fast path).
+// The Python side (mooncake_ray/_private/master/table.py, fastpath.py) keeps it in step
+// with the state machine.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/pair.h>
@@ -10,6 +11,13 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+static nb::object cold_tuple(const mcr::ColdRecord& c) {
+  nb::list leases;
+  for (uint64_t id : c.leases) leases.append(id);
+  return nb::make_tuple(c.size, c.gen, c.rep.node->node_id, c.disk, c.rep.offset, c.rep.length, c.rep.placed,
+                        c.lease_until, leases);
+}
 
 void bind_master(nb::module_& m) {
   nb::class_<mcr::MasterIndex>(m, "MasterIndex")
@@ -28,6 +36,55 @@ void bind_master(nb::module_& m) {
         }
         ix.set(key, size, gen, std::move(v));
       }, "key"_a, "size"_a, "gen"_a, "reps"_a)
+      // A cold record: (key, size, gen, node_id, ray_node_id, incarnation, disk, offset,
+      // length, placed, lease_until, [lease ids, at most two])
+      .def("set_cold", [](mcr::MasterIndex& ix, const std::string& key, uint64_t size, uint64_t gen,
+                          const std::string& node_id, const std::string& ray_node_id, const std::string& incarnation,
+                          bool disk, uint64_t offset, uint64_t length, uint64_t placed, double lease_until,
+                          const std::vector<uint64_t>& leases) {
+        if (leases.size() > 2) throw nb::value_error("a cold record holds at most two leases");
+        mcr::ColdRecord c;
+        c.size = size;
+        c.gen = gen;
+        c.rep = mcr::IndexReplica{ix.node(node_id, ray_node_id, incarnation), offset, length, placed};
+        c.disk = disk;
+        c.lease_until = lease_until;
+        c.leases = leases;
+        ix.set_cold(key, c);
+      }, "key"_a, "size"_a, "gen"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "disk"_a, "offset"_a,
+         "length"_a, "placed"_a, "lease_until"_a, "leases"_a)
+      // -> (size, gen, node_id, disk, offset, length, placed, lease_until, [leases]) or None;
+      // hydrate makes the record hot, peek_cold leaves it cold.
+      .def("hydrate", [](mcr::MasterIndex& ix, const std::string& key) -> nb::object {
+        mcr::ColdRecord c;
+        if (!ix.hydrate(key, &c)) return nb::none();
+        return cold_tuple(c);
+      }, "key"_a)
+      .def("peek_cold", [](mcr::MasterIndex& ix, const std::string& key) -> nb::object {
+        mcr::ColdRecord c;
+        if (!ix.peek_cold(key, &c)) return nb::none();
+        return cold_tuple(c);
+      }, "key"_a)
+      .def("contains", &mcr::MasterIndex::contains, "key"_a)
+      .def("is_hot", &mcr::MasterIndex::is_hot, "key"_a)
+      .def("touch", &mcr::MasterIndex::touch, "key"_a)
+      // -> ([(key, None | (gen, size, offset, length)), ...], next key or None)
+      .def("scan", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, bool disk,
+                      double now, size_t limit) {
+        std::string next;
+        auto items = ix.scan(after, node_id, disk, now, limit, &next);
+        nb::list out;
+        for (auto& it : items) {
+          if (it.hot)
+            out.append(nb::make_tuple(it.key, nb::none()));
+          else
+            out.append(nb::make_tuple(it.key, nb::make_tuple(it.gen, it.size, it.offset, it.length)));
+        }
+        return nb::make_tuple(out, next.empty() ? nb::object(nb::none()) : nb::object(nb::str(next.c_str(), next.size())));
+      }, "after"_a, "node_id"_a, "disk"_a, "now"_a, "limit"_a)
+      .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a)
+      .def("keys", &mcr::MasterIndex::keys, "prefix"_a)
+      .def("cold_count", &mcr::MasterIndex::cold_count)
       .def("drop", &mcr::MasterIndex::drop, "key"_a)
       .def("drop_many", &mcr::MasterIndex::drop_many, "keys"_a)
       .def("clear", &mcr::MasterIndex::clear)
@@ -37,14 +94,14 @@ void bind_master(nb::module_& m) {
       .def("set_enabled", &mcr::MasterIndex::set_enabled, "on"_a)
       .def("set_lease_ttl", &mcr::MasterIndex::set_lease_ttl, "ttl_s"_a)
       .def("set_max_log", &mcr::MasterIndex::set_max_log, "n"_a)
-      // -> (misses, [(kind, key, gen, lease_or_slab, now, offset, size), ...])
+      // -> (misses, hits on cold records, [(kind, key, gen, lease_or_slab, now, offset, size), ...])
       .def("drain", [](mcr::MasterIndex& ix) {
-        uint64_t misses = 0;
-        auto log = ix.drain(&misses);
+        uint64_t misses = 0, hits = 0;
+        auto log = ix.drain(&misses, &hits);
         nb::list out;
         for (auto& e : log)
           out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size));
-        return nb::make_tuple(misses, out);
+        return nb::make_tuple(misses, hits, out);
       })
       .def("set_commits", &mcr::MasterIndex::set_commits, "on"_a)
       .def("set_max_key_bytes", &mcr::MasterIndex::set_max_key_bytes, "n"_a)

@@ -68,13 +68,30 @@ def decode(reply):
     return None if reply is None else msgpack.unpackb(reply, raw=False)
 
 
+def random_cold(rng: random.Random) -> tuple:
+    """A cold record's fields after its key: size, gen, node_id, ray_node_id, incarnation,
+    disk, offset, length, placed, lease_until, leases (ended long ago, or far ahead)."""
+    i = rng.randrange(5)
+    leases = sorted(rng.sample(range(1 << 41, (1 << 41) + 50), rng.choice([0, 0, 1, 2])))
+    return (rng.randrange(1 << 34), rng.randrange(1 << 50), f"n{i}", f"ray{i % 2}", f"inc{rng.randrange(3)}",
+            rng.random() < 0.2, rng.randrange(1 << 40) & ~63, 64 * rng.randrange(1, 1 << 12),
+            rng.choice([0, rng.randrange(1 << 63)]), time.monotonic() + rng.choice([-100.0, 100.0]), leases)
+
+
+def same_cold(a, b) -> bool:
+    """Two cold records' fields alike (lease ends set a moment apart, from each one's clock)."""
+    if a is None or b is None:
+        return a is b
+    return a[:7] == b[:7] and a[8] == b[8] and abs(a[7] - b[7]) < 30
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_native_index_matches_reference(seed):
     rng = random.Random(seed)
     native, ref = _native.MasterIndex(), PyIndex()
     max_log = rng.choice([50, 1 << 17])
     for ix in (native, ref):
-        ix.set_lease_ttl(2.5)
+        ix.set_lease_ttl(1000.0)  # no lease ends while the test runs: both decide alike
         ix.set_enabled(True)
         ix.set_max_log(max_log)
         ix.set_commits(True)
@@ -111,11 +128,29 @@ def test_native_index_matches_reference(seed):
             commits += got is not None
             for sid in slabs:
                 assert native.lookup_slab(sid) == ref.lookup_slab(sid)
-        elif r < 0.25:
+        elif r < 0.21:
             key, size, gen = random_key(rng), rng.randrange(1 << 34), rng.randrange(1 << 50)
             reps = random_reps(rng)
             native.set(key, size, gen, reps)
             ref.set(key, size, gen, reps)
+        elif r < 0.25:
+            key, rec = random_key(rng), random_cold(rng)
+            native.set_cold(key, *rec)
+            ref.set_cold(key, *rec)
+        elif r < 0.27:
+            key = random_key(rng)
+            how = rng.choice(["hydrate", "peek_cold", "touch"])
+            got, want = getattr(native, how)(key), getattr(ref, how)(key)
+            assert same_cold(got, want), f"step {step}: {how}({key!r}): {got} != {want}"
+            assert native.is_hot(key) == ref.is_hot(key) and native.contains(key) == ref.contains(key)
+        elif r < 0.28:
+            now, node, disk = time.monotonic(), f"n{rng.randrange(5)}", rng.random() < 0.2
+            after, limit = rng.choice(["", random_key(rng)]), rng.choice([1, 3, 1000])
+            assert native.scan(after, node, disk, now, limit) == ref.scan(after, node, disk, now, limit)
+            assert sorted(native.cold_on_node(node)) == sorted(ref.cold_on_node(node))
+            prefix = rng.choice(["", "k", "é", "x" * 40])
+            assert native.keys(prefix) == ref.keys(prefix), "recency order differs"
+            assert native.cold_count() == ref.cold_count()
         elif r < 0.30:
             key = random_key(rng)
             native.drop(key)
@@ -130,8 +165,8 @@ def test_native_index_matches_reference(seed):
             ref.set_enabled(on)
         elif r < 0.36:
             t0 = time.monotonic()
-            (m1, log1), (m2, log2) = native.drain(), ref.drain()
-            assert m1 == m2
+            (m1, h1, log1), (m2, h2, log2) = native.drain(), ref.drain()
+            assert (m1, h1) == (m2, h2)
             assert [e[:4] + e[5:] for e in log1] == [e[:4] + e[5:] for e in log2]
             assert all(0 <= t0 - e[4] < 60 for e in log1), "native times are CLOCK_MONOTONIC seconds"
         elif r < 0.362:
@@ -163,10 +198,10 @@ def test_entries_without_replicas_are_pythons():
     ix.set_enabled(False)
     assert ask([rpc.EXISTS, ["dram"]]) is None
     ix.set_enabled(True)
-    misses, log = ix.drain()
-    assert misses == 1 and [(k, key, g) for k, key, g, *_ in log] == [(GRANT, "dram", 4)]
+    misses, hits, log = ix.drain()
+    assert (misses, hits) == (1, 0) and [(k, key, g) for k, key, g, *_ in log] == [(GRANT, "dram", 4)]
     assert ask([rpc.RELEASE, [["dram", 4, log[0][3]]]]) == [rpc.OK, None]
-    assert [e[:4] for e in ix.drain()[1]] == [(RELEASE, "dram", 4, log[0][3])]
+    assert [e[:4] for e in ix.drain()[2]] == [(RELEASE, "dram", 4, log[0][3])]
     assert ix.lookup("dram") == (10, 4, [("n0", "r0", 4096, 4096, "i0", 77)]) and ix.lookup("nope") is None
 
 

@@ -74,14 +74,15 @@ class MasterActor:
         self.shard = shard  # which of master.shards this is (shards.py: its keys, its part of each arena)
         self._inventory_rpc = rpc.node_inventory_rpc(shard)
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])  # this actor's own process
-        self.state = MasterState(Policy.from_config(self.cfg.master))
         from mooncake_ray._private.native import _native
 
+        # The object table and the native fast path (table.py, fastpath.py); with
+        # native_calls off it still holds the table, and Python answers every call.
         self.index = _native.MasterIndex()
         self.index.set_lease_ttl(self.cfg.master.lease_ttl_s)
         self.index.set_max_key_bytes(self.cfg.master.max_key_bytes)
         self.index.set_commits(self.cfg.master.native_calls)
-        self.state.index = self.index
+        self.state = MasterState(Policy.from_config(self.cfg.master), index=self.index)
         self._lock = _StateLock(self.state, self.index, self._deliver)
 
         self.engine = role_engine(self.cfg, "master" if shard == 0 else f"master{shard}", server=True, num_lanes=1)
@@ -477,8 +478,9 @@ class MasterActor:
 class _StateLock:
     """The master's lock: a reentrant Python lock, then the read index's mutex. The
     outermost acquire applies what the index did since the last section; the outermost
-    release queues the inventory deltas, hands the generation counter to the index, and
-    turns it on (off while the master rebuilds its index)."""
+    release writes the plain objects the section touched back into the index as cold
+    records (``table.py``), queues the inventory deltas, hands the generation counter to
+    the index, and turns it on (off while the master rebuilds its index)."""
 
     def __init__(self, state: MasterState, index, deliver) -> None:
         self._rlock = threading.RLock()
@@ -506,6 +508,7 @@ class _StateLock:
     def __exit__(self, *exc) -> None:
         if self._depth == 1:
             state = self._state
+            state.flush()
             if state.has_effects():
                 self._deliver()
             self._index.set_next_gen(state._next_gen)

@@ -1,70 +1,50 @@
 """Eviction order (pure, no Ray).
 
-The master keeps every complete object in one recency list: a plain ``dict`` in insertion
-order, where a touch removes the key and inserts it again at the end (O(1) touch and
-removal; the holes removals leave are compacted when the dict next grows, amortized O(1)).
-It costs about 60 bytes a key less than an ``OrderedDict``, whose linked-list node each key
-also needs; at millions of keys that is a tenth of the master's memory. Publishing an object (``put_end``) and every get hit move it to the
-most-recent end. The list is exact LRU; what makes the policy "approximate" is that a
-replica is chosen per node and some objects are skipped.
+The master keeps every complete object in one recency list, held by its object table's
+index (``table.py``; a doubly linked list through the records in C++, O(1) touch and
+removal, no per-key Python object). Publishing an object (``put_end``, a commit) and
+every get hit move it to the most-recent end. The list is exact LRU; what makes the
+policy "approximate" is that a replica is chosen per node and some objects are skipped.
 
 Victims for one node are picked oldest first in two passes:
 
-1. objects with a DRAM replica on that node that are complete, not leased (a reader may
-   be copying their bytes), not being offloaded, and not pinned (a soft pin whose TTL
-   passed counts as unpinned);
+1. objects with a replica on that node in the tier being freed that are complete, not
+   leased (a reader may be copying their bytes), not being offloaded, and not pinned (a
+   soft pin whose TTL passed counts as unpinned);
 2. only if pass 1 did not free enough: soft-pinned objects, oldest first.
 
-Pending objects are never in the list; hard-pinned objects are never chosen. Eviction
-frees whole extents, so the bytes freed may exceed the target by less than one object.
+Pending objects are never in the list; hard-pinned objects are never chosen. The index
+judges its cold records itself (a cold record is never pinned or being offloaded: see
+``table.py``) and skips those not on the node or leased; the hot ones it lists for the
+state machine to judge here. Eviction frees whole extents, so the bytes freed may exceed
+the target by less than one object.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING
 
-from mooncake_ray._private.master.types import Obj, Pin, Replica, Tier
+from mooncake_ray._private.master.types import Pin, Tier
 
-
-class RecencyIndex:
-    """Keys of complete objects, least recently used first."""
-
-    def __init__(self) -> None:
-        self._order: dict[str, None] = {}
-
-    def touch(self, key: str) -> None:
-        order = self._order
-        order.pop(key, None)
-        order[key] = None
-
-    def discard(self, key: str) -> None:
-        self._order.pop(key, None)
-
-    def __iter__(self):
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def keys(self) -> list[str]:
-        return list(self._order)
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.table import ObjectTable
 
 
-def pick_victims(
-    order: Iterable[str],
-    objects: dict[str, Obj],
-    node_id: str,
-    need_bytes: int,
-    now: float,
-    tier: Tier = Tier.DRAM,
-) -> list[tuple[Obj, Replica]]:
+def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, tier: Tier = Tier.DRAM) -> list:
     """Replicas on ``node_id`` (in ``tier``) to evict, in eviction order, until at least
-    ``need_bytes`` are freed or nothing evictable is left."""
-    chosen: list[tuple[Obj, Replica]] = []
+    ``need_bytes`` are freed or nothing evictable is left. Each is ``(obj, rep)`` for a
+    hot object, or ``(key, gen, size, offset, length)`` for a cold record."""
+    chosen: list = []
     freed = 0
-    soft: list[tuple[Obj, Replica]] = []
-    for key in order:
-        obj = objects.get(key)
+    soft: list = []
+    for key, cold in table.scan(node_id, tier, now):
+        if cold is not None:
+            chosen.append((key, *cold))
+            freed += cold[3]
+            if freed >= need_bytes:
+                return chosen
+            continue
+        obj = table.hot(key)
         if obj is None or not obj.complete or obj.leased(now):
             continue
         rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is tier), None)

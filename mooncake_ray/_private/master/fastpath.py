@@ -29,7 +29,8 @@ The contract between the two halves:
   slabs' uncommitted pieces, the keys with a put in flight, and the generation counter
   (pushed at the end of every section). The value is visible to native GETs at once; the
   commit is logged, and a thread of the actor that the log wakes applies it within
-  milliseconds (``_apply_commit``: carve, publish, inventory delta). Watermark eviction for
+  milliseconds (``SlabTable.apply_logged``: carve, counters, inventory delta; the record
+  is cold in the index already). Watermark eviction for
   the logged commits runs after the whole log is applied, so it sees every lease granted
   in it: evicting a value before its logged lease would free extents a reader holds.
 - **Anything unusual is Python's.** Other operations, a key whose entry is empty, a
@@ -47,55 +48,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mooncake_ray._private.master.types import NodeInfo, Obj, Tier
+from mooncake_ray._private.master.types import NodeInfo, Obj
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.slabs import Slab
+    from mooncake_ray._private.master.table import ObjectTable
 
 GRANT, RELEASE, COMMIT = 0, 1, 2
-_DRAM = Tier.DRAM
 FIRST_LEASE = 1 << 40  # native lease ids; the state machine's own counter stays far below
 
 
 class ReadMirror:
-    """The state machine's side of the contract (see the module docstring): keeps
-    ``index`` (a ``MasterIndex``, a ``PyIndex``, or None: no mirror) equal to what the state
-    machine answers. It reads the state machine's tables it is handed and writes none."""
+    """The state machine's side of the contract (see the module docstring): keeps the
+    index's hot records, put slabs and keys in flight equal to what the state machine
+    answers. It reads the state machine's tables it is handed and writes none."""
 
-    def __init__(self, objects: dict[str, Obj], pending: dict[str, Obj], nodes: dict[str, NodeInfo]):
-        self.index = None
+    def __init__(self, objects: ObjectTable, pending: dict[str, Obj], nodes: dict[str, NodeInfo]):
         self._objects = objects
         self._pending = pending
         self._nodes = nodes
 
-    def entry(self, obj: Obj) -> list:
-        """What a GET of ``obj`` answers: its ready DRAM replicas."""
-        nodes, out = self._nodes, []
-        for r in obj.replicas:
-            if r.tier is _DRAM and r.ready:
-                node = nodes[r.node_id]
-                out.append((r.node_id, node.ray_node_id, r.offset, r.length, node.incarnation, r.placed))
-        return out
+    @property
+    def index(self):
+        return self._objects.index
 
     def key(self, key: str) -> None:
-        """Tell the index what a GET of ``key`` answers now."""
-        if self.index is None:
-            return
-        obj = self._objects.get(key)
-        if obj is None:
-            self.index.drop(key)
-        else:
-            self.index.set(key, obj.size, obj.gen, self.entry(obj))
-
-    def gone(self, keys: list[str]) -> None:
-        """Tell the index these keys are gone (a batch of evictions)."""
-        if self.index is not None and keys:
-            self.index.drop_many(keys)
+        """Tell the index what a GET of ``key`` answers now (a hot object's)."""
+        self._objects.sync(key)
 
     def pending(self, key: str) -> None:
         """Tell the index whether a put of ``key`` is in flight."""
-        if self.index is None:
-            return
         if key in self._pending:
             self.index.add_pending(key)
         else:
@@ -103,8 +85,6 @@ class ReadMirror:
 
     def slab(self, slab_id: int, slab: Slab | None) -> None:
         """Tell the index a put slab's uncommitted pieces (``slab`` None: it is gone)."""
-        if self.index is None:
-            return
         if slab is None:
             self.index.drop_slab(slab_id)
         else:
@@ -114,8 +94,6 @@ class ReadMirror:
 
     def check(self, slabs: dict[int, Slab]) -> None:
         """Assert the index holds what the state machine would answer."""
-        if self.index is None:
-            return
         assert self.index.slab_count() == len(slabs), "read index: slabs out of sync"
         for slab_id, slab in slabs.items():
             node = self._nodes[slab.node_id]
@@ -129,6 +107,6 @@ class ReadMirror:
             f"read index has {len(self.index)} keys, the state machine {len(self._objects)}"
         for key, obj in self._objects.items():
             got = self.index.lookup(key)
-            want = (obj.size, obj.gen, self.entry(obj))
+            want = (obj.size, obj.gen, self._objects.answer(obj))
             assert got is not None and (got[0], got[1], list(got[2])) == want, \
                 f"{key}: read index says {got}, the state machine {want}"

@@ -1,10 +1,12 @@
-"""The reference read index: a pure-Python ``MasterIndex`` (``native/src/master/index.cpp``).
+"""The reference object table and read index: a pure-Python ``MasterIndex``
+(``native/src/master/index.cpp``, whose header says what a hot and a cold record are).
 
-Same methods, same replies, same lease ids and the same log as the native index, whose
-contract with the state machine ``fastpath.py`` describes. The unit tests compare the two
-on random streams (``tests/native/test_master_index.py``), and the simulation drives the
-state machine through this one. GET answers are ``wire.ReadGrant`` records; PUT_COMMIT
-items are read as ``wire.Commit`` records.
+Same methods, same replies, same lease ids, the same log and the same recency order as the
+native index, whose contract with the state machine ``fastpath.py`` and ``table.py``
+describe. The unit tests compare the two on random streams
+(``tests/native/test_master_index.py``), and the simulation drives the state machine
+through this one. GET answers are ``wire.ReadGrant`` records; PUT_COMMIT items are read as
+``wire.Commit`` records. A master with its native calls off keeps its table here.
 """
 
 from __future__ import annotations
@@ -22,13 +24,38 @@ from mooncake_ray._private.wire import Commit, ReadGrant, ReplicaLoc
 _DRAM = Tier.DRAM.value
 
 
+class _Rec:
+    """One record (``IndexRecord`` in C++). Hot: ``reps`` is the GET answer. Cold: ``rep``
+    is ``(node_id, ray_node_id, incarnation, offset, length, placed)``, ``disk`` its tier,
+    ``lease_until`` and ``leases`` (at most two ids) its read leases."""
+
+    __slots__ = ("size", "gen", "hot", "reps", "rep", "disk", "lease_until", "leases")
+
+    def __init__(self, size, gen, hot, reps=(), rep=None, disk=False, lease_until=0.0, leases=()):
+        self.size, self.gen, self.hot, self.reps = size, gen, hot, list(reps)
+        self.rep, self.disk, self.lease_until, self.leases = rep, disk, lease_until, list(leases)
+
+    def answer(self) -> list:
+        if self.hot:
+            return self.reps
+        if self.disk:
+            return []
+        n, r, inc, off, ln, placed = self.rep
+        return [(n, r, off, ln, inc, placed)]
+
+    def cold(self) -> tuple:
+        return (self.size, self.gen, self.rep[0], self.disk, self.rep[3], self.rep[4], self.rep[5],
+                self.lease_until, sorted(self.leases))
+
+
 class PyIndex:
     """A pure-Python ``MasterIndex`` (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._map: dict[str, tuple] = {}
+        self._map: dict[str, _Rec] = {}  # in recency order, least recent first
         self._log: list = []
         self._misses = 0
+        self._hits = 0
         self._next_lease = FIRST_LEASE
         self._ttl = 10.0
         self._enabled = False
@@ -42,8 +69,41 @@ class PyIndex:
         self.clock = time.monotonic
         self.wall_ns = time.time_ns
 
+    # ------------------------------------------------------------- the table --
     def set(self, key, size, gen, reps) -> None:
-        self._map[key] = (size, gen, [tuple(r) for r in reps])
+        self._map[key] = _Rec(size, gen, True, [tuple(r) for r in reps])
+
+    def set_cold(self, key, size, gen, node_id, ray_node_id, incarnation, disk, offset, length, placed,
+                 lease_until, leases) -> None:
+        if len(leases) > 2:
+            raise ValueError("a cold record holds at most two leases")
+        self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, incarnation, offset, length, placed),
+                              disk=disk, lease_until=float(lease_until), leases=leases)
+
+    def hydrate(self, key):
+        r = self._map.get(key)
+        if r is None or r.hot:
+            return None
+        out = r.cold()
+        r.reps, r.hot = r.answer(), True
+        r.rep, r.disk, r.lease_until, r.leases = None, False, 0.0, []
+        return out
+
+    def peek_cold(self, key):
+        r = self._map.get(key)
+        return None if r is None or r.hot else r.cold()
+
+    def contains(self, key) -> bool:
+        return key in self._map
+
+    def is_hot(self, key) -> bool:
+        r = self._map.get(key)
+        return r is not None and r.hot
+
+    def touch(self, key) -> None:
+        r = self._map.pop(key, None)
+        if r is not None:
+            self._map[key] = r
 
     def drop(self, key) -> None:
         self._map.pop(key, None)
@@ -51,6 +111,30 @@ class PyIndex:
     def drop_many(self, keys) -> None:
         for key in keys:
             self._map.pop(key, None)
+
+    def scan(self, after, node_id, disk, now, limit):
+        keys = list(self._map)
+        i = 0 if not after else keys.index(after) + 1 if after in self._map else len(keys)
+        out, seen = [], 0
+        for j in range(i, len(keys)):
+            if len(out) >= limit or seen >= 16 * limit:
+                return out, keys[j - 1]
+            seen += 1
+            r = self._map[keys[j]]
+            if r.hot:
+                out.append((keys[j], None))
+            elif r.disk == disk and r.lease_until <= now and r.rep[0] == node_id:
+                out.append((keys[j], (r.gen, r.size, r.rep[3], r.rep[4])))
+        return out, None
+
+    def cold_on_node(self, node_id) -> list:
+        return [(k, r.disk) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
+
+    def keys(self, prefix) -> list:
+        return [k for k in self._map if k.startswith(prefix)]
+
+    def cold_count(self) -> int:
+        return sum(not r.hot for r in self._map.values())
 
     def clear(self) -> None:
         self._map.clear()
@@ -71,8 +155,8 @@ class PyIndex:
         self._max_log = n
 
     def drain(self):
-        out, self._log, misses, self._misses = self._log, [], self._misses, 0
-        return misses, out
+        out, self._log, misses, self._misses, hits, self._hits = self._log, [], self._misses, 0, self._hits, 0
+        return misses, hits, out
 
     def set_commits(self, on: bool) -> None:
         self._commits = on
@@ -118,7 +202,8 @@ class PyIndex:
         return self._served
 
     def lookup(self, key):
-        return self._map.get(key)
+        r = self._map.get(key)
+        return None if r is None else (r.size, r.gen, r.answer())
 
     def serve(self, request: bytes) -> bytes | None:
         try:
@@ -133,25 +218,41 @@ class PyIndex:
         op, keys, client_node, done = parsed
         if not self._enabled or len(self._log) + len(keys) + len(done) > self._max_log:
             return None
+        now = self.clock()
         found = [self._map.get(k) for k in keys]
-        if op == rpc.GET and any(e is not None and not e[2] for e in found):
-            return None
+        if op == rpc.GET:
+            for i, r in enumerate(found):
+                if r is None:
+                    continue
+                if (r.hot and not r.reps) or (not r.hot and r.disk):
+                    return None  # Python promotes it
+                if not r.hot and (r.lease_until > now and len(r.leases) == 2 or any(f is r for f in found[:i])):
+                    return None  # a third lease, or the same key twice: Python's
         self._served += 1
         if op == rpc.EXISTS:
             return rpc.pack([rpc.OK, [e is not None for e in found]])
-        now = self.clock()
-        self._log.extend((RELEASE, k, g, lease, now, 0, 0) for k, g, lease in done)
+        for k, g, lease in done:
+            r = self._map.get(k)
+            if r is not None and not r.hot and r.gen == g:
+                _release_cold(r, lease, now)
+            else:
+                self._log.append((RELEASE, k, g, lease, now, 0, 0))
         if op == rpc.RELEASE:
             return rpc.pack([rpc.OK, None])
         out = []
-        for key, e in zip(keys, found):
-            if e is None:
+        for key, r in zip(keys, found):
+            if r is None:
                 self._misses += 1
                 out.append(None)
                 continue
-            size, gen, reps = e
+            size, gen, reps = r.size, r.gen, r.answer()
             lease, self._next_lease = self._next_lease, self._next_lease + 1
-            self._log.append((GRANT, key, gen, lease, now, 0, 0))
+            if r.hot:
+                self._log.append((GRANT, key, gen, lease, now, 0, 0))
+            else:
+                _grant_cold(r, lease, now, self._ttl)
+                self._hits += 1
+            self.touch(key)
             if client_node and len(reps) > 1:
                 reps = sorted(reps, key=lambda r: r[0] != client_node and r[1] != client_node)
             out.append(ReadGrant(size, gen, float(self._ttl),
@@ -193,11 +294,27 @@ class PyIndex:
         for key, slab_id, offset, size, _upsert in items:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
-            self._map[key] = (size, gen, [(node_id, ray_node_id, offset, extent_length(size), inc, 0)])
+            self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size))
             gens.append(gen)
         self._served += 1
         return rpc.pack([rpc.OK, gens])
+
+
+def _grant_cold(r: _Rec, lease: int, now: float, ttl: float) -> None:
+    """As ``ReplicaTable.grant_lease`` (a free slot was checked)."""
+    if r.lease_until <= now:
+        r.leases = []
+    r.leases.append(lease)
+    r.lease_until = max(r.lease_until, now + ttl)
+
+
+def _release_cold(r: _Rec, lease: int, now: float) -> None:
+    """As ``ReplicaTable.end_lease``."""
+    if lease in r.leases:
+        r.leases.remove(lease)
+        if not r.leases:
+            r.lease_until = min(r.lease_until, now)
 
 
 def _parse(req):

@@ -14,7 +14,7 @@ import heapq
 from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray._private.master.allocator import ExtentAllocator
-from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
+from mooncake_ray._private.master.eviction import pick_victims
 from mooncake_ray._private.master.types import (
     InventoryEntry,
     NodeDelta,
@@ -29,20 +29,22 @@ from mooncake_ray._private.master.types import (
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.fastpath import ReadMirror
+    from mooncake_ray._private.master.table import ObjectTable
 
 
 class ReplicaTable:
     """The objects' replicas and the space they hold (see the module docstring).
 
     Shares the state machine's tables (``nodes``, ``alloc``: each node's arena allocator,
-    ``objects``: complete values, ``pending``: puts in flight, ``lru``, ``counters``); tells
-    ``mirror`` every change to what a GET answers. ``offload(node, obj, rep, now)`` is the
-    disk tier's: eviction offers it each DRAM victim first (True: being offloaded, kept)."""
+    ``objects``: complete values and their recency (``table.ObjectTable``), ``pending``:
+    puts in flight, ``counters``); tells ``mirror`` every change to what a GET answers.
+    ``offload(node, obj, rep, now)`` is the disk tier's: eviction offers it each DRAM
+    victim first (True: being offloaded, kept)."""
 
     def __init__(self, policy: Policy, clock: Callable[[], float], wall_ns: Callable[[], int],
                  nodes: dict[str, NodeInfo],
-                 alloc: dict[str, ExtentAllocator], objects: dict[str, Obj], pending: dict[str, Obj],
-                 lru: RecencyIndex, counters: dict[str, int], mirror: ReadMirror,
+                 alloc: dict[str, ExtentAllocator], objects: ObjectTable, pending: dict[str, Obj],
+                 counters: dict[str, int], mirror: ReadMirror,
                  offload: Callable[[NodeInfo, Obj, Replica, float], bool]):
         self.policy = policy
         self._clock = clock
@@ -52,7 +54,6 @@ class ReplicaTable:
         self._alloc = alloc
         self._objects = objects
         self._pending = pending
-        self._lru = lru
         self.counters = counters
         self._mirror = mirror
         self._offload = offload
@@ -80,15 +81,20 @@ class ReplicaTable:
             self.drop_object(old, now)
         obj.complete = True
         self._objects[key] = obj
-        self._lru.touch(key)
+        self._objects.touch(key)
         self.counters["puts"] += 1
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
-            node = self._nodes[r.node_id]
-            node.keys.add(key)  # dropping the old value may have unindexed it
-            node.tier_keys[r.tier._value_] += 1
+            self._nodes[r.node_id].tier_keys[r.tier._value_] += 1
             self.delta(r.node_id).add(inventory_entry(obj, r))
-        self._mirror.key(key)
+
+    def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int) -> None:
+        """The bookkeeping of a value the read index committed (its record is in the
+        table already, cold): what ``publish`` does besides the record."""
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += size
+        self._nodes[node_id].tier_keys["dram"] += 1
+        self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0))
 
     def restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
         """Take in one entry of a mounting node's inventory (newest first)."""
@@ -115,19 +121,18 @@ class ReplicaTable:
             obj = Obj(e.key, e.size, e.gen, [], complete=True, lease_until=now + self.policy.lease_ttl_s,
                       pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s)
             self._objects[e.key] = obj
-            self._lru.touch(e.key)
+            self._objects.touch(e.key)
             if obj.pin is not Pin.NONE:
                 self.pinned[e.key] = obj
         # Not the put's placement as far as this master knows: a new id (see Replica.placed).
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self.new_placement()))
-        node.keys.add(e.key)
         node.tier_keys[tier.value] += 1
         self._mirror.key(e.key)
 
-    def grant_lease(self, obj: Obj, lease: int, now: float) -> float:
+    def grant_lease(self, obj: Obj, lease: int, now: float, touch: bool = True) -> float:
         """Lease ``lease`` on ``obj`` for ``lease_ttl_s`` from ``now``, with a recency
-        touch (``get``, and the leases native GETs granted). Returns the end of ``obj``'s
-        leases before this one (to undo it)."""
+        touch (``get``; not for the leases native GETs granted, which touched the index
+        themselves). Returns the end of ``obj``'s leases before this one (to undo it)."""
         until = obj.lease_until
         held = obj.leases
         if until <= now or held is None:
@@ -137,7 +142,8 @@ class ReplicaTable:
         else:
             held.add(lease)
         obj.lease_until = max(until, now + self.policy.lease_ttl_s)
-        self._lru.touch(obj.key)
+        if touch:
+            self._objects.touch(obj.key)
         return until
 
     @staticmethod
@@ -168,8 +174,6 @@ class ReplicaTable:
         """Forget a complete object; its extents wait for its lease to end (or for the
         release of its last lease, :meth:`end_dropped_lease`)."""
         del self._objects[obj.key]
-        self._lru.discard(obj.key)
-        self._mirror.key(obj.key)
         owner = (obj.key, obj.gen) if obj.leases is not None else None
         entries = [e for r in obj.replicas if (e := self._release_replica(obj, r, owner)) is not None]
         if entries and owner is not None:
@@ -200,8 +204,8 @@ class ReplicaTable:
         if self._objects.get(obj.key) is obj:
             if not obj.replicas:
                 del self._objects[obj.key]
-                self._lru.discard(obj.key)
-            self._mirror.key(obj.key)
+            else:
+                self._mirror.key(obj.key)
 
     def _release_replica(self, obj: Obj, r: Replica, owner: tuple | None = None):
         """Forget replica ``r`` of ``obj``; returns the deferred entry of its extent, if
@@ -221,19 +225,7 @@ class ReplicaTable:
             if r.offloading:  # the offload's disk reservation ends with offload_done
                 node.offload_inflight -= r.length
             entry = self.free_extent(r, obj.lease_until, owner)
-        self.unindex(r.node_id, obj.key)
         return entry
-
-    def unindex(self, node_id: str, key: str) -> None:
-        """Drop ``key`` from a node's index unless some version of it still lives there."""
-        node = self._nodes.get(node_id)
-        if node is None:
-            return
-        for table in (self._objects, self._pending):
-            obj = table.get(key)
-            if obj is not None and any(r.node_id == node_id for r in obj.replicas):
-                return
-        node.keys.discard(key)
 
     def free_extent(self, rep: Replica, until: float, owner: tuple | None = None):
         """Free a DRAM replica's extent now, or at ``until`` (a lease's end); returns the
@@ -289,28 +281,39 @@ class ReplicaTable:
         if need <= 0:
             return 0
         batch: list[tuple[int, int]] = []
-        gone: list[str] = []  # keys dropped whole (the mirror learns them in one call)
+        gone: list[str] = []  # keys dropped whole (the table forgets them in one call)
         self._batch_free, self._batch_node = batch, node_id
-        objects, pending, lru, keys = self._objects, self._pending, self._lru, node.keys
+        objects = self._objects
         delta, dram, spill = self.delta(node_id), Tier.DRAM, node.spill_usable()
+        tier_keys = node.tier_keys
         try:
-            for obj, rep in pick_victims(lru, objects, node_id, need, now):
+            for v in pick_victims(objects, node_id, need, now):
+                if type(v[0]) is str:  # a cold record: one ready replica, here, unleased
+                    key, gen, _size, offset, length = v
+                    if spill:  # offloaded rather than dropped: the disk tier needs the object
+                        obj = objects.get(key)
+                        rep = obj.replicas[0]
+                        if self._offload(node, obj, rep, now):
+                            continue
+                    delta.drop(key, gen, "dram")
+                    tier_keys["dram"] -= 1
+                    batch.append((offset, length))
+                    gone.append(key)
+                    freed += length
+                    evicted += 1
+                    continue
+                obj, rep = v
                 if spill and self._offload(node, obj, rep, now):
                     continue
                 key = obj.key
-                if len(obj.replicas) == 1 and rep.tier is dram and not rep.offloading and objects.get(key) is obj:
-                    # The common case, inline (drop_replica's effects for it, in its order):
+                if len(obj.replicas) == 1 and rep.tier is dram and not rep.offloading and objects.hot(key) is obj:
+                    # The common hot case, inline (drop_replica's effects for it, in its order):
                     # the only copy of a complete, unleased value (pick_victims checked).
                     obj.replicas = []
                     delta.drop(key, obj.gen, "dram")
                     if rep.ready:
-                        node.tier_keys["dram"] -= 1
+                        tier_keys["dram"] -= 1
                     batch.append((rep.offset, rep.length))
-                    del objects[key]
-                    lru.discard(key)
-                    p = pending.get(key)
-                    if p is None or not any(r.node_id == node_id for r in p.replicas):
-                        keys.discard(key)
                     gone.append(key)
                 else:
                     self.drop_replica(obj, rep, now)
@@ -319,7 +322,7 @@ class ReplicaTable:
         finally:
             self._batch_free = self._batch_node = None
             alloc.release_many(batch)
-            self._mirror.gone(gone)
+            objects.drop_many(gone)
         self.counters["evictions"] += evicted
         self.counters["evicted_bytes"] += freed
         return freed
@@ -374,37 +377,44 @@ class ReplicaTable:
                 self._dropped.pop(d[6], None)
         self.deferred = kept
         heapq.heapify(self.deferred)
-        lost = 0
-        for key in node.keys:
-            for table in (self._objects, self._pending):
-                obj = table.get(key)
-                if obj is None:
-                    continue
+        # A cold record's one replica was there: those values are gone.
+        cold = self._objects.cold_on_node(node_id)
+        self._objects.drop_many(cold)
+        lost = len(cold)
+        for key, obj in self._objects.hot_items():
+            if not any(r.node_id == node_id for r in obj.replicas):
+                continue
+            obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
+            if not obj.replicas:
+                del self._objects[key]
+                lost += 1
+            else:
+                self._mirror.key(key)
+        for obj in self._pending.values():
+            if any(r.node_id == node_id for r in obj.replicas):
                 obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
-                if table is self._pending:
-                    obj.failed = f"store node {node_id} {reason}"
-                else:
-                    if not obj.replicas:
-                        del self._objects[key]
-                        self._lru.discard(key)
-                        lost += 1
-                    self._mirror.key(key)
+                obj.failed = f"store node {node_id} {reason}"
         return lost
 
-    def check(self, live: dict[str, list[tuple[int, int]]]) -> None:
+    def check(self, live: dict[str, list[tuple[int, int]]], unapplied=frozenset()) -> None:
         """Assert the objects, the nodes' key counters and disk accounting, and the arenas
-        agree; ``live`` holds the other allocated extents by node (the slabs' pieces)."""
+        agree; ``live`` holds the other allocated extents by node (the slabs' pieces);
+        ``unapplied``: keys committed natively, not applied yet (left out)."""
         disk = {n: 0 for n in self._nodes}
         inflight = {n: 0 for n in self._nodes}
+        counted = {n: {"dram": 0, "disk": 0} for n in self._nodes}
         for table in (self._objects, self._pending):
             for key, obj in table.items():
+                if key in unapplied:
+                    continue
                 assert obj.key == key
                 assert obj.complete == (table is self._objects), key
                 ids = [(r.node_id, r.tier) for r in obj.replicas]
                 assert len(ids) == len(set(ids)), f"{key}: two replicas in one node's tier"
                 for r in obj.replicas:
                     assert r.node_id in self._nodes, f"{key}: replica on unmounted {r.node_id}"
-                    assert key in self._nodes[r.node_id].keys, f"{key} missing from node index"
+                    if table is self._objects and r.ready:
+                        counted[r.node_id][r.tier.value] += 1
                     if r.tier is Tier.DRAM:
                         live[r.node_id].append((r.offset, r.length))
                     else:
@@ -417,13 +427,8 @@ class ReplicaTable:
             if seq not in self._void and self._nodes[node_id].incarnation == inc:
                 live[node_id].append((off, length))
         for node_id, node in self._nodes.items():
-            counted = {"dram": 0, "disk": 0}
-            for key in node.keys:
-                obj = self._objects.get(key)
-                for r in obj.replicas if obj else ():
-                    if r.node_id == node_id and r.ready:
-                        counted[r.tier.value] += 1
-            assert node.tier_keys == counted, f"{node_id}: key counters {node.tier_keys} != {counted}"
+            assert node.tier_keys == counted[node_id], \
+                f"{node_id}: key counters {node.tier_keys} != {counted[node_id]}"
             want = disk[node_id] + sum(node.disk_pending.values())
             assert node.disk_used == want, f"{node_id}: disk_used {node.disk_used} != {want}"
             assert node.offload_inflight == inflight[node_id], f"{node_id}: offload bytes out of sync"
@@ -435,4 +440,4 @@ class ReplicaTable:
                 assert o1 + l1 <= o2, f"{node_id}: extents overlap at {o2}"
             for off, ln in extents:
                 assert not a._overlaps_free(off, ln), f"{node_id}: live extent {off} is free"
-        assert set(self._lru.keys()) == set(self._objects), "recency index out of sync"
+        self._objects.check()

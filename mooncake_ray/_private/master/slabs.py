@@ -51,6 +51,7 @@ from mooncake_ray._private.wire import SlabGrant
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.fastpath import ReadMirror
+    from mooncake_ray._private.master.table import ObjectTable
     from mooncake_ray._private.master.replicas import ReplicaTable
 
 
@@ -79,7 +80,7 @@ class SlabTable:
     """
 
     def __init__(self, policy: Policy, nodes: dict[str, NodeInfo], alloc: dict[str, ExtentAllocator],
-                 objects: dict[str, Obj], pending: dict[str, Obj], replicas: ReplicaTable, mirror: ReadMirror,
+                 objects: ObjectTable, pending: dict[str, Obj], replicas: ReplicaTable, mirror: ReadMirror,
                  gens: Generations, rng: random.Random, wall_ns: Callable[[], int]):
         self.policy = policy
         self.slabs: dict[int, Slab] = {}
@@ -177,7 +178,7 @@ class SlabTable:
         gen = self._gens.new()
         # Evict before publishing (as put_start does): a node applies a delta's drops
         # before its adds, so the new value must not be a victim of this same delta.
-        self._publish(slab, key, size, gen, offset, now, evict=True)
+        self._publish(slab, key, size, gen, offset, now)
         return gen
 
     def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float) -> str:
@@ -185,17 +186,16 @@ class SlabTable:
         ``commit`` without the watermark check, which the caller makes once the whole log is
         applied (see ``fastpath.py``). Returns the slab's node."""
         slab = self.slabs[slab_id]
-        taken = carve(slab.free, offset, extent_length(size))
+        length = extent_length(size)
+        taken = carve(slab.free, offset, length)
         assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
         self._gens.seen(gen)
-        self._publish(slab, key, size, gen, offset, now, evict=False)
+        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length)
         return slab.node_id
 
-    def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, evict: bool) -> None:
+    def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float) -> None:
         obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, extent_length(size))])
-        self._nodes[slab.node_id].keys.add(key)
-        if evict:
-            self._replicas.watermark(slab.node_id, now)
+        self._replicas.watermark(slab.node_id, now)
         self._replicas.publish(obj, now)
 
     # ------------------------------------------------------------- life cycle ----

@@ -47,11 +47,12 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private.checks import check_records, check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
-from mooncake_ray._private.master.eviction import RecencyIndex
 from mooncake_ray._private.master.fastpath import COMMIT, GRANT, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
+from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.master.slabs import SlabTable
+from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
 from mooncake_ray._private.master.types import (
     InventoryEntry,
@@ -69,22 +70,27 @@ from mooncake_ray._private.wire import Extent, PutAlloc, ReadGrant, ReplicaLoc, 
 
 
 class MasterState:
-    """See the module docstring. It holds three parts, each handed what it uses: the put
-    slabs (``slabs.SlabTable``), the disk tier (``tiering.DiskTier``) and the mirror that
-    answers reads natively (``fastpath.ReadMirror``, set through ``index``). Not
-    thread-safe: the actor serialises calls."""
+    """See the module docstring. The complete objects live in an ``ObjectTable`` kept in
+    the read index ``index`` (``table.py``: a ``MasterIndex`` in the actor, by default a
+    ``PyIndex``). Three parts are each handed what they use: the put slabs
+    (``slabs.SlabTable``), the disk tier (``tiering.DiskTier``) and the mirror of what the
+    index answers natively (``fastpath.ReadMirror``). Not thread-safe: the actor
+    serialises calls, and calls ``flush`` at the end of each of its sections."""
 
     def __init__(self, policy: Policy | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_ns: Callable[[], int] = time.time_ns, seed: int | None = None):
+                 wall_ns: Callable[[], int] = time.time_ns, seed: int | None = None, index=None):
         self.policy = policy or Policy()
         self._clock = clock
         self._wall_ns = wall_ns
         self._rng = random.Random(seed)
         self._nodes: dict[str, NodeInfo] = {}
         self._alloc: dict[str, ExtentAllocator] = {}
-        self._objects: dict[str, Obj] = {}  # complete, visible
+        if index is None:
+            index = PyIndex()
+            index.clock, index.wall_ns = clock, wall_ns
+            index.set_lease_ttl(self.policy.lease_ttl_s)
+        self._objects = ObjectTable(index, self._nodes)  # complete, visible; in recency order
         self._pending: dict[str, Obj] = {}  # puts in flight
-        self._lru = RecencyIndex()
         self._gens = Generations(wall_ns)
         self._next_lease = 0
         self._expected: set[str] = set()
@@ -98,11 +104,11 @@ class MasterState:
                          "node_unmounts": 0, "unmount_lost_keys": 0}
         self._mirror = ReadMirror(self._objects, self._pending, self._nodes)
         self._replicas = ReplicaTable(self.policy, clock, wall_ns, self._nodes, self._alloc, self._objects, self._pending,
-                                      self._lru, self.counters, self._mirror, offload=self._offload)
+                                      self.counters, self._mirror, offload=self._offload)
         reps = self._replicas
         self._slab_table = SlabTable(self.policy, self._nodes, self._alloc, self._objects, self._pending, reps,
                                      self._mirror, self._gens, self._rng, wall_ns)
-        self._tier = DiskTier(self.policy, self._nodes, self._objects, self._lru, self.counters, self._mirror,
+        self._tier = DiskTier(self.policy, self._nodes, self._objects, self.counters, self._mirror,
                               delta=reps.delta, drop_replica=reps.drop_replica, allocate=reps.allocate,
                               new_placement=reps.new_placement)
 
@@ -113,12 +119,21 @@ class MasterState:
 
     @property
     def index(self):
-        """The read index the mirror keeps (a ``MasterIndex`` or ``PyIndex``; None: no mirror)."""
-        return self._mirror.index
+        """The read index holding the object table (a ``MasterIndex`` or ``PyIndex``)."""
+        return self._objects.index
 
     @index.setter
     def index(self, index) -> None:
-        self._mirror.index = index
+        """Move the table, the slabs and the keys in flight to another index."""
+        self._objects.rebind(index)
+        for key in self._pending:
+            self._mirror.pending(key)
+        for slab_id, slab in self._slab_table.slabs.items():
+            self._mirror.slab(slab_id, slab)
+
+    def flush(self) -> int:
+        """End of a section: plain objects go back to being only records (``table.py``)."""
+        return self._objects.flush()
 
     # ------------------------------------------------------------------ nodes --
     def mount(self, node: NodeInfo, inventory: list[InventoryEntry] = ()) -> None:
@@ -131,7 +146,7 @@ class MasterState:
             return
         if old is not None:
             self.unmount(node.node_id, "remounted with a new incarnation")
-        node.last_heartbeat, node.keys = now, set()
+        node.last_heartbeat = now
         self._nodes[node.node_id] = node
         self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
         # Newest allocation first: if two entries overlap (a drop that never reached the
@@ -266,7 +281,6 @@ class MasterState:
         self._pending[key] = obj
         self._mirror.pending(key)
         for r in placed:
-            self._nodes[r.node_id].keys.add(key)
             self._replicas.watermark(r.node_id, now)
         return PutAlloc(obj.gen, self._extents(placed))
 
@@ -305,7 +319,6 @@ class MasterState:
         self._mirror.pending(key)
         for r in obj.replicas:
             self._replicas.free_extent(r, 0.0)
-            self._replicas.unindex(r.node_id, key)
         self.counters["revoked"] += 1
         return True
 
@@ -342,15 +355,18 @@ class MasterState:
         return self._slab_table.commit(key, slab_id, offset, size, upsert, owner, self._clock())
 
     # ------------------------------------------------------- read index (fastpath.py) --
-    def apply_index_log(self, misses: int, log, decide: bool = True) -> None:
+    def apply_index_log(self, misses: int, hits: int, log, decide: bool = True) -> None:
         """Apply what the native side did since the last drain, in order: each entry does
-        what ``get`` / ``release`` / ``put_commit`` would have done at its logged time.
+        what ``get`` / ``release`` / ``put_commit`` would have done at its logged time
+        (``hits``: leases it granted on cold records, done there).
 
         The watermark checks of the commits come last, once every entry is applied.
         ``decide=False`` leaves them for a later call (the actor applies a large log while
         native calls go on, then takes the index mutex, drains the rest and decides)."""
         if misses:
             self.counters["misses"] += misses
+        if hits:
+            self.counters["hits"] += hits
         objects = self._objects
         full = self._watermark_due  # nodes that took logged commits, not checked yet
         for kind, key, gen, lease, now, offset, size in log:
@@ -362,7 +378,7 @@ class MasterState:
                 self._replicas.end_dropped_lease(key, gen, lease)
                 continue
             if kind == GRANT:
-                self._replicas.grant_lease(obj, lease, now)
+                self._replicas.grant_lease(obj, lease, now, touch=False)  # the index touched it
                 self.counters["hits"] += 1
             elif obj.leases is not None:
                 self._replicas.end_lease(obj, lease, now)
@@ -472,14 +488,11 @@ class MasterState:
         """The inventory this master believes ``node_id`` holds (complete, readable
         replicas): what the node's own inventory must equal once it has applied every
         message it is owed (tests and tools)."""
-        node = self._nodes.get(node_id)
-        if node is None:
+        if node_id not in self._nodes:
             return []
-        out = []
-        for key in node.keys:
-            obj = self._objects.get(key)
-            if obj is None:
-                continue
+        objects = self._objects
+        out = [inventory_entry(obj, obj.replicas[0]) for obj in map(objects.peek, objects.cold_on_node(node_id))]
+        for _key, obj in objects.hot_items():
             out.extend(inventory_entry(obj, r) for r in obj.replicas if r.node_id == node_id and r.ready)
         return out
 
@@ -507,7 +520,7 @@ class MasterState:
         unless ``force``. Returns how many were removed."""
         self._ready()
         now, n = self._clock(), 0
-        for key in [k for k in self._objects if k.startswith(prefix)]:
+        for key in self._objects.keys_with_prefix(prefix):
             obj = self._objects[key]
             if force or not obj.leased(now):
                 self._replicas.drop_object(obj, now)
@@ -596,7 +609,7 @@ class MasterState:
         table, objects = self._replicas.pinned, self._objects
         for key, obj in list(table.items()):
             pin = obj.effective_pin(now)
-            if objects.get(key) is not obj or obj.pin is Pin.NONE:
+            if objects.hot(key) is not obj or obj.pin is Pin.NONE:
                 del table[key]  # replaced, dropped or unpinned since
             elif pin is not Pin.NONE:
                 pinned += 1
@@ -613,7 +626,7 @@ class MasterState:
             "pinned": pinned,
             "soft_pinned": soft,
             "recovering": self.recovering,
-            "native_calls": self.index.served() if self.index is not None else 0,
+            "native_calls": self.index.served(),
             "nodes": nodes,
             **self.counters,
         }
@@ -625,10 +638,14 @@ class MasterState:
         return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters}
 
     # --------------------------------------------------------------- checking --
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the index is inconsistent (simulation tests)."""
+    def check_invariants(self, unapplied: set[str] = frozenset()) -> None:
+        """Raise AssertionError if the index is inconsistent (simulation tests).
+        ``unapplied``: keys the index committed whose log entries Python has not applied
+        yet (their records are ahead of the state machine: left out, and the index's
+        answers are then not compared)."""
         live: dict[str, list[tuple[int, int]]] = {n: [] for n in self._nodes}
         self._slab_table.check(live)  # adds the slabs' uncommitted pieces
-        self._replicas.check(live)
-        self._mirror.check(self._slab_table.slabs)
+        self._replicas.check(live, unapplied)
+        if not unapplied:
+            self._mirror.check(self._slab_table.slabs)
 

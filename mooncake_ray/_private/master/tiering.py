@@ -29,11 +29,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray.errors import ChecksumError, ObjectNotFoundError, OffloadPendingError
-from mooncake_ray._private.master.eviction import RecencyIndex, pick_victims
+from mooncake_ray._private.master.eviction import pick_victims
 from mooncake_ray._private.master.types import NodeDelta, NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.fastpath import ReadMirror
+    from mooncake_ray._private.master.table import ObjectTable
 
 PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent first
 DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
@@ -58,14 +59,13 @@ class DiskTier:
     a fresh ``Replica.placed`` id. A promoted replica becoming readable is told to ``mirror``.
     """
 
-    def __init__(self, policy: Policy, nodes: dict[str, NodeInfo], objects: dict[str, Obj], lru: RecencyIndex,
+    def __init__(self, policy: Policy, nodes: dict[str, NodeInfo], objects: ObjectTable,
                  counters: dict[str, int], mirror: ReadMirror, *, delta: Callable[[str], NodeDelta],
                  drop_replica: Callable[[Obj, Replica, float], None],
                  allocate: Callable[[str, int, float], tuple[int, int] | None], new_placement: Callable[[], int]):
         self.policy = policy
         self._nodes = nodes
         self._objects = objects
-        self._lru = lru
         self.counters = counters
         for name in ("offload_bytes", "promotion_bytes"):  # value bytes moved by completed offloads / promotions
             counters.setdefault(name, 0)
@@ -96,8 +96,11 @@ class DiskTier:
         limit = node.spill_capacity * node.spill_high_watermark
         if node.disk_used + length > limit:
             need = node.disk_used + length - limit + self.policy.evict_ratio * node.spill_capacity
-            for obj, rep in pick_victims(self._lru, self._objects, node.node_id, int(need), now, Tier.DISK):
-                self._drop_replica(obj, rep, now)
+            for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK):
+                if type(v[0]) is str:  # a cold record (only on this disk): the object, to drop it
+                    obj = self._objects.get(v[0])
+                    v = (obj, obj.replicas[0])
+                self._drop_replica(*v, now)
                 self.counters["disk_evictions"] += 1
         if node.disk_used + length > node.spill_capacity:
             return False
@@ -153,7 +156,6 @@ class DiskTier:
             return  # the same file written twice (a repeated offload): already known
         obj.replicas.append(Replica(node.node_id, Tier.DISK, 0, length))
         node.disk_used += length
-        node.keys.add(key)
         node.tier_keys["disk"] += 1
 
     # -------------------------------------------------------------- promote ----
@@ -172,7 +174,6 @@ class DiskTier:
                     prom = Replica(disk.node_id, Tier.DRAM, got[0], got[1], ready=False,
                                    deadline=now + self.policy.put_timeout_s, placed=self._new_placement())
                     obj.replicas.append(prom)
-                    self._nodes[disk.node_id].keys.add(obj.key)
                     self._promoting[id(prom)] = (obj, prom)
                     break
             if prom is None:

@@ -184,7 +184,6 @@ class NodeInfo:
     spill_high_watermark: float = 0.9
     last_heartbeat: float = 0.0
     suspect: bool = False  # a client reported it unreachable: no new allocations
-    keys: set[str] = field(default_factory=set)
     spill_used: int = 0  # as the node reports it
     spill_degraded: str | None = None
     disk_used: int = 0  # the master's account: disk replicas + offloads in flight

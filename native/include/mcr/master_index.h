@@ -1,21 +1,26 @@
-// The master's read fast path: GET, EXISTS and RELEASE answered in C++ on the RPC
-// progress thread, without waking Python.
+// The master's object table and its native fast path: GET, EXISTS, RELEASE and clean
+// one-call PUT_COMMITs answered in C++ on the RPC progress thread, without waking Python.
 //
-// The Python state machine (mooncake_ray/_private/master/state.py) stays the only
-// authority. This index is its mirror: one entry per complete object, holding exactly
-// what a GET answers (size, generation, the ready DRAM replicas), written by the state
-// machine each time that answer changes. An entry with no replicas means "present, but
-// ask Python" (only on disk, being promoted).
+// One record per complete object, in one recency list (least recently used first). A
+// record is either
 //
-// What a native GET grants (a read lease, a recency touch, a hit) is appended to a log
-// instead of being applied; Python drains the log at the start of every section in which
-// it reads or changes its state, and applies it as if it had served those calls itself.
+//  - cold: this index is its only copy, the common case (a value with one replica, ready
+//    in DRAM or on disk, not pinned, at most two read leases held). Native GETs grant
+//    its leases and native RELEASEs end them here, with no Python involved; or
+//  - hot: the Python state machine (mooncake_ray/_private/master/state.py) holds the
+//    object and is its authority; the record holds what a GET answers (size, generation,
+//    the ready DRAM replicas: none means "present, but ask Python"), and what a native
+//    call grants or releases on it is logged for Python to apply.
+//
+// Python hydrates a cold record when it needs the object (it becomes hot) and writes
+// plain objects back cold at the end of its section (set_cold). So the per-key memory of
+// the master is this record, not a Python object graph.
 //
 // Locking: the Python side holds lock() for its whole section (after its own lock, so
-// the order is python-lock -> index mutex). A native GET takes the same mutex, so it is
-// serialised either wholly before a Python section (and drained at its start) or wholly
-// after it (and sees its changes): a lease is never granted on extents Python is freeing.
-// The mutex is recursive so the mirror's setters can be called inside a section.
+// the order is python-lock -> index mutex). A native call takes the same mutex, so it is
+// serialised either wholly before a Python section (whose log is drained at its start) or
+// wholly after it (and sees its changes): a lease is never granted on extents Python is
+// freeing. The mutex is recursive so the table's setters can be called inside a section.
 #pragma once
 
 #include <condition_variable>
@@ -45,10 +50,44 @@ struct IndexReplica {
   uint64_t placed = 0;  // Replica.placed: 0 = where the value's put wrote it
 };
 
+// What a GET of a record answers (lookup()).
 struct IndexEntry {
   uint64_t size = 0;
   uint64_t gen = 0;
   std::vector<IndexReplica> reps;  // empty: present, but Python answers for it
+};
+
+// A cold record as Python reads and writes it (hydrate / set_cold).
+struct ColdRecord {
+  uint64_t size = 0;
+  uint64_t gen = 0;
+  IndexReplica rep;        // the one replica
+  bool disk = false;       // on disk (a GET of it is Python's: it promotes)
+  double lease_until = 0;  // CLOCK_MONOTONIC seconds
+  std::vector<uint64_t> leases;  // ids held, at most two
+};
+
+// A record of the table (see the top of this file).
+struct IndexRecord {
+  uint64_t size = 0;
+  uint64_t gen = 0;
+  IndexReplica rep;  // cold: its replica; hot: the GET answer's first replica (if any)
+  std::unique_ptr<std::vector<IndexReplica>> more;  // hot: the GET answer's other replicas
+  double lease_until = 0;   // cold only
+  uint64_t leases[2] = {0, 0};  // cold only: lease ids held (0: a free slot)
+  IndexRecord* older = nullptr;  // the recency list
+  IndexRecord* newer = nullptr;
+  const std::string* key = nullptr;  // the table's own copy
+  bool hot = false;
+  bool disk = false;     // cold: the replica is on disk
+  bool has_rep = false;  // hot: the GET answer is not empty
+};
+
+// One entry of scan(): a hot record (Python decides), or a cold one that may be evicted.
+struct ScanItem {
+  std::string key;
+  bool hot = false;
+  uint64_t gen = 0, size = 0, offset = 0, length = 0;
 };
 
 // A client's put slab as the state machine holds it (slabs.py): its uncommitted pieces.
@@ -82,9 +121,29 @@ class MasterIndex {
   // Native lease ids start here, far above the ids Python's counter hands out.
   static constexpr uint64_t kFirstLease = 1ull << 40;
 
+  // A hot record answering a GET with ``reps`` (a new key goes to the recent end).
   void set(const std::string& key, uint64_t size, uint64_t gen, std::vector<IndexReplica> reps);
+  // A cold record (a new key goes to the recent end; an existing one keeps its place).
+  void set_cold(const std::string& key, const ColdRecord& rec);
+  // A cold record's contents, and it is hot from now on; false if absent or hot already.
+  bool hydrate(const std::string& key, ColdRecord* out);
+  // A cold record's contents, left cold (checks, inventories); false if absent or hot.
+  bool peek_cold(const std::string& key, ColdRecord* out);
+  bool contains(const std::string& key);
+  bool is_hot(const std::string& key);
+  void touch(const std::string& key);  // to the recent end
   void drop(const std::string& key);
   void drop_many(const std::vector<std::string>& keys);
+  // Records from the least recent (after ``after``, if not empty) in recency order: every
+  // hot one, and the cold ones on ``node_id`` in that tier whose leases ended by ``now``;
+  // at most ``limit`` items. *next is where to go on from ("" when the list is done).
+  std::vector<ScanItem> scan(const std::string& after, const std::string& node_id, bool disk, double now,
+                             size_t limit, std::string* next);
+  // Cold records on a node (any incarnation): (key, on disk).
+  std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id);
+  // Every key starting with ``prefix``, least recent first.
+  std::vector<std::string> keys(const std::string& prefix);
+  size_t cold_count();
   // The shared record of a node incarnation (made on first use).
   std::shared_ptr<const IndexNode> node(const std::string& node_id, const std::string& ray_node_id,
                                         const std::string& incarnation);
@@ -95,8 +154,9 @@ class MasterIndex {
   void set_enabled(bool on);
   void set_lease_ttl(double ttl_s);
   void set_max_log(size_t n);
-  // Takes the log and the number of misses answered since the last drain.
-  std::vector<IndexLogEntry> drain(uint64_t* misses);
+  // Takes the log, the number of misses answered and of the leases granted on cold
+  // records (hits Python did not see) since the last drain.
+  std::vector<IndexLogEntry> drain(uint64_t* misses, uint64_t* hits);
 
   // One-call puts (PUT_COMMIT into a put slab): the mirror of the slabs, of the keys with
   // a two-call put in flight, and of the generation counter. A clean commit (new key,
@@ -127,8 +187,21 @@ class MasterIndex {
  private:
   bool serve_commit(const char* data, size_t len, std::string* out);
 
+  IndexRecord* find(const std::string& key);
+  IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one
+  void erase(std::unordered_map<std::string, IndexRecord>::iterator it);
+  void unlink(IndexRecord* r);
+  void link_recent(IndexRecord* r);
+  IndexEntry answer(const IndexRecord& r) const;
+  bool grant_cold(IndexRecord& r, uint64_t lease, double now);  // false: no slot free
+  void release_cold(IndexRecord& r, uint64_t lease, double now);
+
   std::recursive_mutex mu_;
-  std::unordered_map<std::string, IndexEntry> map_;
+  std::unordered_map<std::string, IndexRecord> map_;
+  IndexRecord* oldest_ = nullptr;
+  IndexRecord* newest_ = nullptr;
+  size_t cold_ = 0;
+  uint64_t hits_ = 0;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<const IndexNode>> nodes_;  // (id, incarnation)
   std::vector<IndexLogEntry> log_;
   uint64_t misses_ = 0;

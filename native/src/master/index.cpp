@@ -225,23 +225,224 @@ bool read_releases(Reader& r, std::vector<Release>* out) {
 constexpr uint64_t kOk = 0;  // rpc.OK
 }  // namespace
 
+// ---- the table: records and their recency list -------------------------------------
+IndexRecord* MasterIndex::find(const std::string& key) {
+  auto it = map_.find(key);
+  return it == map_.end() ? nullptr : &it->second;
+}
+
+void MasterIndex::unlink(IndexRecord* r) {
+  (r->older ? r->older->newer : oldest_) = r->newer;
+  (r->newer ? r->newer->older : newest_) = r->older;
+  r->older = r->newer = nullptr;
+}
+
+void MasterIndex::link_recent(IndexRecord* r) {
+  r->older = newest_;
+  r->newer = nullptr;
+  (newest_ ? newest_->newer : oldest_) = r;
+  newest_ = r;
+}
+
+IndexRecord& MasterIndex::insert(const std::string& key, bool* fresh) {
+  auto [it, made] = map_.try_emplace(key);
+  IndexRecord& r = it->second;
+  if (made) {
+    r.key = &it->first;
+    link_recent(&r);
+  }
+  *fresh = made;
+  return r;
+}
+
+void MasterIndex::erase(std::unordered_map<std::string, IndexRecord>::iterator it) {
+  unlink(&it->second);
+  if (!it->second.hot) cold_--;
+  map_.erase(it);
+}
+
+IndexEntry MasterIndex::answer(const IndexRecord& r) const {
+  IndexEntry e;
+  e.size = r.size;
+  e.gen = r.gen;
+  if (r.hot ? r.has_rep : !r.disk) {
+    e.reps.push_back(r.rep);
+    if (r.hot && r.more) e.reps.insert(e.reps.end(), r.more->begin(), r.more->end());
+  }
+  return e;
+}
+
+bool MasterIndex::grant_cold(IndexRecord& r, uint64_t lease, double now) {
+  // As ReplicaTable.grant_lease: leases past their end are forgotten before a new one.
+  if (r.lease_until <= now) r.leases[0] = r.leases[1] = 0;
+  uint64_t* slot = r.leases[0] == 0 ? &r.leases[0] : r.leases[1] == 0 ? &r.leases[1] : nullptr;
+  if (slot == nullptr) return false;
+  *slot = lease;
+  r.lease_until = std::max(r.lease_until, now + ttl_s_);
+  return true;
+}
+
+void MasterIndex::release_cold(IndexRecord& r, uint64_t lease, double now) {
+  // As ReplicaTable.end_lease: an id not held changes nothing; the last one held ends
+  // the lease now rather than at its expiry.
+  for (auto& slot : r.leases) {
+    if (slot != lease) continue;
+    slot = 0;
+    if (r.leases[0] == 0 && r.leases[1] == 0) r.lease_until = std::min(r.lease_until, now);
+    return;
+  }
+}
+
 void MasterIndex::set(const std::string& key, uint64_t size, uint64_t gen,
                       std::vector<IndexReplica> reps) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  auto& e = map_[key];
-  e.size = size;
-  e.gen = gen;
-  e.reps = std::move(reps);
+  bool fresh;
+  IndexRecord& r = insert(key, &fresh);
+  if (!fresh && !r.hot) cold_--;  // a cold record replaced
+  r.hot = true;
+  r.size = size;
+  r.gen = gen;
+  r.disk = false;
+  r.lease_until = 0;
+  r.leases[0] = r.leases[1] = 0;
+  r.has_rep = !reps.empty();
+  r.rep = r.has_rep ? reps[0] : IndexReplica{};
+  if (reps.size() > 1)
+    r.more = std::make_unique<std::vector<IndexReplica>>(reps.begin() + 1, reps.end());
+  else
+    r.more.reset();
+}
+
+void MasterIndex::set_cold(const std::string& key, const ColdRecord& rec) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  bool fresh;
+  IndexRecord& r = insert(key, &fresh);
+  if (fresh || r.hot) cold_++;
+  r.hot = false;
+  r.has_rep = false;
+  r.more.reset();
+  r.size = rec.size;
+  r.gen = rec.gen;
+  r.rep = rec.rep;
+  r.disk = rec.disk;
+  r.lease_until = rec.lease_until;
+  r.leases[0] = rec.leases.size() > 0 ? rec.leases[0] : 0;
+  r.leases[1] = rec.leases.size() > 1 ? rec.leases[1] : 0;
+}
+
+static void read_cold(const IndexRecord& r, ColdRecord* out) {
+  out->size = r.size;
+  out->gen = r.gen;
+  out->rep = r.rep;
+  out->disk = r.disk;
+  out->lease_until = r.lease_until;
+  out->leases.clear();
+  for (uint64_t id : r.leases)
+    if (id) out->leases.push_back(id);
+  std::sort(out->leases.begin(), out->leases.end());
+}
+
+bool MasterIndex::hydrate(const std::string& key, ColdRecord* out) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  if (r == nullptr || r->hot) return false;
+  read_cold(*r, out);
+  // Hot from now on: Python holds the object; the record keeps what a GET answers.
+  r->hot = true;
+  r->has_rep = !r->disk;
+  r->disk = false;
+  r->lease_until = 0;
+  r->leases[0] = r->leases[1] = 0;
+  cold_--;
+  return true;
+}
+
+bool MasterIndex::peek_cold(const std::string& key, ColdRecord* out) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  if (r == nullptr || r->hot) return false;
+  read_cold(*r, out);
+  return true;
+}
+
+bool MasterIndex::contains(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return find(key) != nullptr;
+}
+
+bool MasterIndex::is_hot(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  return r != nullptr && r->hot;
+}
+
+void MasterIndex::touch(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  if (r == nullptr || r == newest_) return;
+  unlink(r);
+  link_recent(r);
 }
 
 void MasterIndex::drop(const std::string& key) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  map_.erase(key);
+  auto it = map_.find(key);
+  if (it != map_.end()) erase(it);
 }
 
 void MasterIndex::drop_many(const std::vector<std::string>& keys) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  for (auto& k : keys) map_.erase(k);
+  for (auto& k : keys) {
+    auto it = map_.find(k);
+    if (it != map_.end()) erase(it);
+  }
+}
+
+std::vector<ScanItem> MasterIndex::scan(const std::string& after, const std::string& node_id, bool disk,
+                                        double now, size_t limit, std::string* next) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<ScanItem> out;
+  next->clear();
+  IndexRecord* r = oldest_;
+  if (!after.empty()) {
+    IndexRecord* a = find(after);
+    r = a == nullptr ? nullptr : a->newer;
+  }
+  size_t seen = 0;
+  for (; r != nullptr; r = r->newer) {
+    if (out.size() >= limit || seen >= 16 * limit) {  // the caller comes back for more
+      *next = *r->older->key;
+      break;
+    }
+    seen++;
+    if (r->hot) {
+      out.push_back(ScanItem{*r->key, true});
+    } else if (r->disk == disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
+      out.push_back(ScanItem{*r->key, false, r->gen, r->size, r->rep.offset, r->rep.length});
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::string& node_id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<std::pair<std::string, bool>> out;
+  for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
+    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(*r->key, r->disk);
+  return out;
+}
+
+std::vector<std::string> MasterIndex::keys(const std::string& prefix) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<std::string> out;
+  for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
+    if (r->key->compare(0, prefix.size(), prefix) == 0) out.push_back(*r->key);
+  return out;
+}
+
+size_t MasterIndex::cold_count() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return cold_;
 }
 
 std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, const std::string& ray_node_id,
@@ -260,6 +461,8 @@ std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, c
 void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   map_.clear();
+  oldest_ = newest_ = nullptr;
+  cold_ = 0;
 }
 
 void MasterIndex::set_enabled(bool on) {
@@ -277,10 +480,12 @@ void MasterIndex::set_max_log(size_t n) {
   max_log_ = n;
 }
 
-std::vector<IndexLogEntry> MasterIndex::drain(uint64_t* misses) {
+std::vector<IndexLogEntry> MasterIndex::drain(uint64_t* misses, uint64_t* hits) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   *misses = misses_;
   misses_ = 0;
+  *hits = hits_;
+  hits_ = 0;
   commit_logged_ = false;
   std::vector<IndexLogEntry> out;
   out.swap(log_);
@@ -299,9 +504,9 @@ uint64_t MasterIndex::served() {
 
 bool MasterIndex::lookup(const std::string& key, IndexEntry* out) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  auto it = map_.find(key);
-  if (it == map_.end()) return false;
-  *out = it->second;
+  IndexRecord* r = find(key);
+  if (r == nullptr) return false;
+  *out = answer(*r);
   return true;
 }
 
@@ -422,13 +627,15 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
   for (auto& it : items) {
     const uint64_t gen = std::max(next_gen_ + 1, wall);  // as put_commit numbers values
     next_gen_ = gen;
-    IndexReplica rep = slabs_[it.slab].node;
-    rep.offset = it.offset;
-    rep.length = extent_length(it.size);
-    IndexEntry& e = map_[it.key];
-    e.size = it.size;
-    e.gen = gen;
-    e.reps.assign(1, std::move(rep));
+    // A new value with one ready DRAM replica and no lease: cold from the start.
+    bool fresh;
+    IndexRecord& r = insert(it.key, &fresh);
+    r.size = it.size;
+    r.gen = gen;
+    r.rep = slabs_[it.slab].node;
+    r.rep.offset = it.offset;
+    r.rep.length = extent_length(it.size);
+    cold_++;
     log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size});
     w.uint(gen);
   }
@@ -462,12 +669,22 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
 
   std::lock_guard<std::recursive_mutex> g(mu_);
   if (!enabled_ || log_.size() + keys.size() + releases.size() > max_log_) return false;
-  std::vector<const IndexEntry*> found(keys.size(), nullptr);
+  const double now = monotonic_s();
+  std::vector<IndexRecord*> found(keys.size(), nullptr);
   for (size_t i = 0; i < keys.size(); i++) {
-    auto it = map_.find(keys[i]);
-    if (it == map_.end()) continue;  // a miss
-    if (op == kOpGet && it->second.reps.empty()) return false;  // Python promotes it
-    found[i] = &it->second;
+    IndexRecord* r = find(keys[i]);
+    if (r == nullptr) continue;  // a miss
+    if (op == kOpGet) {
+      if (r->hot ? !r->has_rep : r->disk) return false;  // Python promotes it
+      // A cold value read by two readers already: Python holds the third lease.
+      if (!r->hot && r->lease_until > now && r->leases[0] && r->leases[1]) return false;
+    }
+    found[i] = r;
+  }
+  if (op == kOpGet) {  // the same key twice in one call: its second lease may not fit
+    for (size_t i = 0; i < keys.size(); i++)
+      for (size_t j = 0; j < i && found[i] && !found[i]->hot; j++)
+        if (found[j] == found[i]) return false;
   }
   served_++;
   out->clear();
@@ -476,14 +693,19 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
   w.uint(kOk);
   if (op == kOpExists) {
     w.array(uint32_t(keys.size()));
-    for (auto* e : found) w.boolean(e != nullptr);
+    for (auto* r : found) w.boolean(r != nullptr);
     return true;
   }
-  double now = monotonic_s();
   // Releases first, as Python's handler does: a reader's earlier leases end before this
-  // call grants new ones.
-  for (auto& rel : releases)
-    log_.push_back(IndexLogEntry{kRelease, std::move(rel.key), rel.gen, rel.lease, now});
+  // call grants new ones. A cold record's end here; any other is logged for Python (a
+  // hot object's, or one of a value dropped or replaced since).
+  for (auto& rel : releases) {
+    IndexRecord* r = find(rel.key);
+    if (r != nullptr && !r->hot && r->gen == rel.gen)
+      release_cold(*r, rel.lease, now);
+    else
+      log_.push_back(IndexLogEntry{kRelease, std::move(rel.key), rel.gen, rel.lease, now});
+  }
   if (op == kOpRelease) {
     w.nil();
     return true;
@@ -491,25 +713,36 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
   w.array(uint32_t(keys.size()));
   std::vector<const IndexReplica*> order;
   for (size_t i = 0; i < keys.size(); i++) {
-    const IndexEntry* e = found[i];
-    if (e == nullptr) {
+    IndexRecord* r = found[i];
+    if (r == nullptr) {
       misses_++;
       w.nil();
       continue;
     }
     uint64_t lease = next_lease_++;
-    log_.push_back(IndexLogEntry{kGrant, keys[i], e->gen, lease, now});
+    if (r->hot) {
+      log_.push_back(IndexLogEntry{kGrant, keys[i], r->gen, lease, now});
+    } else {
+      grant_cold(*r, lease, now);  // a slot is free: checked above
+      hits_++;
+    }
+    if (r != newest_) {  // a hit is a use
+      unlink(r);
+      link_recent(r);
+    }
     // The caller's own replicas first (by store-node id or Ray node id), otherwise in
     // the state machine's order, as its get() does.
     order.clear();
-    for (auto& rep : e->reps) order.push_back(&rep);
+    order.push_back(&r->rep);
+    if (r->hot && r->more)
+      for (auto& rep : *r->more) order.push_back(&rep);
     if (!client_node.empty() && order.size() > 1)
       std::stable_partition(order.begin(), order.end(), [&](const IndexReplica* x) {
         return x->node->node_id == client_node || x->node->ray_node_id == client_node;
       });
     w.array(5);
-    w.uint(e->size);
-    w.uint(e->gen);
+    w.uint(r->size);
+    w.uint(r->gen);
     w.f64(ttl_s_);
     w.array(uint32_t(order.size()));
     for (auto* x : order) {

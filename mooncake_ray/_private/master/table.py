@@ -1,0 +1,214 @@
+"""The master's table of complete objects (pure, no Ray), kept in the read index.
+
+At ten million keys a Python object graph per key (the object, its replica list and
+replica, their integers, dict and set entries) cost about 580 bytes, most of the master's
+memory. So every complete object has one record in the index (``MasterIndex`` in C++,
+``PyIndex`` its reference), which is also the recency list eviction walks, and Python
+holds an ``Obj`` only while it needs one:
+
+- **cold** records are plain values (one replica, ready in DRAM or on disk, not pinned,
+  at most two read leases held): the index is their only copy, grants and releases their
+  leases natively, and lists them to eviction with what it needs to drop them;
+- **hot** objects are held here in ``_hot``, and the state machine is their authority
+  (anything unusual: a put being replaced, an offload or promotion in flight, pins, more
+  replicas, a third lease); the record keeps only what a GET answers.
+
+``get`` hydrates a cold record into a hot ``Obj`` (the same object for the rest of the
+section and for as long as it stays hot, so ``table.get(key) is obj`` means what it
+says). ``flush``, at the end of every section of the actor's lock, writes the plain
+objects touched in the section back cold and lets them go. Being hot is always correct;
+cold is what keeps the master small.
+
+The table reads the state machine's node table (``nodes``): a cold record names its
+replica's node by id, Ray node id and incarnation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from mooncake_ray._private.master.types import NodeInfo, Obj, Pin, Replica, Tier
+
+SCAN_BATCH = 4096  # records the index lists per scan() call of a victim search
+
+_DRAM, _DISK = Tier.DRAM, Tier.DISK
+
+
+class ObjectTable:
+    """key -> ``Obj`` of every complete value, in recency order (see the module
+    docstring). Dict-like for the state machine: ``get``, ``in``, ``[]``, ``del``,
+    ``len``, iteration; ``touch`` marks a use; ``items`` and ``peek`` read without
+    hydrating. Not thread-safe: the actor holds its lock (and the index's) around it."""
+
+    def __init__(self, index, nodes: dict[str, NodeInfo]):
+        self.index = index
+        self._nodes = nodes
+        self._hot: dict[str, Obj] = {}
+        self._dirty: set[str] = set()  # hot keys touched since the last flush
+
+    # ----------------------------------------------------------------- mapping --
+    def get(self, key: str, default=None) -> Obj | None:
+        obj = self._hot.get(key)
+        if obj is None:
+            rec = self.index.hydrate(key)
+            if rec is None:
+                return default
+            obj = self._hot[key] = _obj(key, rec)
+        self._dirty.add(key)
+        return obj
+
+    def __getitem__(self, key: str) -> Obj:
+        obj = self.get(key)
+        if obj is None:
+            raise KeyError(key)
+        return obj
+
+    def __contains__(self, key) -> bool:
+        return key in self._hot or self.index.contains(key)
+
+    def __setitem__(self, key: str, obj: Obj) -> None:
+        """A new or replaced value: hot, answering GETs (a new key is the most recent)."""
+        self._hot[key] = obj
+        self._dirty.add(key)
+        self.index.set(key, obj.size, obj.gen, self.answer(obj))
+
+    def __delitem__(self, key: str) -> None:
+        self._hot.pop(key, None)
+        self.index.drop(key)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index.keys(""))
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        return self.index.keys(prefix)
+
+    def hot(self, key: str) -> Obj | None:
+        """The object if it is hot (never hydrates)."""
+        return self._hot.get(key)
+
+    def peek(self, key: str) -> Obj | None:
+        """The object, without hydrating: the hot one, or a copy of a cold record (changes
+        to the copy are lost)."""
+        obj = self._hot.get(key)
+        if obj is not None:
+            return obj
+        rec = self.index.peek_cold(key)
+        return None if rec is None else _obj(key, rec)
+
+    def items(self) -> Iterator[tuple[str, Obj]]:
+        """Every ``(key, object)``, least recent first, without hydrating (``peek``)."""
+        for key in self.index.keys(""):
+            obj = self.peek(key)
+            if obj is not None:
+                yield key, obj
+
+    def values(self) -> Iterator[Obj]:
+        return (obj for _key, obj in self.items())
+
+    def hot_items(self) -> list[tuple[str, Obj]]:
+        return list(self._hot.items())
+
+    # ---------------------------------------------------------------- recency --
+    def touch(self, key: str) -> None:
+        """A use (publish, a hit): the key goes to the recent end."""
+        self.index.touch(key)
+
+    def drop_many(self, keys: list[str]) -> None:
+        """Forget these keys (an eviction batch), hot or cold."""
+        if keys:
+            hot = self._hot
+            for key in keys:
+                hot.pop(key, None)
+            self.index.drop_many(keys)
+
+    def scan(self, node_id: str, tier: Tier, now: float) -> Iterator[tuple[str, tuple | None]]:
+        """Eviction candidates on ``node_id`` in ``tier``, least recent first: ``(key,
+        None)`` for a hot object (the caller decides), ``(key, (gen, size, offset,
+        length))`` for a cold one whose leases have ended."""
+        after, disk = "", tier is _DISK
+        while True:
+            items, after = self.index.scan(after, node_id, disk, now, SCAN_BATCH)
+            yield from items
+            if after is None:
+                return
+
+    def cold_on_node(self, node_id: str) -> list[str]:
+        """Keys of the cold records with their replica on ``node_id``."""
+        return [key for key, _disk in self.index.cold_on_node(node_id)]
+
+    # -------------------------------------------------------------- hot / cold --
+    def answer(self, obj: Obj) -> list:
+        """What a GET of ``obj`` answers: its ready DRAM replicas."""
+        nodes, out = self._nodes, []
+        for r in obj.replicas:
+            if r.tier is _DRAM and r.ready:
+                node = nodes[r.node_id]
+                out.append((r.node_id, node.ray_node_id, r.offset, r.length, node.incarnation, r.placed))
+        return out
+
+    def sync(self, key: str) -> None:
+        """A hot object's GET answer changed: tell the index (cold records answer for
+        themselves, and a dropped key's record went with it)."""
+        obj = self._hot.get(key)
+        if obj is not None:
+            self.index.set(key, obj.size, obj.gen, self.answer(obj))
+
+    def flush(self) -> int:
+        """Write the plain objects touched since the last flush back cold; returns how
+        many. The actor calls it at the end of each section (index mutex held)."""
+        hot, index, nodes, n = self._hot, self.index, self._nodes, 0
+        for key in self._dirty:
+            obj = hot.get(key)
+            if obj is None or obj.pin is not Pin.NONE or len(obj.replicas) != 1 or not obj.complete:
+                continue
+            r = obj.replicas[0]
+            held = obj.leases
+            node = nodes.get(r.node_id)
+            if not r.ready or r.offloading or node is None:
+                continue
+            if held is None:
+                leases = []
+            elif type(held) is int:
+                leases = [held]
+            elif len(held) <= 2:
+                leases = sorted(held)
+            else:
+                continue
+            index.set_cold(key, obj.size, obj.gen, r.node_id, node.ray_node_id, node.incarnation, r.tier is _DISK,
+                           r.offset, r.length, r.placed, obj.lease_until, leases)
+            del hot[key]
+            n += 1
+        self._dirty.clear()
+        return n
+
+    def rebind(self, index) -> None:
+        """Move every record to ``index`` (a new read index), in recency order."""
+        old, nodes = self.index, self._nodes
+        for key in old.keys(""):
+            obj = self._hot.get(key)
+            if obj is not None:
+                index.set(key, obj.size, obj.gen, self.answer(obj))
+                continue
+            size, gen, node_id, disk, offset, length, placed, lease_until, leases = old.peek_cold(key)
+            node = nodes[node_id]
+            index.set_cold(key, size, gen, node_id, node.ray_node_id, node.incarnation, disk, offset, length,
+                           placed, lease_until, leases)
+        self.index = index
+
+    def check(self) -> None:
+        """Assert the hot objects and the index's hot records are the same keys."""
+        index = self.index
+        assert all(index.is_hot(k) for k in self._hot), "a hot object without a hot record"
+        hot_records = len(index) - index.cold_count()
+        assert hot_records == len(self._hot), f"{hot_records} hot records, {len(self._hot)} hot objects"
+
+
+def _obj(key: str, rec: tuple) -> Obj:
+    """A hot ``Obj`` from a cold record's fields."""
+    size, gen, node_id, disk, offset, length, placed, lease_until, leases = rec
+    held = None if not leases else leases[0] if len(leases) == 1 else set(leases)
+    return Obj(key, size, gen, [Replica(node_id, _DISK if disk else _DRAM, offset, length, placed=placed)],
+               complete=True, lease_until=lease_until, leases=held)
