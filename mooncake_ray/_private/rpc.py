@@ -31,12 +31,12 @@ MASTER_RPC = 1
 NODE_INVENTORY_RPC = 2
 NODE_PROMOTE_RPC = 3
 NODE_ECHO_RPC = 4
-NODE_INVENTORY_SHARD_BASE = 64  # master shard s > 0 sends its inventory messages to 64 + s
 
 
 def node_inventory_rpc(shard: int) -> int:
-    """The store node's handler id for inventory messages of master shard ``shard``."""
-    return NODE_INVENTORY_RPC if shard == 0 else NODE_INVENTORY_SHARD_BASE + shard
+    """The store node's handler id for inventory messages of master shard ``shard``
+    (shard 0: ``NODE_INVENTORY_RPC``; shard s > 0: 64 + s)."""
+    return NODE_INVENTORY_RPC if shard == 0 else 64 + shard
 
 
 OK, ERR = 0, 1

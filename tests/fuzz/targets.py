@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 
 import msgpack
 
@@ -264,8 +265,9 @@ SLAB_ID = 3
 
 
 def prepare_index(ix) -> None:
-    """The same mirror in either index: keys with and without DRAM replicas, a pending
-    key, a slab of ``c1``; generations from the counter (above the wall clock)."""
+    """The same table in either index: hot keys with and without DRAM replicas, cold ones
+    in DRAM (one with two leases held, one leased long ago) and on disk, a pending key, a
+    slab of ``c1``; generations from the counter (above the wall clock)."""
     ix.set_lease_ttl(2.5)
     ix.set_enabled(True)
     ix.set_max_log(64)
@@ -276,6 +278,11 @@ def prepare_index(ix) -> None:
     ix.set("two", 100, 8, [("n0", "r0", 0, 4096, "i0", 0), ("n1", "r1", 4096, 4096, "i1", 0)])
     ix.set("é", 1, 9, [("n1", "r1", 1 << 40, 4096, "i1", 1 << 62)])
     ix.set("disk", 10, 10, [])
+    far = time.monotonic() + 1000
+    ix.set_cold("c", 64, 11, "n0", "r0", "i0", False, 64, 64, 0, 0.0, [])
+    ix.set_cold("c2", 300, 12, "n1", "r1", "i1", False, 128, 320, 3, far, [1 << 41, (1 << 41) + 1])
+    ix.set_cold("c1", 5000, 13, "n0", "r0", "i0", False, 8192, 8192, 0, far, [(1 << 41) + 2])
+    ix.set_cold("cd", 5000, 14, "n1", "r1", "i1", True, 0, 12288, 0, 0.0, [])
     ix.add_pending("pend")
     ix.set_slab(SLAB_ID, OWNER, "n0", "r0", "i0", [(0, 4 * ALIGN), (8 * ALIGN, 2 * ALIGN)])
 
@@ -319,9 +326,15 @@ def native_index(data: bytes) -> None:
             raise Finding(f"native answered {a!r}, reference {b!r}")
     if len(nat) != len(ref) or nat.served() != ref.served():
         raise Finding("native and reference mirrors differ after the call")
-    (m1, log1), (m2, log2) = nat.drain(), ref.drain()
-    if m1 != m2 or [e[:4] + e[5:] for e in log1] != [e[:4] + e[5:] for e in log2]:
-        raise Finding(f"logs differ: native {m1, log1!r}, reference {m2, log2!r}")
+    (m1, h1, log1), (m2, h2, log2) = nat.drain(), ref.drain()
+    if (m1, h1) != (m2, h2) or [e[:4] + e[5:] for e in log1] != [e[:4] + e[5:] for e in log2]:
+        raise Finding(f"logs differ: native {m1, h1, log1!r}, reference {m2, h2, log2!r}")
+    for key in ("c", "c1", "c2", "cd", "k"):
+        a, b = nat.peek_cold(key), ref.peek_cold(key)
+        if (a is None) != (b is None) or a is not None and (a[:7] != b[:7] or a[8] != b[8]):
+            raise Finding(f"cold record {key!r} differs after the call: native {a!r}, reference {b!r}")
+    if nat.keys("") != ref.keys(""):
+        raise Finding("recency orders differ after the call")
     for sid in (SLAB_ID,):
         if nat.lookup_slab(sid) != ref.lookup_slab(sid):
             raise Finding("slabs differ after the call")
@@ -332,6 +345,11 @@ def index_seeds() -> list[bytes]:
         [rpc.GET, ["k", "two", "nope"], "r1", [["k", 7, 1 << 32]]],
         [rpc.GET, ["é"]],
         [rpc.GET, ["disk"]],
+        [rpc.GET, ["c", "c1", "k"], None, [["c1", 13, (1 << 41) + 2], ["c2", 12, 1 << 41]]],
+        [rpc.GET, ["c2"]],
+        [rpc.GET, ["c", "c"]],
+        [rpc.GET, ["cd"]],
+        [rpc.RELEASE, [["c2", 12, (1 << 41) + 1], ["c2", 11, 1 << 41], ["c", 11, 5]]],
         [rpc.EXISTS, ["k", "disk", "x"]],
         [rpc.RELEASE, [["k", 7, 1 << 32]]],
         [rpc.PUT_COMMIT, [["new", SLAB_ID, 0, 100], ["new2", SLAB_ID, 8 * ALIGN, 4096, True]], OWNER],

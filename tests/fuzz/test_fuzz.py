@@ -79,7 +79,7 @@ def test_native_index_declines_keys_python_cannot_read():
         commit = bytes([0x93, rpc.PUT_COMMIT, 0x91, 0x94]) + key + bytes([targets.SLAB_ID, 0, 100, 0xA2]) + b"c1"
         release = bytes([0x92, rpc.RELEASE, 0x91, 0x93]) + key + bytes([7, 1])
         assert ix.serve(commit) is None and ix.serve(release) is None
-    assert ix.drain() == (0, [])
+    assert ix.drain() == (0, 0, [])
     assert ix.serve(rpc.pack([rpc.EXISTS, ["é", "\U0010ffff"]])) == rpc.pack([rpc.OK, [True, False]])
 
 
