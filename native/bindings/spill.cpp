@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "mcr/spill.h"
+#include "mcr/spill_format.h"
 #include "mcr/spill_crc32c.h"
 
 namespace nb = nanobind;
@@ -37,11 +38,11 @@ void bind_spill(nb::module_& m) {
       .def(
           "__init__",
           [](Tier* t, const std::string& dir, uint64_t cap, unsigned qd, bool uring,
-             uint64_t chunk, uint64_t compact_min) {
-            new (t) Tier(mcr::spill::Options{dir, cap, qd, uring, chunk, compact_min});
+             uint64_t chunk, uint64_t compact_min, bool pack) {
+            new (t) Tier(mcr::spill::Options{dir, cap, qd, uring, chunk, compact_min, pack});
           },
           "directory"_a, "capacity_bytes"_a, "queue_depth"_a = 32, "use_uring"_a = true,
-          "chunk_bytes"_a = 256 << 10, "tombstone_compact_min"_a = 1 << 16, Released())
+          "chunk_bytes"_a = 256 << 10, "tombstone_compact_min"_a = 1 << 16, "pack_small"_a = true, Released())
       .def(
           "write",
           [](Tier& t, const std::string& key, uint64_t gen, uintptr_t src, uint64_t len) {
@@ -126,6 +127,8 @@ void bind_spill(nb::module_& m) {
         d["free_pool_files"] = s.pool_files;
         d["free_pool_bytes"] = s.pool_bytes;
         d["tombstones"] = s.tombstones;
+        d["packs"] = s.packs;
+        d["packed_objects"] = s.packed_objects;
         return d;
       });
 
@@ -136,4 +139,9 @@ void bind_spill(nb::module_& m) {
       },
       "addr"_a, "length"_a, "crc"_a = 0, Released());
   m.def("spill_crc32c_hardware", &mcr::spill::crc32c_hardware);
+  // Disk bytes an object takes: its record in a pack, or its own slot file.
+  m.def("spill_disk_bytes", [](size_t key_len, uint64_t length) {
+    return mcr::spill::packable(key_len, length) ? mcr::spill::record_bytes(key_len, length)
+                                                 : mcr::spill::file_bytes(key_len, length);
+  }, "key_len"_a, "length"_a);
 }

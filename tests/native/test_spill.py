@@ -435,6 +435,161 @@ def test_closed_tier_raises(spill_dir):
         t.write("k", 0, a.ctypes.data, 4096)
 
 
+# ---- small objects in packs ------------------------------------------------------------------------
+
+
+def record_size(key: str, n: int) -> int:
+    return -(-(40 + len(key.encode()) + n) // 64) * 64
+
+
+def small_values(rng, keys, sizes):
+    return {k: random_bytes(rng, n, align=64, offset=8) for k, n in zip(keys, sizes)}
+
+
+def test_small_objects_share_packs_and_read_back(tier):
+    rng = np.random.default_rng(31)
+    keys = [f"small/{i}" for i in range(1200)]
+    vals = small_values(rng, keys, [int(x) for x in rng.integers(0, 2900, len(keys))])
+    big = random_bytes(rng, 70 * KiB)
+    items = [(k, i, v.ctypes.data, v.size) for i, (k, v) in enumerate(vals.items())]
+    res = tier.write_many(items[:600] + [("big", 99, big.ctypes.data, big.size)] + items[600:])
+    assert res == [None] * 1201
+    st = tier.stats()
+    records = sum(record_size(k, v.size) for k, v in vals.items())
+    assert st["packed_objects"] == 1200
+    assert -(-records // (256 * KiB)) <= st["packs"] <= -(-records // (256 * KiB)) + 1
+    assert st["writes"] == 1201
+    # one file per pack (at most 256 KiB of records each) and one for the large value
+    assert len(slot_files(tier.directory)) == st["packs"] + 1 < 12
+    pack_bytes = sum(os.path.getsize(p) for p in slot_files(tier.directory)) - (4096 + 70 * KiB)
+    assert tier.used_bytes == pack_bytes + 4096 + 70 * KiB
+    assert pack_bytes < records + st["packs"] * 2 * 4096  # a header and a partial block a pack
+    dsts = {k: buffer(v.size) for k, v in vals.items()}
+    assert tier.read_many([(k, dsts[k].ctypes.data, v.size) for k, v in vals.items()]) == list(range(1200))
+    assert all(np.array_equal(dsts[k], v) for k, v in vals.items())
+    for i, (k, v) in enumerate(list(vals.items())[::97]):
+        d = buffer(v.size, offset=3)
+        assert tier.read(k, d.ctypes.data, d.size) == 97 * i and np.array_equal(d, v)
+    with pytest.raises(InvalidArgumentError, match="stored length"):
+        tier.read("small/1", buffer(4096).ctypes.data, vals["small/1"].size + 1)
+
+
+def test_a_pack_is_freed_with_its_last_object(tier):
+    rng = np.random.default_rng(32)
+    keys = [f"p/{i}" for i in range(50)]
+    vals = small_values(rng, keys, [256] * 50)
+    assert tier.write_many([(k, 1, v.ctypes.data, v.size) for k, v in vals.items()]) == [None] * 50
+    used = tier.used_bytes
+    assert used == 4096 + -(-50 * record_size("p/0", 256) // 4096) * 4096
+    for k in keys[:49]:
+        assert tier.remove(k)
+    st = tier.stats()
+    assert (st["packs"], st["packed_objects"], st["free_pool_files"]) == (1, 1, 0) and tier.used_bytes == used
+    d = buffer(256)
+    assert tier.read("p/49", d.ctypes.data, 256) == 1 and np.array_equal(d, vals["p/49"])
+    assert tier.remove("p/49")
+    st = tier.stats()
+    assert (st["packs"], st["free_pool_files"], tier.used_bytes, tier.num_keys) == (0, 1, 0, 0)
+    # a later write reuses the pack's file
+    assert tier.write_many([(k, 2, v.ctypes.data, v.size) for k, v in vals.items()]) == [None] * 50
+    assert tier.stats()["recycled_writes"] == 1 and len(slot_files(tier.directory)) == 1
+
+
+def test_packed_objects_survive_a_restart_and_removed_ones_stay_removed(spill_dir):
+    rng = np.random.default_rng(33)
+    keys = [f"r/{i}" for i in range(300)]
+    vals = small_values(rng, keys, [int(x) for x in rng.integers(1, 2000, 300)])
+    big = random_bytes(rng, 9000)
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        assert t.write_many([(k, i, vals[k].ctypes.data, vals[k].size) for i, k in enumerate(keys[:150])]) == [None] * 150
+        assert t.write_many([(k, 150 + i, vals[k].ctypes.data, vals[k].size)
+                             for i, k in enumerate(keys[150:])]) == [None] * 150
+        for k in keys[:40]:
+            t.remove(k)                                                   # removed
+        t.write(keys[40], 1000, vals[keys[41]].ctypes.data, vals[keys[41]].size)  # packed -> packed
+        t.write(keys[42], 1001, big.ctypes.data, big.size)                # packed -> own slot
+        t.write("was-big", 5, big.ctypes.data, big.size)
+        t.write("was-big", 1002, vals[keys[43]].ctypes.data, vals[keys[43]].size)  # own slot -> packed
+        keys_before = sorted(t.keys())
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        assert sorted(t.keys()) == keys_before
+        gens = {k: g for k, g, _ in t.scan(verify_data=True)}
+        assert set(gens) == set(keys[40:]) | {"was-big"}
+        assert (gens[keys[40]], gens[keys[42]], gens["was-big"]) == (1000, 1001, 1002)
+        want = {**{k: vals[k] for k in keys[43:]}, keys[40]: vals[keys[41]], keys[41]: vals[keys[41]],
+                keys[42]: big, "was-big": vals[keys[43]]}
+        for k, v in want.items():
+            d = buffer(v.size)
+            t.read(k, d.ctypes.data, d.size)
+            assert np.array_equal(d, v), k
+        for k in keys[40:]:  # everything removed: both packs' files go to the free pool
+            t.remove(k)
+        assert t.stats()["packs"] == 1  # "was-big"'s own pack
+    with SpillTier(spill_dir, GiB, chunk_bytes=CHUNK) as t:
+        assert [k for k, _, _ in t.keys()] == ["was-big"]
+
+
+def test_a_corrupt_record_is_a_miss_and_its_pack_neighbours_stay(spill_dir):
+    rng = np.random.default_rng(34)
+    keys = [f"c/{i}" for i in range(10)]
+    vals = small_values(rng, keys, [500] * 10)
+    with SpillTier(spill_dir, GiB) as t:
+        assert t.write_many([(k, 7, v.ctypes.data, v.size) for k, v in vals.items()]) == [None] * 10
+        (path,) = slot_files(spill_dir)
+        rec = record_size("c/0", 500)
+        with open(path, "r+b") as f:  # a data byte of the fourth record
+            f.seek(4096 + 3 * rec + 40 + 3 + 100)
+            b = f.read(1)
+            f.seek(4096 + 3 * rec + 40 + 3 + 100)
+            f.write(bytes([b[0] ^ 0x10]))
+        d = buffer(500)
+        with pytest.raises(ChecksumError):
+            t.read("c/3", d.ctypes.data, 500)
+        assert not t.contains("c/3") and os.path.exists(path)
+        dsts = [buffer(500) for _ in range(9)]
+        assert t.read_many([(k, d.ctypes.data, 500) for k, d in zip([k for k in keys if k != "c/3"], dsts)]) == [7] * 9
+        assert t.stats()["checksum_failures"] == 1
+        with open(path, "r+b") as f:  # and the seventh's, found only by the next scan
+            f.seek(4096 + 6 * rec + 40 + 3)
+            f.write(b"\xff\xfe")
+    with SpillTier(spill_dir, GiB) as t:
+        assert sorted(k for k, _, _ in t.keys()) == [k for k in keys if k not in ("c/3", "c/6")]
+        for k in keys:
+            if k not in ("c/3", "c/6"):
+                d = buffer(500)
+                assert t.read(k, d.ctypes.data, 500) == 7 and np.array_equal(d, vals[k])
+
+
+def test_a_torn_pack_brings_back_none_of_its_records(spill_dir):
+    rng = np.random.default_rng(35)
+    vals = small_values(rng, [f"t/{i}" for i in range(20)], [700] * 20)
+    with SpillTier(spill_dir, GiB) as t:
+        assert t.write_many([(k, 1, v.ctypes.data, v.size) for k, v in vals.items()]) == [None] * 20
+        (path,) = slot_files(spill_dir)
+    with open(path, "r+b") as f:  # the header never reached the disk
+        f.write(bytes(4096))
+    with SpillTier(spill_dir, GiB) as t:
+        assert t.keys() == [] and t.used_bytes == 0 and not os.path.exists(path)
+
+
+def test_a_pack_that_does_not_fit_fails_every_object_in_it(spill_dir):
+    rng = np.random.default_rng(36)
+    vals = small_values(rng, [f"f/{i}" for i in range(100)], [2000] * 100)
+    with SpillTier(spill_dir, 64 * KiB) as t:
+        res = t.write_many([(k, 1, v.ctypes.data, v.size) for k, v in vals.items()])
+        assert all(isinstance(r, SpillError) and "capacity" in str(r) for r in res)
+        assert t.used_bytes == 0 and t.keys() == [] and t.degraded is None
+
+
+def test_the_masters_disk_length_is_what_the_tier_charges():
+    from mooncake_ray._private.master.tiering import disk_length
+    from mooncake_ray._private.native import _native
+
+    for key in ("k", "ключ/" * 3, "x" * 200, "y" * 3000, "z" * 4033):
+        for n in (0, 1, 64, 256, 1000, 2900, 3000, 3032, 3033, 4096, 10_000):
+            assert disk_length(n, key) == _native.spill_disk_bytes(len(key.encode()), n), (key[:8], n)
+
+
 # ---- disk failures ------------------------------------------------------------------------------
 
 

@@ -206,7 +206,7 @@ class Sim:
         items = []
         for key, gen, size, _off, length in q:
             ok = self.rng.random() < 0.9
-            length = disk_length(size)
+            length = disk_length(size, key)
             if ok:  # the node wrote the file: it remembers it
                 self.inv[node_id].add_disk(InventoryEntry(key, gen, size, "disk", 0, length))
             items.append((key, gen, length, ok, "" if ok else "EIO"))

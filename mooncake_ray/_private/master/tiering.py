@@ -38,15 +38,20 @@ if TYPE_CHECKING:
 
 PROMOTE = "promote"  # descriptor tier: read the disk copy into this DRAM extent first
 DISK_HEADER = 4096  # each spilled object's header block (see store/spill.py)
+PACK_RECORD_HEADER = 40  # a packed object's record header (native spill_format.h)
+PACK_MAX_RECORD = 3072  # objects whose record is this small are packed
 
 
 def disk_length(size: int, key: str = "") -> int:
-    """Disk bytes one object takes: its header (one 4 KiB block, two for keys over 4032
-    bytes) plus 4 KiB-padded data (see store/spill.py)."""
-    from mooncake_ray._private.master.allocator import page_up
-
-    header = DISK_HEADER if len(key.encode("utf-8", "surrogatepass")) <= 4032 else 2 * DISK_HEADER
-    return page_up(size) + header
+    """Disk bytes one object takes (see store/spill.py): a small one, its 64-byte aligned
+    record in a pack (40 bytes of header, the key, the data); any other, a file of its own:
+    its header (one 4 KiB block, two for keys over 4032 bytes) plus 4 KiB-padded data."""
+    n = len(key.encode("utf-8", "surrogatepass"))
+    record = (PACK_RECORD_HEADER + n + size + 63) // 64 * 64
+    if 1 <= n and record <= PACK_MAX_RECORD:
+        return record
+    header = DISK_HEADER if n <= 4032 else 2 * DISK_HEADER
+    return header + (size + DISK_HEADER - 1) // DISK_HEADER * DISK_HEADER
 
 
 class DiskTier:

@@ -3,8 +3,9 @@
 A thin face over the native engine (``native/src/spill``): objects live one per file in a
 spill directory, written and read with io_uring and O_DIRECT, each with a CRC-32C, so a
 corrupt, torn or truncated file is reported as a miss (:class:`ChecksumError`, and the file
-is deleted), never as data. The index is rebuilt from the files' headers when a directory
-is opened again.
+is deleted), never as data. Small objects (a record of at most 3 KiB: 40 bytes of header,
+the key, the data) written in one call share files instead ("packs", below). The index is
+rebuilt from the files' headers when a directory is opened again.
 
 On-disk layout (format version 1)::
 
@@ -12,9 +13,18 @@ On-disk layout (format version 1)::
     <directory>/TOMBSTONES              seqs of removed / superseded objects (8 bytes each)
     <directory>/<h>/<slot:016x>         a slot file, h = slot & 15: an object, or free
         [0, H)        header: magic "MCRSPILL", version, generation, length, seq, write
-                      time, CRC-32C of the data, the key, CRC-32C of the header; zero
-                      padded to H = 4096 (8192 for keys over 4032 bytes)
+                      time, CRC-32C of the data, flags, the key, CRC-32C of the header;
+                      zero padded to H = 4096 (8192 for keys over 4032 bytes)
         [H, H + L')   data, zero padded to L' = length rounded up to 4096
+
+A pack is a slot file whose header has the pack flag and whose data is the records of the
+small objects one ``write_many`` wrote (up to 256 KiB of them): each record 64-byte
+aligned, with its own magic, key, generation, length, seq and CRC-32Cs of its header and
+data. A 256-byte value under a short key takes 320 bytes of disk instead of 8 KiB, and a
+batch of them one write. A packed object is removed as any other (its seq tombstoned); the
+pack's file goes to the free pool with its last live object. A read of one fetches the
+blocks holding its record and checks both CRCs; a scan reads each live pack whole and keeps
+the records whose CRCs match, so one corrupt record loses that object only.
 
 A write fills a slot (a free one when the pool has one, else a new file) and publishes it
 only when all of its I/O completed; the header goes last (with the only chunk, or after
@@ -71,6 +81,9 @@ class SpillTier:
         chunk_bytes: objects larger than this move as several I/Os of this size, so the
             checksum of one chunk overlaps the I/O of the next.
         tombstone_compact_min: records in the tombstone log before it may be compacted.
+        pack_small: small objects written in one call share files (packs, above); False
+            gives each a file of its own (for comparison). Either way, what is on disk is
+            read back.
 
     Raises:
         InvalidArgumentError: bad arguments, or a filesystem without O_DIRECT.
@@ -86,6 +99,7 @@ class SpillTier:
         *,
         chunk_bytes: int = 256 << 10,
         tombstone_compact_min: int = 1 << 16,
+        pack_small: bool = True,
     ) -> None:
         self._directory = str(directory)
         self._t = _native.SpillTier(
@@ -95,6 +109,7 @@ class SpillTier:
             bool(use_uring),
             int(chunk_bytes),
             int(tombstone_compact_min),
+            bool(pack_small),
         )
 
     # -- writes ------------------------------------------------------------------------

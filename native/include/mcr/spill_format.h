@@ -38,6 +38,28 @@
 //
 //   TOMBSTONES: "MCRTOMB1" + 8 zero bytes, then u64 seqs. Rewritten (compacted) at every
 //   scan and when it outgrows the pool, to the seqs whose stale headers are still on disk.
+//
+// Packs. An object whose record (below) takes at most kPackMaxRecord bytes is not given a
+// slot of its own (a 4 KiB header plus a 4 KiB block for a 256-byte value): the small
+// objects of one write_many go into packs, slot files whose header has flag kFlagPack and
+// whose data is their records back to back, each 64-byte aligned:
+//
+//   record (little endian)
+//     0  u32      magic "MCRr"
+//     4  u16      key_length (1..4096)
+//     6  u16      reserved (0)
+//     8  u64      generation
+//    16  u64      data length
+//    24  u64      seq of this object (as a slot's: unique, larger = newer)
+//    32  u32      CRC-32C of the data
+//    36  u32      CRC-32C of bytes [0, 36) and of the key
+//    40  key bytes, then data bytes, zero padded to a multiple of 64
+//
+// The pack's header carries its own seq and the CRC of all its data, and is written with
+// it (one I/O: a pack is at most kPackBytes). A packed object is removed or superseded as
+// a slot's object is: its seq goes to TOMBSTONES. A pack lives while one of its objects
+// does; then its slot goes to the free pool (its own seq tombstoned). A scan reads every
+// live pack whole and keeps each record whose own header CRC and data CRC match.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +79,32 @@ constexpr size_t kTombHeader = 16;
 
 inline uint64_t round_up(uint64_t n, uint64_t a = kBlock) { return (n + a - 1) / a * a; }
 
+constexpr uint32_t kFlagPack = 1;          // header flag: the data is a pack of records
+constexpr size_t kRecordHeader = 40;
+constexpr uint64_t kRecordAlign = 64;
+constexpr uint64_t kPackMaxRecord = 3072;  // records this small are packed
+constexpr uint64_t kPackBytes = 256 << 10; // a pack's data, at most (one I/O)
+
+inline uint64_t record_bytes(size_t key_len, uint64_t length) {
+  return round_up(kRecordHeader + key_len + length, kRecordAlign);
+}
+inline bool packable(size_t key_len, uint64_t length) {
+  return key_len >= 1 && key_len <= kMaxKeyBytes && record_bytes(key_len, length) <= kPackMaxRecord;
+}
+
+// One record of a pack (its data follows the key in the record).
+struct Record {
+  std::string key;
+  uint64_t gen = 0, length = 0, seq = 0;
+  uint32_t data_crc = 0;
+};
+
+// Writes the record for `r` with `data` (r.length bytes) at `out`: record_bytes(...) bytes.
+void encode_record(const Record& r, const void* data, uint8_t* out);
+// Parses and checks a record's header (magic, header CRC, its bounds within `avail`); the
+// data's CRC is the caller's to check (*data points at it). On failure: false, *why.
+bool decode_record(const uint8_t* b, size_t avail, Record* out, const uint8_t** data, std::string* why);
+
 inline uint32_t header_blocks_for(size_t key_len) {
   return static_cast<uint32_t>((kFixedHeader + key_len + kBlock - 1) / kBlock);
 }
@@ -74,6 +122,7 @@ struct Header {
   uint64_t write_time_ns = 0;
   uint32_t data_crc = 0;
   uint32_t header_blocks = 0;
+  uint32_t flags = 0;  // kFlagPack
 };
 
 // Writes the header into buf (header_blocks_for(key) * 4096 bytes, zeroed here).

@@ -35,12 +35,31 @@ class AlignedBuf {
   size_t n_ = 0;
 };
 
-// What the index knows of one object on disk.
+// What the index knows of one object on disk: a slot of its own, or (pack_off != 0) a
+// record at that offset of a pack's slot.
 struct Entry {
   uint64_t slot = 0, seq = 0, gen = 0, length = 0, write_time_ns = 0;
   uint32_t header_blocks = 1;
+  uint64_t pack_off = 0;   // packed: the record's offset in the pack's file
+  uint32_t rec_bytes = 0;  // packed: the record's size
+  bool packed() const { return pack_off != 0; }
   uint64_t header_bytes() const { return header_blocks * kBlock; }
-  uint64_t bytes() const { return header_bytes() + round_up(length); }
+  uint64_t bytes() const { return header_bytes() + round_up(length); }  // a slot's file
+};
+
+// A live pack: its slot's seq and file size, how many of its records are the current
+// version of their key, and the seqs of those that are not (kept in TOMBSTONES while the
+// pack's records are on disk).
+struct Pack {
+  uint64_t seq = 0, bytes = 0, live = 0;
+  std::vector<uint64_t> dead;
+};
+
+// One object of a pack being written.
+struct PackMember {
+  size_t req = 0;  // the request it answers
+  const std::string* key = nullptr;
+  uint64_t gen = 0, length = 0, seq = 0, off = 0, bytes = 0;  // off: in the pack's data
 };
 
 enum class OpKind : uint8_t {
@@ -89,6 +108,8 @@ struct Op {
   bool created = false;             // writes: the slot file exists and must go on failure
   bool recycled = false;            // writes: overwriting a free-pool slot
   uint64_t stale_seq = 0;           // writes: the seq of the stale header in that slot
+  uint32_t flags = 0;               // writes: header flags (kFlagPack)
+  const std::vector<PackMember>* members = nullptr;  // writes of a pack: its objects
   bool failed = false, finishing = false, finished = false;
   Result result;
 };
@@ -145,6 +166,9 @@ struct Tier::Impl {
   std::multimap<uint64_t, PoolFile> pool;
   uint64_t pool_bytes = 0;
   std::unordered_multiset<uint64_t> rewriting;  // stale seqs of slots being overwritten
+  std::unordered_map<uint64_t, Pack> packs;     // live packs by slot
+  const std::string pack_key_ = "\x01pack";     // the key in a pack's slot header
+  uint64_t pack_dead = 0;                       // dead records in live packs
   uint64_t tomb_records = 0;
   std::string degraded_reason;
   bool closed = false;
@@ -182,8 +206,15 @@ struct Tier::Impl {
   std::string degraded_text() const;
   uint64_t used_now() const;
   void commit_write(Op& op);
+  void commit_pack(Op& op);  // a pack's objects go into the index
   // Under mu, after moving e.bytes() from used to pool_bytes: tombstone and pool the slot.
   void retire_locked(const Entry& e, std::vector<uint64_t>* unlink);
+  void retire_slot_locked(uint64_t slot, uint64_t seq, uint64_t bytes, std::vector<uint64_t>* unlink);
+  // Under mu, an entry out of the index: its slot goes to the pool, or its record dies in
+  // its pack (and the pack's slot goes to the pool with its last live record).
+  void retire_entry_locked(const Entry& e, std::vector<uint64_t>* unlink);
+  // Reads a packed object (pread of the blocks holding its record), checked.
+  Result read_packed(const std::string& key, void* dst, uint64_t length);
   void unlink_slots(const std::vector<uint64_t>& slots);
   // A read found the object invalid: if the index still holds that version, drop it and
   // delete its file (true); false if it was removed or replaced meanwhile.

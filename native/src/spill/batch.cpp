@@ -264,6 +264,10 @@ bool Batch::activate_read(Op& op) {
       fail(op, Code::kInvalidArgument, "spill read of " + show_key(op.key) + ": null destination");
       return false;
     }
+    if (op.kind == OpKind::kRead && op.entry.packed()) {  // packed since the caller looked: its turn
+      fail(op, Code::kNotFound, "spill: object " + show_key(op.key) + " is packed");
+      return false;
+    }
     if (op.kind == OpKind::kRead && op.entry.length != op.length) {
       fail(op, Code::kInvalidArgument,
            "spill read of " + show_key(op.key) + ": buffer length " + std::to_string(op.length) +
@@ -367,11 +371,17 @@ void Batch::finish_write(Op& op) {
     return;
   }
   if (op.recycled) t_.end_write(op);  // our header replaced the stale one
-  t_.commit_write(op);
   (op.recycled ? t_.ctr.recycled_writes : t_.ctr.created_writes)++;
+  t_.ctr.write_latency_ns += dt;
+  if (op.members) {  // a pack: its objects are what was written
+    t_.commit_pack(op);
+    t_.ctr.writes += op.members->size();
+    for (const PackMember& m : *op.members) t_.ctr.write_bytes += m.length;
+    return;
+  }
+  t_.commit_write(op);
   t_.ctr.writes++;
   t_.ctr.write_bytes += op.length;
-  t_.ctr.write_latency_ns += dt;
 }
 
 void Batch::finish_read(Op& op) {
@@ -470,7 +480,7 @@ bool Batch::prepare_write(Unit& u) {
   uint32_t n = nchunks(op);
   u.write = true;
   if (u.index == n) {  // the header of a multi-chunk object, after all chunks' CRCs
-    Header h{*op.key, op.gen, op.length, op.entry.seq, op.entry.write_time_ns, ~op.crc, 0};
+    Header h{*op.key, op.gen, op.length, op.entry.seq, op.entry.write_time_ns, ~op.crc, 0, op.flags};
     encode_header(h, op.hdr);
     u.iov[0] = iovec{op.hdr, op.entry.header_bytes()};
     u.iovcnt = 1;
@@ -493,7 +503,7 @@ bool Batch::prepare_write(Unit& u) {
     }
   }
   if (n == 1) {
-    Header h{*op.key, op.gen, op.length, op.entry.seq, op.entry.write_time_ns, ~op.crc, 0};
+    Header h{*op.key, op.gen, op.length, op.entry.seq, op.entry.write_time_ns, ~op.crc, 0, op.flags};
     encode_header(h, op.hdr);
   }
   set_data_iov(op, u, u.index, n == 1);

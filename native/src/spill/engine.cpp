@@ -14,6 +14,7 @@
 #include <iterator>
 #include <unordered_map>
 
+#include "mcr/spill_crc32c.h"
 #include "mcr/spill_internal.h"
 
 namespace mcr::spill {
@@ -62,6 +63,8 @@ uint8_t* Context::get_staging() {
 }
 
 namespace {
+
+Code code_of_errno(int e) { return (e == ENOSPC || e == EDQUOT) ? Code::kNoSpace : Code::kIoError; }
 
 [[noreturn]] void throw_errno(const std::string& what, int err) {
   throw Error(Code::kIoError, what + ": " + strerror(err));
@@ -232,27 +235,93 @@ void Tier::Impl::commit_write(Op& op) {
     if (!inserted) {
       Entry loser = op.entry;
       if (it->second.seq < op.entry.seq) std::swap(loser, it->second);
-      used -= loser.bytes();
-      pool_bytes += loser.bytes();
-      retire_locked(loser, &unlink);
+      retire_entry_locked(loser, &unlink);
+    }
+  }
+  unlink_slots(unlink);
+}
+
+void Tier::Impl::commit_pack(Op& op) {
+  // The pack's file is one slot charged to `used` as a whole (its reservation) for as long
+  // as one of its objects is the current version of its key.
+  std::vector<uint64_t> unlink;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    const Entry& pe = op.entry;
+    Pack& pack = packs[pe.slot];
+    pack = Pack{pe.seq, pe.bytes(), 0, {}};
+    for (const PackMember& m : *op.members) {
+      Entry e{pe.slot, m.seq, m.gen, m.length, pe.write_time_ns, pe.header_blocks,
+              pe.header_bytes() + m.off, static_cast<uint32_t>(m.bytes)};
+      pack.live++;  // counted first: retiring a loser of this same pack must not free it
+      auto [it, inserted] = index.try_emplace(*m.key, e);
+      if (inserted) continue;
+      Entry loser = e;
+      if (it->second.seq < e.seq) std::swap(loser, it->second);
+      retire_entry_locked(loser, &unlink);
     }
   }
   unlink_slots(unlink);
 }
 
 void Tier::Impl::retire_locked(const Entry& e, std::vector<uint64_t>* unlink) {
+  retire_slot_locked(e.slot, e.seq, e.bytes(), unlink);
+}
+
+void Tier::Impl::retire_slot_locked(uint64_t slot, uint64_t seq, uint64_t bytes, std::vector<uint64_t>* unlink) {
   // The tombstone is in the log (page cache) before the slot can be reused, so a crashed
   // process never brings a removed object back. If it cannot be written, delete the file.
-  if (!tomb_append_locked(e.seq)) {
-    pool_bytes -= e.bytes();
-    unlink->push_back(e.slot);
+  if (!tomb_append_locked(seq)) {
+    pool_bytes -= bytes;
+    unlink->push_back(slot);
     return;
   }
-  pool.emplace(e.bytes(), PoolFile{e.slot, e.seq});
+  pool.emplace(bytes, PoolFile{slot, seq});
   maybe_compact_locked();
 }
 
+void Tier::Impl::retire_entry_locked(const Entry& e, std::vector<uint64_t>* unlink) {
+  if (!e.packed()) {
+    used -= e.bytes();
+    pool_bytes += e.bytes();
+    retire_locked(e, unlink);
+    return;
+  }
+  auto it = packs.find(e.slot);
+  if (it == packs.end()) return;
+  Pack& pack = it->second;
+  // Its tombstone keeps a scan from bringing it back while the pack is on disk (if it
+  // cannot be written, a crash may: the record is then still checked like any other).
+  tomb_append_locked(e.seq);
+  pack.dead.push_back(e.seq);
+  pack_dead++;
+  if (--pack.live > 0) {
+    maybe_compact_locked();
+    return;
+  }
+  // The pack's last object: its slot is free; its records need no tombstone once its own
+  // seq has one.
+  used -= pack.bytes;
+  pool_bytes += pack.bytes;
+  pack_dead -= pack.dead.size();
+  uint64_t seq = pack.seq, bytes = pack.bytes;
+  packs.erase(it);
+  retire_slot_locked(e.slot, seq, bytes, unlink);
+}
+
 bool Tier::Impl::drop_invalid(const std::string& key, const Entry& e, bool unlink_file) {
+  if (e.packed()) {  // the pack's other records are checked on their own
+    std::vector<uint64_t> unlink;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      auto it = index.find(key);
+      if (it == index.end() || it->second.seq != e.seq) return false;
+      index.erase(it);
+      retire_entry_locked(e, &unlink);
+    }
+    unlink_slots(unlink);
+    return true;
+  }
   {
     std::lock_guard<std::mutex> g(mu);
     auto it = index.find(key);
@@ -330,36 +399,168 @@ void check_open(const Tier::Impl& t) {
 std::vector<Result> Tier::write_many(const std::vector<WriteRequest>& reqs) {
   std::shared_lock<std::shared_mutex> life(impl_->life_mu);
   check_open(*impl_);
-  std::vector<Op> ops(reqs.size());
+  // Small objects are packed (spill_format.h): their records, up to kPackBytes a pack.
+  std::vector<std::vector<PackMember>> groups;
+  std::vector<size_t> own;  // requests written to slots of their own
+  uint64_t fill = kPackBytes;
   for (size_t i = 0; i < reqs.size(); ++i) {
-    Op& op = ops[i];
+    const WriteRequest& r = reqs[i];
+    if (!impl_->opt.pack_small || !packable(r.key.size(), r.length) || (!r.src && r.length)) {
+      own.push_back(i);
+      continue;
+    }
+    uint64_t n = record_bytes(r.key.size(), r.length);
+    if (fill + n > kPackBytes) groups.emplace_back(), fill = 0;
+    groups.back().push_back(PackMember{i, &r.key, r.gen, r.length, 0, fill, n});
+    fill += n;
+  }
+  std::vector<AlignedBuf> bufs;
+  bufs.reserve(groups.size());
+  std::vector<Op> ops(own.size() + groups.size());
+  for (size_t j = 0; j < own.size(); ++j) {
+    const WriteRequest& r = reqs[own[j]];
+    Op& op = ops[j];
     op.kind = OpKind::kWrite;
-    op.key = &reqs[i].key;
-    op.gen = reqs[i].gen;
-    op.mem = const_cast<uint8_t*>(static_cast<const uint8_t*>(reqs[i].src));
-    op.length = reqs[i].length;
+    op.key = &r.key;
+    op.gen = r.gen;
+    op.mem = const_cast<uint8_t*>(static_cast<const uint8_t*>(r.src));
+    op.length = r.length;
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& members = groups[g];
+    const PackMember& last = members.back();
+    bufs.emplace_back(last.off + last.bytes);
+    for (PackMember& m : members) {
+      const WriteRequest& r = reqs[m.req];
+      m.seq = impl_->next_seq++;
+      Record rec{r.key, r.gen, r.length, m.seq, r.length ? crc32c(r.src, r.length) : 0};
+      encode_record(rec, r.src, bufs.back().data() + m.off);
+    }
+    Op& op = ops[own.size() + g];
+    op.kind = OpKind::kWrite;
+    op.key = &impl_->pack_key_;
+    op.mem = bufs.back().data();
+    op.length = last.off + last.bytes;
+    op.flags = kFlagPack;
+    op.members = &members;
   }
   impl_->execute(ops);
-  std::vector<Result> out(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) out[i] = std::move(ops[i].result);
+  std::vector<Result> out(reqs.size());
+  for (size_t j = 0; j < own.size(); ++j) out[own[j]] = std::move(ops[j].result);
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const PackMember& m : groups[g]) out[m.req] = ops[own.size() + g].result;
   return out;
 }
 
 std::vector<Result> Tier::read_many(const std::vector<ReadRequest>& reqs) {
   std::shared_lock<std::shared_mutex> life(impl_->life_mu);
   check_open(*impl_);
-  std::vector<Op> ops(reqs.size());
+  std::vector<Result> out(reqs.size());
+  std::vector<size_t> own;  // objects in slots of their own: one batch of I/O
   for (size_t i = 0; i < reqs.size(); ++i) {
-    Op& op = ops[i];
+    Entry e;
+    if (impl_->lookup(reqs[i].key, &e) && e.packed())
+      out[i] = impl_->read_packed(reqs[i].key, reqs[i].dst, reqs[i].length);
+    else
+      own.push_back(i);
+  }
+  std::vector<Op> ops(own.size());
+  for (size_t j = 0; j < own.size(); ++j) {
+    Op& op = ops[j];
     op.kind = OpKind::kRead;
-    op.key = &reqs[i].key;
-    op.mem = static_cast<uint8_t*>(reqs[i].dst);
-    op.length = reqs[i].length;
+    op.key = &reqs[own[j]].key;
+    op.mem = static_cast<uint8_t*>(reqs[own[j]].dst);
+    op.length = reqs[own[j]].length;
   }
   impl_->execute(ops);
-  std::vector<Result> out(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) out[i] = std::move(ops[i].result);
+  for (size_t j = 0; j < own.size(); ++j) {
+    const ReadRequest& r = reqs[own[j]];
+    Entry e;  // packed since the lookup (rewritten meanwhile): read it as such
+    if (ops[j].result.code == Code::kNotFound && ops[j].entry.packed() && impl_->lookup(r.key, &e) && e.packed())
+      out[own[j]] = impl_->read_packed(r.key, r.dst, r.length);
+    else
+      out[own[j]] = std::move(ops[j].result);
+  }
   return out;
+}
+
+Result Tier::Impl::read_packed(const std::string& key, void* dst, uint64_t length) {
+  // A record is at most kPackMaxRecord bytes: the two blocks around it, read at once.
+  thread_local AlignedBuf buf(kPackMaxRecord + 2 * kBlock);
+  Result res;
+  uint64_t t0 = mono_ns();
+  auto miss = [&](Code code, const std::string& msg) {
+    res.code = code;
+    res.message = msg;
+    (code == Code::kNotFound ? ctr.not_found : ctr.read_errors)++;
+    return res;
+  };
+  for (int attempt = 0;; ++attempt) {
+    Entry e;
+    if (!lookup(key, &e)) return miss(Code::kNotFound, "spill: no object '" + key.substr(0, 120) + "'");
+    if (!e.packed()) {  // rewritten into a slot of its own meanwhile
+      std::vector<ReadRequest> one{ReadRequest{key, dst, length}};
+      std::vector<Op> ops(1);
+      ops[0].kind = OpKind::kRead, ops[0].key = &one[0].key, ops[0].mem = static_cast<uint8_t*>(dst);
+      ops[0].length = length;
+      execute(ops);
+      return ops[0].result;
+    }
+    if (e.length != length)
+      return miss(Code::kInvalidArgument, "spill read of '" + key.substr(0, 120) + "': buffer length " +
+                                              std::to_string(length) + " != stored length " + std::to_string(e.length));
+    if (!dst && length) return miss(Code::kInvalidArgument, "spill read of '" + key.substr(0, 120) + "': null destination");
+    std::string path = path_of(e.slot);
+    int fd = openat(dir_of(e.slot), slot_name(e.slot).c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) {
+      int err = errno;
+      Entry now;
+      if (err == ENOENT && lookup(key, &now) && now.seq != e.seq && attempt < 8) continue;
+      if (err != ENOENT) {
+        degrade("open " + path + ": " + strerror(err));
+        return miss(Code::kIoError, "open " + path + ": " + strerror(err));
+      }
+      if (!root_exists()) degrade("spill directory " + opt.directory + " was removed");
+      drop_invalid(key, e, false);
+      return miss(Code::kNotFound, "spill: object '" + key.substr(0, 120) + "' vanished (" + path + ")");
+    }
+    uint64_t start = e.pack_off / kBlock * kBlock, end = round_up(e.pack_off + e.rec_bytes);
+    ssize_t got = pread(fd, buf.data(), end - start, static_cast<off_t>(start));
+    int err = got < 0 ? errno : 0;
+    ::close(fd);
+    if (int injected = take_injected(false)) got = -1, err = injected;
+    if (got < 0) {
+      degrade("read " + path + ": " + strerror(err));
+      return miss(code_of_errno(err), "read " + path + ": " + strerror(err));
+    }
+    Record rec;
+    const uint8_t* data = nullptr;
+    std::string why;
+    uint64_t at = e.pack_off - start;
+    bool ok = uint64_t(got) >= at && decode_record(buf.data() + at, uint64_t(got) - at, &rec, &data, &why);
+    if (ok && (rec.key != key || rec.seq != e.seq || rec.gen != e.gen || rec.length != e.length)) {
+      ok = false;
+      why = "record does not match the index";
+    } else if (ok && (rec.length ? crc32c(data, rec.length) : 0) != rec.data_crc) {
+      ok = false;
+      why = "data checksum mismatch";
+    }
+    if (!ok) {
+      if (drop_invalid(key, e, false)) {
+        ctr.checksum_failures++;
+        return miss(Code::kChecksumMismatch, "spill: invalid record in " + path + " (key '" + key.substr(0, 120) +
+                                                 "'): " + why);
+      }
+      // Removed or replaced while we read, and its pack's slot reused: a miss, not a corrupt file.
+      return miss(Code::kNotFound, "spill: object '" + key.substr(0, 120) + "' changed while being read");
+    }
+    if (length) std::memcpy(dst, data, length);
+    res.gen = rec.gen;
+    ctr.reads++;
+    ctr.read_bytes += length;
+    ctr.read_latency_ns += mono_ns() - t0;
+    return res;
+  }
 }
 
 void Tier::write(const WriteRequest& req) {
@@ -383,10 +584,8 @@ bool Tier::remove(const std::string& key) {
     auto it = impl_->index.find(key);
     if (it == impl_->index.end()) return false;
     e = it->second;
-    impl_->used -= e.bytes();
-    impl_->pool_bytes += e.bytes();
     impl_->index.erase(it);
-    impl_->retire_locked(e, &unlink);
+    impl_->retire_entry_locked(e, &unlink);
   }
   impl_->unlink_slots(unlink);
   impl_->ctr.removes++;
@@ -481,6 +680,8 @@ Stats Tier::stats() const {
     std::lock_guard<std::mutex> g(impl_->mu);
     s.pool_files = impl_->pool.size(), s.pool_bytes = impl_->pool_bytes;
     s.tombstones = impl_->tomb_records;
+    s.packs = impl_->packs.size();
+    for (auto& [slot, p] : impl_->packs) s.packed_objects += p.live;
   }
   return s;
 }

@@ -56,6 +56,7 @@ void encode_header(const Header& h, uint8_t* b) {
   put<uint64_t>(b, 32, h.seq);
   put<uint64_t>(b, 40, h.write_time_ns);
   put<uint32_t>(b, 48, h.data_crc);
+  put<uint32_t>(b, 52, h.flags);
   std::memcpy(b + kFixedHeader, h.key.data(), h.key.size());
   put<uint32_t>(b, 56, header_crc(b, b + kFixedHeader, h.key.size()));
 }
@@ -95,7 +96,60 @@ bool decode_header(const uint8_t* b, size_t avail, Header* out, std::string* why
   out->seq = get<uint64_t>(b, 32);
   out->write_time_ns = get<uint64_t>(b, 40);
   out->data_crc = get<uint32_t>(b, 48);
+  out->flags = get<uint32_t>(b, 52);
   out->header_blocks = blocks;
+  if (out->flags & ~kFlagPack) {
+    *why = "unknown header flags " + std::to_string(out->flags);
+    return false;
+  }
+  return true;
+}
+
+namespace {
+constexpr char kRecordMagic[4] = {'M', 'C', 'R', 'r'};
+
+uint32_t record_crc(const uint8_t* b, size_t key_len) { return crc32c(b + kRecordHeader, key_len, crc32c(b, 36)); }
+}  // namespace
+
+void encode_record(const Record& r, const void* data, uint8_t* b) {
+  uint64_t n = record_bytes(r.key.size(), r.length);
+  std::memset(b, 0, kRecordHeader);
+  std::memcpy(b, kRecordMagic, 4);
+  put<uint16_t>(b, 4, static_cast<uint16_t>(r.key.size()));
+  put<uint64_t>(b, 8, r.gen);
+  put<uint64_t>(b, 16, r.length);
+  put<uint64_t>(b, 24, r.seq);
+  put<uint32_t>(b, 32, r.data_crc);
+  std::memcpy(b + kRecordHeader, r.key.data(), r.key.size());
+  put<uint32_t>(b, 36, record_crc(b, r.key.size()));
+  uint8_t* d = b + kRecordHeader + r.key.size();
+  if (r.length) std::memcpy(d, data, r.length);
+  std::memset(d + r.length, 0, n - (kRecordHeader + r.key.size() + r.length));
+}
+
+bool decode_record(const uint8_t* b, size_t avail, Record* out, const uint8_t** data, std::string* why) {
+  if (avail < kRecordHeader || std::memcmp(b, kRecordMagic, 4) != 0) {
+    *why = avail < kRecordHeader ? "record truncated" : "bad record magic";
+    return false;
+  }
+  uint16_t key_len = get<uint16_t>(b, 4);
+  uint64_t length = get<uint64_t>(b, 16);
+  if (key_len == 0 || key_len > kMaxKeyBytes || length > kPackBytes ||
+      record_bytes(key_len, length) > avail) {
+    *why = "record of key length " + std::to_string(key_len) + ", length " + std::to_string(length) +
+           " does not fit";
+    return false;
+  }
+  if (get<uint32_t>(b, 36) != record_crc(b, key_len)) {
+    *why = "record header checksum mismatch";
+    return false;
+  }
+  out->key.assign(reinterpret_cast<const char*>(b + kRecordHeader), key_len);
+  out->gen = get<uint64_t>(b, 8);
+  out->length = length;
+  out->seq = get<uint64_t>(b, 24);
+  out->data_crc = get<uint32_t>(b, 32);
+  *data = b + kRecordHeader + key_len;
   return true;
 }
 

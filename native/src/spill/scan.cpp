@@ -10,6 +10,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "mcr/spill_crc32c.h"
 #include "mcr/spill_internal.h"
 
 namespace mcr::spill {
@@ -99,13 +100,15 @@ void Tier::Impl::maybe_compact_locked() {
   // Only the stale headers still on disk need their tombstones: those of free slots and of
   // slots being overwritten. Rewriting costs O(pool); doing it when the log is 4x that
   // keeps it amortised O(1) per removal and the log small.
-  uint64_t live = pool.size() + rewriting.size();
+  // So do the dead records of packs still on disk.
+  uint64_t live = pool.size() + rewriting.size() + pack_dead;
   if (tomb_records < opt.tombstone_compact_min || tomb_records < 4 * live) return;
   std::vector<uint64_t> seqs;
   seqs.reserve(live);
   for (auto& [size, f] : pool)
     if (f.stale_seq) seqs.push_back(f.stale_seq);
   seqs.insert(seqs.end(), rewriting.begin(), rewriting.end());
+  for (auto& [slot, p] : packs) seqs.insert(seqs.end(), p.dead.begin(), p.dead.end());
   tomb_rewrite(seqs);
 }
 
@@ -126,11 +129,23 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
     });
   }
   execute_in_slices(heads, 4096);
-  // 2. invalid slots go; tombstoned and superseded ones become free; the newest version
-  //    of each key is the object
+  // 2. invalid slots go; tombstoned and superseded ones become free; live packs are read
+  //    whole and their records parsed; the newest version of each key is the object
   std::unordered_map<std::string, Entry> best;
   std::multimap<uint64_t, PoolFile> free_slots;
   std::vector<uint64_t> invalid;
+  std::unordered_map<uint64_t, Pack> found_packs;
+  std::vector<Op> pack_reads;
+  auto consider = [&](const std::string& key, const Entry& e) {
+    auto [it, inserted] = best.try_emplace(key, e);
+    if (inserted) return;
+    Entry loser = e;
+    if (it->second.seq < e.seq) std::swap(loser, it->second);
+    if (loser.packed())
+      found_packs[loser.slot].dead.push_back(loser.seq);
+    else
+      free_slots.emplace(loser.bytes(), PoolFile{loser.slot, loser.seq});
+  };
   for (Op& op : heads) {
     if (op.failed) {
       if (op.result.code == Code::kChecksumMismatch) invalid.push_back(op.entry.slot);
@@ -143,11 +158,67 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
       free_slots.emplace(e.bytes(), PoolFile{e.slot, e.seq});
       continue;
     }
-    auto [it, inserted] = best.try_emplace(h.key, e);
-    if (!inserted) {
-      Entry loser = e;
-      if (it->second.seq < e.seq) std::swap(loser, it->second);
-      free_slots.emplace(loser.bytes(), PoolFile{loser.slot, loser.seq});
+    if (h.flags & kFlagPack) {
+      found_packs[e.slot] = Pack{h.seq, e.bytes(), 0, {}};
+      Op read;
+      read.kind = OpKind::kVerify;
+      read.key = &pack_key_;
+      read.entry = e;
+      pack_reads.push_back(std::move(read));
+      continue;
+    }
+    consider(h.key, e);
+  }
+  {
+    // A pack's data CRC failing still leaves its records, each with its own CRCs, to check.
+    std::vector<AlignedBuf> bufs;
+    for (size_t b = 0; b < pack_reads.size(); b += 64) {
+      size_t e = std::min(pack_reads.size(), b + 64);
+      std::vector<Op> part(std::make_move_iterator(pack_reads.begin() + b),
+                           std::make_move_iterator(pack_reads.begin() + e));
+      bufs.clear();
+      for (Op& op : part) {
+        bufs.emplace_back(op.entry.length);
+        op.mem = bufs.back().data();
+      }
+      execute(part);
+      for (size_t i = 0; i < part.size(); ++i) {
+        Op& op = part[i];
+        bool readable = !op.failed || op.result.code == Code::kChecksumMismatch;
+        if (!readable) {  // vanished or unreadable: left alone, as a header that failed
+          found_packs.erase(op.entry.slot);
+          continue;
+        }
+        const uint8_t* p = bufs[i].data();
+        uint64_t off = 0, n = op.entry.length;
+        while (off < n) {
+          Record rec;
+          const uint8_t* data = nullptr;
+          std::string why;
+          if (!decode_record(p + off, n - off, &rec, &data, &why)) break;  // the rest is torn
+          uint64_t bytes = record_bytes(rec.key.size(), rec.length);
+          max_seq = std::max(max_seq, rec.seq);
+          bool good = (rec.length ? crc32c(data, rec.length) : 0) == rec.data_crc;
+          if (!good || dead.count(rec.seq)) {
+            if (good) found_packs[op.entry.slot].dead.push_back(rec.seq);
+          } else {
+            Entry re{op.entry.slot, rec.seq, rec.gen, rec.length, op.entry.write_time_ns,
+                     op.entry.header_blocks, op.entry.header_bytes() + off, static_cast<uint32_t>(bytes)};
+            consider(rec.key, re);
+          }
+          off += bytes;
+        }
+      }
+    }
+  }
+  for (auto& [key, e] : best)
+    if (e.packed()) found_packs[e.slot].live++;
+  for (auto it = found_packs.begin(); it != found_packs.end();) {
+    if (it->second.live == 0) {  // nothing current in it: a free slot
+      free_slots.emplace(it->second.bytes, PoolFile{it->first, it->second.seq});
+      it = found_packs.erase(it);
+    } else {
+      ++it;
     }
   }
   // 3. optionally every byte
@@ -155,6 +226,7 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
     std::vector<Op> reads;
     reads.reserve(best.size());
     for (auto& [key, e] : best) {
+      if (e.packed()) continue;  // its record's CRCs were checked when its pack was parsed
       Op op;
       op.kind = OpKind::kVerify;
       op.key = &key;
@@ -173,6 +245,7 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
   // 4. the log keeps only what is still on disk, then the new state goes live
   std::vector<uint64_t> seqs;
   for (auto& [size, f] : free_slots) seqs.push_back(f.stale_seq);
+  for (auto& [slot, p] : found_packs) seqs.insert(seqs.end(), p.dead.begin(), p.dead.end());
   tomb_rewrite(seqs);
   std::vector<ObjectInfo> out;
   out.reserve(best.size());
@@ -180,11 +253,17 @@ std::vector<ObjectInfo> Tier::Impl::scan_locked(bool verify) {
   {
     std::lock_guard<std::mutex> g(mu);
     used = 0;
+    pack_dead = 0;
     for (auto& [key, e] : best) {
-      used += e.bytes();
+      if (!e.packed()) used += e.bytes();
       out.push_back(ObjectInfo{key, e.gen, e.length});
     }
+    for (auto& [slot, p] : found_packs) {
+      used += p.bytes;
+      pack_dead += p.dead.size();
+    }
     index = std::move(best);
+    packs = std::move(found_packs);
     pool = std::move(free_slots);
     pool_bytes = 0;
     for (auto& [size, f] : pool) pool_bytes += size;
