@@ -82,6 +82,15 @@ void bind_master(nb::module_& m) {
         }
         return nb::make_tuple(out, next.empty() ? nb::object(nb::none()) : nb::object(nb::str(next.c_str(), next.size())));
       }, "after"_a, "node_id"_a, "disk"_a, "now"_a, "limit"_a)
+      // -> (keys, gens, [(offset, length) merged runs], freed bytes, hot key met or None)
+      .def("evict_cold", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, double now,
+                            uint64_t need) {
+        auto e = ix.evict_cold(after, node_id, now, need);
+        nb::list runs;
+        for (auto& [off, len] : e.runs) runs.append(nb::make_tuple(off, len));
+        return nb::make_tuple(e.keys, e.gens, runs, e.freed,
+                              e.stop.empty() ? nb::object(nb::none()) : nb::object(nb::str(e.stop.c_str(), e.stop.size())));
+      }, "after"_a, "node_id"_a, "now"_a, "need"_a)
       .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a)
       .def("keys", &mcr::MasterIndex::keys, "prefix"_a)
       .def("cold_count", &mcr::MasterIndex::cold_count)

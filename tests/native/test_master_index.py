@@ -151,6 +151,11 @@ def test_native_index_matches_reference(seed):
             prefix = rng.choice(["", "k", "é", "x" * 40])
             assert native.keys(prefix) == ref.keys(prefix), "recency order differs"
             assert native.cold_count() == ref.cold_count()
+        elif r < 0.285:
+            now, node, need = time.monotonic(), f"n{rng.randrange(5)}", rng.choice([1, 4096, 1 << 20, 1 << 60])
+            after = rng.choice(["", random_key(rng)])
+            assert native.evict_cold(after, node, now, need) == ref.evict_cold(after, node, now, need)
+            assert native.keys("") == ref.keys("")
         elif r < 0.30:
             key = random_key(rng)
             native.drop(key)

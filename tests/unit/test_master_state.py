@@ -192,6 +192,39 @@ def test_eviction_order_is_lru_skipping_leased_pinned_pending():
     m.check_invariants()
 
 
+def test_eviction_order_is_the_same_with_cold_records():
+    """The same order as above when plain values are cold records the index drops itself
+    (each section ends with a flush, as the actor's lock does): pins and the pending put
+    are hot objects judged in Python, the leased and the plain values cold ones."""
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.1)
+    for k in "abcdefgh":
+        put(m, k)
+        m.flush()
+        clock.t += 1
+    m.get("a")
+    m.pin("b")
+    m.pin("c", hard=True)
+    m.put_start("p", K)
+    m.flush()
+    clock.t += 20
+    m.get("e")
+    put(m, "x")
+    m.flush()
+    assert {k for k in "adefghx" if m._objects.hot(k) is None} == set("adefghx")  # cold
+    assert m._objects.hot("b") is not None and m._objects.hot("c") is not None  # pinned: hot
+    evicted = []
+    all_keys = list("abcdefghx")
+    for i in range(8):
+        alive = {k for k in all_keys if m.exists(k)}
+        put(m, f"new{i}")
+        m.flush()
+        all_keys.append(f"new{i}")
+        evicted += sorted(alive - {k for k in all_keys if m.exists(k)})
+    assert evicted == ["d", "f", "g", "h", "a", "x", "new0", "new1"]
+    assert m.exists("b") and m.exists("c") and m.exists("e")
+    m.check_invariants()
+
+
 def test_soft_pinned_evicted_only_after_unpinned():
     m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=0.1)
     put(m, "s")

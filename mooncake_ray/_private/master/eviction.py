@@ -30,6 +30,24 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.table import ObjectTable
 
 
+EVICT, SOFT = 1, 2
+
+
+def judge(obj, node_id: str, now: float, tier: Tier = Tier.DRAM):
+    """Whether a hot object's replica on ``node_id`` in ``tier`` may go: ``(EVICT, rep)``,
+    ``(SOFT, rep)`` (only if nothing unpinned is left), or None (leased, pending, being
+    offloaded, hard-pinned, or no such replica)."""
+    if obj is None or not obj.complete or obj.leased(now):
+        return None
+    rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is tier), None)
+    if rep is None or rep.offloading:
+        return None
+    pin = obj.effective_pin(now)
+    if pin is Pin.HARD:
+        return None
+    return (SOFT if pin is Pin.SOFT else EVICT), rep
+
+
 def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, tier: Tier = Tier.DRAM) -> list:
     """Replicas on ``node_id`` (in ``tier``) to evict, in eviction order, until at least
     ``need_bytes`` are freed or nothing evictable is left. Each is ``(obj, rep)`` for a
@@ -45,15 +63,11 @@ def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, 
                 return chosen
             continue
         obj = table.hot(key)
-        if obj is None or not obj.complete or obj.leased(now):
+        verdict = judge(obj, node_id, now, tier)
+        if verdict is None:
             continue
-        rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is tier), None)
-        if rep is None or rep.offloading:
-            continue
-        pin = obj.effective_pin(now)
-        if pin is Pin.HARD:
-            continue
-        if pin is Pin.SOFT:
+        rep = verdict[1]
+        if verdict[0] is SOFT:
             soft.append((obj, rep))
             continue
         chosen.append((obj, rep))

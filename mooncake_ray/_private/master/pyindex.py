@@ -127,6 +127,31 @@ class PyIndex:
                 out.append((keys[j], (r.gen, r.size, r.rep[3], r.rep[4])))
         return out, None
 
+    def evict_cold(self, after, node_id, now, need):
+        keys = list(self._map)
+        i = 0 if not after or after not in self._map else keys.index(after) + 1
+        out_keys, gens, extents, freed, stop = [], [], [], 0, None
+        for key in keys[i:]:
+            if freed >= need:
+                break
+            r = self._map[key]
+            if r.hot:
+                stop = key
+                break
+            if not r.disk and r.lease_until <= now and r.rep[0] == node_id:
+                out_keys.append(key)
+                gens.append(r.gen)
+                extents.append((r.rep[3], r.rep[4]))
+                freed += r.rep[4]
+                del self._map[key]
+        runs: list = []
+        for off, ln in sorted(extents):
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + ln)
+            else:
+                runs.append((off, ln))
+        return out_keys, gens, runs, freed, stop
+
     def cold_on_node(self, node_id) -> list:
         return [(k, r.disk) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
 

@@ -14,7 +14,7 @@ import heapq
 from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray._private.master.allocator import ExtentAllocator
-from mooncake_ray._private.master.eviction import pick_victims
+from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims
 from mooncake_ray._private.master.types import (
     InventoryEntry,
     NodeDelta,
@@ -287,7 +287,13 @@ class ReplicaTable:
         delta, dram, spill = self.delta(node_id), Tier.DRAM, node.spill_usable()
         tier_keys = node.tier_keys
         try:
-            for v in pick_victims(objects, node_id, need, now):
+            if spill:
+                victims = pick_victims(objects, node_id, need, now)
+            else:  # the index drops the cold victims itself; the hot ones come back here
+                got, n, victims = self._evict_cold(node_id, need, now, delta, batch)
+                freed += got
+                evicted += n
+            for v in victims:
                 if type(v[0]) is str:  # a cold record: one ready replica, here, unleased
                     key, gen, _size, offset, length = v
                     if spill:  # offloaded rather than dropped: the disk tier needs the object
@@ -326,6 +332,41 @@ class ReplicaTable:
         self.counters["evictions"] += evicted
         self.counters["evicted_bytes"] += freed
         return freed
+
+    def _evict_cold(self, node_id: str, need: int, now: float, delta: NodeDelta, batch: list) -> tuple:
+        """Eviction on a node without a spill tier: the index drops the cold victims, least
+        recent first (``evict_cold``), stopping at each hot object met, which is judged here
+        as ``pick_victims`` would. Returns the bytes and count dropped, and the hot victims
+        (``(obj, rep)``, soft-pinned ones last and only if still needed) to drop next."""
+        index, table = self._objects.index, self._objects
+        node = self._nodes[node_id]
+        after, cold, freed, n, hot, soft = "", 0, 0, 0, [], []  # freed: cold + hot chosen
+        while freed < need:
+            keys, gens, runs, got, stop = index.evict_cold(after, node_id, now, need - freed)
+            if keys:
+                delta.drop_many(keys, gens, "dram")
+                node.tier_keys["dram"] -= len(keys)
+                batch.extend(runs)
+                cold += got
+                freed += got
+                n += len(keys)
+            if stop is None or freed >= need:
+                break
+            obj = table.hot(stop)
+            verdict = judge(obj, node_id, now)
+            if verdict is not None:
+                if verdict[0] == EVICT:
+                    hot.append((obj, verdict[1]))
+                    freed += verdict[1].length
+                else:
+                    soft.append((obj, verdict[1]))
+            after = stop
+        for v in soft:
+            if freed >= need:
+                break
+            hot.append(v)
+            freed += v[1].length
+        return cold, n, hot
 
     def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:
         alloc = self._alloc[node_id]

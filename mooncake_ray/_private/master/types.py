@@ -124,6 +124,20 @@ class NodeDelta:
         if gen > rec[0]:
             rec[0] = gen
 
+    def drop_many(self, keys: list[str], gens: list[int], tier: str) -> None:
+        """``drop`` of each key at its gen (an eviction batch's victims)."""
+        recs = self._recs
+        for key, gen in zip(keys, gens):
+            k = (key, tier)
+            rec = recs.get(k)
+            if rec is None:
+                recs[k] = [gen, None]
+                continue
+            if rec[1] is not None and rec[1].gen <= gen:
+                rec[1] = None
+            if gen > rec[0]:
+                rec[0] = gen
+
     def merge(self, other: "NodeDelta", offloads: bool = True) -> None:
         """Apply ``other``'s changes after this one's."""
         for (key, tier), (gen, e) in other._recs.items():

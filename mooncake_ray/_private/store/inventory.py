@@ -26,23 +26,33 @@ APPLIED = b""
 STALE = b"stale"
 
 
+_make = InventoryEntry._make  # a record from a checked list, without re-checking its arity
+
+
 def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[str, int]]:
     """Apply a delta's drops (``entry.gen <= gen`` goes), then its adds, to ``entries``
     (``{(key, tier): InventoryEntry}``). DISK drops are returned as ``(key, gen)`` for the
-    caller to delete the files; with ``disk_drops`` they also leave ``entries`` here."""
+    caller to delete the files; with ``disk_drops`` they also leave ``entries`` here.
+    (A loop per record kind, no per-record calls: a store node applies every put's add
+    and every eviction's drop.)"""
     files = []
+    get = entries.get
     for key, gen, tier in drops:
         if tier == DISK:
             files.append((key, gen))
             if not disk_drops:
                 continue
-        e = entries.get((key, tier))
-        if e is not None and e.gen <= gen:
-            del entries[(key, tier)]
+        k = (key, tier)
+        e = get(k)
+        if e is not None and e[1] <= gen:
+            del entries[k]
     for e in adds:
-        e = InventoryEntry(*e)
-        entries[(e.key, e.tier)] = e
+        e = _make(e)
+        entries[(e[0], e[3])] = e
     return files
+
+
+_TIERS = (DRAM, DISK)
 
 
 def _ints(xs) -> bool:
@@ -61,13 +71,15 @@ def check_delta(delta) -> None:
             and all(isinstance(part, (list, tuple)) for part in delta)):
         raise InvalidArgumentError(f"an inventory delta is [adds, drops, offloads], got {delta!r:.200}")
     adds, drops, offloads = delta
+    ok_seq, ok_ints = (list, tuple), int
     for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin]
-        if not (isinstance(e, (list, tuple)) and len(e) in (6, 7) and type(e[0]) is str and e[3] in (DRAM, DISK)
-                and _ints(e[1:3]) and _ints(e[4:])):
+        if not (type(e) in ok_seq and 6 <= len(e) <= 7 and type(e[0]) is str and e[3] in _TIERS
+                and type(e[1]) is ok_ints and type(e[2]) is ok_ints and type(e[4]) is ok_ints
+                and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)):
             raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
     for d in drops:  # key, gen, tier
-        if not (isinstance(d, (list, tuple)) and len(d) == 3 and type(d[0]) is str and type(d[1]) is int
-                and d[2] in (DRAM, DISK)):
+        if not (type(d) in ok_seq and len(d) == 3 and type(d[0]) is str and type(d[1]) is ok_ints
+                and d[2] in _TIERS):
             raise InvalidArgumentError(f"malformed inventory drop {d!r:.200}")
     for o in offloads:  # key, gen, size, offset, length
         if not (isinstance(o, (list, tuple)) and len(o) == 5 and type(o[0]) is str and _ints(o[1:])):

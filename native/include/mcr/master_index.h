@@ -139,6 +139,19 @@ class MasterIndex {
   // at most ``limit`` items. *next is where to go on from ("" when the list is done).
   std::vector<ScanItem> scan(const std::string& after, const std::string& node_id, bool disk, double now,
                              size_t limit, std::string* next);
+  // Eviction's fast path: from the least recent record (after ``after``, if not empty),
+  // drops the cold ones in DRAM on ``node_id`` whose leases ended by ``now`` until their
+  // extents total ``need`` bytes, skipping other cold ones; stops at a hot record, naming
+  // it in *stop (Python judges it, then calls again after it). Returns what it dropped
+  // (keys, gens) with their extents sorted and merged into runs; *freed, their bytes.
+  struct Evicted {
+    std::vector<std::string> keys;
+    std::vector<uint64_t> gens;
+    std::vector<std::pair<uint64_t, uint64_t>> runs;  // (offset, length), merged
+    uint64_t freed = 0;
+    std::string stop;  // a hot record met ("" if the need was met or the list ended)
+  };
+  Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need);
   // Cold records on a node (any incarnation): (key, on disk).
   std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id);
   // Every key starting with ``prefix``, least recent first.

@@ -424,6 +424,41 @@ std::vector<ScanItem> MasterIndex::scan(const std::string& after, const std::str
   return out;
 }
 
+MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std::string& node_id, double now,
+                                              uint64_t need) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  Evicted out;
+  IndexRecord* r = oldest_;
+  if (!after.empty()) {
+    IndexRecord* a = find(after);
+    r = a == nullptr ? oldest_ : a->newer;
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> extents;
+  while (r != nullptr && out.freed < need) {
+    IndexRecord* next = r->newer;
+    if (r->hot) {
+      out.stop = *r->key;
+      break;
+    }
+    if (!r->disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
+      out.keys.push_back(*r->key);
+      out.gens.push_back(r->gen);
+      extents.emplace_back(r->rep.offset, r->rep.length);
+      out.freed += r->rep.length;
+      erase(map_.find(*r->key));
+    }
+    r = next;
+  }
+  std::sort(extents.begin(), extents.end());
+  for (auto& [off, len] : extents) {
+    if (!out.runs.empty() && out.runs.back().first + out.runs.back().second == off)
+      out.runs.back().second += len;
+    else
+      out.runs.emplace_back(off, len);
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::string& node_id) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::pair<std::string, bool>> out;
