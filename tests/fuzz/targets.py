@@ -369,7 +369,10 @@ def inventory_fixture() -> StoreInventory:
 
 
 def _entry_ok(k, e) -> bool:
-    return (type(e) is InventoryEntry and type(e.key) is str and e.tier in (DRAM, DISK) and k == (e.key, e.tier)
+    if not (type(e) is tuple and len(e) == 7):
+        return False
+    e = InventoryEntry(*e)
+    return (type(e.key) is str and e.tier in (DRAM, DISK) and k == (e.key, e.tier)
             and all(type(x) is int for x in (e.gen, e.size, e.offset, e.length, e.pin)))
 
 

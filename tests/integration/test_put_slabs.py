@@ -11,8 +11,8 @@ import ray
 import mooncake_ray
 from mooncake_ray import ObjectExistsError
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.actor import GC_YOUNG_THRESHOLD
-from mooncake_ray._private.naming import MASTER_NAME
+from mooncake_ray._private.gcyoung import GC_YOUNG_THRESHOLD
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from tests.conftest import wait_for
 
 KB, MB = 1 << 10, 1 << 20
@@ -164,5 +164,8 @@ def test_small_values_are_packed_and_evicted_ones_make_room(make_store):
     kept = [v for v in s.batch_get(more) if v is not None]
     assert len(kept) > 20_000  # 2 x 4 MiB at 256 B each, less the watermark and the slabs
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
-    assert ray.get(master.__ray_call__.remote(lambda _self: __import__("gc").get_threshold()[0])) == \
-        GC_YOUNG_THRESHOLD
+    young = lambda _self: __import__("gc").get_threshold()[0]  # noqa: E731
+    assert ray.get(master.__ray_call__.remote(young)) == GC_YOUNG_THRESHOLD
+    for node_id in ray.get(master.stats.remote())["nodes"]:  # the store nodes' processes too
+        store = ray.get_actor(store_actor_name(node_id), namespace=s.config.namespace)
+        assert ray.get(store.__ray_call__.remote(young)) == GC_YOUNG_THRESHOLD

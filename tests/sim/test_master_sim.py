@@ -142,7 +142,7 @@ class Sim:
         """This shard's side of a node that started: its inventory, mounted."""
         old = self.inv[node_id].entries.values() if node_id in self.inv else ()
         # a restarted node keeps its spill files, never its DRAM
-        self.inv[node_id] = StoreInventory([e for e in old if e.tier == "disk"] if keep_disk else [])
+        self.inv[node_id] = StoreInventory([e for e in old if e[3] == "disk"] if keep_disk else [])
         self.offloads[node_id] = []
         self.remount(node_id)
 
@@ -439,7 +439,7 @@ class ShardedSim:
             m = sim.m
             assert all(shard_of(k, n) == shard for k in m._objects), f"shard {shard} holds another shard's key"
             for node_id, inv in sim.inv.items():
-                assert all(shard_of(e.key, n) == shard for e in inv.entries.values()), \
+                assert all(shard_of(e[0], n) == shard for e in inv.entries.values()), \
                     f"{node_id}'s inventory for shard {shard} holds another shard's key"
             for node_id, alloc in m._alloc.items():
                 lo, length = arena_part(sim.caps[node_id], n, shard)

@@ -342,7 +342,7 @@ def test_effects_carry_inventory_and_rebuild_restores_everything():
     for node_id, d in m.drain_effects().items():
         mount_id, _ = inv[node_id].begin_mount()
         inv[node_id].apply(mount_id, 1, d.to_wire())
-    inv = {n: {e.key: e for e in i.entries.values()} for n, i in inv.items()}
+    inv = {n: {e[0]: InventoryEntry(*e) for e in i.entries.values()} for n, i in inv.items()}
     assert m.drain_effects() == {}
     # A new master incarnation rebuilds from the nodes' inventories.
     m2 = MasterState(m.policy, clock=clock, wall_ns=lambda: 0)

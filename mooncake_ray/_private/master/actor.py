@@ -31,7 +31,6 @@ nothing is held while calling out.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import math
 import os
@@ -42,7 +41,7 @@ import ray
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
-from mooncake_ray._private import auth, rpc
+from mooncake_ray._private import auth, gcyoung, rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -59,13 +58,6 @@ SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message f
 ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)
 LIVENESS_GROUP = "liveness"
 PROBE_TIMEOUT_S = 1.0  # this master's own check of a node a client reported unreachable
-# The cyclic collector's first threshold in the master's process (CPython's default: 700).
-# Every put makes short-lived containers (inventory-delta records, log tuples) that live
-# until the next delivery; at 700 many are still alive at a young collection, get promoted,
-# and set off full collections that walk every per-key record. State-machine runs of
-# 16 KiB puts with eviction: 80k -> 125k keys/s before eviction, 47k -> 75k after (about
-# what no collector at all gives). Cycles are still collected, 70x less often.
-GC_YOUNG_THRESHOLD = 50_000
 
 
 class MasterActor:
@@ -73,7 +65,7 @@ class MasterActor:
         self.cfg = StoreConfig.model_validate(config)
         self.shard = shard  # which of master.shards this is (shards.py: its keys, its part of each arena)
         self._inventory_rpc = rpc.node_inventory_rpc(shard)
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])  # this actor's own process
+        gcyoung.raise_young_threshold()  # this actor's own process
         from mooncake_ray._private.native import _native
 
         # The object table and the native fast path (table.py, fastpath.py); with

@@ -48,7 +48,7 @@ from mooncake_ray.errors import (
     MooncakeRayError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import auth, preflight, rpc, shards
+from mooncake_ray._private import auth, gcyoung, preflight, rpc, shards
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
@@ -87,6 +87,7 @@ class _ShardLink:
 
 class StoreNodeActor:
     def __init__(self, config: dict, node_id: str):
+        gcyoung.raise_young_threshold()  # inventory messages: many records, each short-lived
         self.cfg = StoreConfig.model_validate(config)
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:16]

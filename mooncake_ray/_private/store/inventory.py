@@ -26,15 +26,20 @@ APPLIED = b""
 STALE = b"stale"
 
 
-_make = InventoryEntry._make  # a record from a checked list, without re-checking its arity
+def _entry(e) -> tuple:
+    """An entry as the inventory keeps it: a plain tuple in ``InventoryEntry``'s field
+    order, pin included. Not the named tuple: CPython's collector stops tracking a plain
+    tuple of strings and ints, but walks every named tuple at each full collection, which
+    with millions of entries cost a store node most of its time."""
+    return tuple(e) if len(e) == 7 else (*e, 0)
 
 
 def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[str, int]]:
     """Apply a delta's drops (``entry.gen <= gen`` goes), then its adds, to ``entries``
-    (``{(key, tier): InventoryEntry}``). DISK drops are returned as ``(key, gen)`` for the
-    caller to delete the files; with ``disk_drops`` they also leave ``entries`` here.
-    (A loop per record kind, no per-record calls: a store node applies every put's add
-    and every eviction's drop.)"""
+    (``{(key, tier): entry}``, an entry a tuple in ``InventoryEntry``'s field order). DISK
+    drops are returned as ``(key, gen)`` for the caller to delete the files; with
+    ``disk_drops`` they also leave ``entries`` here. (A loop per record kind, no
+    per-record calls: a store node applies every put's add and every eviction's drop.)"""
     files = []
     get = entries.get
     for key, gen, tier in drops:
@@ -47,8 +52,7 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
         if e is not None and e[1] <= gen:
             del entries[k]
     for e in adds:
-        e = _make(e)
-        entries[(e[0], e[3])] = e
+        entries[(e[0], e[3])] = tuple(e) if len(e) == 7 else (*e, 0)
     return files
 
 
@@ -91,10 +95,11 @@ class StoreInventory:
     thread-safe: the store node actor holds its lock around every call."""
 
     def __init__(self, entries=()) -> None:
-        self.entries: dict[tuple[str, str], InventoryEntry] = {}
+        # (key, tier) -> (key, gen, size, tier, offset, length, pin): see _entry
+        self.entries: dict[tuple[str, str], tuple] = {}
         for e in entries:
-            e = InventoryEntry(*e)
-            self.entries[(e.key, e.tier)] = e
+            e = _entry(e)
+            self.entries[(e[0], e[3])] = e
         self.mount_id = 0
         self.applied_seq = 0
 
@@ -129,18 +134,18 @@ class StoreInventory:
         return APPLIED, files, [tuple(o) for o in offloads]
 
     def add_disk(self, e: InventoryEntry) -> None:
-        self.entries[(e.key, DISK)] = e
+        self.entries[(e[0], DISK)] = _entry(e)
 
     def drop_disk(self, key: str, gen: int) -> None:
         """A file went (the master's drop, or found corrupt): forget it if not newer."""
         e = self.entries.get((key, DISK))
-        if e is not None and e.gen <= gen:
+        if e is not None and e[1] <= gen:
             del self.entries[(key, DISK)]
 
     def counts(self) -> dict:
-        dram = [e for e in self.entries.values() if e.tier == DRAM]
-        disk = [e for e in self.entries.values() if e.tier == DISK]
-        return {"used": sum(e.length for e in dram), "keys": len(dram), "disk_keys": len(disk)}
+        dram = [e for e in self.entries.values() if e[3] == DRAM]
+        disk = sum(e[3] == DISK for e in self.entries.values())
+        return {"used": sum(e[5] for e in dram), "keys": len(dram), "disk_keys": disk}
 
 
 def reconcile(snapshot: list, owed: NodeDelta) -> list[list]:
@@ -148,6 +153,6 @@ def reconcile(snapshot: list, owed: NodeDelta) -> list[list]:
     may not have applied; applying one twice changes nothing): its snapshot with the
     DRAM and disk records of ``owed`` applied. Used by the master to rebuild a node it
     unmounted without trusting entries the node was told to drop."""
-    entries = {(e[0], e[3]): InventoryEntry(*e) for e in snapshot}
+    entries = {(e[0], e[3]): _entry(e) for e in snapshot}
     apply_records(entries, owed.adds, owed.drops, disk_drops=True)
     return [list(e) for e in entries.values()]
