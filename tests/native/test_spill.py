@@ -542,9 +542,10 @@ def test_a_corrupt_record_is_a_miss_and_its_pack_neighbours_stay(spill_dir):
             b = f.read(1)
             f.seek(4096 + 3 * rec + 40 + 3 + 100)
             f.write(bytes([b[0] ^ 0x10]))
-        d = buffer(500)
-        with pytest.raises(ChecksumError):
-            t.read("c/3", d.ctypes.data, 500)
+        dsts = [buffer(500) for _ in range(10)]  # one batched read: the bad one fails alone
+        res = t.read_many([(k, d.ctypes.data, 500) for k, d in zip(keys, dsts)])
+        assert isinstance(res[3], ChecksumError) and res[:3] + res[4:] == [7] * 9
+        assert all(np.array_equal(d, vals[k]) for i, (k, d) in enumerate(zip(keys, dsts)) if i != 3)
         assert not t.contains("c/3") and os.path.exists(path)
         dsts = [buffer(500) for _ in range(9)]
         assert t.read_many([(k, d.ctypes.data, 500) for k, d in zip([k for k in keys if k != "c/3"], dsts)]) == [7] * 9
@@ -558,6 +559,19 @@ def test_a_corrupt_record_is_a_miss_and_its_pack_neighbours_stay(spill_dir):
             if k not in ("c/3", "c/6"):
                 d = buffer(500)
                 assert t.read(k, d.ctypes.data, 500) == 7 and np.array_equal(d, vals[k])
+
+
+def test_a_failing_disk_fails_packed_reads_and_degrades_the_tier(tier):
+    rng = np.random.default_rng(37)
+    vals = small_values(rng, [f"e/{i}" for i in range(8)], [300] * 8)
+    assert tier.write_many([(k, 1, v.ctypes.data, v.size) for k, v in vals.items()]) == [None] * 8
+    tier._inject_io_error("read", 5, 1)  # EIO on the next read completion
+    dsts = [buffer(300) for _ in range(8)]
+    res = tier.read_many([(k, d.ctypes.data, 300) for k, d in zip(vals, dsts)])
+    assert sum(isinstance(r, SpillError) for r in res) == 1 and res.count(1) == 7
+    assert tier.degraded is not None and tier.num_keys == 8  # nothing dropped for a disk error
+    assert tier.recover() and tier.degraded is None
+    assert tier.read_many([(k, d.ctypes.data, 300) for k, d in zip(vals, dsts)]) == [1] * 8
 
 
 def test_a_torn_pack_brings_back_none_of_its_records(spill_dir):

@@ -215,6 +215,13 @@ struct Tier::Impl {
   void retire_entry_locked(const Entry& e, std::vector<uint64_t>* unlink);
   // Reads a packed object (pread of the blocks holding its record), checked.
   Result read_packed(const std::string& key, void* dst, uint64_t length);
+  // Reads packed objects reqs[which[...]] together through an I/O queue.
+  void read_packed_many(const std::vector<ReadRequest>& reqs, const std::vector<size_t>& which,
+                        std::vector<Result>* out);
+  // Checks the record of `e` in `blocks` (got bytes read from its first block) and copies
+  // its data to dst: true, with *res filled; false with the reason in res->message.
+  bool finish_packed(const std::string& key, const Entry& e, const uint8_t* blocks, ssize_t got, void* dst,
+                     Result* res);
   void unlink_slots(const std::vector<uint64_t>& slots);
   // A read found the object invalid: if the index still holds that version, drop it and
   // delete its file (true); false if it was removed or replaced meanwhile.
