@@ -12,10 +12,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import MasterUnavailableError, NodeUnavailableError
+from mooncake_ray.errors import ConfigError, MasterUnavailableError, NodeUnavailableError
 from mooncake_ray._private import auth, preflight
 from mooncake_ray._private.master.actor import master_actor_class
-from mooncake_ray._private.naming import is_master_name, master_name, store_actor_name
+from mooncake_ray._private.naming import MASTER_NAME, is_master_name, master_name, store_actor_name
 from mooncake_ray._private.shards import merge_stats
 from mooncake_ray._private.store.actor import StoreNodeActor
 
@@ -56,9 +56,11 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
 
     Raises:
         ConfigError: the transport settings are rejected, the arenas do not fit in a host's
-            memory or a spill directory is unusable (checked before any actor is created).
+            memory or a spill directory is unusable (checked before any actor is created),
+            or the namespace runs a store with another number of master shards.
         NodeUnavailableError: a store node failed to start (names the cause) or to mount.
     """
+    _check_shards(cfg)
     nodes = store_nodes(cfg)
     if cfg.segment_size_bytes == 0:
         nodes = []  # a client-only deployment onto an existing store
@@ -92,6 +94,22 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         if not mounted:
             raise NodeUnavailableError(f"a store node did not mount within {timeout_s:.0f}s")
     return masters, actors
+
+
+def _check_shards(cfg: StoreConfig) -> None:
+    """A store already running in the namespace must have the shard count asked for: its
+    store nodes split their arenas and clients route keys by it."""
+    try:
+        running = ray.get_actor(MASTER_NAME, namespace=cfg.namespace)
+    except ValueError:
+        return
+    try:
+        have = StoreConfig.model_validate(ray.get(running.config.remote(), timeout=60)).master.shards
+    except ray.exceptions.RayError:
+        return  # restarting: it keeps the configuration it was made with
+    if have != cfg.master.shards:
+        raise ConfigError(f"namespace {cfg.namespace!r} runs a store with master.shards={have}, not "
+                          f"{cfg.master.shards}: stop it first (`mooncake-ray stop`) or use another namespace")
 
 
 def _cause(e: BaseException) -> str:

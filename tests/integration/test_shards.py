@@ -74,6 +74,18 @@ def test_keys_spread_over_shards_and_read_back(make_store, ray_cluster):
     assert s.remove_all(force=True) == 1
 
 
+def test_a_running_store_is_not_redeployed_with_another_shard_count(make_store):
+    s = make_store(master={"shards": 2})
+    ns = s.config.namespace
+    with pytest.raises(mooncake_ray.ConfigError, match="master.shards=2, not 4"):
+        mooncake_ray.start({"namespace": ns, "segment_size_bytes": "64mb", "master": {"shards": 4},
+                            "transport": {"devices": ["lo"]}})
+    with pytest.raises(ValueError):  # nothing was made for the refused deployment
+        ray.get_actor(master_name(3), namespace=ns)
+    s.put("still", b"serving")
+    assert s.get("still") == b"serving"
+
+
 def test_a_value_must_fit_in_one_shards_part(make_store):
     s = make_store(master={"shards": SHARDS, "put_slab_bytes": 0})
     with pytest.raises(mooncake_ray.InvalidArgumentError, match="master shard's part"):
