@@ -270,3 +270,28 @@ def test_replicas_share_their_node_record_and_a_remount_gets_a_new_one():
     ix.drop_many(["b", "missing"])
     assert ix.lookup("a") == (10, 1, [("n1", "ray1", 0, 64, "inc1", 0)]) and ix.lookup("b") is None
     assert len(ix) == 2
+
+
+def test_the_table_stays_exact_while_it_grows_and_shrinks():
+    """Records go in and out while the table's buckets are being moved to a larger array
+    (incremental rehashing): every lookup finds exactly what the model holds."""
+    rng = random.Random(7)
+    ix, model = _native.MasterIndex(), {}
+    for step in range(120_000):
+        r = rng.random()
+        key = f"k{rng.randrange(60_000)}"
+        if r < 0.6:
+            gen = step + 1
+            ix.set_cold(key, 64, gen, "n0", "r0", "i0", False, 64 * step, 64, 0, 0.0, [])
+            model[key] = gen
+        elif r < 0.8:
+            ix.drop(key)
+            model.pop(key, None)
+        else:
+            got = ix.lookup(key)
+            assert (got is None) == (key not in model) and (got is None or got[1] == model[key]), (step, key)
+    assert len(ix) == len(model) and ix.cold_count() == len(model)
+    assert set(ix.keys("")) == set(model)
+    assert all(ix.lookup(k)[1] == g for k, g in model.items())
+    ix.clear()
+    assert len(ix) == 0 and ix.keys("") == [] and ix.lookup("k1") is None

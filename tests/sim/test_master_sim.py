@@ -65,7 +65,8 @@ class Sim:
             self.spill = self.rng.random() < 0.6 if spill is None else spill
             self.policy = Policy(lease_ttl_s=5, soft_pin_ttl_s=50, node_ttl_s=8, put_timeout_s=20,
                                  allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
-                                 high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05)
+                                 high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05,
+                                 evict_in_background=self.rng.random() < 0.5)
         else:  # the shards of one store share its configuration
             self.spill, self.policy = world.spill, world.policy
         self.m = self._new_master()
@@ -229,6 +230,9 @@ class Sim:
         self.clock.t += rng.choice([0, 0, 0.1, 0.5, 1, 3])
         if rng.random() < 0.1:  # the actor's applier: the log applied, decisions left for later
             m.apply_index_log(*m.index.drain(), decide=False)
+            self.deliver()
+        if m.eviction_due() and rng.random() < 0.3:  # the actor's evictor: one chunk a section
+            self.python(lambda: m.evict_due(rng.choice([64, 4096, 8 * ALIGN])))
             self.deliver()
         if r < 0.13:
             try:

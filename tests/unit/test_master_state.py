@@ -482,3 +482,26 @@ def test_pin_counts_follow_pins_unpins_expiry_removal_and_replacement():
     m.pin("f")
     assert (m.stats()["pinned"], m.stats()["soft_pinned"]) == (2, 1)
     assert set(m._replicas.pinned) <= {"a", "b", "f"}  # the others were forgotten when counted
+
+
+def test_background_eviction_works_in_chunks_down_to_a_round_below_the_watermark():
+    """With evict_in_background, crossing the watermark only notes the node; evict_due
+    then evicts at most a chunk per call, oldest first, until the node is evict_ratio below
+    the watermark. A put that finds no room still evicts at once."""
+    m, clock = make(n_nodes=1, cap=100 * K, high_watermark=0.5, evict_ratio=0.2, evict_in_background=True)
+    for i in range(60):
+        put(m, f"k{i}")
+        m.flush()
+        clock.t += 1
+    assert m.eviction_due() and m.counters["evictions"] == 0 and m.stats()["used"] == 60 * K
+    sizes = []
+    while m.evict_due(7 * K):  # chunks of 7 pages
+        sizes.append(60 * K - m.stats()["used"] - sum(sizes))
+    sizes.append(60 * K - m.stats()["used"] - sum(sizes))
+    assert sizes == [7 * K, 7 * K, 7 * K, 7 * K, 2 * K]  # 60 -> 30 pages: (0.5 - 0.2) x 100
+    assert [k for k in (f"k{i}" for i in range(60)) if m.exists(k)] == [f"k{i}" for i in range(30, 60)]
+    assert not m.eviction_due()
+    for i in range(60, 140):  # past 100%: allocation evicts inline, never fails
+        put(m, f"k{i}")
+    assert m.exists("k139") and m.counters["evictions"] > 30
+    m.check_invariants()

@@ -57,6 +57,8 @@ RETRY_BACKOFF_S = 0.2  # after a failed send; grows per attempt, up to 2 s
 SLOW_DELIVERY_S = 2.0  # log a node that has not answered an inventory message for this long
 ANSWER_POLL_S = 0.01  # longest wait on one answer before checking the others (a busy node)
 LIVENESS_GROUP = "liveness"
+EVICT_CHUNK_BYTES = 1 << 20  # background eviction per section: 4k values of 256 B (a few ms), 64 of 16 KiB
+EVICT_YIELD_S = 0.0005  # between chunks: Python's lock is not fair, a waiting call must get its turn
 PROBE_TIMEOUT_S = 1.0  # this master's own check of a node a client reported unreachable
 
 
@@ -74,8 +76,11 @@ class MasterActor:
         self.index.set_lease_ttl(self.cfg.master.lease_ttl_s)
         self.index.set_max_key_bytes(self.cfg.master.max_key_bytes)
         self.index.set_commits(self.cfg.master.native_calls)
-        self.state = MasterState(Policy.from_config(self.cfg.master), index=self.index)
-        self._lock = _StateLock(self.state, self.index, self._deliver)
+        # Watermark eviction on a thread of its own, in chunks (_evict_loop); a put that
+        # finds no room still evicts at once.
+        self.state = MasterState(Policy.from_config(self.cfg.master, evict_in_background=True), index=self.index)
+        self._evict_wanted = threading.Event()
+        self._lock = _StateLock(self.state, self.index, self._deliver, self._evict_wanted)
 
         self.engine = role_engine(self.cfg, "master" if shard == 0 else f"master{shard}", server=True, num_lanes=1)
         self._node_key = auth.new_node_key()  # a restarted master makes a new one: nodes remount
@@ -105,7 +110,7 @@ class MasterActor:
         with self._lock:  # enables the index unless the master is rebuilding
             pass
         for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
-                             (self._apply_loop, "master-apply")):
+                             (self._apply_loop, "master-apply"), (self._evict_loop, "master-evict")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     # ------------------------------------------------------------------- RPC door --
@@ -214,6 +219,24 @@ class MasterActor:
                 self._deliver()
             with self._lock:
                 pass
+
+    def _evict_loop(self) -> None:
+        """Background eviction: a chunk per section of the lock, so RPCs and native calls
+        get in between (a round at ten million small values is hundreds of thousands of
+        keys: one section would hold every call up for a good part of a second)."""
+        while not self._stop.is_set():
+            if not self._evict_wanted.wait(0.5):
+                continue
+            self._evict_wanted.clear()
+            try:
+                more = True
+                while more and not self._stop.is_set():
+                    with self._lock:
+                        more = self.state.evict_due(EVICT_CHUNK_BYTES)
+                    time.sleep(EVICT_YIELD_S)
+            except Exception:  # never let eviction die: report and go on
+                log.exception("background eviction failed")
+                time.sleep(0.1)
 
     def _deliver(self) -> None:
         """Merge the state machine's inventory changes into the nodes' outboxes (lock held)."""
@@ -474,11 +497,12 @@ class _StateLock:
     records (``table.py``), queues the inventory deltas, hands the generation counter to
     the index, and turns it on (off while the master rebuilds its index)."""
 
-    def __init__(self, state: MasterState, index, deliver) -> None:
+    def __init__(self, state: MasterState, index, deliver, evict_wanted: threading.Event) -> None:
         self._rlock = threading.RLock()
         self._state = state
         self._index = index
         self._deliver = deliver
+        self._evict_wanted = evict_wanted
         self._depth = 0  # changed only by the thread holding _rlock
 
     def __enter__(self):
@@ -503,6 +527,8 @@ class _StateLock:
             state.flush()
             if state.has_effects():
                 self._deliver()
+            if state.eviction_due():
+                self._evict_wanted.set()
             self._index.set_next_gen(state._next_gen)
             self._index.set_enabled(not (state._expected and state.recovering))
             self._index.unlock()

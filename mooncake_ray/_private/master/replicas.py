@@ -68,6 +68,7 @@ class ReplicaTable:
         self._batch_free: list | None = None  # extents an eviction batch freed, released at its end
         self._batch_node: str | None = None
         self.effects: dict[str, NodeDelta] = {}
+        self.evict_due: set[str] = set()  # nodes past the watermark (policy.evict_in_background)
         # Objects that were pinned (key -> object; entries for values since replaced,
         # dropped or unpinned go when counted): stats() counts pins without a scan of
         # every object, which at ten million keys held the state lock for seconds.
@@ -267,16 +268,19 @@ class ReplicaTable:
         out, self.effects = self.effects, {}
         return {k: v for k, v in out.items() if k in self._nodes and not v.empty()}
 
-    def evict(self, node_id: str, need: int, now: float) -> int:
+    def evict(self, node_id: str, need: int, now: float, whole_round: bool = True) -> int:
         """Make room on one node's DRAM; returns the bytes freed now (offloads started
-        free their bytes later and count toward ``need`` meanwhile)."""
+        free their bytes later and count toward ``need`` meanwhile). ``whole_round``: at
+        least ``evict_ratio`` of the arena (else just ``need``: a chunk of background
+        eviction)."""
         node, alloc = self._nodes[node_id], self._alloc[node_id]
-        if need and node.spill_usable():
-            # Offloads free their room only when the disk write is done: start enough for
-            # the next few allocations of this size, so a batch of puts does not wait once
-            # per object (at most a quarter of the arena).
-            need = max(need, min(8 * need, alloc.capacity // 4))
-        need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
+        if whole_round:
+            if need and node.spill_usable():
+                # Offloads free their room only when the disk write is done: start enough
+                # for the next few allocations of this size, so a batch of puts does not
+                # wait once per object (at most a quarter of the arena).
+                need = max(need, min(8 * need, alloc.capacity // 4))
+            need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
         freed = evicted = 0
         if need <= 0:
             return 0
@@ -397,10 +401,30 @@ class ReplicaTable:
 
     def watermark(self, node_id: str, now: float) -> None:
         """Past the high watermark, evict (or start offloading) one batch, so the next
-        allocations find room without waiting."""
+        allocations find room without waiting; or, with ``evict_in_background``, note the
+        node for ``evict_chunk``."""
         alloc = self._alloc[node_id]
         if alloc.used > self.policy.high_watermark * alloc.capacity:
-            self.evict(node_id, 0, now)  # one batch of evict_ratio * capacity
+            if self.policy.evict_in_background:
+                self.evict_due.add(node_id)
+            else:
+                self.evict(node_id, 0, now)  # one batch of evict_ratio * capacity
+
+    def evict_chunk(self, node_id: str, chunk: int, now: float) -> bool:
+        """One chunk (``chunk`` bytes at most) of a background round on ``node_id``: the
+        round evicts until the node is ``evict_ratio`` of its arena below the watermark.
+        Returns whether the round goes on (the node stays due)."""
+        alloc, node = self._alloc.get(node_id), self._nodes.get(node_id)
+        if alloc is None:
+            self.evict_due.discard(node_id)
+            return False
+        target = (self.policy.high_watermark - self.policy.evict_ratio) * alloc.capacity
+        excess = int(alloc.used - node.offload_inflight - target)
+        if (excess <= 0 or not self.evict(node_id, min(chunk, excess), now, whole_round=False)
+                or alloc.used - node.offload_inflight <= target):
+            self.evict_due.discard(node_id)  # done, or nothing left to evict
+            return False
+        return True
 
     def forget_node(self, node: NodeInfo, reason: str) -> int:
         """A node is gone (already out of the node table): drop every replica on it; keys

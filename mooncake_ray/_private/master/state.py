@@ -564,6 +564,20 @@ class MasterState:
                 self._replicas.delta(r.node_id).add(inventory_entry(obj, r))
 
     # ---------------------------------------------------------------- periodic --
+    def eviction_due(self) -> bool:
+        """Whether some node waits for background eviction (``evict_in_background``)."""
+        return bool(self._replicas.evict_due)
+
+    def evict_due(self, chunk_bytes: int) -> bool:
+        """One chunk of background eviction on each node past its watermark (a section of
+        its own: the actor calls it repeatedly, releasing its lock in between, so a round
+        of millions of small values never holds every call up at once). Returns whether
+        more is due."""
+        now = self._clock()
+        for node_id in list(self._replicas.evict_due):
+            self._replicas.evict_chunk(node_id, chunk_bytes, now)
+        return self.eviction_due()
+
     def drain_effects(self) -> dict[str, NodeDelta]:
         """Inventory changes to deliver to store nodes (and forget here)."""
         return self._replicas.drain()

@@ -250,10 +250,15 @@ class Policy:
     recovery_timeout_s: float = 15.0
     put_slab_bytes: int = 32 << 20
     put_slab_ttl_s: float = 2.0
+    evict_in_background: bool = False
+    """Past the high watermark, only note the node (``MasterState.evict_due`` then evicts
+    in small chunks, each its own section of the actor's lock) instead of evicting a whole
+    round inside the put that crossed it. An allocation that finds no room still evicts
+    at once."""
 
     @classmethod
-    def from_config(cls, cfg) -> "Policy":
-        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+    def from_config(cls, cfg, **extra) -> "Policy":
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if hasattr(cfg, k)}, **extra)
 
 
 class Generations:

@@ -33,6 +33,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "mcr/record_map.h"
+
 namespace mcr {
 
 // A store node incarnation, shared by every replica on it (MasterIndex::node interns them:
@@ -77,7 +79,10 @@ struct IndexRecord {
   uint64_t leases[2] = {0, 0};  // cold only: lease ids held (0: a free slot)
   IndexRecord* older = nullptr;  // the recency list
   IndexRecord* newer = nullptr;
-  const std::string* key = nullptr;  // the table's own copy
+  const std::string* key = nullptr;  // &key_storage
+  std::string key_storage;           // RecordMap's fields: the key, its hash, the bucket chain
+  size_t hash = 0;
+  IndexRecord* chain = nullptr;
   bool hot = false;
   bool disk = false;     // cold: the replica is on disk
   bool has_rep = false;  // hot: the GET answer is not empty
@@ -202,7 +207,7 @@ class MasterIndex {
 
   IndexRecord* find(const std::string& key);
   IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one
-  void erase(std::unordered_map<std::string, IndexRecord>::iterator it);
+  void erase(IndexRecord* r);
   void unlink(IndexRecord* r);
   void link_recent(IndexRecord* r);
   IndexEntry answer(const IndexRecord& r) const;
@@ -210,7 +215,7 @@ class MasterIndex {
   void release_cold(IndexRecord& r, uint64_t lease, double now);
 
   std::recursive_mutex mu_;
-  std::unordered_map<std::string, IndexRecord> map_;
+  RecordMap<IndexRecord> map_;
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;
   size_t cold_ = 0;

@@ -226,10 +226,7 @@ constexpr uint64_t kOk = 0;  // rpc.OK
 }  // namespace
 
 // ---- the table: records and their recency list -------------------------------------
-IndexRecord* MasterIndex::find(const std::string& key) {
-  auto it = map_.find(key);
-  return it == map_.end() ? nullptr : &it->second;
-}
+IndexRecord* MasterIndex::find(const std::string& key) { return map_.find(key); }
 
 void MasterIndex::unlink(IndexRecord* r) {
   (r->older ? r->older->newer : oldest_) = r->newer;
@@ -245,20 +242,18 @@ void MasterIndex::link_recent(IndexRecord* r) {
 }
 
 IndexRecord& MasterIndex::insert(const std::string& key, bool* fresh) {
-  auto [it, made] = map_.try_emplace(key);
-  IndexRecord& r = it->second;
-  if (made) {
-    r.key = &it->first;
-    link_recent(&r);
+  IndexRecord* r = map_.insert(key, fresh);
+  if (*fresh) {
+    r->key = &r->key_storage;
+    link_recent(r);
   }
-  *fresh = made;
-  return r;
+  return *r;
 }
 
-void MasterIndex::erase(std::unordered_map<std::string, IndexRecord>::iterator it) {
-  unlink(&it->second);
-  if (!it->second.hot) cold_--;
-  map_.erase(it);
+void MasterIndex::erase(IndexRecord* r) {
+  unlink(r);
+  if (!r->hot) cold_--;
+  map_.erase(r);
 }
 
 IndexEntry MasterIndex::answer(const IndexRecord& r) const {
@@ -386,16 +381,13 @@ void MasterIndex::touch(const std::string& key) {
 
 void MasterIndex::drop(const std::string& key) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  auto it = map_.find(key);
-  if (it != map_.end()) erase(it);
+  if (IndexRecord* r = find(key)) erase(r);
 }
 
 void MasterIndex::drop_many(const std::vector<std::string>& keys) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  for (auto& k : keys) {
-    auto it = map_.find(k);
-    if (it != map_.end()) erase(it);
-  }
+  for (auto& k : keys)
+    if (IndexRecord* r = find(k)) erase(r);
 }
 
 std::vector<ScanItem> MasterIndex::scan(const std::string& after, const std::string& node_id, bool disk,
@@ -445,7 +437,7 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
       out.gens.push_back(r->gen);
       extents.emplace_back(r->rep.offset, r->rep.length);
       out.freed += r->rep.length;
-      erase(map_.find(*r->key));
+      erase(r);
     }
     r = next;
   }
@@ -644,7 +636,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
   std::unordered_set<std::string> seen;
   for (auto& it : items) {
     if (it.key.empty() || it.key.size() > max_key_bytes_ || !seen.insert(it.key).second) return false;
-    if (pending_.count(it.key) || map_.count(it.key)) return false;
+    if (pending_.count(it.key) || find(it.key) != nullptr) return false;
     auto s = slabs_.find(it.slab);
     if (s == slabs_.end() || s->second.owner != owner) return false;
     auto sc = scratch.find(it.slab);
