@@ -172,7 +172,7 @@ class Sim:
         """The master actor's delivery: effects merged into the outboxes, then messages
         sent; with ``faults``, some are lost on the way there or back, some wait."""
         for node_id, d in self.m.drain_effects().items():
-            self.outboxes[node_id].pending.merge(d)
+            self.outboxes[node_id].pending.absorb(d)  # as the actor does
         now = self.clock.t
         for node_id, ob in self.outboxes.items():
             while ob.mounted:

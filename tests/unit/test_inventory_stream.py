@@ -43,6 +43,50 @@ def test_merge_applies_the_second_delta_after_the_first():
     assert first.offload == [("b", 2, 100, 0, 4096)]
 
 
+def _random_delta(rng, keys, n):
+    d = NodeDelta()
+    for _ in range(n):
+        key, tier = rng.choice(keys), rng.choice(("dram", "disk"))
+        if rng.random() < 0.5:
+            d.add(e(key, rng.randrange(20), tier=tier))
+        else:
+            d.drop(key, rng.randrange(20), tier)
+    d.offload.extend((f"o{i}", i, 1, 0, 4096) for i in range(rng.randrange(3)))
+    return d
+
+
+def _state(d):
+    return sorted(d._recs.items()), d.offload
+
+
+def test_absorb_equals_merge_whichever_side_is_larger():
+    """``absorb`` (the outbox taking a fresh delta) nets to what ``merge`` does, record for
+    record, with the older side larger, smaller or overlapping it entirely."""
+    import copy
+    import random
+    rng = random.Random(3)
+    for trial in range(300):
+        keys = [f"k{i}" for i in range(rng.randrange(1, 40))]
+        older, newer = _random_delta(rng, keys, rng.randrange(60)), _random_delta(rng, keys, rng.randrange(60))
+        want = copy.deepcopy(older)
+        want.merge(copy.deepcopy(newer))
+        older.absorb(newer)
+        assert _state(older) == _state(want), trial
+
+
+def test_a_message_goes_through_msgpack_as_the_node_reads_it():
+    d = NodeDelta()
+    d.add(e("a", 1))
+    d.drop("b", 2, "disk")
+    d.offload.append(("a", 1, 100, 0, 4096))
+    wire = rpc.unpack(rpc.pack(d.to_wire()))
+    assert wire == [[list(e("a", 1))], [["b", 2, "disk"]], [["a", 1, 100, 0, 4096]]]
+    inv = StoreInventory()
+    mount_id, _ = inv.begin_mount()
+    assert inv.apply(mount_id, 1, wire) == (APPLIED, [("b", 2)], [("a", 1, 100, 0, 4096)])
+    assert inv.entries[("a", "dram")] == tuple(e("a", 1))
+
+
 def test_node_applies_each_message_once_and_refuses_an_older_mount():
     inv = StoreInventory([e("old", 1)])
     mount_id, snap = inv.begin_mount()

@@ -251,7 +251,7 @@ class MasterActor:
                 if ob.pending.empty():
                     ob.pending = delta
                 else:
-                    ob.pending.merge(delta)
+                    ob.pending.absorb(delta)
             self._outbox_cv.notify()
 
     def _delivery_loop(self) -> None:

@@ -148,6 +148,24 @@ class NodeDelta:
         if offloads:
             self.offload.extend(other.offload)
 
+    def absorb(self, other: "NodeDelta") -> None:
+        """``merge(other)``, taking ``other``'s records rather than copying them (``other``
+        is not to be used afterwards). Keys only one side holds, the common case, move in
+        one ``dict.update``; only keys both hold are combined record by record."""
+        mine, theirs = self._recs, other._recs
+        if len(theirs) > len(mine):  # keep the larger table and move the smaller one
+            mine, theirs = theirs, mine
+            for key in mine.keys() & theirs.keys():  # older over newer: redo in order
+                newer = mine[key]
+                rec = mine[key] = theirs.pop(key)
+                _combine(rec, newer)
+        else:
+            for key in mine.keys() & theirs.keys():
+                _combine(mine[key], theirs.pop(key))
+        mine.update(theirs)
+        self._recs = mine
+        self.offload.extend(other.offload)
+
     def split(self, max_items: int) -> "NodeDelta":
         """Move up to ``max_items`` records and offloads out of this delta into a new one
         (records of distinct keys are independent, so any subset may go first)."""
@@ -171,14 +189,27 @@ class NodeDelta:
         return [(k, g, t) for (k, t), (g, _e) in self._recs.items() if g >= 0]
 
     def to_wire(self) -> list:
-        """``[adds, drops, offloads]`` as plain lists (msgpack)."""
-        return [[list(e) for e in self.adds], [list(d) for d in self.drops], [list(o) for o in self.offload]]
+        """``[adds, drops, offloads]`` for msgpack (which sends tuples as arrays)."""
+        return [self.adds, self.drops, self.offload]
 
     def empty(self) -> bool:
         return not (self._recs or self.offload)
 
     def __len__(self) -> int:
         return len(self._recs) + len(self.offload)
+
+
+def _combine(rec: list, newer: list) -> None:
+    """Apply the record ``newer`` (``[drop_gen, entry]`` of the same key and tier) after
+    ``rec``, in place (``NodeDelta.drop`` then ``NodeDelta.add``)."""
+    gen, e = newer
+    if gen >= 0:
+        if rec[1] is not None and rec[1].gen <= gen:
+            rec[1] = None
+        if gen > rec[0]:
+            rec[0] = gen
+    if e is not None:
+        rec[1] = e
 
 
 @dataclass

@@ -77,7 +77,7 @@ def check_delta(delta) -> None:
     adds, drops, offloads = delta
     ok_seq, ok_ints = (list, tuple), int
     for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin]
-        if not (type(e) in ok_seq and 6 <= len(e) <= 7 and type(e[0]) is str and e[3] in _TIERS
+        if not (isinstance(e, ok_seq) and 6 <= len(e) <= 7 and type(e[0]) is str and e[3] in _TIERS
                 and type(e[1]) is ok_ints and type(e[2]) is ok_ints and type(e[4]) is ok_ints
                 and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)):
             raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
