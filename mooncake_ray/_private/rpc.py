@@ -71,6 +71,12 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def unpack_tuples(data: bytes) -> Any:
+    """``unpack`` with arrays as tuples: records kept as they arrive, with no copy (a store
+    node's inventory messages)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=False)
+
+
 def err_entry(e: BaseException) -> list:
     name = type(e).__name__ if isinstance(e, errors.MooncakeRayError) else "RemoteHandlerError"
     msg = str(e) if isinstance(e, errors.MooncakeRayError) else f"{type(e).__name__}: {e}"

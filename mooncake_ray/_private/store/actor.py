@@ -256,7 +256,7 @@ class StoreNodeActor:
         """One message of a master shard's stream: ``[mount_id, seq, [adds, drops,
         offloads]]``, signed with that shard's node key (anyone else's is refused before it
         is decoded)."""
-        mount_id, seq, delta = rpc.unpack(auth.unseal(link.node_key, data))
+        mount_id, seq, delta = rpc.unpack_tuples(auth.unseal(link.node_key, data))
         if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
             time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
