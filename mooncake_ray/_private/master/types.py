@@ -118,14 +118,12 @@ class NodeDelta:
         rec = self._recs.get((key, tier))
         if rec is None:
             self._recs[(key, tier)] = [gen, None]
-            return
-        if rec[1] is not None and rec[1].gen <= gen:
-            rec[1] = None
-        if gen > rec[0]:
-            rec[0] = gen
+        else:
+            _combine(rec, gen, None)
 
     def drop_many(self, keys: list[str], gens: list[int], tier: str) -> None:
-        """``drop`` of each key at its gen (an eviction batch's victims)."""
+        """``drop`` of each key at its gen (an eviction batch's victims; inline: a call per
+        key would double its cost)."""
         recs = self._recs
         for key, gen in zip(keys, gens):
             k = (key, tier)
@@ -139,12 +137,14 @@ class NodeDelta:
                 rec[0] = gen
 
     def merge(self, other: "NodeDelta", offloads: bool = True) -> None:
-        """Apply ``other``'s changes after this one's."""
-        for (key, tier), (gen, e) in other._recs.items():
-            if gen >= 0:
-                self.drop(key, gen, tier)
-            if e is not None:
-                self.add(e)
+        """Apply ``other``'s changes after this one's (``other`` stays as it was)."""
+        recs = self._recs
+        for k, (gen, e) in other._recs.items():
+            rec = recs.get(k)
+            if rec is None:
+                recs[k] = [gen, e]
+            else:
+                _combine(rec, gen, e)
         if offloads:
             self.offload.extend(other.offload)
 
@@ -158,10 +158,10 @@ class NodeDelta:
             for key in mine.keys() & theirs.keys():  # older over newer: redo in order
                 newer = mine[key]
                 rec = mine[key] = theirs.pop(key)
-                _combine(rec, newer)
+                _combine(rec, *newer)
         else:
             for key in mine.keys() & theirs.keys():
-                _combine(mine[key], theirs.pop(key))
+                _combine(mine[key], *theirs.pop(key))
         mine.update(theirs)
         self._recs = mine
         self.offload.extend(other.offload)
@@ -204,10 +204,9 @@ class NodeDelta:
         return len(self._recs) + len(self.offload)
 
 
-def _combine(rec: list, newer: list) -> None:
-    """Apply the record ``newer`` (``[drop_gen, entry]`` of the same key and tier) after
-    ``rec``, in place (``NodeDelta.drop`` then ``NodeDelta.add``)."""
-    gen, e = newer
+def _combine(rec: list, gen: int, e) -> None:
+    """Apply a newer record ``[gen, e]`` of the same key and tier after ``rec``, in place:
+    its drop (-1: none), then its add (None: none)."""
     if gen >= 0:
         if rec[1] is not None and rec[1].gen <= gen:
             rec[1] = None

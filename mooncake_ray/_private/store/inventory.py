@@ -51,8 +51,8 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
         e = get(k)
         if e is not None and e[1] <= gen:
             del entries[k]
-    for e in adds:  # a tuple as unpacked is kept as it is
-        entries[(e[0], e[3])] = (e if type(e) is tuple else tuple(e)) if len(e) == 7 else (*e, 0)
+    for e in adds:  # _entry inline (tuple() of a tuple, as unpacked, is that tuple: no copy)
+        entries[(e[0], e[3])] = tuple(e) if len(e) == 7 else (*e, 0)
     return files
 
 
