@@ -19,12 +19,14 @@ from mooncake_ray.config import (
 from mooncake_ray.errors import *  # noqa: F401,F403
 from mooncake_ray import errors as _errors
 from mooncake_ray._private.api import connect, shutdown, start
+from mooncake_ray._private.client.staged import device_marker
 
 __version__ = "0.1.0"
 __all__ = [
     "start",
     "connect",
     "shutdown",
+    "device_marker",
     "Client",
     "StoreConfig",
     "MasterConfig",

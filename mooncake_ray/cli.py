@@ -43,7 +43,8 @@ def format_status(stats: dict) -> str:
         lines.append(f"Master shards: {len(shards)}" + (f" (not answering: {down})" if down else "")
                      + "".join(f" | shard {i}: {p.get('keys', 0)} keys" + (" RECOVERING" if p.get("recovering") else "")
                                for i, p in enumerate(shards) if "error" not in p))
-    header = f"{'node':<14} {'tier':<5} {'used':>11} {'capacity':>11} {'use%':>6} {'keys':>8}  state"
+    header = (f"{'node':<14} {'tier':<5} {'used':>11} {'capacity':>11} {'use%':>6} {'keys':>8}  "
+              f"{'memory':<10} state")
     lines += [header, "-" * len(header)]
     for node_id, node in sorted(stats["nodes"].items()):
         for tier in ("dram", "disk"):
@@ -54,8 +55,9 @@ def format_status(stats: dict) -> str:
             state = "suspect" if node.get("suspect") else "ok"
             if tier == "disk" and t.get("degraded"):
                 state = f"DEGRADED: {t['degraded']}"
+            mem = ",".join(node.get("memory_types", ["host"])) if tier == "dram" else ""
             lines.append(f"{node_id[:14]:<14} {tier:<5} {_human(t['used']):>11} {_human(t['capacity']):>11} "
-                         f"{pct:>5.1f}% {t.get('keys', 0):>8}  {state}")
+                         f"{pct:>5.1f}% {t.get('keys', 0):>8}  {mem:<10} {state}")
     return "\n".join(lines)
 
 

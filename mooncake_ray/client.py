@@ -47,6 +47,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private import rpc, shards
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.buffers import check_mapped, readable, writable
+from mooncake_ray._private.device import describe as device_of
 from mooncake_ray._private.checks import check_ttl
 from mooncake_ray._private.client import gcpause
 from mooncake_ray._private.client.args import Sized, check_key, key_errors, same_length
@@ -55,6 +56,7 @@ from mooncake_ray._private.client.nodes import NodeTable
 from mooncake_ray._private.client.reads import Reader
 from mooncake_ray._private.client.releases import Releases
 from mooncake_ray._private.client.slabs import Slabs
+from mooncake_ray._private.client.staged import DeviceIO
 from mooncake_ray._private.client.writes import Writer
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.metrics import ClientMetrics
@@ -90,6 +92,7 @@ class Client:
         except Exception:  # not inside a Ray worker/driver: no local preference
             self._here = None
         self._regions: dict[int, Any] = {}  # address -> (Region, keep-alive) of each registered buffer
+        self._device = DeviceIO(self.engine, config.client.device_path, config.client.local_buffer_size_bytes)
         self._metrics = ClientMetrics()
         self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0, "early_reads": 0,
                             "early_reads_dropped": 0}
@@ -135,6 +138,8 @@ class Client:
             NoCapacityError: no room even after eviction (retryable).
             MasterUnavailableError, TransferError: retryable; a retry is safe.
         """
+        if self._device.needed((value,)):
+            return self._raise_first(self._put_routed([key], [value], None, replicas, False, None))
         w = self._shard(key).writes
         self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, False)))
 
@@ -142,17 +147,28 @@ class Client:
         """Store ``value`` under ``key``, replacing any stored value. Readers see the old
         value until the new one is complete. Returns None; raises as ``put`` (never
         ObjectExistsError)."""
+        if self._device.needed((value,)):
+            return self._raise_first(self._put_routed([key], [value], None, replicas, True, None))
         w = self._shard(key).writes
         self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, True)))
 
-    def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None) -> None:
+    def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None,
+                 after: Any = None) -> None:
         """``put`` from a buffer (zero-copy if it was registered with ``register_buffer``);
         ``size`` stores only the first ``size`` bytes. Returns None.
+
+        ``buffer`` may be device memory (a torch CUDA tensor, a cupy array, or a raw
+        ``(address, length)`` inside registered device memory); its bytes are read once the
+        work queued on ``after`` is done (a CUDA stream, a torch or cupy stream, or a marker
+        from ``mooncake_ray.device_marker``; default: the device's current stream).
 
         Raises:
             InvalidArgumentError: ``size`` outside the buffer, or a bad key or buffer.
             Otherwise as ``put``.
         """
+        if self._device.needed((buffer,)):
+            return self._raise_first(self._put_routed([key], [buffer], None if size is None else [size],
+                                                      replicas, False, after))
         w = self._shard(key).writes
         self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [Sized(buffer, size)], replicas, False)))
 
@@ -185,6 +201,11 @@ class Client:
         After any other error the buffer's content is unspecified (a read from a remembered
         location may have landed before the master said the value had moved or gone).
         """
+        if self._device.needed((buffer,)):
+            out = self._get_routed([key], [buffer])[0]
+            if isinstance(out, BaseException):
+                raise out
+            return out
         r = self._shard(key).reads
         out = self._timed("get", [key], lambda: r.get_one(key, buffer))
         if isinstance(out, BaseException):
@@ -203,14 +224,17 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, values, "values")
+        if self._device.needed(values):
+            return self._put_routed(keys, values, None, replicas, upsert, None)
         return self._timed("batch_put", keys, lambda: self._by_shard(
             keys, lambda sh, ks, idx: sh.writes.put_many(ks, [values[i] for i in idx], replicas, upsert),
             lambda sh: sh.writes.put_many(keys, values, replicas, upsert)))
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
-                       *, replicas: int | None = None) -> list[MooncakeRayError | None]:
+                       *, replicas: int | None = None, after: Any = None) -> list[MooncakeRayError | None]:
         """``batch_put`` from buffers (zero-copy from registered ones); ``sizes`` stores
         only the first ``sizes[i]`` bytes of each. Returns ``None`` or the error per key.
+        Device memory and ``after`` as in ``put_from``.
 
         Raises:
             InvalidArgumentError: the lists differ in length (a bad key or buffer is that
@@ -218,10 +242,17 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
+        if sizes is not None:
+            same_length(keys, sizes, "sizes")
+        if self._device.needed(buffers):
+            return self._put_routed(keys, buffers, sizes, replicas, False, after)
+        return self._host_put_from(keys, buffers, sizes, replicas, False)
+
+    def _host_put_from(self, keys, buffers, sizes, replicas, upsert) -> list:
         items = [Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
         return self._timed("batch_put", keys, lambda: self._by_shard(
-            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, False),
-            lambda sh: sh.writes.put_many(keys, items, replicas, False)))
+            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, upsert),
+            lambda sh: sh.writes.put_many(keys, items, replicas, upsert)))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None | InvalidArgumentError]:
         """Values of many keys, in order; ``None`` for a miss, and for a bad key its
@@ -249,6 +280,11 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
+        if self._device.needed(buffers):
+            return self._get_routed(keys, buffers)
+        return self._host_get_into(keys, buffers)
+
+    def _host_get_into(self, keys, buffers) -> list:
         return self._timed("batch_get", keys, lambda: self._by_shard(
             keys, lambda sh, ks, idx: sh.reads.get_many(ks, [buffers[i] for i in idx]),
             lambda sh: sh.reads.get_many(keys, buffers)))
@@ -355,9 +391,20 @@ class Client:
         zero-copy. Returns the registration; keep the buffer alive until
         ``unregister_buffer``.
 
+        Device memory (a torch CUDA tensor, a cupy array, anything with
+        ``__cuda_array_interface__`` or a DLPack CUDA tensor) is registered on the path
+        ``client.device_path`` picks: ``direct`` (UCX registers it) where the engine's UCX
+        can register CUDA memory (``memory_types``), else ``staged`` (through a pinned
+        host buffer); the answer's ``path`` says which. Forcing ``staged`` stages host
+        memory registered from then on too.
+
         Raises:
             InvalidArgumentError: an empty buffer, or one that is not contiguous memory.
+            ConfigError: ``device_path='direct'`` where UCX cannot register CUDA memory.
         """
+        reg = self._device.register(buffer)
+        if reg is not None:
+            return reg
         addr, n, keep = writable(buffer) if not isinstance(buffer, bytes) else readable(buffer)
         if n == 0:
             raise InvalidArgumentError("cannot register an empty buffer")
@@ -374,8 +421,11 @@ class Client:
         Raises:
             NotRegisteredError: the buffer is not registered with this client.
         """
-        addr = buffer.addr if hasattr(buffer, "rkey") else (
+        mem = None if hasattr(buffer, "rkey") else device_of(buffer)
+        addr = buffer.addr if hasattr(buffer, "rkey") else mem.addr if mem is not None else (
             writable(buffer)[0] if not isinstance(buffer, bytes) else readable(buffer)[0])
+        if self._device.unregister(addr):
+            return
         entry = self._regions.pop(addr, None)
         if entry is None:
             raise NotRegisteredError(f"buffer at 0x{addr:x} is not registered")
@@ -439,6 +489,7 @@ class Client:
         for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
+        self._device.close()
         self.engine.close()
 
     def __enter__(self):
@@ -532,7 +583,27 @@ class Client:
                 raise rpc.to_exc(r)
 
     def _inside_registered(self, addr: int, n: int) -> bool:
-        return any(r.addr <= addr and addr + n <= r.addr + r.length for r, _ in list(self._regions.values()))
+        return any(r.addr <= addr and addr + n <= r.addr + r.length
+                   for r, _ in list(self._regions.values())) or self._device.registered(addr, n)
+
+    def _put_routed(self, keys, bufs, sizes, replicas, upsert, after) -> list:
+        return self._device.put_routed(keys, bufs, sizes, after,
+                                       lambda ks, bs, sz: self._host_put_from(ks, bs, sz, replicas, upsert))
+
+    def _get_routed(self, keys, bufs) -> list:
+        return self._device.get_routed(keys, bufs, self._host_get_into)
+
+    @property
+    def memory_types(self) -> list[str]:
+        """The memory types this client's transport registers (``host``; ``cuda`` where
+        UCX has CUDA transports and a GPU): device memory of another type is staged."""
+        return list(self._device.memory_types)
+
+    @property
+    def device_stats(self) -> dict:
+        """This client's device-memory counts: registrations per path, values and bytes
+        moved through the staging buffer."""
+        return dict(self._device.stats)
 
     def _check_key(self, key: Any) -> None:
         check_key(key, self._max_key)

@@ -229,13 +229,21 @@ class MasterConfig(_Model):
 
 class ClientConfig(_Model):
     local_buffer_size_bytes: Size = 64 << 20
-    """Registered staging buffer for the bytes API (Mooncake's local_buffer_size)."""
+    """Pinned host buffer of the staged device-memory path, one per concurrent staged call
+    (Mooncake's local_buffer_size)."""
     master_retry_timeout_s: float = Field(30.0, gt=0)
     """How long a call waits and retries while the master is down before raising
     MasterUnavailableError."""
     backpressure_timeout_s: float = Field(30.0, gt=0)
     """How long a put (or a get that must promote from disk) waits for offloads to disk to
     free DRAM before raising OffloadPendingError."""
+    device_path: Literal["auto", "direct", "staged"] = "auto"
+    """How device memory (torch CUDA tensors, cupy arrays) moves, chosen per registered
+    buffer: ``direct`` (UCX registers it: cuda_copy / cuda_ipc / GPUDirect RDMA, and on one
+    host the CUDA driver copies to and from the mapped arena), ``staged`` (through a pinned
+    host buffer of ``local_buffer_size_bytes``, copies on a stream of its own overlapped
+    with the transfers; forced, it stages registered host memory too), ``auto`` (direct
+    where the transport's UCX can register CUDA memory, else staged)."""
     early_read_max_bytes: Size = 1 << 20
     """A single get of a key whose location this client knows (it wrote or read it) reads
     the bytes while the master's lookup is in flight, when they are mapped from this host's

@@ -8,6 +8,7 @@ namespace nb = nanobind;
 void bind_transport(nb::module_& m);
 void bind_spill(nb::module_& m);
 void bind_master(nb::module_& m);
+void bind_device(nb::module_& m);
 
 NB_MODULE(_native, m) {
   m.doc() = "mooncake-ray native engine (UCX transport, io_uring spill)";
@@ -30,4 +31,5 @@ NB_MODULE(_native, m) {
   bind_transport(m);
   bind_spill(m);
   bind_master(m);
+  bind_device(m);
 }

@@ -353,6 +353,7 @@ void bind_transport(nb::module_& m) {
         e.reply(req, static_cast<Code>(code), bv.data(), bv.size());
       }, "token"_a, "code"_a, "data"_a)
       .def("stats", &mcr::Engine::stats)
+      .def_prop_ro("memory_types", &mcr::Engine::memory_types)
       .def("set_auth_secret", [](mcr::Engine& e, nb::bytes secret) {
         e.set_auth_secret(std::string(secret.c_str(), secret.size()));
       }, "secret"_a)

@@ -239,6 +239,7 @@ class NodeInfo:
     disk_pending: dict = field(default_factory=dict)  # (key, gen) -> bytes reserved for an offload
     offload_inflight: int = 0  # DRAM bytes that will be freed when offloads complete
     tier_keys: dict = field(default_factory=lambda: {"dram": 0, "disk": 0})  # readable replicas here
+    memory_types: list = field(default_factory=lambda: ["host"])  # what the node's UCX registers
 
     def spill_usable(self) -> bool:
         return self.spill_capacity > 0 and not self.spill_degraded
@@ -253,7 +254,8 @@ class NodeInfo:
             return {"dram": dram, "disk": disk}
         dram["offloading_bytes"] = self.offload_inflight
         disk.update(reported_used=self.spill_used, degraded=self.spill_degraded)
-        return {"ray_node_id": self.ray_node_id, "suspect": self.suspect, "dram": dram, "disk": disk}
+        return {"ray_node_id": self.ray_node_id, "suspect": self.suspect, "dram": dram, "disk": disk,
+                "memory_types": list(self.memory_types)}
 
     def public(self) -> dict:
         """What clients need to reach the node."""

@@ -288,6 +288,7 @@ class StoreNodeActor:
             "ray_node_id": self.node_id,
             "spill_capacity": self.tier.capacity_bytes // len(self._links) if self.tier else 0,
             "spill_high_watermark": sp.high_watermark,
+            "memory_types": self.engine.memory_types,
         }
 
     # ---------------------------------------------------------------- liveness --

@@ -327,16 +327,24 @@ class Engine:
             raise errors.InvalidArgumentError(f"arena size must be > 0, got {size}")
         return Region(self._native.alloc_arena(int(size)), None, None, self)
 
-    def register(self, buf: Any) -> Region:
+    def register(self, buf: Any, cuda: bool = False) -> Region:
         """Registers user memory for zero-copy transfers: a writable buffer (bytearray,
-        numpy, memoryview), a torch tensor (CPU; CUDA untested) or an (addr, length) tuple.
-        Keeps a reference to ``buf`` while the Region lives.
+        numpy, memoryview), a torch tensor, a CUDA array or an (addr, length) tuple
+        (``cuda=True``: device memory). Keeps a reference to ``buf`` while the Region lives.
+        Device memory needs ``"cuda"`` in ``memory_types``.
 
         Raises:
-            InvalidArgumentError: read-only, non-contiguous or empty buffer.
+            InvalidArgumentError: read-only, non-contiguous or empty buffer; device memory
+                UCX cannot register.
         """
-        addr, length, cuda, obj, mv = _buffer_of(buf)
-        return Region(self._native.register_memory(addr, length, cuda), obj, mv, self)
+        addr, length, is_cuda, obj, mv = _buffer_of(buf)
+        return Region(self._native.register_memory(addr, length, is_cuda or cuda), obj, mv, self)
+
+    @property
+    def memory_types(self) -> list[str]:
+        """Memory types UCX registers in this engine: ``host``, plus ``cuda`` where a UCX
+        with CUDA transports found a GPU (then device memory is registered directly)."""
+        return list(self._native.memory_types)
 
     def unregister(self, region: Region) -> None:
         """Same as ``region.close()``."""

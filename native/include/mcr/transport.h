@@ -237,6 +237,11 @@ class RemoteRegion {
   WritePath write_path_ = WritePath::kPut;
   std::shared_mutex mu_;      // shared: using rkeys/ptr; exclusive: destroying them
   bool destroyed_ = false;
+  // ptr_ pinned for CUDA DMA (cuMemHostRegister), done at the first copy between it and
+  // device memory: 0 not tried, 1 pinned (unpinned before the mapping goes), -1 refused.
+  std::mutex cuda_mu_;
+  int cuda_pinned_ = 0;
+  void unpin_cuda_locked();
 };
 
 // The completion of one user-level operation (a batch of transfers, or one call).
@@ -323,6 +328,9 @@ class Engine {
   void reply(const IncomingRequest& req, Code code, const char* data, size_t len);
 
   std::map<std::string, uint64_t> stats() const;
+  // The memory types UCX can register in this engine ("host", and "cuda" where a UCX built
+  // with CUDA found a GPU), from ucp_context_query.
+  std::vector<std::string> memory_types() const;
   // The per-cluster secret (>= 16 bytes), set before the engine connects or serves; it
   // cannot be changed afterwards. Peers must then prove it in a mutual challenge-response
   // handshake, and every later message carries a session token derived from it.

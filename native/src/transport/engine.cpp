@@ -494,6 +494,7 @@ void EngineCore::close() {
       std::unique_lock<std::shared_mutex> lk(rr->mu_);
       if (rr->destroyed_) continue;
       rr->destroyed_ = true;
+      rr->unpin_cuda_locked();
       for (void* rk : rr->rkeys_)
         if (rk) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rk));
       rr->rkeys_.clear();
@@ -618,6 +619,18 @@ std::pair<std::string, std::string> Engine::debug_last_auth2() const {
   return {core_->debug_auth2_hdr, core_->debug_auth2_data};
 }
 
+std::vector<std::string> Engine::memory_types() const {
+  ucp_context_attr_t a;
+  memset(&a, 0, sizeof a);
+  a.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  std::vector<std::string> out;
+  if (!core_->ctx || ucp_context_query(core_->ctx, &a) != UCS_OK) return {"host"};
+  for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t)
+    if (a.memory_types & (uint64_t(1) << t)) out.push_back(ucs_memory_type_names[t]);
+  if (out.empty()) out.push_back("host");
+  return out;
+}
+
 std::map<std::string, uint64_t> Engine::stats() const {
   const Stats& s = core_->st;
   std::map<std::string, uint64_t> m{
@@ -625,6 +638,8 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"read_get_bytes", s.read_get_bytes.load()},
       {"read_push_bytes", s.read_push_bytes.load()},
       {"read_push_joined_bytes", s.read_push_joined_bytes.load()},
+      {"read_cuda_bytes", s.read_cuda_bytes.load()},
+      {"write_cuda_bytes", s.write_cuda_bytes.load()},
       {"pushes_sent", s.pushes_sent.load()},
       {"write_memcpy_bytes", s.write_memcpy_bytes.load()},
       {"write_put_bytes", s.write_put_bytes.load()},

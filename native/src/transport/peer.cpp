@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "internal.h"
+#include "mcr/cuda.h"
 
 namespace mcr {
 
@@ -418,10 +419,17 @@ RemoteRegion::RemoteRegion(std::shared_ptr<Peer> peer, std::string rkey, uint64_
                            uint64_t len)
     : peer_(std::move(peer)), rkey_bytes_(std::move(rkey)), base_(base), length_(len) {}
 
+void RemoteRegion::unpin_cuda_locked() {
+  std::lock_guard<std::mutex> g(cuda_mu_);
+  if (cuda_pinned_ == 1 && ptr_) cuda::host_unregister(ptr_);
+  cuda_pinned_ = 0;
+}
+
 RemoteRegion::~RemoteRegion() {
   std::unique_lock<std::shared_mutex> lk(mu_);
   if (destroyed_) return;
   destroyed_ = true;
+  unpin_cuda_locked();
   auto core = peer_ ? peer_->core_ : nullptr;
   if (!core) return;
   for (size_t i = 0; i < rkeys_.size() && i < core->lanes.size(); ++i) {

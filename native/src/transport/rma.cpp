@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "internal.h"
+#include "mcr/cuda.h"
 
 namespace mcr {
 
@@ -267,6 +268,13 @@ void EngineCore::serve_push_locked(Lane* lane, const std::shared_ptr<Peer>& peer
 
 // ---- reader / writer side -------------------------------------------------------------
 
+// Pins a mapped remote arena for the CUDA driver once, so copies between it and device
+// memory are one DMA each; a refusal only makes them slower (the driver stages them).
+static void pin_for_cuda(RemoteRegion& rr) {
+  std::lock_guard<std::mutex> g(rr.cuda_mu_);
+  if (rr.cuda_pinned_ == 0) rr.cuda_pinned_ = cuda::host_register(rr.ptr_, rr.length_) ? 1 : -1;
+}
+
 namespace {
 constexpr uint64_t kGatherMaxBytes = 64u << 10;  // writes up to this size may be gathered
 
@@ -308,8 +316,16 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
     if (is_read && path == int(ReadPath::kPush) && cfg.read_mode == ReadPath::kAuto &&
         push_bytes[rr.peer_.get()] < cfg.push_min_bytes)
       path = int(ReadPath::kGet);
-    if (local && local->mem_type() != MemType::kHost)  // device memory: UCX moves it
-      path = is_read ? int(ReadPath::kGet) : int(WritePath::kPut);
+    if (local && local->mem_type() != MemType::kHost) {
+      // Device memory: with the remote arena mapped (same host) the CUDA driver copies
+      // between it and the device (one DMA: the mapping is pinned at first use); else UCX
+      // moves it (cuda_copy / cuda_ipc / GPUDirect RDMA, as its build allows).
+      const bool mapped = rr.ptr_ && cfg.read_mode != ReadPath::kGet && cfg.write_mode != WritePath::kPut;
+      if (mapped && cuda::available())
+        path = is_read ? int(ReadPath::kMemcpy) : int(WritePath::kMemcpy);
+      else
+        path = is_read ? int(ReadPath::kGet) : int(WritePath::kPut);
+    }
     items.push_back(Item{&io, std::move(local), path});
   }
 
@@ -363,6 +379,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
   // carved from a put slab) are gathered into one staging piece and sent as one put: over
   // tcp every put is a message of its own, and 128 puts of 4 KiB took 6-14x as long as one
   // of 512 KiB. The copy costs ~0.1 ms per 512 KiB.
+  std::vector<cuda::Copy> cuda_copies;  // device memory <-> mapped remote arenas
   std::vector<char> gathered(items.size(), 0);
   if (!is_read) {
     auto small_put = [&](const Item& it) {
@@ -414,6 +431,12 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       char* remote = rr.ptr_ + io.remote_offset;
       char* dst = is_read ? laddr : remote;
       const char* src = is_read ? remote : laddr;
+      if (it.local && it.local->mem_type() == MemType::kCuda) {
+        pin_for_cuda(rr);
+        cuda_copies.push_back(cuda::Copy{uintptr_t(dst), uintptr_t(src), len});
+        (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
+        continue;
+      }
       // Writes land in fresh arena space this process will not read: streamed past the cache.
       const bool stream = !is_read && len >= kStreamMinBytes;
       if (copier && len >= cfg.stripe_min_bytes)
@@ -511,6 +534,22 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
                   }
                   self->staging.free(so, plen);
                 });
+    }
+  }
+
+  if (!cuda_copies.empty()) {
+    // One stream of this thread's, one synchronisation for the whole batch. The copies
+    // ran in the caller's thread like memcpy ones: the op is complete when they are.
+    try {
+      thread_local std::map<int, std::unique_ptr<cuda::CudaCopyStream>> streams;
+      const int dev = cuda::device_of(cuda_copies[0].dst) >= 0 ? cuda::device_of(cuda_copies[0].dst)
+                                                                : cuda::device_of(cuda_copies[0].src);
+      auto& s = streams[dev < 0 ? 0 : dev];
+      if (!s) s = std::make_unique<cuda::CudaCopyStream>(dev < 0 ? 0 : dev);
+      s->copy_many(std::move(cuda_copies));
+      s->synchronize();
+    } catch (const Error& e) {
+      op->record_error(Code::kTransferFailed, e.what());
     }
   }
 

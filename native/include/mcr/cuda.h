@@ -1,0 +1,117 @@
+// CUDA device memory, through the driver API loaded at run time (dlopen of libcuda.so.1):
+// the build needs no CUDA toolkit, and a machine without a GPU driver simply reports CUDA
+// as unavailable. Only what the transport needs: pointer queries, pinning host memory,
+// copies on a stream of our own, and events to order them against an engine's streams.
+//
+// Copy streams come in two kinds with one interface:
+//   CudaCopyStream  cuMemcpyAsync on a non-blocking CUDA stream of the device's primary
+//                   context (one DMA per copy; pinned host memory makes it full speed).
+//   HostCopyStream  memcpy on a worker thread, in order: the same asynchronous contract
+//                   with host memory on both sides. It is what CPU machines (and CI) run
+//                   when staging is forced, standing in for the CUDA stream.
+// Untested on a GPU here (CI has none): tests/gpu/run.sh checks the CUDA side on one.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mcr::cuda {
+
+// Whether the driver loaded and reports at least one device; else why not.
+bool available();
+std::string unavailable_reason();
+int device_count();
+
+// Where an address lives: on a device (ordinal >= 0), or host memory (-1: plain host
+// memory, pinned host memory, or no CUDA at all).
+int device_of(uintptr_t addr);
+
+// Pins [p, p + n) for DMA (cuMemHostRegister, portable). False if CUDA is unavailable or
+// the driver refused (the copies still work, through the driver's own staging).
+bool host_register(void* p, size_t n);
+void host_unregister(void* p);
+
+// A synchronous copy in any direction (unified addressing), in the context of `device`.
+void copy_sync(int device, void* dst, const void* src, size_t n);
+
+struct Copy {
+  uintptr_t dst;
+  uintptr_t src;
+  uint64_t len;
+};
+
+// Merges copies that continue each other in both memories (consecutive blocks of one
+// request), keeping the order. Returns the number of copies left.
+size_t coalesce(std::vector<Copy>& copies);
+
+// A point in an engine's CUDA stream (cuEventRecord), for ordering our copies after the
+// kernels that wrote the memory.
+class Marker {
+ public:
+  Marker(int device, uintptr_t stream);
+  ~Marker();
+  void synchronize();
+  void* event() const { return ev_; }
+  int device() const { return device_; }
+
+ private:
+  int device_;
+  void* ev_ = nullptr;
+};
+
+class CopyStream {
+ public:
+  virtual ~CopyStream() = default;
+  // Queues the copies (after everything queued before); returns at once.
+  virtual void copy_many(std::vector<Copy> copies) = 0;
+  // Later copies wait for the marker (the engine's kernels up to it).
+  virtual void wait_marker(const Marker& m) = 0;
+  // Blocks until every queued copy is done; throws the first failure.
+  virtual void synchronize() = 0;
+  virtual const char* kind() const = 0;
+  uint64_t copies() const { return copies_; }
+  uint64_t bytes() const { return bytes_; }
+
+ protected:
+  uint64_t copies_ = 0, bytes_ = 0;
+};
+
+class CudaCopyStream : public CopyStream {
+ public:
+  explicit CudaCopyStream(int device);
+  ~CudaCopyStream() override;
+  void copy_many(std::vector<Copy> copies) override;
+  void wait_marker(const Marker& m) override;
+  void synchronize() override;
+  const char* kind() const override { return "cuda"; }
+
+ private:
+  int device_;
+  void* stream_ = nullptr;
+};
+
+class HostCopyStream : public CopyStream {
+ public:
+  HostCopyStream();
+  ~HostCopyStream() override;
+  void copy_many(std::vector<Copy> copies) override;
+  void wait_marker(const Marker&) override {}
+  void synchronize() override;
+  const char* kind() const override { return "host"; }
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::vector<Copy>> queue_;
+  bool busy_ = false, stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace mcr::cuda

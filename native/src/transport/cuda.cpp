@@ -1,0 +1,304 @@
+// The CUDA driver API, loaded at run time (see mcr/cuda.h). Every function is looked up
+// by its ABI name (the _v2 names where cuda.h maps the plain ones to them).
+#include "mcr/cuda.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+
+#include "mcr/status.h"
+
+namespace mcr::cuda {
+
+namespace {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUstream = void*;
+using CUevent = void*;
+using CUdeviceptr = unsigned long long;
+
+constexpr int kAttrMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttrDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr unsigned kMemDevice = 2;     // CU_MEMORYTYPE_DEVICE
+constexpr unsigned kMemUnified = 4;    // CU_MEMORYTYPE_UNIFIED
+constexpr unsigned kHostRegisterPortable = 1;
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kEventDisableTiming = 2;
+constexpr int kMaxDevices = 64;
+
+struct Api {
+  void* lib = nullptr;
+  std::string why;
+  int ndev = 0;
+  CUresult (*Init)(unsigned);
+  CUresult (*DeviceGetCount)(int*);
+  CUresult (*DeviceGet)(CUdevice*, int);
+  CUresult (*PrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*PointerGetAttribute)(void*, int, CUdeviceptr);
+  CUresult (*MemHostRegister)(void*, size_t, unsigned);
+  CUresult (*MemHostUnregister)(void*);
+  CUresult (*Memcpy)(CUdeviceptr, CUdeviceptr, size_t);
+  CUresult (*MemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*StreamCreate)(CUstream*, unsigned);
+  CUresult (*StreamDestroy)(CUstream);
+  CUresult (*StreamSynchronize)(CUstream);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*EventCreate)(CUevent*, unsigned);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*EventSynchronize)(CUevent);
+  CUresult (*EventDestroy)(CUevent);
+  CUresult (*GetErrorString)(CUresult, const char**);
+  std::mutex mu;
+  CUcontext ctx[kMaxDevices] = {};
+};
+
+template <typename F>
+bool sym(Api& a, F& f, const char* name) {
+  f = reinterpret_cast<F>(dlsym(a.lib, name));
+  if (!f) a.why = std::string("libcuda.so.1 has no ") + name;
+  return f != nullptr;
+}
+
+Api& api() {
+  static Api* a = [] {
+    auto* p = new Api;
+    p->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!p->lib) {
+      const char* e = dlerror();
+      p->why = std::string("no CUDA driver: ") + (e ? e : "libcuda.so.1 not found");
+      return p;
+    }
+    bool ok = sym(*p, p->Init, "cuInit") && sym(*p, p->DeviceGetCount, "cuDeviceGetCount") &&
+              sym(*p, p->DeviceGet, "cuDeviceGet") &&
+              sym(*p, p->PrimaryCtxRetain, "cuDevicePrimaryCtxRetain") &&
+              sym(*p, p->CtxSetCurrent, "cuCtxSetCurrent") &&
+              sym(*p, p->PointerGetAttribute, "cuPointerGetAttribute") &&
+              sym(*p, p->MemHostRegister, "cuMemHostRegister_v2") &&
+              sym(*p, p->MemHostUnregister, "cuMemHostUnregister") &&
+              sym(*p, p->Memcpy, "cuMemcpy") && sym(*p, p->MemcpyAsync, "cuMemcpyAsync") &&
+              sym(*p, p->StreamCreate, "cuStreamCreate") &&
+              sym(*p, p->StreamDestroy, "cuStreamDestroy_v2") &&
+              sym(*p, p->StreamSynchronize, "cuStreamSynchronize") &&
+              sym(*p, p->StreamWaitEvent, "cuStreamWaitEvent") &&
+              sym(*p, p->EventCreate, "cuEventCreate") && sym(*p, p->EventRecord, "cuEventRecord") &&
+              sym(*p, p->EventSynchronize, "cuEventSynchronize") &&
+              sym(*p, p->EventDestroy, "cuEventDestroy_v2") &&
+              sym(*p, p->GetErrorString, "cuGetErrorString");
+    if (!ok) return p;
+    CUresult r = p->Init(0);
+    if (r == 0) r = p->DeviceGetCount(&p->ndev);
+    if (r != 0) {
+      p->why = "cuInit failed with CUDA error " + std::to_string(r);
+      p->ndev = 0;
+    } else if (p->ndev == 0) {
+      p->why = "the CUDA driver reports no device";
+    }
+    return p;
+  }();
+  return *a;
+}
+
+std::string err(const char* what, CUresult r) {
+  const char* s = nullptr;
+  if (api().GetErrorString) api().GetErrorString(r, &s);
+  return std::string(what) + ": CUDA error " + std::to_string(r) + (s ? std::string(" (") + s + ")" : "");
+}
+
+void check(const char* what, CUresult r) {
+  if (r != 0) throw Error(Code::kTransferFailed, err(what, r));
+}
+
+Api& need() {
+  Api& a = api();
+  if (a.ndev == 0) throw Error(Code::kInvalidArgument, "CUDA is not available: " + a.why);
+  return a;
+}
+
+// Makes `device`'s primary context current in this thread (retained once per process).
+void use_device(int device) {
+  Api& a = need();
+  if (device < 0 || device >= a.ndev || device >= kMaxDevices)
+    throw Error(Code::kInvalidArgument, "CUDA device " + std::to_string(device) + " does not exist (" +
+                                            std::to_string(a.ndev) + " devices)");
+  static thread_local CUcontext current = nullptr;
+  CUcontext c;
+  {
+    std::lock_guard<std::mutex> g(a.mu);
+    if (!a.ctx[device]) {
+      CUdevice d;
+      check("cuDeviceGet", a.DeviceGet(&d, device));
+      check("cuDevicePrimaryCtxRetain", a.PrimaryCtxRetain(&a.ctx[device], d));
+    }
+    c = a.ctx[device];
+  }
+  if (c != current) {
+    check("cuCtxSetCurrent", a.CtxSetCurrent(c));
+    current = c;
+  }
+}
+
+}  // namespace
+
+bool available() { return api().ndev > 0; }
+std::string unavailable_reason() { return available() ? std::string() : api().why; }
+int device_count() { return api().ndev; }
+
+int device_of(uintptr_t addr) {
+  Api& a = api();
+  if (a.ndev == 0 || addr == 0) return -1;
+  unsigned mt = 0;
+  if (a.PointerGetAttribute(&mt, kAttrMemoryType, CUdeviceptr(addr)) != 0) return -1;  // not CUDA's
+  if (mt != kMemDevice && mt != kMemUnified) return -1;
+  int ordinal = -1;
+  if (a.PointerGetAttribute(&ordinal, kAttrDeviceOrdinal, CUdeviceptr(addr)) != 0) return -1;
+  return ordinal;
+}
+
+bool host_register(void* p, size_t n) {
+  Api& a = api();
+  if (a.ndev == 0) return false;
+  use_device(0);
+  return a.MemHostRegister(p, n, kHostRegisterPortable) == 0;
+}
+
+void host_unregister(void* p) {
+  Api& a = api();
+  if (a.ndev > 0) a.MemHostUnregister(p);
+}
+
+void copy_sync(int device, void* dst, const void* src, size_t n) {
+  use_device(device);
+  check("cuMemcpy", api().Memcpy(CUdeviceptr(dst), CUdeviceptr(src), n));
+}
+
+size_t coalesce(std::vector<Copy>& v) {
+  size_t out = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i].len == 0) continue;
+    if (out > 0 && v[out - 1].dst + v[out - 1].len == v[i].dst && v[out - 1].src + v[out - 1].len == v[i].src) {
+      v[out - 1].len += v[i].len;
+    } else {
+      v[out++] = v[i];
+    }
+  }
+  v.resize(out);
+  return out;
+}
+
+// ---- Marker ---------------------------------------------------------------------------
+
+Marker::Marker(int device, uintptr_t stream) : device_(device) {
+  use_device(device);
+  Api& a = api();
+  check("cuEventCreate", a.EventCreate(&ev_, kEventDisableTiming));
+  CUresult r = a.EventRecord(ev_, reinterpret_cast<CUstream>(stream));
+  if (r != 0) {
+    a.EventDestroy(ev_);
+    ev_ = nullptr;
+    check("cuEventRecord", r);
+  }
+}
+
+Marker::~Marker() {
+  if (ev_) api().EventDestroy(ev_);
+}
+
+void Marker::synchronize() {
+  use_device(device_);
+  check("cuEventSynchronize", api().EventSynchronize(ev_));
+}
+
+// ---- CudaCopyStream ---------------------------------------------------------------------
+
+CudaCopyStream::CudaCopyStream(int device) : device_(device) {
+  use_device(device);
+  check("cuStreamCreate", api().StreamCreate(&stream_, kStreamNonBlocking));
+}
+
+CudaCopyStream::~CudaCopyStream() {
+  if (!stream_) return;
+  try {
+    use_device(device_);
+    api().StreamSynchronize(stream_);
+    api().StreamDestroy(stream_);
+  } catch (const Error&) {
+  }
+}
+
+void CudaCopyStream::copy_many(std::vector<Copy> copies) {
+  coalesce(copies);
+  use_device(device_);
+  Api& a = api();
+  for (auto& c : copies) {
+    check("cuMemcpyAsync", a.MemcpyAsync(CUdeviceptr(c.dst), CUdeviceptr(c.src), c.len, stream_));
+    ++copies_;
+    bytes_ += c.len;
+  }
+}
+
+void CudaCopyStream::wait_marker(const Marker& m) {
+  use_device(device_);
+  check("cuStreamWaitEvent", api().StreamWaitEvent(stream_, m.event(), 0));
+}
+
+void CudaCopyStream::synchronize() {
+  use_device(device_);
+  check("cuStreamSynchronize", api().StreamSynchronize(stream_));
+}
+
+// ---- HostCopyStream ---------------------------------------------------------------------
+
+HostCopyStream::HostCopyStream() : worker_([this] { run(); }) {}
+
+HostCopyStream::~HostCopyStream() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+void HostCopyStream::copy_many(std::vector<Copy> copies) {
+  coalesce(copies);
+  for (auto& c : copies) {
+    ++copies_;
+    bytes_ += c.len;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.push_back(std::move(copies));
+  }
+  cv_.notify_one();
+}
+
+void HostCopyStream::run() {
+  for (;;) {
+    std::vector<Copy> batch;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ with nothing left
+      batch = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    for (auto& c : batch)
+      memcpy(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src), c.len);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void HostCopyStream::synchronize() {
+  std::unique_lock<std::mutex> g(mu_);
+  idle_cv_.wait(g, [this] { return queue_.empty() && !busy_; });
+}
+
+}  // namespace mcr::cuda
