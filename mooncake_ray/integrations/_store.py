@@ -12,7 +12,7 @@ from typing import Any
 
 from mooncake_ray.errors import ConfigError
 
-_clients: dict[str, Any] = {}
+_clients: dict[tuple, Any] = {}  # (namespace, device_path) -> client
 _clients_lock = threading.Lock()
 
 
@@ -27,11 +27,12 @@ def _check_reachable(address: str, timeout_s: float, who: str) -> None:
 
 
 def store_client(*, namespace: str, ray_address: str | None, store_wait_s: float,
-                 connect_timeout_s: float, who: str):
+                 connect_timeout_s: float, who: str, device_path: str = "auto"):
     """This process's client of the store in ``namespace``, joining the Ray cluster at
     ``ray_address`` (default: ``RAY_ADDRESS``, then ``auto``) if the process is not in one.
     ``store_wait_s`` bounds how long one store call waits for a restarting master or for
-    room; ``who`` names the integration in errors.
+    room; ``device_path`` is the client's (how device memory moves); ``who`` names the
+    integration in errors.
 
     Raises:
         ConfigError: the Ray cluster cannot be reached or joined (naming the address).
@@ -42,7 +43,7 @@ def store_client(*, namespace: str, ray_address: str | None, store_wait_s: float
     import mooncake_ray
 
     with _clients_lock:
-        client = _clients.get(namespace)
+        client = _clients.get((namespace, device_path))
         if client is not None:
             return client
         if not ray.is_initialized():
@@ -54,6 +55,7 @@ def store_client(*, namespace: str, ray_address: str | None, store_wait_s: float
                 raise ConfigError(f"{who}: cannot join the Ray cluster at {address!r}: {e}") from None
         client = mooncake_ray.connect(namespace=namespace, config={
             "namespace": namespace,
-            "client": {"master_retry_timeout_s": store_wait_s, "backpressure_timeout_s": store_wait_s}})
-        _clients[namespace] = client
+            "client": {"master_retry_timeout_s": store_wait_s, "backpressure_timeout_s": store_wait_s,
+                       "device_path": device_path}})
+        _clients[(namespace, device_path)] = client
         return client

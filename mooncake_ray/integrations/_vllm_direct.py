@@ -36,13 +36,18 @@ def peer_key(engine_id: str, tp_rank: int) -> str:
     return f"{PEER_PREFIX}{engine_id}/{tp_rank}"
 
 
-def publish(client, engine_id: str, tp_rank: int, regions, layers) -> None:
+def publish(client, engine_id: str, tp_rank: int, regions, layers) -> bool:
     """Make this worker's KV memory readable by decode engines (``regions``: registered
-    Regions; ``layers``: LayerBlocks in layer order)."""
+    Regions; ``layers``: LayerBlocks in layer order). Returns False, publishing nothing,
+    when the memory is not registered with the transport (staged device memory): decode
+    engines then load these blocks from the store."""
+    if any(getattr(r, "rkey", None) is None for r in regions):
+        return False
     desc = {"address": client.engine.address.hex(),
             "regions": [[r.rkey.hex(), r.addr, r.length] for r in regions],
-            "layers": [[layer.base, layer.nbytes, layer.num_blocks] for layer in layers]}
+            "layers": [layer.describe() for layer in layers]}
     client.upsert(peer_key(engine_id, tp_rank), json.dumps(desc).encode())
+    return True
 
 
 class DirectReader:
@@ -50,6 +55,7 @@ class DirectReader:
 
     def __init__(self, client, layers, timeout_s: float):
         self.client, self.layers, self.timeout_s = client, list(layers), timeout_s
+        self.enabled = True  # False: this worker's memory cannot be read into (staged)
         self._peers: dict[str, tuple] = {}  # peer key -> (peer, [(RemoteRegion, base, end)], layers)
 
     def _peer(self, key: str):
@@ -76,16 +82,18 @@ class DirectReader:
                 raise ValueError(f"prefill engine {engine_id} has {len(rlayers)} layers, this one {len(self.layers)}")
             ops = []
             for li, layer in enumerate(self.layers):
-                rbase, rbytes, rblocks = rlayers[li]
-                if rbytes != layer.nbytes:
-                    raise ValueError(f"layer {li}: {rbytes} bytes per block there, {layer.nbytes} here")
+                rparts, rbytes, rstride, rblocks = rlayers[li]
+                if rbytes != layer.part_bytes or len(rparts) != layer.num_parts:
+                    raise ValueError(f"layer {li}: {len(rparts)} parts of {rbytes} bytes per block there, "
+                                     f"{layer.num_parts} of {layer.part_bytes} here")
                 for rb, lb in zip(remote_blocks, local_blocks):
                     if not 0 <= rb < rblocks:
                         raise ValueError(f"remote block {rb} outside {rblocks} blocks")
-                    addr = rbase + rb * rbytes
-                    rr, base = next((rr, base) for rr, base, end in regions if base <= addr and addr + rbytes <= end)
-                    local_addr, n = layer.block(lb)
-                    ops.append((rr, addr - base, local_addr, n))
+                    for rpart, (local_addr, n) in zip(rparts, layer.block(lb)):
+                        addr = rpart + rb * rstride
+                        rr, base = next((rr, base) for rr, base, end in regions
+                                        if base <= addr and addr + n <= end)
+                        ops.append((rr, addr - base, local_addr, n))
             self.client.engine.read(ops, self.timeout_s)
         except BaseException:
             self._peers.pop(key, None)  # reconnect next time (the prefill engine may have restarted)

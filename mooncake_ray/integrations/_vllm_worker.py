@@ -13,6 +13,13 @@ Threads and ordering:
   returned ``delay_free`` for it, and ``finished`` reports it only after its last save.
 - Before vLLM reuses a preempted request's blocks, ``drain_saves`` waits for every save.
 
+KV caches on a GPU: each layer's memory is registered with the client, which moves it on
+the direct path (UCX registers the device memory) or the staged one (a pinned host buffer,
+copies on a CUDA stream of the client's). A save reads blocks the step's kernels wrote: the
+forward thread marks the engine's current stream when it hands the save over (a CUDA event,
+no wait), and the save thread's copies (or UCX's reads) start after that mark. A load is
+reported done only once its bytes are in the blocks.
+
 Never raises into the engine: a failed load becomes a set of invalid block ids (vLLM
 recomputes them), a failed save a later miss.
 """
@@ -25,34 +32,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+from mooncake_ray._private.client.staged import device_marker
 from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
+from mooncake_ray.integrations._vllm_layout import LayerBlocks, object_suffixes
 from mooncake_ray.integrations._vllm_plan import BlockRun
 
 log = logging.getLogger(__name__)
-
-
-class LayerBlocks:
-    """One layer's paged KV tensor seen as blocks: block ``b`` is ``nbytes`` bytes at
-    ``base + b * nbytes`` (vLLM CPU layout: blocks first, each contiguous)."""
-
-    def __init__(self, name: str, tensor):
-        if tensor.device.type != "cpu":
-            raise NotImplementedError(
-                f"KV cache of layer {name!r} is on {tensor.device}: only CPU KV caches are supported "
-                "here (device memory needs a UCX built with CUDA; that path is untested)")
-        if not tensor.is_contiguous():
-            raise ValueError(f"KV cache of layer {name!r} is not contiguous (shape {tuple(tensor.shape)}, "
-                             f"strides {tensor.stride()}): expected blocks first, each contiguous")
-        self.name, self.tensor = name, tensor
-        self.num_blocks = tensor.shape[0]
-        self.nbytes = tensor[0].numel() * tensor.element_size()
-        self.base = tensor.data_ptr()
-
-    def block(self, b: int) -> tuple[int, int]:
-        if not 0 <= b < self.num_blocks:
-            raise IndexError(f"block {b} outside layer {self.name!r} of {self.num_blocks} blocks")
-        return self.base + b * self.nbytes, self.nbytes
 
 
 class KVTransfer:
@@ -73,7 +59,7 @@ class KVTransfer:
         self._finishing: set[str] = set()  # finished requests waiting for their saves
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_failures": 0, "saved_blocks": 0,
                       "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0,
-                      "direct_blocks": 0, "direct_fallbacks": 0}
+                      "direct_blocks": 0, "direct_fallbacks": 0, "save_handoff_s": 0.0}
         self._reported: dict = {}  # stats as of the last take_interval
         self.regions = []  # this worker's registered KV memory
         seen = set()
@@ -82,16 +68,34 @@ class KVTransfer:
             if st.data_ptr() in seen:
                 continue
             seen.add(st.data_ptr())
-            self.regions.append(client.register_buffer((st.data_ptr(), st.nbytes())))
+            import torch
+
+            flat = torch.empty(0, dtype=torch.uint8, device=layer.tensor.device).set_(st)
+            self.regions.append(client.register_buffer(flat))
+        self.parts = self.layers[0].num_parts if self.layers else 1
+        if any(layer.num_parts != self.parts for layer in self.layers):
+            raise ValueError("KV cache layers split their blocks into different numbers of parts: "
+                             f"{sorted({layer.num_parts for layer in self.layers})}")
+        dev = self.layers[0].tensor.device if self.layers else None
+        self.cuda_device = (dev.index or 0) if dev is not None and dev.type == "cuda" else None
+        # How the KV memory moves: "host", "direct" (UCX registered it) or "staged".
+        self.path = getattr(self.regions[0], "path", "host") if self.regions else "host"
+        if self.path == "staged":
+            self.direct.enabled = False  # staged memory is not registered with UCX: no peer reads into it
 
     # ----------------------------------------------------------------- keys ----
     def _keys(self, run: BlockRun, layers: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
+        """One key and one memory range per (block, layer, part)."""
         keys, bufs = [], []
+        suffixes = [object_suffixes(li, self.parts) for li in range(len(self.layers))]
         for h, b in zip(run.hashes, run.block_ids):
             for li in layers:
-                keys.append(f"{self.prefix}{h}/{li}")
-                bufs.append(self.layers[li].block(b))
+                keys += [f"{self.prefix}{h}/{sfx}" for sfx in suffixes[li]]
+                bufs += self.layers[li].block(b)
         return keys, bufs
+
+    def _objects_per_block(self, layers: Sequence[int]) -> int:
+        return len(layers) * self.parts
 
     def _count(self, name: str, n: int) -> None:
         self.stats[name] += n
@@ -107,7 +111,7 @@ class KVTransfer:
             k, b = self._keys(run, layers)
             keys += k
             bufs += b
-            owners += [blk for blk in run.block_ids for _ in layers]
+            owners += [blk for blk in run.block_ids for _ in range(self._objects_per_block(layers))]
         if not keys:
             return set()
         t0 = time.perf_counter()
@@ -129,7 +133,11 @@ class KVTransfer:
         return bad
 
     def _load_direct(self, run: BlockRun) -> bool:
-        """Read the run from the prefill engine that holds it; False if that failed."""
+        """Read the run from the prefill engine that holds it; False if that failed (or
+        this worker's KV memory is staged, which peers cannot write into)."""
+        if not self.direct.enabled:
+            self.direct.done(run.direct["req"])  # the producer may free the blocks now
+            return False
         t0 = time.perf_counter()
         try:
             self.direct.read(run.direct["engine"], self.tp_rank, run.direct["blocks"], run.block_ids)
@@ -181,7 +189,7 @@ class KVTransfer:
             self.wait_layer(name)
 
     # ---------------------------------------------------------------- saves ----
-    def _save(self, runs: Sequence[BlockRun]) -> None:
+    def _save(self, runs: Sequence[BlockRun], marker=None) -> None:
         """Store the runs' blocks (every layer) that the store does not hold. Counted in
         vLLM blocks, like loads: a block is saved when all its layers went in, skipped when
         all were there, failed when any layer was refused."""
@@ -190,12 +198,13 @@ class KVTransfer:
             k, b = self._keys(run, range(len(self.layers)))
             keys += k
             bufs += b
-            owners += [blk for blk in run.block_ids for _ in self.layers]
+            owners += [blk for blk in run.block_ids for _ in range(self._objects_per_block(range(len(self.layers))))]
         t0 = time.perf_counter()
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
-            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo]) if todo else []
+            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo],
+                                             after=marker) if todo else []
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
             log.warning("KV save of %d blocks failed (%s)", len(set(owners)), e)
             with self._lock:
@@ -217,9 +226,15 @@ class KVTransfer:
             self.metrics.observe("save", dt)
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
+        """Hand the step's saves to the save thread; with ``sync``, wait for them."""
         if not runs:
             return
-        fut = self._saver.submit(self._save, list(runs))
+        t0 = time.perf_counter()
+        # The step's kernels wrote these blocks on the engine's current stream: mark it here,
+        # in the forward thread (no wait), and let the save start after the mark.
+        marker = device_marker(None, self.cuda_device) if self.cuda_device is not None else None
+        self.stats["save_handoff_s"] += time.perf_counter() - t0
+        fut = self._saver.submit(self._save, list(runs), marker)
         if sync:
             fut.result()
             return

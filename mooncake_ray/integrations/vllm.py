@@ -28,7 +28,9 @@ What each role does:
   returns, so the KV is stored before the response reaches a decode engine.
 - ``kv_consumer`` (decode): loads only.
 
-Keys and layout: see ``_vllm_plan``. Blocks that fail to load are reported to vLLM, which
+Keys and layout: see ``_vllm_plan`` and ``_vllm_layout`` (CPU and GPU KV layouts; on a GPU
+``device_path`` says how the KV memory moves: registered with UCX, or staged through pinned
+host memory). Blocks that fail to load are reported to vLLM, which
 recomputes them (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
 unless ``load_failure_policy`` says ``fail``): a store that is down, full or missing a
 node costs recomputation, never a failed request or a wrong token.
@@ -36,6 +38,7 @@ node costs recomputation, never a failed request or a wrong token.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -48,7 +51,8 @@ from mooncake_ray.errors import ConfigError
 from mooncake_ray.integrations import _store
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
-from mooncake_ray.integrations._vllm_worker import KVTransfer, LayerBlocks
+from mooncake_ray.integrations._vllm_layout import LayerBlocks, layout_key, object_suffixes
+from mooncake_ray.integrations._vllm_worker import KVTransfer
 from mooncake_ray.kv import KVGeometry, key_prefix
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -99,6 +103,13 @@ class MooncakeRayConnectorConfig(BaseModel):
     """How long a producer keeps blocks no consumer has read."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long joining the Ray cluster may take before the engine fails to start."""
+    device_path: Literal["auto", "direct", "staged"] = "auto"
+    """How a GPU KV cache moves (the client's ``device_path``): ``direct`` (UCX registers
+    the GPU memory: cuda_copy / cuda_ipc, GPUDirect RDMA; a decode engine reads a prefill
+    engine's blocks straight from its GPU), ``staged`` (through a pinned host buffer, copies
+    on a CUDA stream of the client's; prefill -> decode then goes through the store),
+    ``auto`` (direct where the client's UCX can register CUDA memory, else staged). Forced
+    ``staged`` stages a CPU KV cache too."""
 
 
 def parse_config(extra: dict | None) -> MooncakeRayConnectorConfig:
@@ -118,7 +129,7 @@ def store_client(cfg: MooncakeRayConnectorConfig):
     """This process's client of the store (shared by the scheduler and worker sides)."""
     return _store.store_client(namespace=cfg.namespace, ray_address=cfg.ray_address,
                                store_wait_s=cfg.store_wait_s, connect_timeout_s=cfg.connect_timeout_s,
-                               who="MooncakeRayConnector")
+                               who="MooncakeRayConnector", device_path=cfg.device_path)
 
 
 # ---------------------------------------------------------------------- stats ----
@@ -210,10 +221,15 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
                                    metrics=self.metrics, tp_rank=tp_rank, direct_timeout_s=self.cfg.store_wait_s,
                                    hold_s=self.cfg.direct_hold_s)
+        self.client.upsert(layout_key(prefix), json.dumps(
+            {"parts": self.transfer.parts, "part_bytes": layers[0].part_bytes if layers else 0}).encode())
+        direct = False
         if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
-            publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
-        log.info("MooncakeRayConnector: %d layers registered, %d bytes per block and layer, keys %s",
-                 len(layers), layers[0].nbytes if layers else 0, prefix)
+            direct = publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
+        log.info("MooncakeRayConnector: %d layers registered (%s, %s memory), %d part(s) of %d bytes per block "
+                 "and layer, keys %s%s", len(layers), layers[0].tensor.device if layers else "-", self.transfer.path,
+                 self.transfer.parts, layers[0].part_bytes if layers else 0, prefix,
+                 ", direct handoff published" if direct else "")
 
     def _plan(self) -> StepPlan | None:
         if self.transfer is None or not self.has_connector_metadata():
@@ -273,10 +289,21 @@ class MooncakeRayConnector(KVConnectorBase_V1):
             self.transfer = None
 
     # ========================================================= scheduler side ==
+    def _parts(self) -> int:
+        """Objects per block and layer, as the workers published it (1 until they have)."""
+        if getattr(self, "_num_parts", None) is None:
+            try:
+                got = self.client.get(layout_key(self._prefixes[0]))
+                self._num_parts = int(json.loads(got)["parts"])
+            except Exception:  # noqa: BLE001 - not published yet (or unreadable): one part
+                return 1
+        return self._num_parts
+
     def _present(self, hashes: list[str]) -> int:
         """How many leading blocks the store holds whole (every layer, every rank)."""
-        per = [f"{p}{h}/{li}" for h in hashes for p in self._prefixes for li in range(self.geometry.num_layers)]
-        n_per = len(self._prefixes) * self.geometry.num_layers
+        sfx = [s for li in range(self.geometry.num_layers) for s in object_suffixes(li, self._parts())]
+        per = [f"{p}{h}/{x}" for h in hashes for p in self._prefixes for x in sfx]
+        n_per = len(self._prefixes) * len(sfx)
         try:
             found = self.client.batch_exists(per)
         except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss

