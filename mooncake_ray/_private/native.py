@@ -7,7 +7,12 @@ whatever the RPATH says.
 
 from __future__ import annotations
 
-import libucx
+try:
+    import libucx
+except ImportError:  # pragma: no cover - an install without one of the UCX extras
+    raise ImportError(
+        "mooncake-ray needs UCX from PyPI: install mooncake-ray[cu12] (libucx-cu12: CUDA 12 drivers, or no GPU) "
+        "or mooncake-ray[cu13] (libucx-cu13: CUDA 13 only)") from None
 
 libucx.load_library()
 
