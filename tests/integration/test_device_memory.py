@@ -27,8 +27,13 @@ def rand(n, seed):
 def test_engine_reports_host_memory_only_here(make_store):
     s = make_store()
     assert s.memory_types == ["host"]  # no GPU driver: UCX's CUDA transports do not load
-    nodes = s.stats()["nodes"]
+    st = s.stats()
+    nodes = st["nodes"]
     assert len(nodes) == 2 and all(n["memory_types"] == ["host"] for n in nodes.values()), nodes
+    from mooncake_ray.cli import format_status
+
+    rows = [line for line in format_status(st).splitlines() if " dram " in line]
+    assert len(rows) == 2 and all(" host " in r for r in rows), rows  # the `memory` column
 
 
 def test_staged_roundtrip_of_blocks_at_random_ids(make_store):
