@@ -35,9 +35,11 @@ def test_start_status_stop(ray_cluster, tmp_path):
     assert out.returncode == 0, out.stderr
     first, header, _rule, *rows = out.stdout.strip().splitlines()
     assert re.match(r"Storage: 0\.00 / 0\.12 GB \| Keys: 5 \(soft-pinned: 1, pinned: 1\)", first), first
-    assert header.split()[:3] == ["node", "tier", "used"]
-    assert len([r for r in rows if " dram " in r]) == 2
-    assert sum(int(r.split()[-2]) for r in rows if " dram " in r) == 5
+    assert header.split() == ["node", "tier", "used", "capacity", "use%", "keys", "memory", "state"]
+    dram = [r.split() for r in rows if " dram " in r]
+    assert len(dram) == 2
+    assert sum(int(r[-3]) for r in dram) == 5
+    assert [r[-2:] for r in dram] == [["host", "ok"]] * 2  # memory types UCX registers there; state
     client.close()
     res = runner.invoke(main, ["stop", "--namespace", ns])
     assert res.exit_code == 0 and "stopped 3 mooncake-ray actor(s)" in res.output
