@@ -19,6 +19,7 @@
 #include <random>
 
 #include "internal.h"
+#include "mcr/cuda.h"
 
 namespace mcr {
 
@@ -308,7 +309,13 @@ void EngineCore::start() {
                   "UCX setting " + k + "=" + v + " rejected: " + ucs_status_string(s));
     }
   };
-  if (const char* tls = tls_for(cfg.protocol)) modify("TLS", tls);
+  if (const char* tls = tls_for(cfg.protocol)) {
+    // A named protocol still lets UCX move device memory where a GPU is there: its CUDA
+    // transports join the list (without them UCX registers host memory only).
+    std::string list = tls;
+    if (cuda::available()) list += ",cuda_copy,cuda_ipc";
+    modify("TLS", list);
+  }
   if (!cfg.devices.empty()) {
     std::string devs;
     for (auto& d : cfg.devices) devs += (devs.empty() ? "" : ",") + d;
@@ -640,6 +647,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"read_push_joined_bytes", s.read_push_joined_bytes.load()},
       {"read_cuda_bytes", s.read_cuda_bytes.load()},
       {"write_cuda_bytes", s.write_cuda_bytes.load()},
+      {"cuda_pin_refused", s.cuda_pin_refused.load()},
       {"pushes_sent", s.pushes_sent.load()},
       {"write_memcpy_bytes", s.write_memcpy_bytes.load()},
       {"write_put_bytes", s.write_put_bytes.load()},

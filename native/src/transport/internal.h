@@ -205,7 +205,8 @@ struct Stats {
   std::atomic<uint64_t> staged_bytes{0}, push_served_bytes{0}, write_gathered_bytes{0};
   std::atomic<uint64_t> read_push_joined_bytes{0};
   // Device memory copied by the CUDA driver to or from a mapped remote arena (same host).
-  std::atomic<uint64_t> read_cuda_bytes{0}, write_cuda_bytes{0};  // pushed reads joined to the extent before
+  std::atomic<uint64_t> read_cuda_bytes{0}, write_cuda_bytes{0};
+  std::atomic<uint64_t> cuda_pin_refused{0};  // mapped arenas the driver would not pin  // pushed reads joined to the extent before
   std::atomic<uint64_t> pushes_sent{0};             // push requests (one per lane and batch)
   std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};
   // Replies to our calls that arrived on another lane than the call's (its caller's spin

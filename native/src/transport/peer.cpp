@@ -472,7 +472,8 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
   void* p1 = nullptr;
   if (len > 0 && ucp_rkey_ptr(static_cast<ucp_rkey_h>(rr->rkeys_[0]), base, &p0) == UCS_OK &&
       ucp_rkey_ptr(static_cast<ucp_rkey_h>(rr->rkeys_[0]), base + len - 1, &p1) == UCS_OK &&
-      static_cast<char*>(p1) == static_cast<char*>(p0) + (len - 1)) {
+      static_cast<char*>(p1) == static_cast<char*>(p0) + (len - 1) &&
+      cuda::device_of(reinterpret_cast<uintptr_t>(p0)) < 0) {  // a mapping of host memory only
     rr->ptr_ = static_cast<char*>(p0);
     // This process's mapping of the owner's memory starts with empty page tables: every
     // first touch of a 4 KiB page is a minor fault (~1024 per 4 MiB written, measured to

@@ -272,7 +272,10 @@ void EngineCore::serve_push_locked(Lane* lane, const std::shared_ptr<Peer>& peer
 // memory are one DMA each; a refusal only makes them slower (the driver stages them).
 static void pin_for_cuda(RemoteRegion& rr) {
   std::lock_guard<std::mutex> g(rr.cuda_mu_);
-  if (rr.cuda_pinned_ == 0) rr.cuda_pinned_ = cuda::host_register(rr.ptr_, rr.length_) ? 1 : -1;
+  if (rr.cuda_pinned_ != 0) return;
+  rr.cuda_pinned_ = cuda::host_register(rr.ptr_, rr.length_) ? 1 : -1;
+  // Refused: the copies still run, staged by the driver (slower); counted in stats.
+  if (rr.cuda_pinned_ < 0 && rr.peer_) rr.peer_->core_->st.cuda_pin_refused.fetch_add(1);
 }
 
 namespace {
