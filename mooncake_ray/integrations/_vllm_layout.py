@@ -19,8 +19,10 @@ MLA (DeepSeek)                        (num_blocks, block_size, head)            
 A block is stored as one object per (layer, part): part 0 under ``<hash>/<layer>``, part
 ``p`` > 0 under ``<hash>/<layer>.<p>`` (``_vllm_plan``), so each object is one range of
 device or host memory, moved without a copy on the direct path and in one copy each on
-the staged path. Engines share KV only when their layouts agree: the layout name is in
-every key's prefix and the parts count is published beside it (``layout_key``).
+the staged path. A block's part 0 is stored after its other parts, so the scheduler's
+lookup asks for part 0 alone. Engines share KV only when their layouts agree: the layout
+name is in every key's prefix, and a block of another layout has other sizes (its load
+fails and is recomputed).
 """
 
 from __future__ import annotations
@@ -98,8 +100,3 @@ class LayerBlocks:
 def object_suffixes(layer: int, parts: int) -> list[str]:
     """Key suffixes of one block's objects for ``layer``: ``<layer>``, ``<layer>.1``, ..."""
     return [f"{layer}"] + [f"{layer}.{p}" for p in range(1, parts)]
-
-
-def layout_key(prefix: str) -> str:
-    """Where a worker publishes its layout's parts count under its key prefix."""
-    return f"{prefix}layout"

@@ -203,8 +203,7 @@ class KVTransfer:
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
-            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo],
-                                             after=marker) if todo else []
+            res = self._put_parts(keys, bufs, todo, marker)
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
             log.warning("KV save of %d blocks failed (%s)", len(set(owners)), e)
             with self._lock:
@@ -224,6 +223,31 @@ class KVTransfer:
             self.stats["saved_blocks"] += len(written - failed)
         if self.metrics is not None:
             self.metrics.observe("save", dt)
+
+    def _put_parts(self, keys, bufs, todo: list[int], marker) -> list:
+        """Put ``todo`` (indices into keys/bufs); results in its order. Where a layer's block
+        has several parts, a part 0 goes in only after the others of its (block, layer)
+        are stored: the lookup asks for part 0 alone, so its presence says the rest is there.
+        """
+        if not todo:
+            return []
+        if self.parts == 1:
+            return self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo], after=marker)
+        out: dict[int, object] = {}
+        rest = [i for i in todo if i % self.parts]
+        for i, r in zip(rest, self.client.batch_put_from([keys[i] for i in rest], [bufs[i] for i in rest],
+                                                         after=marker) if rest else []):
+            out[i] = r
+        broken = {i // self.parts for i in rest if out[i] is not None and not isinstance(out[i], ObjectExistsError)}
+        firsts = [i for i in todo if i % self.parts == 0]
+        held = [i for i in firsts if i // self.parts in broken]
+        for i in held:
+            out[i] = MooncakeRayError(f"{keys[i]!r} not stored: another part of its block was refused")
+        go = [i for i in firsts if i // self.parts not in broken]
+        for i, r in zip(go, self.client.batch_put_from([keys[i] for i in go], [bufs[i] for i in go],
+                                                       after=marker) if go else []):
+            out[i] = r
+        return [out[i] for i in todo]
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
         """Hand the step's saves to the save thread; with ``sync``, wait for them."""

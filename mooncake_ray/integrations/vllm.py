@@ -38,7 +38,6 @@ node costs recomputation, never a failed request or a wrong token.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from mooncake_ray.errors import ConfigError
 from mooncake_ray.integrations import _store
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
-from mooncake_ray.integrations._vllm_layout import LayerBlocks, layout_key, object_suffixes
+from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_worker import KVTransfer
 from mooncake_ray.kv import KVGeometry, key_prefix
 
@@ -221,8 +220,6 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
                                    metrics=self.metrics, tp_rank=tp_rank, direct_timeout_s=self.cfg.store_wait_s,
                                    hold_s=self.cfg.direct_hold_s)
-        self.client.upsert(layout_key(prefix), json.dumps(
-            {"parts": self.transfer.parts, "part_bytes": layers[0].part_bytes if layers else 0}).encode())
         direct = False
         if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
             direct = publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
@@ -289,21 +286,11 @@ class MooncakeRayConnector(KVConnectorBase_V1):
             self.transfer = None
 
     # ========================================================= scheduler side ==
-    def _parts(self) -> int:
-        """Objects per block and layer, as the workers published it (1 until they have)."""
-        if getattr(self, "_num_parts", None) is None:
-            try:
-                got = self.client.get(layout_key(self._prefixes[0]))
-                self._num_parts = int(json.loads(got)["parts"])
-            except Exception:  # noqa: BLE001 - not published yet (or unreadable): one part
-                return 1
-        return self._num_parts
-
     def _present(self, hashes: list[str]) -> int:
         """How many leading blocks the store holds whole (every layer, every rank)."""
-        sfx = [s for li in range(self.geometry.num_layers) for s in object_suffixes(li, self._parts())]
-        per = [f"{p}{h}/{x}" for h in hashes for p in self._prefixes for x in sfx]
-        n_per = len(self._prefixes) * len(sfx)
+        # part 0 of each layer's block: stored last, so it stands for the block's other parts
+        per = [f"{p}{h}/{li}" for h in hashes for p in self._prefixes for li in range(self.geometry.num_layers)]
+        n_per = len(self._prefixes) * self.geometry.num_layers
         try:
             found = self.client.batch_exists(per)
         except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss
