@@ -14,7 +14,7 @@ counted once):
   host_memcpy             numpy copy of 576 MiB (host memory, one thread)
   gpu_to_gpu              the peer's 576 MiB CUDA tensor -> ours, one op (cuda_ipc)
   gpu_to_gpu_blocks       the same as 18432 ops of 32 KiB into the KV blocks
-Targets (the issue's): load >= 0.8 h2d, save >= 0.8 d2h, staged >= host memcpy,
+Targets: load >= 0.8 h2d, save >= 0.8 d2h, staged >= host memcpy,
 GPU->GPU >= 0.5 d2d. Misses are reported, not failed, unless MCR_GPU_STRICT=1; wrong bytes
 always fail. Writes $OUT/gpu_bench.json (/tmp/gpu_bench.json without $OUT).
 """
