@@ -61,6 +61,8 @@ class KVTransfer:
                       "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0,
                       "direct_blocks": 0, "direct_fallbacks": 0, "save_handoff_s": 0.0}
         self._reported: dict = {}  # stats as of the last take_interval
+        import torch
+
         self.regions = []  # this worker's registered KV memory
         seen = set()
         for layer in self.layers:  # layers may share one allocation: register each once
@@ -68,8 +70,6 @@ class KVTransfer:
             if st.data_ptr() in seen:
                 continue
             seen.add(st.data_ptr())
-            import torch
-
             flat = torch.empty(0, dtype=torch.uint8, device=layer.tensor.device).set_(st)
             self.regions.append(client.register_buffer(flat))
         self.parts = self.layers[0].num_parts if self.layers else 1

@@ -215,6 +215,11 @@ class Stager:
         return results
 
 
+def _host_range(buf) -> tuple:
+    """``(address, nbytes, keep)`` of host memory: bytes read-only, anything else writable."""
+    return readable(buf) if isinstance(buf, bytes) else writable(buf)
+
+
 def _sources(own, addrs: Sequence[int], sizes: Sequence[int]) -> list:
     """A group's host buffers: raw ranges of the (registered) staging half, or the one
     item's own buffer (unregistered: the transport bounces it through its own staging)."""
@@ -255,7 +260,7 @@ class DeviceIO:
         if mem is None:
             if self.setting != "staged":
                 return None
-            addr, n, keep = readable(buffer) if isinstance(buffer, bytes) else writable(buffer)
+            addr, n, keep = _host_range(buffer)
             kind, dev = device.HOST, -1
         else:
             addr, n, keep, kind, dev = mem.addr, mem.nbytes, mem.keep, device.CUDA, mem.device
@@ -286,8 +291,8 @@ class DeviceIO:
 
     # ----------------------------------------------------------------- routing ----
     def route(self, buf: Any):
-        """``None`` (host memory: the usual path), ``(addr, n)`` (direct device memory: a
-        raw range the transport knows as CUDA memory) or a ``Staged`` item.
+        """``None`` (host memory: the usual path), ``((addr, n), device)`` (direct device
+        memory: a raw range the transport knows as CUDA memory) or a ``Staged`` item.
 
         Raises:
             InvalidArgumentError: non-contiguous device memory.
@@ -298,26 +303,27 @@ class DeviceIO:
             r = self._inside(*buf)
             if r is None:
                 return None
-            return buf if r.path == "direct" else Staged(buf[0], buf[1], r.kind, r.device, None)
+            return (buf, r.device) if r.path == "direct" else Staged(buf[0], buf[1], r.kind, r.device, None)
         mem = device.describe(buf)
         if mem is None:
             if not self._regs or self.setting != "staged":
                 return None
             try:
-                addr, n, keep = readable(buf) if isinstance(buf, bytes) else writable(buf)
+                addr, n, keep = _host_range(buf)
             except errors.InvalidArgumentError:
                 return None  # the usual path reports it
             r = self._inside(addr, n)
             return None if r is None else Staged(addr, n, device.HOST, -1, keep)
         r = self._inside(mem.addr, mem.nbytes)
         if r is not None and r.path == "direct":
-            return (mem.addr, mem.nbytes)
+            return ((mem.addr, mem.nbytes), r.device)
         return Staged(mem.addr, mem.nbytes, device.CUDA, mem.device, mem.keep)
 
-    def split(self, bufs: Sequence[Any]) -> tuple[list, dict[int, Staged]]:
-        """The call's buffers with direct device memory as raw ranges, and the staged
-        items by index (each staged index keeps its original buffer in the first list)."""
-        out, staged = list(bufs), {}
+    def split(self, bufs: Sequence[Any]) -> tuple[list, dict[int, Staged], set[int]]:
+        """The call's buffers with direct device memory as raw ranges, the staged items by
+        index (each staged index keeps its original buffer in the first list), and the
+        devices of the direct ones."""
+        out, staged, devices = list(bufs), {}, set()
         for i, b in enumerate(bufs):
             try:
                 r = self.route(b)
@@ -328,19 +334,9 @@ class DeviceIO:
             if isinstance(r, Staged):
                 staged[i] = r
             else:
-                out[i] = r
-        return out, staged
-
-    def direct_ready(self, bufs: Sequence[Any], after: Any) -> None:
-        """Before UCX reads direct device memory: the kernels that wrote it are done."""
-        for b in bufs:
-            if isinstance(b, tuple) and self._regs:
-                r = self._inside(*b) if all(type(v) is int for v in b) and len(b) == 2 else None
-                if r is not None and r.path == "direct":
-                    m = stream_marker(after, r.device)
-                    if m is not None:
-                        m.synchronize()
-                    return
+                out[i], dev = r
+                devices.add(dev)
+        return out, staged, devices
 
     def needed(self, bufs: Sequence[Any]) -> bool:
         """Whether a call with these buffers takes the routed path (cheap for host-only
@@ -365,7 +361,7 @@ class DeviceIO:
         """A put whose buffers include device (or staged host) memory: direct device
         memory as raw ranges through ``host_put(keys, bufs, sizes)``, staged items through
         a staging buffer; results in the order of ``keys``."""
-        bufs, staged = self.split(bufs)
+        bufs, staged, devices = self.split(bufs)
         out: list = [None] * len(keys)
         for i, it in list(staged.items()):
             if sizes is not None and sizes[i] is not None:
@@ -377,7 +373,10 @@ class DeviceIO:
                 it.nbytes = sizes[i]
         plain = [i for i in range(len(keys)) if i not in staged and out[i] is None]
         if plain:
-            self.direct_ready([bufs[i] for i in plain], after)
+            for dev in devices:  # before UCX reads direct device memory: its writers are done
+                m = stream_marker(after, dev)
+                if m is not None:
+                    m.synchronize()
             got = host_put([keys[i] for i in plain], [bufs[i] for i in plain],
                            None if sizes is None else [sizes[i] for i in plain])
             for i, r in zip(plain, got):
@@ -392,7 +391,7 @@ class DeviceIO:
 
     def get_routed(self, keys, bufs, host_get: Callable) -> list:
         """``put_routed``'s counterpart for reads into buffers (``host_get(keys, bufs)``)."""
-        bufs, staged = self.split(bufs)
+        bufs, staged, _ = self.split(bufs)
         out: list = [None] * len(keys)
         plain = [i for i in range(len(keys)) if i not in staged]
         if plain:
