@@ -1,10 +1,11 @@
-"""Helpers the benchmark scripts share: the spread of repeated measurements, sizes, the
-transport without Ray, and ucx_perftest as a peer. Scripts import it as ``_common`` (they run
-from this folder or with it on ``sys.path``)."""
+"""Helpers the benchmark scripts share: the host record, the spread of repeated measurements,
+sizes, the transport without Ray, and ucx_perftest as a peer. Scripts import it as
+``_common`` (they run from this folder or with it on ``sys.path``)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -44,6 +45,49 @@ def spread(values, keep: bool = False) -> dict | None:
     if keep:
         out["runs"] = list(values)
     return out
+
+
+ISA_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx2", "avx512_bf16", "avx512_vnni", "avx512f")
+
+
+def host_info() -> dict:
+    """The host a benchmark ran on: CPU model, vCPUs, an ISA label ("AMX", "AVX-512+BF16",
+    "AVX-512", "AVX2" or "other"), which of ``ISA_FLAGS`` it has, memory (GiB) and kernel.
+    Where /proc is missing, what ``os`` and ``platform`` tell."""
+    model, flags, mem_gib = None, set(), None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if {"amx_tile", "amx_bf16"} <= flags:
+        isa = "AMX"
+    elif "avx512f" in flags:
+        isa = "AVX-512+BF16" if "avx512_bf16" in flags else "AVX-512"
+    else:
+        isa = "AVX2" if "avx2" in flags else "other"
+    return {"cpu_model": model or platform.processor() or None, "vcpus": os.cpu_count(), "isa": isa,
+            "flags": sorted(flags & set(ISA_FLAGS)), "mem_gib": mem_gib, "kernel": platform.release()}
+
+
+def host_label(host: dict | None, model: bool = False) -> str:
+    """A ``host_info`` record in short, for a plot title ("AVX-512+BF16, 2 vCPUs"); with
+    ``model``, the CPU model too, for a printed summary."""
+    if not host:
+        return "host not recorded"
+    parts = [host.get("isa"), f"{host.get('vcpus')} vCPUs"] + ([host.get("cpu_model")] if model else [])
+    return ", ".join(str(p) for p in parts if p)
 
 
 def free_port() -> int:

@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import spread
+from _common import host_info, host_label, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
@@ -378,6 +378,7 @@ def main() -> None:
         print("gloo, consumer without enable_tensor_transport:", json.dumps(plain), flush=True)
 
     out = {
+        "host": host_info(),
         "tensor_bytes": nbytes,
         "runs": args.runs,
         "transfers_per_run": args.transfers,
@@ -397,6 +398,7 @@ def main() -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=2))
     plot(out, dest.with_suffix(".png"))
+    print("host:", host_label(out["host"], model=True))
     print(json.dumps({k: v.get("gb_per_s", v.get("error")) for k, v in results.items()}, indent=2))
     print(json.dumps(ratios, indent=2))
 
@@ -427,7 +429,7 @@ def plot(out: dict, path: Path) -> None:
     ax.set_ylabel("GB/s (median, min-max bars, dots = run medians)")
     mib = out["tensor_bytes"] // MiB
     ax.set_title(f"{mib} MiB torch CPU tensor, actor to actor ({out['runs']} runs x "
-                 f"{out['transfers_per_run']} transfers)")
+                 f"{out['transfers_per_run']} transfers; {host_label(out.get('host'))})")
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

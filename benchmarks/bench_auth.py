@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, parse_size, spread
+from _common import RESULTS, host_info, host_label, parse_size, spread
 from bench_transport import MIB4, Ours, _git_state, single_run, warm_pool
 
 SIDES = ("on", "off")
@@ -327,7 +327,8 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(axis="x", alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     fig.suptitle(f"transport authentication cost, paired (auth on vs off, same run, {results['rounds']} rounds); "
-                 "bar = median of per-round ratios, whisker = min-max over rounds", fontsize=10)
+                 f"bar = median of per-round ratios, whisker = min-max over rounds; {host_label(results.get('host'))}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -397,6 +398,7 @@ def main() -> None:
     modes = {p: latency_modes(rounds[p]) for p in protocols}
     results = {
         "description": "transport.auth on vs off: two stores per protocol side by side, paired per round",
+        "host": host_info(),
         "rounds": args.rounds, "repeats": args.repeats, "connect_reps": args.connect_reps,
         "client_reps": args.client_reps, "segment": args.segment, "protocols": protocols,
         "target": f"steady-state throughput ratio on/off >= {TARGET}",
@@ -405,6 +407,7 @@ def main() -> None:
         "loadavg_start": loadavg_start, "loadavg_end": loadavg_end, "load_avg_1m": load, "wall_s": wall,
         "summary": summary, "latency_modes": modes, "client_stats": client_stats, "rounds_raw": rounds,
     }
+    print(f"\nhost: {host_label(results['host'], model=True)}")
     print_table(summary)
     print_modes(modes)
     print(f"\nload: start {loadavg_start} | end {loadavg_end}; wall {wall:.0f}s")

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, spread  # noqa: E402
+from _common import RESULTS, host_info, host_label, spread  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 36, 8, 128, 16
 PART = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2  # one K or V block of one layer, bf16: 32 KiB
@@ -157,8 +157,9 @@ def run(a) -> dict:
         **{f"{p}_handoff_ms": spread(r[p]["handoff_ms"] for r in runs.values()) for p in ("host", "staged")},
         **{f"{p}_handoff_share": spread(r[p]["handoff_share"] for r in runs.values()) for p in ("host", "staged")},
     }
-    out = {"params": vars(a), "bytes": nbytes, "objects": n * LAYERS * 2, "object_bytes": PART,
-           "machine": cpu_flags(), "device_stats": staged.device_stats, "runs": runs, "summary": summary}
+    out = {"host": host_info(), "params": vars(a), "bytes": nbytes, "objects": n * LAYERS * 2,
+           "object_bytes": PART, "machine": cpu_flags(), "device_stats": staged.device_stats, "runs": runs,
+           "summary": summary}
     for x in xfer.values():
         for t in x:
             t.close()
@@ -186,9 +187,8 @@ def plot(res: dict, path: Path) -> None:
     ax.bar(labels, meds, yerr=[lo, hi], capsize=4, color=["#4c72b0", "#4c72b0", "#dd8452", "#dd8452"])
     ax.axhline(s["memcpy_gbps"]["median"], color="k", ls="--", lw=1, label="host memcpy (same run)")
     ax.set_ylabel("GB/s (median, min-max)")
-    m = res["machine"]
     ax.set_title(f"KVTransfer, {res['params']['blocks']} Qwen3-8B blocks ({res['bytes'] / 2**20:.0f} MiB), "
-                 f"{m['cpus']} vCPUs{' AMX' if m['amx_bf16'] else ''}", fontsize=9)
+                 f"{host_label(res.get('host'))}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -207,7 +207,8 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
     plot(res, Path(a.out).with_suffix(".png"))
     s = res["summary"]
-    print("\nmedian (min-max) over", a.repeats, "repeats")
+    print("\nhost:", host_label(res["host"], model=True))
+    print("median (min-max) over", a.repeats, "repeats")
     for k, v in s.items():
         print(f"  {k:28} {v['median']:8.3f} ({v['min']:.3f}-{v['max']:.3f})")
     print(f"wrote {a.out}")

@@ -76,7 +76,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import ROOT, RESULTS, Processes, free_port, spread, versions, wait_port
+from _common import ROOT, RESULTS, Processes, free_port, host_info, host_label, spread, versions, wait_port
 
 MODEL = "Qwen/Qwen3-8B"
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_TOKENS = 36, 8, 128, 2, 64
@@ -457,7 +457,8 @@ def _machine() -> dict:
 
 
 def print_summary(res: dict) -> None:
-    print(f"\npage: {PAGE_TOKENS} tokens x {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} x bf16, K+V "
+    print(f"\nhost: {host_label(res.get('host'), model=True)}")
+    print(f"page: {PAGE_TOKENS} tokens x {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} x bf16, K+V "
           f"= {PAGE_BYTES} B ({PAGE_BYTES / 2**20:.2f} MiB); batches of {res['params']['batch_pages']} pages, "
           f"{res['params']['pages']} pages x {res['params']['rounds']} rounds per repeat, "
           f"{res['params']['repeats']} repeats")
@@ -500,7 +501,8 @@ def plot(res: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     p = res["params"]
     fig.suptitle(f"SGLang HiCache storage interface, {PAGE_BYTES / 2**20:.0f} MiB pages (Qwen3-8B, 64 tokens, "
-                 f"page_first), batches of {p['batch_pages']}, {p['repeats']} repeats", fontsize=10)
+                 f"page_first), batches of {p['batch_pages']}, {p['repeats']} repeats; {host_label(res.get('host'))}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -683,7 +685,7 @@ def main(argv=None) -> None:
         stop(shapes, procs, ray_used=OURS in a.shapes)
     keep_logs = a.log_dir is not None or bool(errors)
     res = summarize(a, shapes, runs, errors, {
-        "machine": {**machine, "loadavg_end": os.getloadavg()}, "sglang_import_s": import_s,
+        "host": host_info(), "machine": {**machine, "loadavg_end": os.getloadavg()}, "sglang_import_s": import_s,
         "log_dir": str(log_dir) if keep_logs else None})
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

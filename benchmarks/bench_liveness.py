@@ -35,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import spread
+from _common import host_info, host_label, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -184,7 +184,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    results = {"config": vars(args), "burst": [], "kill": []}
+    results = {"host": host_info(), "config": vars(args), "burst": [], "kill": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.runs:
@@ -226,6 +226,7 @@ def main() -> None:
     }
     out.write_text(json.dumps(results, indent=2))
     plot(results, out.with_suffix(".png"))
+    print("host:", host_label(results["host"], model=True))
     print(json.dumps(results["summary"], indent=2))
     print(f"wrote {out}")
 
@@ -245,7 +246,8 @@ def plot(results: dict, path: Path) -> None:
             a.plot(range(1, 11), [x / 1000 for x in r["overall_rate_by_tenth"]], "--", alpha=0.6, color=color)
     a.set_xlabel("tenth of the burst")
     a.set_ylabel("put k keys/s")
-    a.set_title("put burst, one store node (solid: median batch; dashed: whole tenth)", fontsize=9)
+    a.set_title("put burst, one store node (solid: median batch; dashed: whole tenth)\n"
+                f"{host_label(results.get('host'))}", fontsize=9)
     if results["burst"]:
         a.legend(fontsize=6)
     kills = [r["first_put_after_kill_s"] for r in results["kill"]]

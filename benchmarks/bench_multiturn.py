@@ -44,6 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
+from _common import host_info, host_label
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 MODEL = dict(model_id="bench/kv8k", num_layers=8, num_kv_heads=4, head_dim=64, num_q_heads=4, hidden=256,
@@ -241,7 +243,8 @@ def serve_config_run(args) -> None:
     off = work / f"store-off-{src.name}"
     doc["applications"][0]["args"]["store"] = {"enabled": False}
     off.write_text(yaml.safe_dump(doc))
-    results = {"args": vars(args), "serve_config": str(src.relative_to(root) if src.is_relative_to(root) else src),
+    results = {"host": host_info(), "args": vars(args),
+               "serve_config": str(src.relative_to(root) if src.is_relative_to(root) else src),
                "model": app["args"]["model"], "configs": {}, "repeats": []}
     for rep in range(args.repeat):
         one = {}
@@ -261,6 +264,7 @@ def serve_config_run(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     plot(results, out.with_suffix(".png"))
+    print("host:", host_label(results["host"], model=True))
     print(json.dumps(results["summary"], indent=2))
 
 
@@ -418,7 +422,7 @@ def main() -> None:
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"
-    results = {"args": vars(args), "model": MODEL, "configs": {}}
+    results = {"host": host_info(), "args": vars(args), "model": MODEL, "configs": {}}
     for mode in args.configs.split(","):
         print(f"config {mode}", flush=True)
         name, ns = deploy(mode, args, port)
@@ -444,6 +448,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     plot(results, out.with_suffix(".png"))
+    print("host:", host_label(results["host"], model=True))
     print(json.dumps(results["summary"], indent=2))
 
 
@@ -492,7 +497,7 @@ def plot(results, path) -> None:
             b.plot(xs, [x["cache_hit_rate"] for x in r["rounds"]], **style)
     a.set_xlabel("round"), a.set_ylabel("mean TTFT (s)"), a.grid(alpha=0.3), a.legend()
     b.set_xlabel("round"), b.set_ylabel("cache hit rate"), b.set_ylim(0, 1.05), b.grid(alpha=0.3), b.legend()
-    fig.suptitle("multi-turn chat: TTFT and cache hit rate per round")
+    fig.suptitle(f"multi-turn chat: TTFT and cache hit rate per round ({host_label(results.get('host'))})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from _common import host_info, host_label
+
 RESULTS = Path(__file__).resolve().parent / "results"
 QWEN = dict(num_layers=36, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", page_size=16)
 
@@ -191,13 +193,14 @@ def main() -> None:
               f"{row['direct']['share_of_ceiling']:5.0%}", flush=True)
     ttft = ttft_sweep(ns, [int(x) for x in args.ttft_lengths.split(",")], args.repeats)
     mooncake_ray.shutdown()
-    result = {"geometry": QWEN, "bytes_per_token": 144 * 1024, "ceiling_gb_per_s": ceiling / 1e9,
+    result = {"host": host_info(), "geometry": QWEN, "bytes_per_token": 144 * 1024, "ceiling_gb_per_s": ceiling / 1e9,
               "ceiling_range_gb_per_s": [min(ceil) / 1e9, max(ceil) / 1e9], "rows": rows, "ttft_small_model": ttft,
               "targets": targets(rows)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
+    print("host:", host_label(result["host"], model=True))
     print(json.dumps(result["targets"], indent=2))
 
 
@@ -229,7 +232,8 @@ def plot(result, path) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"prefill -> decode KV handoff (Qwen3-8B geometry), ceiling {result['ceiling_gb_per_s']:.1f} GB/s")
+    fig.suptitle(f"prefill -> decode KV handoff (Qwen3-8B geometry), ceiling {result['ceiling_gb_per_s']:.1f} GB/s "
+                 f"({host_label(result.get('host'))})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -100,7 +100,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from _common import RESULTS, Processes, free_port, spread, versions, wait_port
+from _common import RESULTS, Processes, free_port, host_info, host_label, spread, versions, wait_port
 
 OURS, MOONCAKE = "mooncake-ray", "mooncake"
 SYSTEMS = (OURS, MOONCAKE)
@@ -820,7 +820,8 @@ def plot(res: dict, path: Path) -> None:
     else:
         cases = f"{clients[0]} client(s)" + (f", {shards[0]} master shards" if shards and shards[0] > 1 else "")
     fig.suptitle(f"{p['keys']:,} keys in batches of {p['batch']}, {p['arena'] / 2**30:g} GiB arena, no spill, "
-                 f"{cases}, one host; medians, bars min-max over {p['repeats']} repeat(s)")
+                 f"{cases}, one host ({host_label(res.get('host'))}); medians, bars min-max over {p['repeats']} "
+                 "repeat(s)")
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
 
@@ -954,7 +955,7 @@ def main(argv=None) -> None:
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="bench_scale-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     params = {k: v for k, v in vars(a).items() if k not in ("out", "log_dir")}
-    res = {"benchmark": "bench_scale", "params": params, **environment(), "runs": [], "errors": [],
+    res = {"benchmark": "bench_scale", "host": host_info(), "params": params, **environment(), "runs": [], "errors": [],
            "log_dir": str(log_dir)}  # removed at the end unless asked for or a run failed
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -991,6 +992,7 @@ def main(argv=None) -> None:
     out.write_text(json.dumps(res, indent=1, default=str))
     if res["runs"]:
         plot(res, out.with_suffix(".png"))
+    print(f"\nhost: {host_label(res['host'], model=True)}")
     print_summary(res["summary"], res["ratios"])
     print(f"\n{res['seconds']:.0f} s in all; wrote {out}")
     if a.log_dir is None and not res["errors"]:

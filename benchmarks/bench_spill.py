@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from _common import parse_size, spread
+from _common import host_info, host_label, parse_size, spread
 
 from mooncake_ray._private.store.spill import SpillTier, crc32c
 
@@ -272,13 +272,14 @@ def plot(result: dict, png: str) -> None:
     axes[1][0].set_yscale("log")
     axes[1][1].set_yscale("log")
     fig.suptitle(f"mooncake-ray spill tier vs fio, {result['reps']} rounds, medians (bars: min-max); "
-                 f"{result['machine']['cpus']} vCPU, {result['dir_fs']}", fontsize=10)
+                 f"{host_label(result.get('host'))}, {result['dir_fs']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
 def print_table(result: dict) -> None:
-    print("\nmedian [min-max] over rounds; ours/fio: per-round ratio (GB/s: >1 is faster; ms: >1 is slower)")
+    print(f"\nhost: {host_label(result.get('host'), model=True)}")
+    print("median [min-max] over rounds; ours/fio: per-round ratio (GB/s: >1 is faster; ms: >1 is slower)")
     print(f"{'size':>8} | {'metric':<20} | {'ours':>18} | {'pread/pwrite':>18} | {'fio':>18} | ours/fio")
     for r in result["sizes"]:
         label = f"{r['size'] // KiB} KiB"
@@ -322,6 +323,7 @@ def main() -> int:
     result = {
         "benchmark": "spill",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": host_info(),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
         "dir": os.path.abspath(args.dir),
         "dir_fs": fs,

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from _common import RESULTS, light_import, parse_size, spread
+from _common import RESULTS, host_info, host_label, light_import, parse_size, spread
 
 SpillTier = light_import("mooncake_ray._private.store.spill").SpillTier
 
@@ -127,7 +127,7 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def plot(summary: dict, path: str) -> None:
+def plot(summary: dict, path: str, host: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,7 +149,8 @@ def plot(summary: dict, path: str) -> None:
         if metric == "disk_bytes_per_value":
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Spill tier, small values: packed vs a file per value (medians, min-max bars)", fontsize=10)
+    fig.suptitle("Spill tier, small values: packed vs a file per value (medians, min-max bars); "
+                 f"{host_label(host)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -181,11 +182,12 @@ def main() -> None:
         if not a.dir:
             shutil.rmtree(base, ignore_errors=True)
     summary = summarize(runs)
-    result = {"params": vars(a), "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    result = {"params": vars(a), "host": {**host_info(), "platform": platform.platform()},
               "runs": runs, "summary": summary}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(summary, a.out.replace(".json", ".png"))
+    plot(summary, a.out.replace(".json", ".png"), result["host"])
+    print("host:", host_label(result["host"], model=True))
     for size, s in summary.items():
         print(size, {k: round(v, 3) for k, v in s["ratio packed / file per value"].items()})
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import spread
+from _common import host_info, host_label, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -118,7 +118,8 @@ def main() -> None:
     store = mooncake_ray.start({"segment_size_bytes": args.segment,
                                 "transport": {"protocol": args.protocol, "devices": ["lo"]}})
     rng = np.random.default_rng(0)
-    results = {"protocol": args.protocol, "repeats": args.repeats, "single": {}, "batch": {}}
+    results = {"host": host_info(), "protocol": args.protocol, "repeats": args.repeats, "single": {}, "batch": {}}
+    print("host:", host_label(results["host"], model=True), flush=True)
     for mode in ("bytes", "zc"):
         for size in SIZES:
             runs = [measure(store, size, mode, rng) for _ in range(args.repeats)]
@@ -165,7 +166,8 @@ def plot(results: dict, path: Path) -> None:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"mooncake-ray store, public API, client and StoreNode on one host ({results['protocol']})")
+    fig.suptitle(f"mooncake-ray store, public API, client and StoreNode on one host ({results['protocol']}; "
+                 f"{host_label(results.get('host'))})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -754,6 +754,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sys.path.insert(0, str(HERE))
+    from _common import host_label  # noqa: E402
+
     agg = result["aggregate"]
     names = [n for n in CONFIGS if n in agg]
     xs = np.arange(len(names))
@@ -794,7 +797,8 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"mooncake-ray tiers, MLPerf-KV-cache-shaped workload ({result['params']['model']}, "
                  f"{result['params']['num_users']} users, {result['params']['page_tokens']}-token pages, "
                  f"{result['params']['trials']} trials, medians, bars min-max); fio seq 1 MiB: "
-                 f"write {fio['write_gbps']:.2f} read {fio['read_gbps']:.2f} GB/s", fontsize=9)
+                 f"write {fio['write_gbps']:.2f} read {fio['read_gbps']:.2f} GB/s; {host_label(result.get('host'))}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -898,7 +902,10 @@ def main() -> int:
     # address="local": a new instance even if /tmp/ray/ray_current_cluster names one (another
     # `ray start`, likely in another network namespace, unreachable from ours)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    result = {"benchmark": "tiers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    sys.path.insert(0, str(HERE))
+    from _common import host_info  # noqa: E402
+
+    result = {"benchmark": "tiers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_info(),
               "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
               "params": {**vars(args), **spec}, "spill_fs": fs, "load_avg_start": os.getloadavg(),
               "fio": [], "runs": {c: [] for c in configs}}
@@ -965,8 +972,12 @@ def clean(x):
 
 
 def report(result: dict) -> None:
+    sys.path.insert(0, str(HERE))
+    from _common import host_label  # noqa: E402
+
     agg = result["aggregate"]
-    print(f"\nmedians over {result['params']['trials']} trials [min-max]")
+    print(f"\nhost: {host_label(result.get('host'), model=True)}")
+    print(f"medians over {result['params']['trials']} trials [min-max]")
     cols = [("storage_throughput_tokens_per_sec", "tok/s", "{:.0f}"),
             ("mlperf_storage_throughput_tokens_per_sec", "MLPerf tok/s", "{:.0f}"),
             ("cache_hit_rate", "hit", "{:.1%}"), ("multi_turn_hit_rate", "multi-turn hit", "{:.1%}"),

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import free_port, spread, stop_processes, ucx_perftest
+from _common import free_port, host_info, host_label, spread, stop_processes, ucx_perftest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -674,7 +674,7 @@ def plot(results: dict, path: Path) -> None:
     else:
         ax.text(0.5, 0.5, "no peer measured", ha="center")
     fig.suptitle("mooncake-ray vs Mooncake Store (remote, tcp) vs ucx_perftest, one host, one run "
-                 f"({results['rounds']} interleaved rounds)")
+                 f"({results['rounds']} interleaved rounds; {host_label(results.get('host'))})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -799,6 +799,7 @@ def main() -> None:
     tg = targets(phases, protocols)
     results = {
         "description": "mooncake_ray public API vs Mooncake Store remote mode vs ucx_perftest, one host, loopback",
+        "host": host_info(),
         "rounds": args.rounds, "small_repeats": args.small_repeats, "batch": {"keys": BATCH, "size": BATCH_SIZE,
                                                                              "batches_per_run": args.batches},
         "sizes": sizes, "ops_per_run": {str(s): ops_per_run(s) for s in sizes},
@@ -814,6 +815,7 @@ def main() -> None:
         "peers": agg, "targets": tg, "load_avg_1m": load, "wall_s": time.perf_counter() - t_start,
         "phases": phases,
     }
+    print(f"\nhost: {host_label(results['host'], model=True)}")
     print_table(agg, peers_order)
     if mc_skip:
         print(f"\nMooncake peer skipped: {mc_skip}")

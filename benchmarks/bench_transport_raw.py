@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, light_import, parse_size, ucx_perftest
+from _common import RESULTS, host_info, host_label, light_import, parse_size, ucx_perftest
 
 
 def _import_engine():
@@ -263,7 +263,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("transfer size (bytes)")
         ax.set_ylabel("GB/s (median, min-max band)")
-        ax.set_title(f"{proto}: engine vs ucx_perftest")
+        ax.set_title(f"{proto}: engine vs ucx_perftest ({host_label(results.get('host'))})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -294,8 +294,8 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     ekw = json.loads(args.engine)
     tls = {"shm": "sm", "tcp": "tcp"}
-    results: dict = {"sizes": [fmt_size(s) for s in sizes], "rounds": args.rounds, "engine_kwargs": ekw,
-                     "load_avg_start": os.getloadavg(), "transports": {}}
+    results: dict = {"host": host_info(), "sizes": [fmt_size(s) for s in sizes], "rounds": args.rounds,
+                     "engine_kwargs": ekw, "load_avg_start": os.getloadavg(), "transports": {}}
     for proto in args.transports.split(","):
         rounds = []
         for r in range(args.rounds):
@@ -334,6 +334,7 @@ def main() -> None:
     (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / f"{args.out}.png")
     # a compact table
+    print(f"\nhost: {host_label(results['host'], model=True)}")
     for proto, res in results["transports"].items():
         print(f"\n== {proto} (GB/s, median [min-max])")
         for key, series in res["bw"].items():

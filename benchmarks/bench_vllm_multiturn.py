@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from _common import versions, wait_port  # noqa: E402
+from _common import host_info, host_label, versions, wait_port  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32
 
@@ -689,7 +689,7 @@ def main() -> None:
                    "vllm_kv_cache_tokens": a.vllm_kv_blocks * BLOCK,
                    "store_working_set_bytes": a.num_clients * (prompt_len(a, a.num_rounds - 1) + a.output_length)
                    * kv_bytes_per_token()},
-               "total_run_s": total_s, "runs": runs}
+               "host": host_info(), "total_run_s": total_s, "runs": runs}
     results["summary"] = summarize(results, a)
     out = Path(a.out)
     out.write_text(json.dumps(results, indent=1, default=str))
@@ -879,7 +879,8 @@ def _same_outputs(m, v) -> float:
 
 def print_table(results) -> None:
     s = results["summary"]
-    print("\nconfig                                   hit(after ovf)  hit(all)  mean TTFT s      input tok/s")
+    print(f"\nhost: {host_label(results.get('host'), model=True)}")
+    print("config                                   hit(after ovf)  hit(all)  mean TTFT s      input tok/s")
     for name, c in s["configs"].items():
         h = c.get("hit_rate_after_overflow")
         hs = f"{h['median']:.3f}" if h else "  -  "
@@ -945,7 +946,8 @@ def plot(results, path) -> None:
     a3.grid(alpha=0.3, axis="y")
     nrep = max((c["runs"] for c in s["configs"].values()), default=0)
     fig.suptitle(f"real vLLM (cpu), multi-turn chat, {results['args']['num_clients']} clients x "
-                 f"{results['args']['num_rounds']} rounds; medians and min-max of {nrep} repeat(s)")
+                 f"{results['args']['num_rounds']} rounds; medians and min-max of {nrep} repeat(s); "
+                 f"{host_label(results.get('host'))}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
