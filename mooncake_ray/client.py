@@ -32,7 +32,7 @@ import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -269,9 +269,18 @@ class Client:
                 raise v
         return [None if isinstance(v, ObjectNotFoundError) else v for v in out]
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | MooncakeRayError]:
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, groups: int = 1,
+                       on_group: Callable[[int, set[int]], None] | None = None) -> list[int | MooncakeRayError]:
         """Read many values into buffers; per key, the size read or the error
         (ObjectNotFoundError for a miss, InvalidArgumentError for a buffer too small).
+
+        ``groups`` > 1 reads values made of several buffers (each a list, cut into
+        ``groups`` equal slices, e.g. one per model layer) slice by slice: one lookup for
+        every key, slice 0 of every value, then slice 1, ...; ``on_group(g, failed)`` is
+        called once slice ``g`` has landed, ``failed`` being the indices of keys whose
+        slice ``g`` did not (misses included). Each value must fill its buffers exactly.
+        (Device memory on the staged path, and a store with several master shards, read
+        whole first and then call ``on_group`` for each slice.)
 
         Raises:
             InvalidArgumentError: ``keys`` and ``buffers`` differ in length (a bad key or
@@ -280,9 +289,22 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
+        if groups != 1 or on_group is not None:
+            if type(groups) is not int or groups < 1:
+                raise InvalidArgumentError(f"groups must be a positive int, got {groups!r:.40}")
+            return self._get_grouped(keys, buffers, groups, on_group or (lambda g, failed: None))
         if self._device.needed(buffers):
             return self._get_routed(keys, buffers)
         return self._host_get_into(keys, buffers)
+
+    def _get_grouped(self, keys, buffers, groups: int, on_group) -> list:
+        if len(self._shards) == 1 and not self._device.needed(buffers):
+            return self._timed("batch_get", keys, lambda: self._reads.get_grouped(keys, buffers, groups, on_group))
+        out = self._get_routed(keys, buffers) if self._device.needed(buffers) else self._host_get_into(keys, buffers)
+        failed = {i for i, r in enumerate(out) if isinstance(r, BaseException)}
+        for g in range(groups):
+            on_group(g, set(failed))
+        return out
 
     def _host_get_into(self, keys, buffers) -> list:
         return self._timed("batch_get", keys, lambda: self._by_shard(
@@ -402,6 +424,8 @@ class Client:
             InvalidArgumentError: an empty buffer, or one that is not contiguous memory.
             ConfigError: ``device_path='direct'`` where UCX cannot register CUDA memory.
         """
+        if isinstance(buffer, list):
+            raise InvalidArgumentError("register_buffer takes one buffer: register each buffer of the list")
         reg = self._device.register(buffer)
         if reg is not None:
             return reg
@@ -598,6 +622,12 @@ class Client:
         """The memory types this client's transport registers (``host``; ``cuda`` where
         UCX has CUDA transports and a GPU): device memory of another type is staged."""
         return list(self._device.memory_types)
+
+    @property
+    def master_calls(self) -> int:
+        """Calls this client has sent to the master (all shards; a call retried across a
+        master restart counts once)."""
+        return sum(sh.master.calls for sh in self._shards)
 
     @property
     def device_stats(self) -> dict:

@@ -3,6 +3,10 @@
 Accepted: bytes, bytearray, memoryview and any C-contiguous buffer-protocol object,
 numpy arrays, and torch CPU tensors (contiguous). The returned ``keep`` object must stay
 referenced until the transfer completes.
+
+A list of such buffers is one value made of several ranges: stored as their concatenation,
+read back into them in order. Its "address" is then a tuple of ``(address, length)``
+ranges (``gathered``); ``expand`` turns transfer ops on such values into one op per range.
 """
 
 from __future__ import annotations
@@ -68,8 +72,55 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
+def gathered(bufs: list, one: Callable[[Any], tuple]) -> tuple[tuple, int, list]:
+    """``(ranges, nbytes, keep)`` of a value made of the buffers of ``bufs``, each turned
+    into ``(address, nbytes, keep)`` by ``one``; empty buffers are dropped.
+
+    Raises:
+        InvalidArgumentError: an empty list, a nested list, or a bad buffer (naming its index).
+    """
+    if not bufs:
+        raise InvalidArgumentError("a list of buffers must hold at least one buffer")
+    ranges, keeps, total = [], [], 0
+    for i, b in enumerate(bufs):
+        if isinstance(b, list):
+            raise InvalidArgumentError(f"buffer {i} of a list of buffers is itself a list")
+        try:
+            a, n, k = one(b)
+        except InvalidArgumentError as e:
+            raise type(e)(f"buffer {i} of the list: {e}") from None
+        if n:
+            ranges.append((a, n))
+            keeps.append(k)
+            total += n
+    return tuple(ranges), total, keeps
+
+
+def expand(ops: list) -> list:
+    """Transfer ops ``(region, offset, address, n)`` with every multi-range value (its
+    address a tuple of ranges) split into one op per range, covering its first ``n``
+    bytes; ops on plain addresses pass through."""
+    out = []
+    for op in ops:
+        a = op[2]
+        if type(a) is int:
+            out.append(op)
+            continue
+        region, off, _, n = op
+        at = 0
+        for addr, m in a:
+            if at >= n:
+                break
+            m = min(m, n - at)
+            out.append((region, off + at, addr, m))
+            at += m
+    return out
+
+
 def readable(value: Any) -> tuple[int, int, Any]:
-    """``(address, nbytes, keep)`` of a value to store."""
+    """``(address, nbytes, keep)`` of a value to store (a tuple of ranges for a list)."""
+    if isinstance(value, list):
+        return gathered(value, readable)
     if isinstance(value, bytes):
         return ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value or 0, len(value), value
     if isinstance(value, np.ndarray):
@@ -96,10 +147,14 @@ def writable(buf: Any, registered: Callable[[int, int], bool] | None = None) -> 
     """``(address, nbytes, keep)`` of a buffer to read into. A raw ``(address, length)``
     must lie inside registered memory (``registered(address, length)``) when that is given.
 
+    A list of buffers is read into in order (``gathered``).
+
     Raises:
         InvalidArgumentError: not writable contiguous memory, or a malformed raw range.
         NotRegisteredError: a raw range outside every registered buffer.
     """
+    if isinstance(buf, list):
+        return gathered(buf, lambda b: writable(b, registered))
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise InvalidArgumentError("numpy buffer must be C-contiguous and writeable")

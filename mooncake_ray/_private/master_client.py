@@ -41,6 +41,7 @@ class MasterChannel:
         self._handle = None
         self._peer = None
         self.incarnation: str | None = None
+        self.calls = 0  # RPCs sent (retries of one call count once)
 
     def handle(self):
         """The master's Ray actor handle (lifecycle calls: stats, nodes, config)."""
@@ -65,6 +66,7 @@ class MasterChannel:
     def call(self, op: int, *args: Any) -> Any:
         """One RPC to the master, retried across restarts within the retry window."""
         payload = rpc.pack([op, *args])
+        self.calls += 1
         peer = self._peer
         if peer is None:
             return self._call_retrying(payload)
@@ -78,6 +80,7 @@ class MasterChannel:
         if peer is None:
             return None
         payload = rpc.pack([op, *args])
+        self.calls += 1
         try:
             return peer, payload, self._engine.call_async(peer, rpc.MASTER_RPC, payload)
         except (NodeUnavailableError, TransferError):
@@ -112,6 +115,7 @@ class MasterChannel:
         peer = self._peer
         if peer is None:
             return None
+        self.calls += 1
         try:
             data = self._engine.call(peer, rpc.MASTER_RPC, rpc.pack([op, *args]), timeout_s=self._rpc_timeout_s)
             return rpc.decode_reply(data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from mooncake_ray.errors import InvalidArgumentError
-from mooncake_ray._private.buffers import readable, writable
+from mooncake_ray._private.buffers import gathered, readable, writable
 
 
 class Sized:
@@ -75,7 +75,10 @@ def source(v, registered: Callable[[int, int], bool]) -> tuple:
         NotRegisteredError: a raw ``(address, length)`` outside every registered buffer.
     """
     if isinstance(v, Sized):
-        addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf, registered)
+        if isinstance(v.buf, list):
+            addr, n, keep = gathered(v.buf, lambda b: source(Sized(b, None), registered))
+        else:
+            addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf, registered)
         if v.size is not None:
             if type(v.size) is not int or not 0 <= v.size <= n:
                 raise InvalidArgumentError(f"size {v.size!r:.40} is outside the buffer of {n} bytes")

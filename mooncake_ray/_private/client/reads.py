@@ -23,7 +23,7 @@ from mooncake_ray.errors import (
     TransferError,
 )
 from mooncake_ray._private import rpc, wire
-from mooncake_ray._private.buffers import new_bytes, writable
+from mooncake_ray._private.buffers import expand, new_bytes, writable
 from mooncake_ray._private.client.args import check_key, convert, key_errors
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.locations import Loc
@@ -109,8 +109,8 @@ class Reader:
             out = g.size
         try:
             if g.size:
-                self._engine.read([(self._nodes.get(rep.node_id, rep.incarnation).region, rep.offset, addr, g.size)],
-                                  timeout_s=self._timeout)
+                self._engine.read(expand([(self._nodes.get(rep.node_id, rep.incarnation).region, rep.offset, addr,
+                                           g.size)]), timeout_s=self._timeout)
             ok = time.monotonic() - t0 <= g.ttl
         except TRANSFER_ERRORS:
             ok = False
@@ -140,7 +140,7 @@ class Reader:
             out, addr = size, dst[0]
         try:
             if size:
-                self._engine.read([(node.region, loc.offset, addr, size)], timeout_s=self._timeout)
+                self._engine.read(expand([(node.region, loc.offset, addr, size)]), timeout_s=self._timeout)
             read_ok = True
         except TRANSFER_ERRORS:
             read_ok = False
@@ -265,6 +265,90 @@ class Reader:
                 results[r[0]] = ObjectNotFoundError(f"{keys[r[0]]!r} was lost with its store node ({res})")
         return retry
 
+    def get_grouped(self, keys, buffers, groups: int, on_group) -> list:
+        """``get_many`` into lists of buffers read group by group: each list is cut into
+        ``groups`` equal slices, one lookup serves every key, then slice ``g`` of every key
+        is read before slice ``g + 1``, and ``on_group(g, failed)`` is called as soon as it
+        has landed (``failed``: indices of the keys whose slice ``g`` did not). A value must
+        fill its buffers exactly. A replica that fails, or reads that outlive the lease,
+        fail their key for the remaining groups (no fallback to another replica)."""
+        results: list = [None] * len(keys)
+        bad = key_errors(keys, self._max_key)
+        slices: dict[int, list] = {}
+        for i, b in enumerate(buffers):
+            if i in bad:
+                continue
+            if not isinstance(b, list) or not b or len(b) % groups:
+                bad[i] = InvalidArgumentError(
+                    f"buffer {i} must be a list of buffers in {groups} equal groups, got "
+                    f"{len(b) if isinstance(b, list) else type(b).__name__}")
+                continue
+            k = len(b) // groups
+            try:
+                slices[i] = [writable(b[g * k:(g + 1) * k], self._registered) for g in range(groups)]
+            except InvalidArgumentError as e:
+                bad[i] = e
+        for i, e in bad.items():
+            results[i] = e
+        todo = sorted(slices)
+        t0 = time.monotonic()
+        descs = self._master.call(rpc.GET, [keys[i] for i in todo], self._here, self._releases.take()) if todo else []
+        live, mine, promote = {}, [], []
+        for i, d in zip(todo, descs):
+            if d is None:
+                results[i] = ObjectNotFoundError(f"{keys[i]!r} is not in the store")
+                self._stats["misses"] += 1
+                continue
+            if rpc.is_err(d):
+                results[i] = rpc.to_exc(d)
+                continue
+            g = wire.read_grant(d)
+            mine.append([keys[i], g.gen, g.lease])
+            total = sum(s[1] for s in slices[i])
+            if g.size != total:
+                results[i] = InvalidArgumentError(
+                    f"value of {keys[i]!r} is {g.size} bytes, its buffers hold {total}")
+            elif not g.replicas:
+                results[i] = ObjectNotFoundError(f"{keys[i]!r} has no copy to read")
+            else:
+                live[i] = g
+                if g.replicas[0].tier == PROMOTE:
+                    promote.append((i, keys[i], g.gen, g.size, g.replicas[0]))
+        if promote:
+            for i, e in self._promote_many(promote).items():
+                results[i] = e
+                del live[i]
+            self._stats["disk_reads"] += len(promote)
+        ttl = min((g.ttl for g in live.values()), default=0.0)
+        at = dict.fromkeys(live, 0)
+        failed_keys = set(range(len(keys))) - set(live)
+        try:
+            for gi in range(groups):
+                ops, owners = [], []
+                for i, g in live.items():
+                    addr, n, _ = slices[i][gi]
+                    rep = g.replicas[0]
+                    if n:
+                        ops.append((rep.node_id, rep.offset + at[i], addr, n, rep.incarnation))
+                        owners.append(i)
+                    at[i] += n
+                dead = {owners[j]: e for j, e in self._read(ops).items()}
+                if live and time.monotonic() - t0 > ttl:  # bytes past the lease are never handed out
+                    dead.update((i, LeaseExpiredError(f"read of {keys[i]!r} outlived its lease")) for i in live)
+                for i, e in dead.items():
+                    results[i] = e if isinstance(e, LeaseExpiredError) else ObjectNotFoundError(
+                        f"{keys[i]!r} was lost with its store node ({e})")
+                    live.pop(i, None)
+                failed_keys |= set(dead)
+                on_group(gi, set(failed_keys))
+        finally:
+            self._releases.later_all(mine)
+        for i, g in live.items():
+            results[i] = g.size
+            self.moved += g.size
+        self._stats["reads"] += len(live)
+        return results
+
     def _promote_many(self, items) -> dict[int, Exception]:
         """Have the nodes holding disk copies read them into the DRAM extents the master
         reserved (one request per node, read in parallel there; the node tells the master).
@@ -293,8 +377,8 @@ class Reader:
         if not ops:
             return {}
         try:
-            self._engine.read([(self._nodes.get(nid, inc).region, off, addr, n) for nid, off, addr, n, inc in ops],
-                              timeout_s=self._timeout)
+            self._engine.read(expand([(self._nodes.get(nid, inc).region, off, addr, n)
+                                      for nid, off, addr, n, inc in ops]), timeout_s=self._timeout)
             return {}
         except TRANSFER_ERRORS:
             pass
@@ -305,7 +389,7 @@ class Reader:
         for (node_id, inc), idxs in by_node.items():
             try:
                 self._nodes.on(node_id, inc, lambda node: self._engine.read(
-                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
+                    expand([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs]), timeout_s=self._timeout))
             except TRANSFER_ERRORS as e:
                 for j in idxs:
                     failed[j] = e

@@ -138,15 +138,24 @@ class Stager:
         self.region.close()
 
     # ------------------------------------------------------------------ moves ----
-    def _copy(self, items: Sequence[Staged], dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int],
+    def _copy(self, items: Sequence[Staged], dsts: Sequence, srcs: Sequence, lens: Sequence[int],
               half: int, marker=None) -> None:
+        """Copy ``lens[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` on the items' streams; an
+        item made of several ranges (a tuple on its side) is copied range by range."""
         by_stream: dict[tuple, tuple[list, list, list]] = {}
         for it, d, s, n in zip(items, dsts, srcs, lens):
-            if n:
-                lists = by_stream.setdefault((it.kind, it.device), ([], [], []))
+            if not n:
+                continue
+            lists = by_stream.setdefault((it.kind, it.device), ([], [], []))
+            if type(d) is int and type(s) is int:
                 lists[0].append(d)
                 lists[1].append(s)
                 lists[2].append(n)
+                continue
+            for rel, a, m in _spans(d if type(d) is not int else s, n):
+                lists[0].append(a if type(d) is not int else d + rel)
+                lists[1].append(a if type(s) is not int else s + rel)
+                lists[2].append(m)
         for (kind, dev), (d, s, n) in by_stream.items():
             st = self.stream(kind, dev, half)
             if marker is not None and kind == device.CUDA:
@@ -213,6 +222,19 @@ class Stager:
         finally:
             self.sync()
         return results
+
+
+def _spans(ranges: tuple, n: int) -> list[tuple[int, int, int]]:
+    """``(offset in the value, address, length)`` of the ranges covering a value's first
+    ``n`` bytes."""
+    out, at = [], 0
+    for a, m in ranges:
+        if at >= n:
+            break
+        m = min(m, n - at)
+        out.append((at, a, m))
+        at += m
+    return out
 
 
 def _host_range(buf) -> tuple:
@@ -294,9 +316,16 @@ class DeviceIO:
         """``None`` (host memory: the usual path), ``((addr, n), device)`` (direct device
         memory: a raw range the transport knows as CUDA memory) or a ``Staged`` item.
 
+        A list of buffers routes as one value: all host memory, all direct device memory
+        of one device (a list of raw ranges), or all staged memory of one kind and device
+        (one ``Staged`` item of several ranges).
+
         Raises:
-            InvalidArgumentError: non-contiguous device memory.
+            InvalidArgumentError: non-contiguous device memory, or a list whose buffers
+                take different paths.
         """
+        if isinstance(buf, list):
+            return self._route_list(buf)
         if isinstance(buf, tuple) and len(buf) == 2:
             if not self._regs or not all(type(v) is int for v in buf):
                 return None
@@ -318,6 +347,20 @@ class DeviceIO:
         if r is not None and r.path == "direct":
             return ((mem.addr, mem.nbytes), r.device)
         return Staged(mem.addr, mem.nbytes, device.CUDA, mem.device, mem.keep)
+
+    def _route_list(self, bufs: list):
+        routes = [self.route(b) for b in bufs]
+        if all(r is None for r in routes):
+            return None
+        if all(isinstance(r, Staged) for r in routes) and len({(r.kind, r.device) for r in routes}) == 1:
+            return Staged(tuple((r.addr, r.nbytes) for r in routes if r.nbytes), sum(r.nbytes for r in routes),
+                          routes[0].kind, routes[0].device, [r.keep for r in routes])
+        if all(isinstance(r, tuple) for r in routes) and len({r[1] for r in routes}) == 1:
+            return [r[0] for r in routes], routes[0][1]
+        paths = ["host" if r is None else f"staged {r.kind}:{r.device}" if isinstance(r, Staged)
+                 else f"direct cuda:{r[1]}" for r in routes]
+        raise errors.InvalidArgumentError(
+            f"a list of buffers is one value: its buffers must take one path, got {sorted(set(paths))}")
 
     def split(self, bufs: Sequence[Any]) -> tuple[list, dict[int, Staged], set[int]]:
         """The call's buffers with direct device memory as raw ranges, the staged items by
@@ -344,7 +387,10 @@ class DeviceIO:
         if self._regs:
             return True
         for b in bufs:
-            if not isinstance(b, _PLAIN) and device.describe(b) is not None:
+            if isinstance(b, list):
+                if self.needed(b):
+                    return True
+            elif not isinstance(b, _PLAIN) and device.describe(b) is not None:
                 return True
         return False
 
