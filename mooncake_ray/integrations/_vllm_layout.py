@@ -16,13 +16,11 @@ FlashInfer, Triton                    (num_blocks, 2, block_size, kv_heads, head
 MLA (DeepSeek)                        (num_blocks, block_size, head)              1
 ====================================  =========================================  =====
 
-A block is stored as one object per (layer, part): part 0 under ``<hash>/<layer>``, part
-``p`` > 0 under ``<hash>/<layer>.<p>`` (``_vllm_plan``), so each object is one range of
-device or host memory, moved without a copy on the direct path and in one copy each on
-the staged path. A block's part 0 is stored after its other parts, so the scheduler's
-lookup asks for part 0 alone. Engines share KV only when their layouts agree: the layout
-name is in every key's prefix, and a block of another layout has other sizes (its load
-fails and is recomputed).
+A block is stored as one value under ``<prefix><hash>`` (``_vllm_plan``): every layer's
+parts, layer by layer, each a range of device or host memory the transport moves without a
+copy on the direct path (and in one copy each on the staged path). Engines share KV only
+when their layouts agree: the layout name is in every key's prefix, and a block of another
+layout has another size (its load fails and is recomputed).
 """
 
 from __future__ import annotations
@@ -95,8 +93,3 @@ class LayerBlocks:
         """What a decode engine needs to read this layer's blocks: part bases, part bytes,
         block stride, block count."""
         return [self.parts, self.part_bytes, self.block_stride, self.num_blocks]
-
-
-def object_suffixes(layer: int, parts: int) -> list[str]:
-    """Key suffixes of one block's objects for ``layer``: ``<layer>``, ``<layer>.1``, ..."""
-    return [f"{layer}"] + [f"{layer}.{p}" for p in range(1, parts)]

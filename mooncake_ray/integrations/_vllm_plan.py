@@ -1,17 +1,19 @@
 """What the vLLM connector loads and saves each step: the scheduler side's bookkeeping,
 free of vLLM and Ray so it is tested in microseconds (``tests/unit/test_vllm_plan.py``).
 
-A vLLM KV block of ``block_size`` tokens is stored as one object per layer (and part),
-keyed
+A vLLM KV block of ``block_size`` tokens is stored as one value holding every layer, keyed
 
-    <prefix><chained hash of the block's tokens>/<layer index>[.<part>]
+    <prefix><chained hash of the block's tokens>
 
-(``prefix`` from :func:`mooncake_ray.kv.key_prefix`). Each object is one contiguous range of
-one layer's paged KV tensor: the whole block on vLLM's CPU backend
-(``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer), its K or its V part in
-FlashAttention's GPU layout (``_vllm_layout``). Loads and saves move bytes between the
-store and vLLM's registered KV memory with no copy in between (or one, on the staged
-device path), and a layer-wise load can hand each layer to the model as soon as it lands.
+(``prefix`` from :func:`mooncake_ray.kv.key_prefix`: model, geometry, layout and the
+worker's tensor- and pipeline-parallel rank). The value is the block's range of each
+layer's paged KV tensor, layer by layer: the whole block per layer on vLLM's CPU backend
+(``[num_blocks, kv_heads, block_size, 2 * head_dim]``), its K part then its V part in
+FlashAttention's GPU layout (``_vllm_layout``). One key per block keeps the store's work
+per token independent of the model's depth (36 layers: 36 times fewer keys, lookups and
+leases than one object per layer); loads and saves move the bytes between the store and
+vLLM's registered KV memory with no copy in between (or one, on the staged device path),
+and a layer-wise load reads layer 0 of every block first, then layer 1, ...
 
 Per request the plan keeps the chained hashes of its full blocks and ``saved_upto``: the
 blocks below it are in the store already or need no saving. It starts at the blocks vLLM

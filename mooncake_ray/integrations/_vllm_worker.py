@@ -3,12 +3,17 @@ the store, zero-copy, on two background threads (one loads, one saves), so a loa
 queued behind a save.
 
 Threads and ordering:
+- A block is one stored value holding every layer (``_keys``): one key, one lookup and one
+  lease per block whatever the model's depth, its bytes moved straight between the value
+  and each layer's memory (a list of ranges, ``Client.batch_get_into``).
 - ``start_loads`` hands a step's loads to the load thread: per request (``async`` mode: vLLM
-  schedules the request once ``finished`` reports it), or per layer across the step's
-  requests (``layerwise`` mode: ``wait_layer`` blocks the forward only until that layer
-  has landed).
+  schedules the request once ``finished`` reports it), or all of the step's requests in one
+  read, layer by layer (``layerwise`` mode: one lookup, then layer 0 of every block, layer
+  1, ...; ``wait_layer`` blocks the forward only until that layer has landed).
 - ``save`` hands a step's saves to the save thread; with ``sync`` it waits for them (a
-  prefill producer's KV must be in the store before its response leaves).
+  prefill producer's KV must be in the store before its response leaves). The forward
+  thread only queues the job (``save_handoff_s``); the save thread's CPU time is counted
+  (``save_cpu_s``, ``load_cpu_s`` for the load thread).
 - A request whose saves are in flight when it finishes keeps its blocks: the scheduler side
   returned ``delay_free`` for it, and ``finished`` reports it only after its last save.
 - Before vLLM reuses a preempted request's blocks, ``drain_saves`` waits for every save.
@@ -35,7 +40,7 @@ from typing import Sequence
 from mooncake_ray._private.client.staged import device_marker
 from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
-from mooncake_ray.integrations._vllm_layout import LayerBlocks, object_suffixes
+from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_plan import BlockRun
 
 log = logging.getLogger(__name__)
@@ -59,7 +64,8 @@ class KVTransfer:
         self._finishing: set[str] = set()  # finished requests waiting for their saves
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_failures": 0, "saved_blocks": 0,
                       "saved_bytes": 0, "skipped_blocks": 0, "save_failures": 0, "load_s": 0.0, "save_s": 0.0,
-                      "direct_blocks": 0, "direct_fallbacks": 0, "save_handoff_s": 0.0}
+                      "direct_blocks": 0, "direct_fallbacks": 0, "save_handoff_s": 0.0,
+                      "load_cpu_s": 0.0, "save_cpu_s": 0.0}
         self._reported: dict = {}  # stats as of the last take_interval
         import torch
 
@@ -73,9 +79,7 @@ class KVTransfer:
             flat = torch.empty(0, dtype=torch.uint8, device=layer.tensor.device).set_(st)
             self.regions.append(client.register_buffer(flat))
         self.parts = self.layers[0].num_parts if self.layers else 1
-        if any(layer.num_parts != self.parts for layer in self.layers):
-            raise ValueError("KV cache layers split their blocks into different numbers of parts: "
-                             f"{sorted({layer.num_parts for layer in self.layers})}")
+        self.block_bytes = sum(layer.nbytes for layer in self.layers)  # one stored value
         dev = self.layers[0].tensor.device if self.layers else None
         self.cuda_device = (dev.index or 0) if dev is not None and dev.type == "cuda" else None
         # How the KV memory moves: "host", "direct" (UCX registered it) or "staged".
@@ -84,50 +88,59 @@ class KVTransfer:
             self.direct.enabled = False  # staged memory is not registered with UCX: no peer reads into it
 
     # ----------------------------------------------------------------- keys ----
-    def _keys(self, run: BlockRun, layers: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
-        """One key and one memory range per (block, layer, part)."""
-        keys, bufs = [], []
-        suffixes = [object_suffixes(li, self.parts) for li in range(len(self.layers))]
-        for h, b in zip(run.hashes, run.block_ids):
-            for li in layers:
-                keys += [f"{self.prefix}{h}/{sfx}" for sfx in suffixes[li]]
-                bufs += self.layers[li].block(b)
-        return keys, bufs
+    def _block(self, b: int) -> list[tuple[int, int]]:
+        """vLLM block ``b`` as one value: every layer's parts, layer by layer."""
+        return [r for layer in self.layers for r in layer.block(b)]
 
-    def _objects_per_block(self, layers: Sequence[int]) -> int:
-        return len(layers) * self.parts
+    def _keys(self, runs: Sequence[BlockRun]) -> tuple[list[str], list[list], list[int]]:
+        """One key, one list of memory ranges and one vLLM block id per block of ``runs``."""
+        keys, bufs, owners = [], [], []
+        for run in runs:
+            keys += [f"{self.prefix}{h}" for h in run.hashes]
+            bufs += [self._block(b) for b in run.block_ids]
+            owners += run.block_ids
+        return keys, bufs, owners
 
-    def _count(self, name: str, n: int) -> None:
+    def _count(self, name: str, n) -> None:
         self.stats[name] += n
         if self.metrics is not None and name in self.metrics.NAMES:
             self.metrics.add(name, n)
 
     # ---------------------------------------------------------------- loads ----
-    def _load(self, runs: Sequence[BlockRun], layers: Sequence[int]) -> set[int]:
-        """Load ``runs`` for ``layers`` in one batched call; returns the vLLM blocks that
-        did not fully load (every layer's object must arrive whole)."""
-        keys, bufs, owners = [], [], []
-        for run in runs:
-            k, b = self._keys(run, layers)
-            keys += k
-            bufs += b
-            owners += [blk for blk in run.block_ids for _ in range(self._objects_per_block(layers))]
+    def _load(self, runs: Sequence[BlockRun], layer_futs: Sequence[Future] | None = None) -> set[int]:
+        """Load ``runs`` in one batched call; returns the vLLM blocks that did not load
+        whole. With ``layer_futs`` (layerwise), layer ``i`` of every block is read before
+        layer ``i + 1`` and ``layer_futs[i]`` is given the blocks whose layer ``i`` failed
+        as soon as it has landed."""
+        keys, bufs, owners = self._keys(runs)
         if not keys:
+            for f in layer_futs or ():
+                f.set_result(set())
             return set()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            results = self.client.batch_get_into(keys, bufs)
+            if layer_futs is None:
+                results = self.client.batch_get_into(keys, bufs)
+            else:
+                def landed(g: int, failed: set[int]) -> None:
+                    layer_futs[g].set_result({owners[i] for i in failed})
+
+                results = self.client.batch_get_into(keys, bufs, groups=len(self.layers), on_group=landed)
         except Exception as e:  # noqa: BLE001 - the engine recomputes; never fail its step
-            log.warning("KV load of %d blocks failed (%s): the engine recomputes them", len(set(owners)), e)
+            log.warning("KV load of %d blocks failed (%s): the engine recomputes them", len(keys), e)
             results = [e] * len(keys)
-        dt = time.perf_counter() - t0
-        bad = {blk for blk, r, (_, n) in zip(owners, results, bufs) if isinstance(r, BaseException) or r != n}
-        ok_bytes = sum(n for r, (_, n) in zip(results, bufs) if not isinstance(r, BaseException) and r == n)
+        finally:
+            for f in layer_futs or ():
+                if not f.done():
+                    f.set_result(set(owners))
+        dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        bad = {blk for blk, r in zip(owners, results) if r != self.block_bytes}
         with self._lock:
             self.stats["load_s"] += dt
-            self._count("loaded_bytes", ok_bytes)
+            self.stats["load_cpu_s"] += cpu
+            self._count("loaded_bytes", (len(owners) - len(bad)) * self.block_bytes)
             self._count("load_failures", len(bad))
-            self.stats["loaded_blocks"] += len(set(owners) - bad)
+            self.stats["loaded_blocks"] += len(owners) - len(bad)
         if self.metrics is not None:
             self.metrics.observe("load", dt)
         return bad
@@ -154,13 +167,13 @@ class KVTransfer:
             self.stats["load_s"] += dt
             self.stats["direct_blocks"] += len(run.block_ids)
             self.stats["loaded_blocks"] += len(run.block_ids)
-            self._count("loaded_bytes", len(run.block_ids) * sum(layer.nbytes for layer in self.layers))
+            self._count("loaded_bytes", len(run.block_ids) * self.block_bytes)
         if self.metrics is not None:
             self.metrics.observe("load", dt)
         return True
 
     def _load_request(self, run: BlockRun) -> None:
-        bad = set() if run.direct and self._load_direct(run) else self._load([run], range(len(self.layers)))
+        bad = set() if run.direct and self._load_direct(run) else self._load([run])
         with self._lock:  # errors first: vLLM reads both in the same step
             self._bad_blocks |= bad
             self._recved.add(run.req_id)
@@ -173,7 +186,9 @@ class KVTransfer:
             self._loader.submit(self._load_request, run)
         runs = [r for r in runs if not (r.direct or not self.layerwise)]
         if runs:
-            self._layer_futs = {li: self._loader.submit(self._load, runs, [li]) for li in range(len(self.layers))}
+            futs = [Future() for _ in self.layers]
+            self._layer_futs = dict(enumerate(futs))
+            self._loader.submit(self._load, runs, futs)
 
     def wait_layer(self, layer_name: str) -> None:
         fut = self._layer_futs.pop(self._index.get(layer_name, -1), None)
@@ -190,64 +205,35 @@ class KVTransfer:
 
     # ---------------------------------------------------------------- saves ----
     def _save(self, runs: Sequence[BlockRun], marker=None) -> None:
-        """Store the runs' blocks (every layer) that the store does not hold. Counted in
-        vLLM blocks, like loads: a block is saved when all its layers went in, skipped when
-        all were there, failed when any layer was refused."""
-        keys, bufs, owners = [], [], []
-        for run in runs:
-            k, b = self._keys(run, range(len(self.layers)))
-            keys += k
-            bufs += b
-            owners += [blk for blk in run.block_ids for _ in range(self._objects_per_block(range(len(self.layers))))]
-        t0 = time.perf_counter()
+        """Store the runs' blocks that the store does not hold (one value per block, every
+        layer in it), counted in vLLM blocks like loads: saved, skipped (there already)
+        or failed."""
+        keys, bufs, owners = self._keys(runs)
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
-            res = self._put_parts(keys, bufs, todo, marker)
+            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo],
+                                             after=marker) if todo else []
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
-            log.warning("KV save of %d blocks failed (%s)", len(set(owners)), e)
+            log.warning("KV save of %d blocks failed (%s)", len(keys), e)
             with self._lock:
-                self._count("save_failures", len(set(owners)))
+                self._count("save_failures", len(keys))
             return
-        dt = time.perf_counter() - t0
-        failed = {owners[i] for i, r in zip(todo, res) if r is not None and not isinstance(r, ObjectExistsError)}
+        dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        failed = [owners[i] for i, r in zip(todo, res) if r is not None and not isinstance(r, ObjectExistsError)]
         if failed:
-            log.warning("KV save: %d of %d blocks not stored", len(failed), len(set(owners)))
-        stored = [i for i, r in zip(todo, res) if r is None]
-        written = {owners[i] for i in todo}
+            log.warning("KV save: %d of %d blocks not stored", len(failed), len(keys))
+        stored = sum(r is None for r in res)
         with self._lock:
             self.stats["save_s"] += dt
-            self.stats["skipped_blocks"] += len(set(owners) - written)
-            self._count("saved_bytes", sum(bufs[i][1] for i in stored))
+            self.stats["save_cpu_s"] += cpu
+            self.stats["skipped_blocks"] += len(keys) - len(todo)
+            self._count("saved_bytes", stored * self.block_bytes)
             self._count("save_failures", len(failed))
-            self.stats["saved_blocks"] += len(written - failed)
+            self.stats["saved_blocks"] += len(todo) - len(failed)
         if self.metrics is not None:
             self.metrics.observe("save", dt)
-
-    def _put_parts(self, keys, bufs, todo: list[int], marker) -> list:
-        """Put ``todo`` (indices into keys/bufs); results in its order. Where a layer's block
-        has several parts, a part 0 goes in only after the others of its (block, layer)
-        are stored: the lookup asks for part 0 alone, so its presence says the rest is there.
-        """
-        if not todo:
-            return []
-        if self.parts == 1:
-            return self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo], after=marker)
-        out: dict[int, object] = {}
-        rest = [i for i in todo if i % self.parts]
-        for i, r in zip(rest, self.client.batch_put_from([keys[i] for i in rest], [bufs[i] for i in rest],
-                                                         after=marker) if rest else []):
-            out[i] = r
-        broken = {i // self.parts for i in rest if out[i] is not None and not isinstance(out[i], ObjectExistsError)}
-        firsts = [i for i in todo if i % self.parts == 0]
-        held = [i for i in firsts if i // self.parts in broken]
-        for i in held:
-            out[i] = MooncakeRayError(f"{keys[i]!r} not stored: another part of its block was refused")
-        go = [i for i in firsts if i // self.parts not in broken]
-        for i, r in zip(go, self.client.batch_put_from([keys[i] for i in go], [bufs[i] for i in go],
-                                                       after=marker) if go else []):
-            out[i] = r
-        return [out[i] for i in todo]
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
         """Hand the step's saves to the save thread; with ``sync``, wait for them."""

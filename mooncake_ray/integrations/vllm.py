@@ -223,9 +223,9 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         direct = False
         if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
             direct = publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
-        log.info("MooncakeRayConnector: %d layers registered (%s, %s memory), %d part(s) of %d bytes per block "
-                 "and layer, keys %s%s", len(layers), layers[0].tensor.device if layers else "-", self.transfer.path,
-                 self.transfer.parts, layers[0].part_bytes if layers else 0, prefix,
+        log.info("MooncakeRayConnector: %d layers registered (%s, %s memory), blocks of %d bytes stored as one "
+                 "value (%d part(s) per layer), keys %s%s", len(layers), layers[0].tensor.device if layers else "-",
+                 self.transfer.path, self.transfer.block_bytes, self.transfer.parts, prefix,
                  ", direct handoff published" if direct else "")
 
     def _plan(self) -> StepPlan | None:
@@ -288,9 +288,8 @@ class MooncakeRayConnector(KVConnectorBase_V1):
     # ========================================================= scheduler side ==
     def _present(self, hashes: list[str]) -> int:
         """How many leading blocks the store holds whole (every layer, every rank)."""
-        # part 0 of each layer's block: stored last, so it stands for the block's other parts
-        per = [f"{p}{h}/{li}" for h in hashes for p in self._prefixes for li in range(self.geometry.num_layers)]
-        n_per = len(self._prefixes) * self.geometry.num_layers
+        per = [f"{p}{h}" for h in hashes for p in self._prefixes]  # one value per block and rank
+        n_per = len(self._prefixes)
         try:
             found = self.client.batch_exists(per)
         except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss

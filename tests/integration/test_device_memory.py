@@ -64,6 +64,38 @@ def test_staged_roundtrip_of_blocks_at_random_ids(make_store):
     assert ds["staged_bytes"] == 2 * len(ids) * block
 
 
+def test_staged_values_of_several_ranges(make_store):
+    """A vLLM block stored as one value of every layer's range: gathered from scattered
+    ranges into the staging buffer, scattered back on the way in; the bytes are the plain
+    path's, and a grouped read reports each group."""
+    s = staged_store(make_store)
+    layers, nblocks, part = 12, 24, 16 * KB  # 192 KiB a value: more than a half, through its own buffer
+    src = torch.from_numpy(rand(layers * nblocks * part, 11))
+    dst = torch.zeros(layers * nblocks * part, dtype=torch.uint8)
+    for t in (src, dst):
+        assert s.register_buffer(t).path == "staged"
+
+    def block(t, b):
+        return [(t.data_ptr() + (li * nblocks + b) * part, part) for li in range(layers)]
+
+    keys = [f"blk/{b}" for b in range(nblocks)]
+    small = [block(src, b)[:4] for b in range(nblocks)]  # 64 KiB values: several a half
+    assert s.batch_put_from([k + "s" for k in keys], small) == [None] * nblocks
+    assert s.batch_put_from(keys, [block(src, b) for b in range(nblocks)]) == [None] * nblocks
+    perm = np.random.default_rng(12).permutation(nblocks).tolist()
+    seen = []
+    got = s.batch_get_into(keys, [block(dst, b) for b in perm], groups=layers, on_group=lambda g, f: seen.append(f))
+    assert got == [layers * part] * nblocks and seen == [set()] * layers
+    view = lambda t: t.numpy().reshape(layers, nblocks, part)  # noqa: E731
+    assert np.array_equal(view(dst)[:, perm], view(src))
+    assert s.get(keys[3]) == b"".join(view(src)[li, 3].tobytes() for li in range(layers))
+    assert s.get(keys[5] + "s") == b"".join(view(src)[li, 5].tobytes() for li in range(4))
+    mixed = [(src.data_ptr(), 100), np.zeros(100, np.uint8)]  # staged memory and plain host memory
+    with pytest.raises(InvalidArgumentError, match="must take one path"):
+        s.put_from("mixed", mixed)
+    assert not s.exists("mixed")
+
+
 def test_staged_bytes_and_keys_are_the_plain_paths(make_store):
     s = staged_store(make_store)
     cfg = s.config.model_copy(update={"client": s.config.client.model_copy(update={"device_path": "auto"})})

@@ -9,7 +9,7 @@ import torch
 
 from mooncake_ray.errors import ConfigError, InvalidArgumentError
 from mooncake_ray._private import device
-from mooncake_ray.integrations._vllm_layout import LayerBlocks, block_dim_of, object_suffixes
+from mooncake_ray.integrations._vllm_layout import LayerBlocks, block_dim_of
 
 
 class FakeCudaArray:
@@ -98,8 +98,3 @@ def test_layout_refuses_blocks_that_are_not_ranges():
     t = torch.zeros(8, 4, 16)[:, :, :8]  # the innermost dimension is cut: a block has gaps
     with pytest.raises(ValueError, match=r"shape \(8, 4, 8\).*not one contiguous range"):
         LayerBlocks("bad", t)
-
-
-def test_object_suffixes():
-    assert object_suffixes(3, 1) == ["3"]
-    assert object_suffixes(3, 2) == ["3", "3.1"]

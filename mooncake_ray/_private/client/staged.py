@@ -363,14 +363,17 @@ class DeviceIO:
             f"a list of buffers is one value: its buffers must take one path, got {sorted(set(paths))}")
 
     def split(self, bufs: Sequence[Any]) -> tuple[list, dict[int, Staged], set[int]]:
-        """The call's buffers with direct device memory as raw ranges, the staged items by
+        """The call's buffers with direct device memory as raw ranges (and a list whose
+        buffers take different paths as its InvalidArgumentError), the staged items by
         index (each staged index keeps its original buffer in the first list), and the
         devices of the direct ones."""
         out, staged, devices = list(bufs), {}, set()
         for i, b in enumerate(bufs):
             try:
                 r = self.route(b)
-            except errors.InvalidArgumentError:
+            except errors.InvalidArgumentError as e:
+                if isinstance(b, list):
+                    out[i] = e  # the key's answer: the usual path would not know why
                 continue  # the usual path reports it for this key
             if r is None:
                 continue
@@ -417,6 +420,9 @@ class DeviceIO:
                     del staged[i]
                     continue
                 it.nbytes = sizes[i]
+        for i, b in enumerate(bufs):
+            if isinstance(b, errors.InvalidArgumentError):
+                out[i] = b
         plain = [i for i in range(len(keys)) if i not in staged and out[i] is None]
         if plain:
             for dev in devices:  # before UCX reads direct device memory: its writers are done
@@ -438,8 +444,8 @@ class DeviceIO:
     def get_routed(self, keys, bufs, host_get: Callable) -> list:
         """``put_routed``'s counterpart for reads into buffers (``host_get(keys, bufs)``)."""
         bufs, staged, _ = self.split(bufs)
-        out: list = [None] * len(keys)
-        plain = [i for i in range(len(keys)) if i not in staged]
+        out: list = [b if isinstance(b, errors.InvalidArgumentError) else None for b in bufs]
+        plain = [i for i in range(len(keys)) if i not in staged and out[i] is None]
         if plain:
             for i, r in zip(plain, host_get([keys[i] for i in plain], [bufs[i] for i in plain])):
                 out[i] = r
