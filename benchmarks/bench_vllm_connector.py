@@ -102,7 +102,7 @@ def run(a) -> dict:
     n_bulk = nbytes // BULK_VALUE
     rng = np.random.default_rng(a.seed)
     runs = []
-    for r in range(a.repeats):
+    for r in range(a.warmup + a.repeats):  # warm-up repeats fault the arena's pages in; not recorded
         rec = {}
         src_ids = rng.permutation(2 * n)[:n].tolist()
         dst_ids = rng.permutation(2 * n)[:n].tolist()
@@ -191,8 +191,9 @@ def run(a) -> dict:
                          "load_over_per_layer": c["load_gbps"] / p["load_gbps"],
                          "save_over_per_layer": c["save_gbps"] / p["save_gbps"],
                          "lookup_speedup_over_per_layer": p["lookup_ms"] / c["lookup_ms"]}
-        runs.append(rec)
-        print(f"repeat {r}: bulk put {b['put_gbps']:.2f} get {b['get_gbps']:.2f} GB/s | connector save "
+        if r >= a.warmup:
+            runs.append(rec)
+        print(f"{'warm-up' if r < a.warmup else 'repeat'} {r}: bulk put {b['put_gbps']:.2f} get {b['get_gbps']:.2f} GB/s | connector save "
               f"{c['save_gbps']:.2f} load {c['load_gbps']:.2f} layerwise {c['layerwise_load_gbps']:.2f} GB/s, "
               f"calls save {c['save_calls']} load {c['load_calls']} lookup {c['lookup_calls']} | per-layer save "
               f"{p['save_gbps']:.2f} load {p['load_gbps']:.2f} GB/s", flush=True)
@@ -241,6 +242,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (a multiple of 16)")
     ap.add_argument("--layout", choices=["cpu", "flash"], default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="repeats run first and not recorded")
     ap.add_argument("--segment", default="1536mb", help="the store node's arena (holds one prompt's KV)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="default: results/bench_vllm_connector[_flash].json")

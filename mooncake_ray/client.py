@@ -46,7 +46,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private import rpc, shards
 from mooncake_ray._private.auth import role_engine
-from mooncake_ray._private.buffers import check_mapped, readable, writable
+from mooncake_ray._private.buffers import RangeSet, check_mapped, readable, writable
 from mooncake_ray._private.device import describe as device_of
 from mooncake_ray._private.checks import check_ttl
 from mooncake_ray._private.client import gcpause
@@ -92,6 +92,7 @@ class Client:
         except Exception:  # not inside a Ray worker/driver: no local preference
             self._here = None
         self._regions: dict[int, Any] = {}  # address -> (Region, keep-alive) of each registered buffer
+        self._registered = RangeSet()  # the same buffers, found by any address inside them
         self._device = DeviceIO(self.engine, config.client.device_path, config.client.local_buffer_size_bytes)
         self._metrics = ClientMetrics()
         self.local_stats = {"reads": 0, "disk_reads": 0, "misses": 0, "early_reads": 0,
@@ -435,7 +436,11 @@ class Client:
         if keep is None:  # a raw (address, length): it must be this process's memory
             check_mapped(addr, n)
         region = self.engine.register((addr, n))
-        self._regions[addr] = (region, keep)
+        old = self._regions.get(addr)
+        if old is not None:
+            self._registered.remove(old)
+        self._regions[addr] = entry = (region, keep)
+        self._registered.add(addr, n, entry)
         return region
 
     def unregister_buffer(self, buffer: Any) -> None:
@@ -453,6 +458,7 @@ class Client:
         entry = self._regions.pop(addr, None)
         if entry is None:
             raise NotRegisteredError(f"buffer at 0x{addr:x} is not registered")
+        self._registered.remove(entry)
         entry[0].close()
 
     def stats(self) -> dict:
@@ -513,6 +519,7 @@ class Client:
         for region, _ in self._regions.values():
             region.close()
         self._regions.clear()
+        self._registered = RangeSet()
         self._device.close()
         self.engine.close()
 
@@ -607,8 +614,7 @@ class Client:
                 raise rpc.to_exc(r)
 
     def _inside_registered(self, addr: int, n: int) -> bool:
-        return any(r.addr <= addr and addr + n <= r.addr + r.length
-                   for r, _ in list(self._regions.values())) or self._device.registered(addr, n)
+        return self._registered.find(addr, n) is not None or self._device.registered(addr, n)
 
     def _put_routed(self, keys, bufs, sizes, replicas, upsert, after) -> list:
         return self._device.put_routed(keys, bufs, sizes, after,

@@ -11,6 +11,7 @@ ranges (``gathered``); ``expand`` turns transfer ops on such values into one op 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from typing import Any, Callable
 
@@ -72,9 +73,12 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def gathered(bufs: list, one: Callable[[Any], tuple]) -> tuple[tuple, int, list]:
+def gathered(bufs: list, one: Callable[[Any], tuple],
+             registered: Callable[[int, int], bool] | None = None) -> tuple[tuple, int, list]:
     """``(ranges, nbytes, keep)`` of a value made of the buffers of ``bufs``, each turned
-    into ``(address, nbytes, keep)`` by ``one``; empty buffers are dropped.
+    into ``(address, nbytes, keep)`` by ``one``; empty buffers are dropped. A raw
+    ``(address, length)`` that ``registered`` accepts is taken as it is (the common case:
+    a KV block's ranges in registered memory, dozens a value).
 
     Raises:
         InvalidArgumentError: an empty list, a nested list, or a bad buffer (naming its index).
@@ -83,6 +87,12 @@ def gathered(bufs: list, one: Callable[[Any], tuple]) -> tuple[tuple, int, list]
         raise InvalidArgumentError("a list of buffers must hold at least one buffer")
     ranges, keeps, total = [], [], 0
     for i, b in enumerate(bufs):
+        if type(b) is tuple and registered is not None and len(b) == 2:
+            a, n = b
+            if type(a) is int and type(n) is int and a > 0 and n > 0 and registered(a, n):
+                ranges.append(b)
+                total += n
+                continue
         if isinstance(b, list):
             raise InvalidArgumentError(f"buffer {i} of a list of buffers is itself a list")
         try:
@@ -94,6 +104,46 @@ def gathered(bufs: list, one: Callable[[Any], tuple]) -> tuple[tuple, int, list]
             keeps.append(k)
             total += n
     return tuple(ranges), total, keeps
+
+
+class RangeSet:
+    """Memory ranges (registered buffers) with a value each, answering which one holds
+    ``[addr, addr + n)`` by bisection: a value of dozens of ranges is checked range by
+    range, against as many registrations (one per model layer). Changes replace the
+    sorted lists whole, so lookups from other threads never see them half made."""
+
+    def __init__(self):
+        self._lists: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])  # starts; (start, end, value)
+
+    def add(self, start: int, length: int, value: Any) -> None:
+        starts, items = list(self._lists[0]), list(self._lists[1])
+        i = bisect.bisect_right(starts, start)
+        starts.insert(i, start)
+        items.insert(i, (start, start + length, value))
+        self._lists = (starts, items)
+
+    def remove(self, value: Any) -> None:
+        items = [it for it in self._lists[1] if it[2] is not value]
+        self._lists = ([it[0] for it in items], items)
+
+    def find(self, addr: int, n: int) -> Any:
+        """The value of a range holding ``[addr, addr + n)``, or None."""
+        starts, items = self._lists
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0:
+            return None
+        if addr + n <= items[i][1]:
+            return items[i][2]
+        for _start, end, value in items[:i]:  # ranges that overlap: an earlier, longer one
+            if addr + n <= end:
+                return value
+        return None
+
+    def values(self) -> list:
+        return [it[2] for it in self._lists[1]]
+
+    def __len__(self) -> int:
+        return len(self._lists[1])
 
 
 def expand(ops: list) -> list:
@@ -154,7 +204,7 @@ def writable(buf: Any, registered: Callable[[int, int], bool] | None = None) -> 
         NotRegisteredError: a raw range outside every registered buffer.
     """
     if isinstance(buf, list):
-        return gathered(buf, lambda b: writable(b, registered))
+        return gathered(buf, lambda b: writable(b, registered), registered)
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous or not buf.flags.writeable:
             raise InvalidArgumentError("numpy buffer must be C-contiguous and writeable")

@@ -80,15 +80,29 @@ def test_a_batch_spanning_several_slabs_commits_every_value_once(make_store):
     values carved from it: none of them is refused and written again the two-call way."""
     s = make_store(master={"put_slab_bytes": "1mb"})
     calls = CallCounter(s)
-    keys = [f"span{i}" for i in range(24)]
-    vals = [rand(200 * KB, i) for i in range(24)]  # 4.8 MB: five 1 MiB slabs
-    assert s.batch_put(keys, vals) == [None] * 24
-    assert calls.ops.count(rpc.SLAB_GRANT) >= 4
-    assert calls.ops.count(rpc.PUT_COMMIT) == 1
+    s.put("first", rand(300 * KB, 99))  # carved from the first slab
+    keys = [f"span{i}" for i in range(9)]
+    vals = [rand(200 * KB, i) for i in range(9)]  # 1.8 MB: the rest of that slab, then two more
+    assert s.batch_put(keys, vals) == [None] * 9
+    assert calls.ops.count(rpc.SLAB_GRANT) == 3
+    assert calls.ops.count(rpc.PUT_COMMIT) == 2  # "first", then one for the whole batch
     assert rpc.PUT_START not in calls.ops  # nothing fell back to the two-call path
     assert s.batch_get(keys) == vals
     st = s.stats()  # the replaced slabs went back with the commit: only the current one is held
-    assert st["slabs"] == 1 and st["used"] - st["slab_bytes"] == 24 * 200 * KB
+    assert st["slabs"] == 1 and st["used"] - st["slab_bytes"] == 9 * 200 * KB + 300 * KB
+
+
+def test_a_batch_larger_than_two_slabs_takes_two_calls(make_store):
+    """A batch that would take a slab grant per slab (a prompt's KV blocks, hundreds of
+    MiB) goes PUT_START / PUT_END instead: two master calls, whatever its size."""
+    s = make_store(master={"put_slab_bytes": "1mb"})
+    calls = CallCounter(s)
+    keys = [f"big{i}" for i in range(24)]
+    vals = [rand(200 * KB, i) for i in range(24)]  # 4.8 MB: five 1 MiB slabs
+    assert s.batch_put(keys, vals) == [None] * 24
+    assert calls.ops.count(rpc.PUT_START) == 1 and calls.ops.count(rpc.PUT_END) == 1
+    assert rpc.SLAB_GRANT not in calls.ops and rpc.PUT_COMMIT not in calls.ops
+    assert s.batch_get(keys) == vals
 
 
 def test_idle_client_gives_its_slab_back(make_store):

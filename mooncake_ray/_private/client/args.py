@@ -76,7 +76,7 @@ def source(v, registered: Callable[[int, int], bool]) -> tuple:
     """
     if isinstance(v, Sized):
         if isinstance(v.buf, list):
-            addr, n, keep = gathered(v.buf, lambda b: source(Sized(b, None), registered))
+            addr, n, keep = gathered(v.buf, lambda b: source(Sized(b, None), registered), registered)
         else:
             addr, n, keep = readable(v.buf) if isinstance(v.buf, bytes) else writable(v.buf, registered)
         if v.size is not None:

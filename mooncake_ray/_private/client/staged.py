@@ -31,7 +31,7 @@ import numpy as np
 
 from mooncake_ray import errors
 from mooncake_ray._private import device
-from mooncake_ray._private.buffers import readable, writable
+from mooncake_ray._private.buffers import RangeSet, readable, writable
 from mooncake_ray._private.native import _native
 
 ALIGN = 64
@@ -260,6 +260,7 @@ class DeviceIO:
         self.engine, self.setting, self.staging_bytes = engine, setting, staging_bytes
         self.memory_types = tuple(engine.memory_types)
         self._regs: list[Registration] = []
+        self._index = RangeSet()  # the same registrations, found by any address inside them
         self._lock = threading.Lock()
         self._free: list[Stager] = []
         self._stagers: list[Stager] = []
@@ -293,6 +294,7 @@ class DeviceIO:
         reg = Registration(addr, n, kind, dev, path, region, keep)
         with self._lock:
             self._regs.append(reg)
+            self._index.add(addr, n, reg)
         self.stats[f"{path}_registrations"] += 1
         return reg
 
@@ -301,15 +303,13 @@ class DeviceIO:
             for i, r in enumerate(self._regs):
                 if r.addr == addr:
                     del self._regs[i]
+                    self._index.remove(r)
                     r.close()
                     return True
         return False
 
     def _inside(self, addr: int, n: int) -> Registration | None:
-        for r in self._regs:
-            if r.addr <= addr and addr + n <= r.addr + r.length:
-                return r
-        return None
+        return self._index.find(addr, n)
 
     # ----------------------------------------------------------------- routing ----
     def route(self, buf: Any):
@@ -496,6 +496,7 @@ class DeviceIO:
     def close(self) -> None:
         with self._lock:
             regs, self._regs = self._regs, []
+            self._index = RangeSet()
             stagers, self._stagers, self._free = self._stagers, [], []
         for r in regs:
             r.close()

@@ -22,6 +22,7 @@ from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
 from mooncake_ray._private.master.allocator import extent_length
 
 PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
+SLABS_PER_BATCH = 2  # a batch needing more slab room than this many slabs takes PUT_START / PUT_END
 
 
 class Writer:
@@ -97,6 +98,8 @@ class Writer:
         rest = [i for i, n in enumerate(lengths) if n > limit]
         if not idxs:
             return rest
+        if sum(lengths[i] for i in idxs) > SLABS_PER_BATCH * self._slabs.slab_bytes:
+            return list(range(len(srcs)))  # one slab grant per slab: two calls for all are fewer
         placed = self._slabs.carve([lengths[i] for i in idxs])
         ops, owners, items = [], [], []
         for i, got in zip(idxs, placed):
