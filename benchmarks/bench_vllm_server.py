@@ -48,11 +48,11 @@ def start_server(name: str, model: str, port: int, ray_address: str, namespace: 
     if namespace is not None:
         kv = ["--kv-transfer-config", json.dumps({
             "kv_connector": "MooncakeRayConnector", "kv_connector_module_path": "mooncake_ray.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"namespace": namespace}})]
+            "kv_role": "kv_both", "kv_connector_extra_config": {"namespace": namespace, "load_mode": a.load_mode}})]
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--host", "127.0.0.1", "--dtype", "bfloat16", "--block-size", str(BLOCK),
             "--max-model-len", str(a.prefix + a.tail + 16), "--max-num-seqs", "4", "--enable-prompt-tokens-details",
-            "--disable-log-requests", *kv]
+            *kv]
     env = {**os.environ, "RAY_ADDRESS": ray_address, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log = open(log_dir / f"{name}.log", "w")
@@ -83,7 +83,7 @@ def ttft(port: int, model: str, ids: list[int]) -> dict:
 
 
 def tokens(seed, n: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(repr(seed))
     return [rng.randrange(7, vocab) for _ in range(n)]
 
 
@@ -214,6 +214,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--prefix", type=int, default=1536, help="tokens of the shared prefix (a multiple of 32)")
     ap.add_argument("--tail", type=int, default=24)
+    ap.add_argument("--load-mode", choices=["async", "layerwise"], default="async", help="the connector's load_mode")
     ap.add_argument("--prompts", type=int, default=4, help="prefixes per repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-dir", default="/tmp/bench_vllm_server-model")
