@@ -92,7 +92,12 @@ demo-inner:
 	$(PY) -m mooncake_ray.demo
 
 # Run a benchmark in the namespace: make bench B=benchmarks/bench_store.py ARGS=...
-bench: build
+# The peers the figures compare against come with it (the `peers` extra).
+.venv/.peers: .venv/.env pyproject.toml
+	uv pip install -q -p $(PY) $(call EXTRA,peers)
+	@touch $@
+
+bench: build .venv/.peers
 	$(NS) '$(NS_PRE) exec $(PY) $(B) $(ARGS)'
 
 # `ray up cluster.yaml` for real, on three hosts made of network namespaces (own address on a

@@ -154,6 +154,8 @@ class ServeRun:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"serve run exited {self.proc.returncode}:\n{self.log()[-5000:]}")
+            if "DEPLOY_FAILED" in self.log():  # serve run keeps running after a failed deploy
+                raise AssertionError(f"the app's deploy failed:\n{self.log()[-5000:]}")
             try:
                 r = httpx.get(self.url + path, timeout=5)
                 if r.status_code == 200:

@@ -22,7 +22,10 @@ is in flight.
 
 The store nodes keep an inventory of what they hold so a restarted master can rebuild
 this index. The master is its only writer: each change a node must know is queued in
-``_effects`` and the actor delivers it before it replies to the caller.
+``_effects``; before it replies to the caller the actor moves them into that node's outbox,
+and a delivery thread sends each outbox on (``MasterActor._delivery_loop``), so a reply
+does not wait for the node. A master lost between its reply and that delivery (about a
+millisecond) loses what the reply acknowledged.
 
 Every public method is idempotent where the docstring says so; the RPC layer relies on
 that to retry after a lost reply.
