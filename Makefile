@@ -2,13 +2,16 @@
 #
 # Every target that starts Ray or a server runs inside a private network namespace with
 # only loopback (Ray listens on all interfaces and turns token auth on by default), and a
-# private mount namespace so tests may mount small filesystems of their own.
+# private mount namespace so tests may mount small filesystems of their own (and Ray's
+# token file stays the run's own).
 
 SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 NS := unshare --net --mount --propagation private sh -c
-NS_PRE := mount --make-rprivate / && ip link set lo up &&
+# ~/.ray gets a private tmpfs in there: Ray's token file (~/.ray/auth_token) that a run's
+# local Ray writes goes away with the run, and none left in the user's home is read.
+NS_PRE := mount --make-rprivate / && ip link set lo up && mkdir -p "$$HOME/.ray" && mount -t tmpfs -o size=4m tmpfs "$$HOME/.ray" &&
 
 APT_PKGS := liburing-dev libssl-dev fio iproute2 util-linux prometheus
 # test-cluster's hosts: sshd, rsync for ray up's file mounts, sudo for the setup commands

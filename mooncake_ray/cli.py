@@ -65,7 +65,9 @@ def _ray_init(address: str | None) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
+        from mooncake_ray._private.rayjoin import join
+
+        join(address or "auto", logging_level=logging.WARNING, log_to_driver=False)
 
 
 @click.group()
@@ -118,7 +120,11 @@ def stop(namespace: str, address: str | None) -> None:
     """Remove the store's actors from the cluster (stored data is dropped)."""
     from mooncake_ray._private import deploy
 
-    _ray_init(address)
+    try:
+        _ray_init(address)
+    except MooncakeRayError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     n = deploy.teardown(namespace)
     click.echo(f"stopped {n} mooncake-ray actor(s) in namespace {namespace!r}")
 

@@ -15,6 +15,7 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import ConfigError, MasterUnavailableError, NodeUnavailableError
 from mooncake_ray._private import auth, preflight
 from mooncake_ray._private.master.actor import master_actor_class
+from mooncake_ray._private.rayjoin import join
 from mooncake_ray._private.naming import MASTER_NAME, is_master_name, master_name, store_actor_name
 from mooncake_ray._private.shards import merge_stats
 from mooncake_ray._private.store.actor import StoreNodeActor
@@ -29,8 +30,7 @@ def ensure_ray(cfg: StoreConfig) -> None:
     global _started_ray
     if ray.is_initialized():
         return
-    ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    join(cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     _started_ray = True
 
 

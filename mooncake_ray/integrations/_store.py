@@ -41,6 +41,7 @@ def store_client(*, namespace: str, ray_address: str | None, store_wait_s: float
     import ray
 
     import mooncake_ray
+    from mooncake_ray._private.rayjoin import join
 
     with _clients_lock:
         client = _clients.get((namespace, device_path))
@@ -50,7 +51,9 @@ def store_client(*, namespace: str, ray_address: str | None, store_wait_s: float
             address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
             _check_reachable(address, connect_timeout_s, who)
             try:
-                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+                join(address, logging_level=logging.WARNING, log_to_driver=False)
+            except ConfigError as e:
+                raise ConfigError(f"{who}: {e}") from None
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"{who}: cannot join the Ray cluster at {address!r}: {e}") from None
         client = mooncake_ray.connect(namespace=namespace, config={

@@ -1,0 +1,77 @@
+"""Joining a Ray cluster that token authentication (Ray's default) may guard.
+
+Ray 2.60 trips here: ``ray start --head`` turns token authentication on when it finds a
+token (``~/.ray/auth_token``, left by any earlier local ``ray.init()``, such as ``make
+demo``'s), but a process joining that cluster with ``RAY_AUTH_MODE`` unset sends no token,
+and the cluster refuses it with a bare ``ConnectionError``. ``join`` sets ``RAY_AUTH_MODE=token``
+(for this process and its children) whenever it joins a running cluster with a token at
+hand: a cluster without token authentication accepts such a process too. A token that is
+not the cluster's still fails; the error then names where the token came from and the fix."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from mooncake_ray.errors import ConfigError
+
+
+def token_source() -> str:
+    """Where this process's Ray token comes from, as Ray looks for it: ``RAY_AUTH_TOKEN``,
+    the file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the RAY_AUTH_TOKEN environment variable"
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return f"{path} (not there: this process has no token)"
+    return f"{path} (written {_ago(age)} ago)"
+
+
+def has_token() -> bool:
+    """Whether Ray would find a token for this process."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _ago(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def join(address: str | None, **kwargs) -> None:
+    """``ray.init(address, **kwargs)``.
+
+    Raises:
+        ConfigError: Ray could not join the cluster at ``address``: names the address, Ray's
+            error, where this process's token came from and how to give it the cluster's.
+    """
+    import ray
+
+    joining = address not in (None, "local") or bool(os.environ.get("RAY_ADDRESS"))
+    if joining and "RAY_AUTH_MODE" not in os.environ and has_token():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray read its configuration at import: have it read the mode again
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except (ImportError, AttributeError):
+            pass
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        if address in (None, "local"):
+            raise
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address!r}: {type(e).__name__}: {e}. If the cluster is up, "
+            "the likely cause is its token authentication (Ray's default): this process's token comes "
+            f"from {token_source()}, and a token another Ray left there (an earlier local ray.init(), a "
+            "notebook) is not the cluster's. Give this process the cluster's token (`ray get-auth-token` "
+            "on the head, into RAY_AUTH_TOKEN or a file named by RAY_AUTH_TOKEN_PATH), or move the "
+            "stale file away and start the cluster again.") from None

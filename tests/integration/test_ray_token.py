@@ -1,0 +1,65 @@
+"""The README's cluster flow after ``make demo``, as a user runs it, with Ray's default token
+handling: the demo's local Ray leaves ``~/.ray/auth_token``; ``ray start --head`` then turns
+token authentication on, and ``mooncake-ray start``, a driver's ``connect()`` and
+``mooncake-ray status`` must still join (Ray 2.60 alone refuses them: ``RAY_AUTH_MODE``
+unset, they send no token). A process holding another token gets an error that names where
+its token came from. Runs in a mount namespace of its own whose ``~/.ray`` is a private
+tmpfs, so the user's home is neither read nor changed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.serve_cli import BIN, ROOT, free_port
+
+pytestmark = [pytest.mark.timeout(420),
+              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")]
+
+FLOW = r"""
+set -u
+mkdir -p "$HOME/.ray" && mount -t tmpfs -o size=4m tmpfs "$HOME/.ray"
+export RAY_USAGE_STATS_ENABLED=0 PYTHONPATH="$ROOT"
+unset RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN RAY_AUTH_TOKEN_PATH
+cd "$ROOT"
+"$PY" -m mooncake_ray.demo > "$OUT/demo.log" 2>&1 || { echo "demo failed"; exit 10; }
+test -s "$HOME/.ray/auth_token" || { echo "the demo left no token: the flow below tests nothing"; exit 11; }
+"$BIN/ray" start --head --block --port="$PORT" --num-cpus=2 --include-dashboard=false --disable-usage-stats \
+  --node-ip-address=127.0.0.1 > "$OUT/head.log" 2>&1 &
+HEAD=$!
+trap 'kill -TERM $HEAD 2>/dev/null; wait $HEAD 2>/dev/null' EXIT
+for i in $(seq 120); do (echo > /dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.5; done
+export RAY_ADDRESS="127.0.0.1:$PORT"
+echo '{"segment_size_bytes": "32mb", "transport": {"devices": ["lo"]}}' > "$OUT/store.json"
+"$BIN/mooncake-ray" start --config "$OUT/store.json" > "$OUT/start.log" 2>&1 || { echo "mooncake-ray start failed"; exit 12; }
+"$PY" -c "
+import mooncake_ray
+c = mooncake_ray.connect()
+c.put('after-demo', b'joined')
+assert c.get('after-demo') == b'joined'
+print('driver ok')
+" > "$OUT/driver.log" 2>&1 || { echo "driver failed"; exit 13; }
+RAY_AUTH_TOKEN=0000000000000000000000000000000000000000000000000000000000000000 \
+  "$BIN/mooncake-ray" status > "$OUT/wrong.log" 2>&1
+echo "wrong-token status exited $?"
+"$BIN/mooncake-ray" stop > "$OUT/stop.log" 2>&1 || { echo "mooncake-ray stop failed"; exit 14; }
+echo "flow ok"
+"""
+
+
+def test_cluster_flow_after_the_demo_joins_with_the_default_token(tmp_path):
+    env = {**os.environ, "ROOT": ROOT, "PY": sys.executable, "BIN": BIN, "OUT": str(tmp_path),
+           "PORT": str(free_port())}
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", FLOW], env=env,
+                       capture_output=True, text=True, timeout=400)
+    logs = {f.name: f.read_text(errors="replace")[-2500:] for f in tmp_path.iterdir() if f.suffix == ".log"}
+    assert p.returncode == 0 and "flow ok" in p.stdout, (p.stdout, p.stderr, logs)
+    assert "driver ok" in logs["driver.log"]
+    # another token than the cluster's: a clear error, exit 2, naming the token's source and the fix
+    assert "wrong-token status exited 2" in p.stdout, (p.stdout, logs["wrong.log"])
+    wrong = logs["wrong.log"]
+    assert "token comes from the RAY_AUTH_TOKEN environment variable" in wrong and "ray get-auth-token" in wrong, wrong
