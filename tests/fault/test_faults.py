@@ -1,5 +1,6 @@
 """Injected faults on a real 3-node Ray cluster: a store node killed mid-read-loop, the
-master killed, a client killed mid-put."""
+master killed, a client killed mid-put, a put right after its node's SIGKILL (a known loss,
+marked xfail strict: the day it is fixed the marker must go)."""
 
 import os
 import threading
@@ -166,3 +167,27 @@ def test_store_node_killed_under_a_clients_put_slab(make_store, ray_cluster):
     assert [j for j, v in zip(done + late, got) if v is not None and v != val(j, 8 * KB)] == []
     assert all(v is not None for v in got[len(done):]), "puts after the node was dropped got lost"
     assert len(done) >= 20  # puts kept going while the node was dying
+
+
+@pytest.mark.xfail(strict=True, reason="known: a put acknowledged in the first milliseconds after its slab's node "
+                   "was SIGKILLed is lost (the client's memcpy into the dead node's mapped arena succeeds and the "
+                   "master commits before it notices the death); fixing it needs a put's reply to wait for the node")
+def test_put_acknowledged_right_after_a_node_sigkill_is_kept(make_store, ray_cluster):
+    s = make_store(master={"put_slab_bytes": "8mb"})
+    ns = s.config.namespace
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    s.put("first", val(0, 8 * KB))
+    victim = s._slabs.current.node_id
+    old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
+    os.kill(ray.get(ray.get_actor(store_actor_name(victim), namespace=ns).pid.remote()), 9)
+    acked = []
+    for i in range(5):
+        try:
+            s.put(f"right-after{i}", val(i, 8 * KB))
+            acked.append(i)
+        except (mooncake_ray.NodeUnavailableError, mooncake_ray.TransferError, mooncake_ray.NoCapacityError):
+            pass
+    wait_for(lambda: {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim) != old_inc,
+             timeout_s=60, what="the master to drop the killed node")
+    got = s.batch_get([f"right-after{i}" for i in acked])
+    assert [i for i, v in zip(acked, got) if v != val(i, 8 * KB)] == [], f"acknowledged puts lost, of {acked}"
