@@ -315,10 +315,11 @@ class Reader:
                 if g.replicas[0].tier == PROMOTE:
                     promote.append((i, keys[i], g.gen, g.size, g.replicas[0]))
         if promote:
-            for i, e in self._promote_many(promote).items():
+            failed_promotions = self._promote_many(promote)
+            for i, e in failed_promotions.items():
                 results[i] = e
                 del live[i]
-            self._stats["disk_reads"] += len(promote)
+            self._stats["disk_reads"] += len(promote) - len(failed_promotions)
         ttl = min((g.ttl for g in live.values()), default=0.0)
         at = dict.fromkeys(live, 0)
         failed_keys = set(range(len(keys))) - set(live)
