@@ -146,24 +146,30 @@ class RangeSet:
         return len(self._lists[1])
 
 
+def spans(ranges: tuple, n: int) -> list[tuple[int, int, int]]:
+    """``(offset in the value, address, length)`` of the ranges covering a multi-range
+    value's first ``n`` bytes."""
+    out, at = [], 0
+    for addr, m in ranges:
+        if at >= n:
+            break
+        m = min(m, n - at)
+        out.append((at, addr, m))
+        at += m
+    return out
+
+
 def expand(ops: list) -> list:
     """Transfer ops ``(region, offset, address, n)`` with every multi-range value (its
     address a tuple of ranges) split into one op per range, covering its first ``n``
     bytes; ops on plain addresses pass through."""
     out = []
     for op in ops:
-        a = op[2]
-        if type(a) is int:
+        if type(op[2]) is int:
             out.append(op)
             continue
-        region, off, _, n = op
-        at = 0
-        for addr, m in a:
-            if at >= n:
-                break
-            m = min(m, n - at)
-            out.append((region, off + at, addr, m))
-            at += m
+        region, off, ranges, n = op
+        out.extend((region, off + rel, addr, m) for rel, addr, m in spans(ranges, n))
     return out
 
 

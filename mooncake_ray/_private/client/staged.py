@@ -31,7 +31,7 @@ import numpy as np
 
 from mooncake_ray import errors
 from mooncake_ray._private import device
-from mooncake_ray._private.buffers import RangeSet, readable, writable
+from mooncake_ray._private.buffers import RangeSet, readable, spans, writable
 from mooncake_ray._private.native import _native
 
 ALIGN = 64
@@ -152,7 +152,7 @@ class Stager:
                 lists[1].append(s)
                 lists[2].append(n)
                 continue
-            for rel, a, m in _spans(d if type(d) is not int else s, n):
+            for rel, a, m in spans(d if type(d) is not int else s, n):
                 lists[0].append(a if type(d) is not int else d + rel)
                 lists[1].append(a if type(s) is not int else s + rel)
                 lists[2].append(m)
@@ -222,19 +222,6 @@ class Stager:
         finally:
             self.sync()
         return results
-
-
-def _spans(ranges: tuple, n: int) -> list[tuple[int, int, int]]:
-    """``(offset in the value, address, length)`` of the ranges covering a value's first
-    ``n`` bytes."""
-    out, at = [], 0
-    for a, m in ranges:
-        if at >= n:
-            break
-        m = min(m, n - at)
-        out.append((at, a, m))
-        at += m
-    return out
 
 
 def _host_range(buf) -> tuple:
