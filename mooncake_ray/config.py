@@ -217,6 +217,11 @@ class MasterConfig(_Model):
     native_calls: bool = True
     """Answer GET, EXISTS, lease releases and clean one-call put commits in C++ on the RPC
     thread from a mirror of the index (False: every call runs the Python state machine)."""
+    durable_acks: bool = True
+    """Acknowledge a put once every store node holding it has recorded it in its inventory,
+    which a restarted master rebuilds from: an acknowledged value survives a master kill.
+    False acknowledges at once (about 1 ms sooner): a master killed in that millisecond
+    loses the value, and a value written into a node killed just before is acknowledged."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
     shards: int = Field(1, ge=1, le=64)
     """Master actors, each owning the keys that hash to it and an equal part of every

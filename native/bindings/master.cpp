@@ -103,13 +103,19 @@ void bind_master(nb::module_& m) {
       .def("set_enabled", &mcr::MasterIndex::set_enabled, "on"_a)
       .def("set_lease_ttl", &mcr::MasterIndex::set_lease_ttl, "ttl_s"_a)
       .def("set_max_log", &mcr::MasterIndex::set_max_log, "n"_a)
-      // -> (misses, hits on cold records, [(kind, key, gen, lease_or_slab, now, offset, size), ...])
+      // -> (misses, hits on cold records, [(kind, key, gen, lease_or_slab, now, offset, size), ...]);
+      // a kHeld entry: (kind, reply bytes, call id, peer uid, now, lane, 0)
       .def("drain", [](mcr::MasterIndex& ix) {
         uint64_t misses = 0, hits = 0;
         auto log = ix.drain(&misses, &hits);
         nb::list out;
-        for (auto& e : log)
-          out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size));
+        for (auto& e : log) {
+          if (e.kind == mcr::MasterIndex::kHeld)  // the reply: bytes, not a key
+            out.append(nb::make_tuple(e.kind, nb::bytes(e.key.data(), e.key.size()), e.gen, e.lease, e.now,
+                                      e.offset, e.size));
+          else
+            out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size));
+        }
         return nb::make_tuple(misses, hits, out);
       })
       .def("set_commits", &mcr::MasterIndex::set_commits, "on"_a)

@@ -156,6 +156,7 @@ void bind_transport(nb::module_& m) {
   nb::class_<mcr::Peer>(m, "Peer")
       .def_prop_ro("uid", &mcr::Peer::uid)
       .def_prop_ro("alive", &mcr::Peer::alive)
+      .def("check_process", &mcr::Peer::check_process, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("name", &mcr::Peer::name)
       .def_prop_ro("address", [](mcr::Peer& p) { return nb::bytes(p.address().data(), p.address().size()); })
       .def("__repr__", [](mcr::Peer& p) {
@@ -314,16 +315,36 @@ void bind_transport(nb::module_& m) {
       .def("serve_inline", [](mcr::Engine& e, uint32_t hid, nb::callable fn) {
         e.serve_native(hid, python_handler(fn));
       }, "handler_id"_a, "fn"_a)
-      // The master's RPC: GET, EXISTS and RELEASE answered by the native index when it
-      // can, everything else (and whatever it declines) by ``fn`` inline, as above.
+      // The master's RPC: GET, EXISTS, RELEASE and clean PUT_COMMITs answered by the
+      // native index when it can, everything else (and whatever it declines) by ``fn``
+      // inline, as above. ``hold_commits``: a native commit's reply is logged in the index
+      // (kHeld) instead of sent; the master sends it (``reply``) once it is durable.
       .def("serve_master", [](mcr::Engine& e, uint32_t hid, std::shared_ptr<mcr::MasterIndex> index,
-                              nb::callable fn) {
+                              nb::callable fn, bool hold_commits) {
         mcr::NativeHandler py = python_handler(fn);
-        e.serve_native(hid, [index, py](const std::string& in, std::string* out) -> Code {
-          if (index->serve(in.data(), in.size(), out)) return Code::kOk;
+        e.serve_native(hid, [index, py, hold_commits](const std::string& in, std::string* out) -> Code {
+          mcr::IncomingRequest req;
+          mcr::HeldReply to;
+          const mcr::HeldReply* hold = nullptr;
+          bool held = false;
+          if (hold_commits && mcr::peek_current_request(&req)) {
+            to = mcr::HeldReply{req.peer_uid, req.call_id, req.lane};
+            hold = &to;
+          }
+          if (index->serve(in.data(), in.size(), out, hold, &held)) {
+            if (held) mcr::hold_current_request(&req);
+            return Code::kOk;
+          }
           return py(in, out);
         });
-      }, "handler_id"_a, "index"_a, "fn"_a)
+      }, "handler_id"_a, "index"_a, "fn"_a, "hold_commits"_a = false)
+      // Inside an inline handler: keep the request to answer later with ``reply`` (the
+      // handler's return is then not sent). -> the reply token, or None outside a handler.
+      .def("hold_request", [](mcr::Engine&) -> nb::object {
+        mcr::IncomingRequest req;
+        if (!mcr::hold_current_request(&req)) return nb::none();
+        return nb::make_tuple(req.peer_uid, req.call_id, req.lane);
+      })
       .def("serve_echo", [](mcr::Engine& e, uint32_t hid) {
         e.serve_native(hid, [](const std::string& in, std::string* out) {
           *out = in;

@@ -14,11 +14,13 @@ a thread woken by logged commits applies them within milliseconds. Inventory cha
 for store nodes are merged into each node's outbox (``outbox.py``) under that lock,
 and a delivery thread sends them, in order, one message in flight per node, over the same
 transport; a message that fails or goes unanswered is sent again, never counted as the
-node's death. A client's put does not wait for them: the window in which a
-just-acknowledged put is not yet in its store node's inventory is one coalescing interval
-plus one delivery (about a millisecond). A master killed inside that window loses those
-puts on rebuild: they become misses, never wrong bytes (overlapping inventory entries are
-resolved in favour of the newer allocation).
+node's death. The reply to a put waits for them (``fence.py``, ``master.durable_acks``):
+it is sent once every node holding the value has recorded it, so a master restarted from
+the nodes' inventories finds every acknowledged value. The native index logs its commit
+replies instead of sending them; the delivery thread sends each when its nodes answer.
+A node whose process is gone (the transport says unreachable, and a fresh connection is
+refused too) is unmounted at once rather than after ``node_ttl_s``: the puts waiting on
+it are answered with a retryable error and go elsewhere.
 
 Liveness is the heartbeat alone: store nodes call ``heartbeat`` on a concurrency group of
 its own, and it is answered without the state lock, so neither a burst of RPCs, an
@@ -40,9 +42,10 @@ import time
 import ray
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError
+from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError, NodeUnavailableError
 from mooncake_ray._private import auth, gcyoung, rpc
 from mooncake_ray._private.auth import role_engine
+from mooncake_ray._private.master.fence import Fence, Held
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
@@ -60,6 +63,7 @@ LIVENESS_GROUP = "liveness"
 EVICT_CHUNK_BYTES = 1 << 20  # background eviction per section: 4k values of 256 B (a few ms), 64 of 16 KiB
 EVICT_YIELD_S = 0.0005  # between chunks: Python's lock is not fair, a waiting call must get its turn
 PROBE_TIMEOUT_S = 1.0  # this master's own check of a node a client reported unreachable
+FENCE_PROBE_S = 0.1  # a node this slow to record puts that wait on it is checked (dead or busy?)
 
 
 class MasterActor:
@@ -99,12 +103,14 @@ class MasterActor:
         self._stop = threading.Event()
         self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
         self._outbox_cv = threading.Condition()
+        self._durable = self.cfg.master.durable_acks
+        self._fence = Fence()  # put replies held until durable (under _outbox_cv)
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
         # in a tracing shim, which would run on every call (~4% of the master's time).
         handler = functools.partial(_serve_rpc, self)
         if self.cfg.master.native_calls:
-            self.engine.serve_master(rpc.MASTER_RPC, self.index, handler)
+            self.engine.serve_master(rpc.MASTER_RPC, self.index, handler, hold_commits=self._durable)
         else:
             self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
         with self._lock:  # enables the index unless the master is rebuilding
@@ -148,28 +154,72 @@ class MasterActor:
 
     def _report_unreachable(self, node_id) -> None:
         """A client could not reach a store node: no new puts go there until this master
-        has checked it can reach the node itself (an echo, on a thread of its own), or
-        until the node's next heartbeat; a client cannot take a healthy node out of use."""
+        has checked it can reach the node itself (a fresh connection and an echo, on a
+        thread of its own), or until the node's next heartbeat; a client cannot take a
+        healthy node out of use."""
         self.state.report_unreachable(node_id)
-        if node_id in self.state._nodes and node_id not in self._probing:
-            self._probing.add(node_id)
-            self._start_probe(node_id)
+        if node_id in self.state._nodes:
+            self._check_node(node_id)
 
     def _start_probe(self, node_id: str) -> None:
         threading.Thread(target=self._probe, args=(node_id,), name="master-probe", daemon=True).start()
 
     def _probe(self, node_id: str) -> None:
+        """Whether this master reaches the node over a fresh connection. Refused (the
+        transport says unreachable: on the same host, its process is gone): the node is
+        unmounted now. Unanswered: busy or paused, not dead (its heartbeat decides)."""
         try:
-            peer = self._peer(node_id)
-            if peer is not None:
+            with self._lock:
+                node = self.state._nodes.get(node_id)
+                address, incarnation = (node.address, node.incarnation) if node is not None else (None, None)
+            if address is None:
+                return
+            cached = self._peers.get(node_id)
+            if cached is not None:
+                cached.check_process()  # on this host: is its process still there? (now, not at the next watch)
+            try:
+                peer = self.engine.connect(address, timeout_s=PROBE_TIMEOUT_S)  # a new one if that died
                 self.engine.call(peer, rpc.NODE_ECHO_RPC, b"", timeout_s=PROBE_TIMEOUT_S)
-                with self._lock:
-                    self.state.vouch(node_id)
-        except MooncakeRayError as e:
-            log.info("store node %s reported unreachable; this master cannot reach it either (%s)", node_id, e)
-            self._peers.pop(node_id, None)
+            except NodeUnavailableError as e:
+                self._gone(node_id, incarnation, e)
+                return
+            except MooncakeRayError as e:
+                log.info("store node %s did not answer this master's check (%s); its heartbeat decides", node_id, e)
+                return
+            self._peers[node_id] = peer
+            with self._lock:
+                self.state.vouch(node_id)
         finally:
             self._probing.discard(node_id)
+
+    def _check_node(self, node_id: str) -> None:
+        """Probe a node (once at a time) that failed a send or left puts waiting."""
+        if node_id not in self._probing:
+            self._probing.add(node_id)
+            self._start_probe(node_id)
+
+    def _gone(self, node_id: str, incarnation: str, err: Exception) -> None:
+        """A node this master cannot connect to (its process is gone): unmount it now, so
+        the puts waiting on it are answered and go elsewhere."""
+        with self._lock:
+            node = self.state._nodes.get(node_id)
+            if node is None or node.incarnation != incarnation:
+                return
+            lost = self.state.unmount(node_id, f"unreachable ({err})")
+            self._peers.pop(node_id, None)
+            with self._outbox_cv:
+                ob = self._outboxes.get(node_id)
+                if ob is not None:
+                    ob.mounted = False
+            self._lose({node_id})
+        log.warning("unmounted store node %s: a fresh connection to it failed (%s); %d keys lost", node_id, err, lost)
+
+    def _lose(self, node_ids: set[str]) -> None:
+        """Nodes gone with their replicas: the puts waiting on them are answered (lock held)."""
+        with self._outbox_cv:
+            if len(self._fence):
+                self._fence.lost(node_ids, self.state.holders)
+                self._outbox_cv.notify()
 
     def _put_start(self, items, client_node=None, owner=""):
         # Whole-call, so the client's channel waits and retries (per key it would be an answer).
@@ -239,20 +289,46 @@ class MasterActor:
                 time.sleep(0.1)
 
     def _deliver(self) -> None:
-        """Merge the state machine's inventory changes into the nodes' outboxes (lock held)."""
+        """Merge the state machine's inventory changes into the nodes' outboxes, and hold
+        the replies the read index logged until their values are durable (lock held)."""
         effects = self.state.drain_effects()
-        if not effects:
+        held = self.state.take_held()
+        if not effects and not held:
             return
         with self._outbox_cv:
             for node_id, delta in effects.items():
                 ob = self._outboxes.get(node_id)
-                if ob is None:
-                    continue
-                if ob.pending.empty():
-                    ob.pending = delta
-                else:
-                    ob.pending.absorb(delta)
+                if ob is not None:
+                    ob.merged(delta)
+            for token, reply, item_keys, values in held:
+                if not self._fence.hold(Held(token, reply, rpc.PUT_COMMIT, item_keys, values), self._outboxes):
+                    self._fence.due(token, reply)
             self._outbox_cv.notify()
+
+    def _hold_reply(self, data: bytes, reply: bytes, values: list) -> bool:
+        """On the RPC thread, after a call published ``values``: keep its reply until they
+        are durable (True), or let it go now (False: nothing owed, or not a put call)."""
+        req = rpc.unpack(data)
+        if req[0] not in (rpc.PUT_COMMIT, rpc.PUT_END) or not isinstance(req[1], list):
+            return False
+        item_keys = [it[0] if isinstance(it, list) and it else None for it in req[1]]
+        with self._outbox_cv:
+            held = Held(None, reply, req[0], item_keys, values)
+            if not self._fence.hold(held, self._outboxes):
+                return False
+            held.token = self.engine.hold_request()
+            self._outbox_cv.notify()
+        return True
+
+    def _send_replies(self) -> None:
+        """Send the put replies that became durable (no lock held: see fence.py)."""
+        with self._outbox_cv:
+            out = self._fence.take_out()
+        for token, reply in out:
+            try:
+                self.engine.reply(token, reply)
+            except MooncakeRayError as e:  # the caller went away; it retries the put
+                log.debug("put reply not sent: %s", e)
 
     def _delivery_loop(self) -> None:
         """Send each node what it is owed, one message in flight per node (so a node never
@@ -266,13 +342,15 @@ class MasterActor:
                 time.sleep(0.1)
 
     def _delivery_round(self) -> None:
+        self._send_replies()
         with self._outbox_cv:
             sends, waiting = self._collect(time.monotonic())
             if not sends and not waiting:
                 self._outbox_cv.wait(0.05)
                 # Coalesce: under a stream of puts, one message per millisecond instead of
-                # one per put (each costs the master and the store node a Python call).
-                woke = True
+                # one per put (each costs the master and the store node a Python call). Not
+                # while replies wait for the message: more puts arrive while it is out.
+                woke = not len(self._fence)
             else:
                 woke = False
         if woke:
@@ -287,6 +365,7 @@ class MasterActor:
                 except MooncakeRayError as e:
                     log.info("inventory send to store node %s failed (%s); retrying", node_id, e)
                     self._peers.pop(node_id, None)
+                    self._check_node(node_id)
             with self._outbox_cv:
                 if handle is None:
                     ob.failed(time.monotonic(), RETRY_BACKOFF_S)
@@ -302,6 +381,10 @@ class MasterActor:
         now = time.monotonic()
         for node_id, ob in waiting:
             self._check_answer(node_id, ob, now)
+        if len(self._fence):
+            with self._outbox_cv:
+                self._fence.progress(self._outboxes)
+            self._send_replies()
 
     def _collect(self, now: float):
         """Messages due (outbox lock held), and the outboxes awaiting an answer."""
@@ -335,9 +418,13 @@ class MasterActor:
                 log.log(level, "store node %s did not take an inventory update (attempt %d: %s); retrying",
                         node_id, ob.attempts, err)
                 self._peers.pop(node_id, None)
+                self._check_node(node_id)
             elif ob.slow_logged:
                 log.warning("store node %s took the inventory update after %.1fs", node_id, now - ob.slow_since)
             return
+        if now - ob.sent_at > FENCE_PROBE_S and not ob.probed and len(self._fence):
+            ob.probed = True  # puts wait on this answer: is the node still there?
+            self._check_node(node_id)
         if now - ob.slow_since > SLOW_DELIVERY_S and not ob.slow_logged:
             ob.slow_logged = True
             log.warning("store node %s has not answered an inventory update for %.1fs (busy or paused); "
@@ -407,6 +494,8 @@ class MasterActor:
             self._peers.pop(node.node_id, None)
             self.state.mount(node, inventory)
             self._deliver()
+            if old is not None and old.incarnation != node.incarnation:
+                self._lose({node.node_id})  # a new process: the old one's replicas are gone
         rejoined = old is not None and old.incarnation == node.incarnation and not known
         log.info("mounted store node %s (%d bytes, %d objects, mount %d%s)", node.node_id, node.capacity,
                  len(inventory), mount_id, ", rejoining" if rejoined else "")
@@ -430,7 +519,9 @@ class MasterActor:
             self._peers.pop(node_id, None)
             with self._outbox_cv:
                 self._outboxes.pop(node_id, None)
-            return self.state.unmount(node_id, "unmounted by request")
+            lost = self.state.unmount(node_id, "unmounted by request")
+            self._lose({node_id})
+            return lost
 
     def stats(self) -> dict:
         with self._lock:
@@ -475,6 +566,8 @@ class MasterActor:
                     done = self.state.tick()
                     last = time.monotonic()
                     self._deliver()
+                    if done["unmounted"]:
+                        self._lose(set(done["unmounted"]))
                     stats = self.state.gauges()
                 if done["unmounted"]:
                     with self._outbox_cv:  # kept: a node that comes back is owed them
@@ -543,9 +636,15 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
         if state._expected and state.recovering:
             return rpc.pack(rpc.err_entry(MasterUnavailableError(
                 "master is rebuilding its index from the store nodes; retry")))
-        reply = rpc.serve_request(master._table, data)
+        fenced = state._replicas.fenced = [] if master._durable else None
+        try:
+            reply = rpc.serve_request(master._table, data)
+        finally:
+            state._replicas.fenced = None
         if state.has_effects():
             master._deliver()
+        if fenced and master._hold_reply(data, reply, fenced):
+            return b""  # sent once durable
         return reply
 
 

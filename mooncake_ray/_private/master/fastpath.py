@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.slabs import Slab
     from mooncake_ray._private.master.table import ObjectTable
 
-GRANT, RELEASE, COMMIT = 0, 1, 2
+GRANT, RELEASE, COMMIT, HELD = 0, 1, 2, 3
 FIRST_LEASE = 1 << 40  # native lease ids; the state machine's own counter stays far below
 
 

@@ -32,6 +32,12 @@ class NodeOutbox:
         self.incarnation = incarnation
         self.mount_id = mount_id
         self.pending = pending if pending is not None else NodeDelta()
+        # Tickets (fence.py): ``queued`` counts the merges into ``pending``; the node has
+        # recorded every change merged up to ``applied``; ``covers``: the count the
+        # message in flight brings it to.
+        self.queued = 0 if self.pending.empty() else 1
+        self.applied = 0
+        self.covers = 0
         self.next_seq = 1
         self.inflight: NodeDelta | None = None
         self.inflight_seq = 0
@@ -44,6 +50,7 @@ class NodeOutbox:
         self.mounted = True  # False once the master unmounted the node (kept until it returns)
         self.slow_since = 0.0  # when the current message was first sent (for the log)
         self.slow_logged = False
+        self.probed = False  # the node was checked for this message (puts waited on it)
 
     def busy(self) -> bool:
         return self.inflight is not None or not self.pending.empty()
@@ -57,12 +64,15 @@ class NodeOutbox:
             if self.pending.empty():
                 return None
             self.inflight = self.pending.split(MESSAGE_MAX_ITEMS)
+            # A part of pending brings no ticket: only its last part covers them all.
+            self.covers = self.queued if self.pending.empty() else self.applied
             self.inflight_seq = self.next_seq
             self.next_seq += 1
             self.payload = rpc.pack([self.mount_id, self.inflight_seq, self.inflight.to_wire()])
             self.attempts = 0
             self.slow_since = now
             self.slow_logged = False
+            self.probed = False
         elif now < self.retry_at:
             return None
         self.attempts += 1
@@ -77,6 +87,15 @@ class NodeOutbox:
             return
         self.inflight = None
         self.payload = b""
+        self.applied = max(self.applied, self.covers)
+
+    def merged(self, delta: NodeDelta) -> None:
+        """Take more changes into ``pending`` (a new ticket)."""
+        if self.pending.empty():
+            self.pending = delta
+        else:
+            self.pending.absorb(delta)
+        self.queued += 1
 
     def failed(self, now: float, backoff_s: float) -> None:
         """The send failed or was given up: send the same message again later."""

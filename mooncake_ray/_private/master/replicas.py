@@ -73,6 +73,9 @@ class ReplicaTable:
         # dropped or unpinned go when counted): stats() counts pins without a scan of
         # every object, which at ten million keys held the state lock for seconds.
         self.pinned: dict[str, Obj] = {}
+        # While the actor collects them for its fence (fence.py): (key, gen, nodes) of each
+        # value a call published or answered for again.
+        self.fenced: list | None = None
 
     def publish(self, obj: Obj, now: float) -> None:
         """Make a written value visible, replacing the key's old value if any."""
@@ -88,6 +91,14 @@ class ReplicaTable:
         for r in obj.replicas:
             self._nodes[r.node_id].tier_keys[r.tier._value_] += 1
             self.delta(r.node_id).add(inventory_entry(obj, r))
+        if self.fenced is not None:
+            self.settled(obj)
+
+    def settled(self, obj: Obj) -> None:
+        """A call answers for ``obj``'s value (published now, or again on a retry): its
+        reply waits until the nodes holding it have recorded it (fence.py)."""
+        if self.fenced is not None:
+            self.fenced.append((obj.key, obj.gen, tuple({r.node_id for r in obj.replicas})))
 
     def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int) -> None:
         """The bookkeeping of a value the read index committed (its record is in the

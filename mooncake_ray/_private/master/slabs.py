@@ -166,6 +166,7 @@ class SlabTable:
             done = self._objects.get(key)
             if done is not None and any(r.node_id == slab.node_id and r.tier is Tier.DRAM and r.offset == offset
                                         and r.length == length for r in done.replicas):
+                self._replicas.settled(done)
                 return done.gen  # a retry after a lost reply: already committed
             raise InvalidArgumentError(
                 f"extent ({offset}, {length}) of {key!r} is not an uncommitted part of put slab {slab_id}")

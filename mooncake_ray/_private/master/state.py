@@ -50,7 +50,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private.checks import check_records, check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
-from mooncake_ray._private.master.fastpath import COMMIT, GRANT, ReadMirror
+from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.pyindex import PyIndex
@@ -101,6 +101,9 @@ class MasterState:
         self._restarted_at = 0.0
         self._alloc_gate_until = 0.0
         self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
+        # Replies the read index logged (held until durable, fence.py): (token, reply bytes,
+        # the key of each item, [(key, gen, nodes), ...]); the actor takes them.
+        self.held: list = []
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0,
@@ -304,6 +307,7 @@ class MasterState:
         if obj is None or obj.gen != gen:
             done = self._objects.get(key)
             if done is not None and done.gen == gen:
+                self._replicas.settled(done)
                 return
             raise ObjectNotFoundError(f"no pending put of {key!r} (gen {gen}): it was revoked or timed out")
         if obj.failed or not obj.replicas:
@@ -372,9 +376,16 @@ class MasterState:
             self.counters["hits"] += hits
         objects = self._objects
         full = self._watermark_due  # nodes that took logged commits, not checked yet
+        call: list = []  # the values of the call whose commits are being applied
         for kind, key, gen, lease, now, offset, size in log:
             if kind == COMMIT:
-                full.add(self._slab_table.apply_logged(key, gen, lease, offset, size, now))
+                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now)
+                full.add(node_id)
+                call.append((key, gen, (node_id,)))
+                continue
+            if kind == HELD:  # the reply to the commits just applied (key: its bytes)
+                self.held.append(((lease, gen, offset), key, [v[0] for v in call], call))
+                call = []
                 continue
             obj = objects.get(key)
             if obj is None or obj.gen != gen:  # a release of a dropped value (a grant cannot be: see fastpath.py)
@@ -481,6 +492,21 @@ class MasterState:
     def exists(self, key: str) -> bool:
         self._ready()
         return key in self._objects
+
+    def take_held(self) -> list:
+        """The replies the read index logged since the last call (see ``held``)."""
+        held, self.held = self.held, []
+        return held
+
+    def holders(self, key: str, gen: int) -> set[str] | None:
+        """The nodes holding a ready replica of ``key``'s value ``gen`` (empty: none left),
+        or None when a newer value replaced it (fence.py)."""
+        obj = self._objects.get(key)
+        if obj is not None and obj.gen > gen:
+            return None
+        if obj is None or obj.gen != gen:
+            return set()
+        return {r.node_id for r in obj.replicas if r.ready and r.node_id in self._nodes}
 
     def where(self, key: str) -> list[tuple[str, str, bool]]:
         """``(node_id, tier, ready)`` of each replica of a stored key (for tests/tools)."""

@@ -423,12 +423,25 @@ class Engine:
                 t.start()
                 self._dispatchers.append(t)
 
-    def serve_master(self, handler_id: int, index, fn: Callable[[bytes], bytes]) -> None:
+    def serve_master(self, handler_id: int, index, fn: Callable[[bytes], bytes], hold_commits: bool = False) -> None:
         """Serves the master's RPC: ``index`` (a native ``MasterIndex``) answers the calls
-        it can in C++, ``fn`` the rest, inline on the progress thread (see ``serve``)."""
+        it can in C++, ``fn`` the rest, inline on the progress thread (see ``serve``).
+        ``hold_commits``: the replies to the commits the index answers are logged in it,
+        not sent; the master sends them with ``reply`` once they are durable."""
         with self._lock:
             self._handlers.pop(int(handler_id), None)
-            self._native.serve_master(int(handler_id), index, fn)
+            self._native.serve_master(int(handler_id), index, fn, hold_commits)
+
+    def hold_request(self) -> tuple | None:
+        """Inside an inline handler: keep the request being served, to answer it later
+        with ``reply`` (what the handler returns is then not sent). Returns the reply
+        token, or None when called outside a handler."""
+        return self._native.hold_request()
+
+    def reply(self, token: tuple, data: bytes) -> None:
+        """Answers a request kept by ``hold_request`` (or logged by the master's index),
+        from any thread. A caller that has gone away is skipped."""
+        self._native.reply(token, 0, data)
 
     def serve_echo(self, handler_id: int) -> None:
         """Serves a built-in C++ echo handler (runs on the progress thread; benchmarks)."""

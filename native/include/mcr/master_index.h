@@ -103,7 +103,9 @@ struct IndexSlab {
 };
 
 // What a native call did, for Python to apply: kGrant / kRelease (lease = the lease id),
-// kCommit (lease = the slab id; offset, size of the committed value).
+// kCommit (lease = the slab id; offset, size of the committed value), kHeld (the reply to
+// the commits logged just before it, kept until they are durable: key = the reply, lease
+// = the caller's peer uid, gen = its call id, offset = the lane; see HeldReply).
 struct IndexLogEntry {
   int kind = 0;
   std::string key;
@@ -114,11 +116,19 @@ struct IndexLogEntry {
   uint64_t size = 0;
 };
 
+// Where a reply kept for later goes (the transport's request token).
+struct HeldReply {
+  uint64_t peer_uid = 0;
+  uint64_t call_id = 0;
+  uint32_t lane = 0;
+};
+
 class MasterIndex {
  public:
   static constexpr int kGrant = 0;
   static constexpr int kRelease = 1;
   static constexpr int kCommit = 2;
+  static constexpr int kHeld = 3;
   // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
   static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15, kOpPutCommit = 17;
   static constexpr uint64_t kAlign = 4096;   // paged extents (allocator.py ALIGN)
@@ -200,10 +210,14 @@ class MasterIndex {
   // Answers a master RPC request (msgpack ``[op, *args]``) when it can: true with the
   // msgpack reply in *out. False when Python must answer: another operation, an entry
   // Python answers for, a request it cannot parse, the index disabled or its log full.
-  bool serve(const char* data, size_t len, std::string* out);
+  // ``hold`` (commits only): a commit's reply is not given back in *out but logged
+  // (kHeld, after its commits) for Python to send once the store node has recorded the
+  // values; *held says so.
+  bool serve(const char* data, size_t len, std::string* out, const HeldReply* hold = nullptr,
+             bool* held = nullptr);
 
  private:
-  bool serve_commit(const char* data, size_t len, std::string* out);
+  bool serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held);
 
   IndexRecord* find(const std::string& key);
   IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one

@@ -105,6 +105,14 @@ struct IncomingRequest {
 // A native handler runs on the progress thread: keep it short and non-blocking.
 using NativeHandler = std::function<Code(const std::string& in, std::string* out)>;
 
+// Inside a native handler: keep the request being served to answer it later, from any
+// thread, with Engine::reply (its peer_uid, call_id and lane are the token; handler_id and
+// payload are left empty). The handler's own return is then not sent. Outside a handler:
+// false.
+bool hold_current_request(IncomingRequest* out);
+// The same token, without keeping the request (false outside a handler).
+bool peek_current_request(IncomingRequest* out);
+
 // Delivers completion tokens to an event loop: an eventfd plus a queue.
 class Notifier {
  public:
@@ -172,6 +180,9 @@ class Peer {
   uint64_t uid() const { return uid_; }
   const std::string& address() const { return address_; }
   bool alive() const { return !dead_.load(); }
+  // Checks now what the watchdog checks every keepalive_s/2: a peer on this host whose
+  // process is gone is marked dead (its calls fail). False if the peer is dead.
+  bool check_process();
   std::string name() const { return name_; }
 
   // internal (see peer.cpp)

@@ -604,7 +604,8 @@ bool MasterIndex::wait_commits(double timeout_s) {
 // ``[PUT_COMMIT, [[key, slab_id, offset, size, upsert?], ...], owner, returns?]``. Only the
 // clean case: every key new (not stored, no put in flight, not twice in the call), every
 // extent an uncommitted part of the caller's slab, no slabs given back. All or nothing.
-bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
+bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold,
+                               bool* held) {
   Reader r(data, len);
   uint32_t nargs, nitems;
   uint64_t op;
@@ -631,7 +632,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
   if (!r.ok() || !r.at_end() || items.empty()) return false;
 
   std::lock_guard<std::recursive_mutex> g(mu_);
-  if (!enabled_ || !commits_ || log_.size() + items.size() > max_log_) return false;
+  if (!enabled_ || !commits_ || log_.size() + items.size() + (hold != nullptr) > max_log_) return false;
   std::unordered_map<uint64_t, std::map<uint64_t, uint64_t>> scratch;  // carved copies
   std::unordered_set<std::string> seen;
   for (auto& it : items) {
@@ -666,18 +667,23 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out) {
     log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size});
     w.uint(gen);
   }
+  if (hold != nullptr) {
+    log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
+    out->clear();
+    if (held != nullptr) *held = true;
+  }
   served_++;
   commit_logged_ = true;
   commit_cv_.notify_all();
   return true;
 }
 
-bool MasterIndex::serve(const char* data, size_t len, std::string* out) {
+bool MasterIndex::serve(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held) {
   Reader r(data, len);
   uint32_t nargs;
   uint64_t op;
   if (!r.array(&nargs) || nargs < 2 || !r.uint(&op)) return false;
-  if (op == kOpPutCommit) return serve_commit(data, len, out);
+  if (op == kOpPutCommit) return serve_commit(data, len, out, hold, held);
   std::vector<std::string> keys;
   std::vector<Release> releases;
   std::string client_node;

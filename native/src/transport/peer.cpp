@@ -394,6 +394,16 @@ uint64_t process_start_time(uint32_t pid) {
   return start;
 }
 
+bool Peer::check_process() {
+  if (dead_.load()) return false;
+  if (same_host_ && process_start_time(pid_) != start_time_) {
+    core_->peer_failed(this, Code::kUnreachable,
+                       "peer '" + name_ + "' (pid " + std::to_string(pid_) + ") exited");
+    return false;
+  }
+  return true;
+}
+
 void EngineCore::watch_peers() {
   auto now = Clock::now();
   auto every = std::chrono::duration_cast<Clock::duration>(

@@ -240,6 +240,16 @@ ucs_status_t on_reply(void* arg, const void* header, size_t hlen, void* data, si
   return recv_payload(lane, data, len, param, finish);
 }
 
+// The request a native handler is serving on this thread (hold_current_request).
+struct ServingState {
+  bool active = false;
+  bool held = false;
+  uint64_t peer_uid = 0;
+  uint64_t call_id = 0;
+  uint32_t lane = 0;
+};
+thread_local ServingState tl_serving;
+
 ucs_status_t on_request(void* arg, const void* header, size_t hlen, void* data, size_t len,
                         const ucp_am_recv_param_t* param) {
   auto* lane = static_cast<Lane*>(arg);
@@ -282,12 +292,16 @@ ucs_status_t on_request(void* arg, const void* header, size_t hlen, void* data, 
       std::string out;
       Code code = Code::kNoHandler;
       if (fn) {
+        tl_serving = ServingState{true, false, h.uid, h.call_id, uint32_t(lane->idx)};
         try {
           code = fn(*payload, &out);
         } catch (const std::exception& e) {
           code = Code::kRpcHandlerError;
           out = e.what();
         }
+        const bool held = tl_serving.held;
+        tl_serving = ServingState{};
+        if (held) return;  // answered later (Engine::reply)
       } else {
         out = "no handler registered for id " + std::to_string(h.handler_id) + " on engine '" +
               c->cfg.name + "'";
@@ -472,6 +486,23 @@ std::vector<CallOutcome> Engine::call_many(const std::vector<CallRequest>& calls
     }
   }
   return res;
+}
+
+bool hold_current_request(IncomingRequest* out) {
+  if (!tl_serving.active) return false;
+  tl_serving.held = true;
+  out->peer_uid = tl_serving.peer_uid;
+  out->call_id = tl_serving.call_id;
+  out->lane = tl_serving.lane;
+  return true;
+}
+
+bool peek_current_request(IncomingRequest* out) {
+  if (!tl_serving.active) return false;
+  out->peer_uid = tl_serving.peer_uid;
+  out->call_id = tl_serving.call_id;
+  out->lane = tl_serving.lane;
+  return true;
 }
 
 bool EngineCore::next_request(IncomingRequest* out, double timeout_s) {
