@@ -98,8 +98,9 @@ def test_master_killed_all_keys_readable_after_it_returns(make_store):
     assert all(v == val(i, 10 * KB) for i, v in enumerate(got))
     st = s.stats()
     assert st["keys"] == 60 and not st["recovering"]
-    # Puts resume (after the new master's allocation gate); the client's slab from the
-    # old master is refused at commit and those values go the two-call way.
+    # Puts resume at once (the nodes recorded every slab: the new master allocates around
+    # them); the client's slab from the old master is refused at commit and those values
+    # go the two-call way.
     more = [f"after{i}" for i in range(20)]
     assert s.batch_put(more, [val(100 + i, 6 * KB) for i in range(20)]) == [None] * 20
     s.put("after-restart", b"ok")

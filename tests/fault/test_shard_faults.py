@@ -66,7 +66,7 @@ def test_one_shard_killed_the_others_keep_serving_and_it_rebuilds(make_store):
     wait_for(lambda: not s.stats()["recovering"], timeout_s=30, what="the shard to finish rebuilding")
     st = s.stats()
     assert st["shards"][VICTIM]["keys"] == len(theirs)  # the failed puts of its keys left nothing
-    # Puts to the rebuilt shard work again (after its allocation gate).
+    # Puts to the rebuilt shard work again.
     late = [keys[i].replace("f/", "late/") for i in theirs]
     assert s.batch_put(late, [b"after"] * len(late)) == [None] * len(late)
     assert s.batch_get(late) == [b"after"] * len(late)

@@ -164,3 +164,32 @@ def test_replies_come_back_on_the_calling_lane(engines):
         assert st["replies_off_lane"] == 0
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("protocol", ["shm", "tcp"])
+def test_an_inline_handler_keeps_a_request_and_another_thread_answers_it(engines, protocol):
+    """``hold_request`` inside an inline handler: the handler's return is not sent; ``reply``
+    from any thread answers the caller later (the master holds put replies so)."""
+    srv = engines(protocol=protocol, name="holder")
+    cli = engines(protocol=protocol, name="asker")
+    kept = []
+
+    def handler(payload):
+        if payload == b"now":
+            return b"answered inline"
+        kept.append((srv.hold_request(), payload))
+        return b"never sent"
+
+    srv.serve(7, handler, inline=True)
+    p = cli.connect(srv.address, timeout_s=10)
+    first, second = cli.call_async(p, 7, b"one"), cli.call_async(p, 7, b"two")
+    deadline = time.monotonic() + 5
+    while len(kept) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [k[1] for k in kept] == [b"one", b"two"]
+    assert cli.call(p, 7, b"now") == b"answered inline"  # the lane is not blocked meanwhile
+    assert not first.done() and not second.done()
+    srv.reply(kept[1][0], b"later: two")  # in any order
+    srv.reply(kept[0][0], b"later: one")
+    assert first.result(5) == b"later: one" and second.result(5) == b"later: two"
+    assert srv.hold_request() is None  # outside a handler

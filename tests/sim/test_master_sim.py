@@ -90,7 +90,9 @@ class Sim:
         self.owner = "client0"  # a restarted master sees a new client (the old one's slabs are dead)
 
     def _new_master(self):
-        m = MasterState(self.policy, clock=self.clock, wall_ns=lambda: 0,
+        # A wall clock that only moves forward across restarts, as the real one does: slab
+        # ids and gens of one master never equal a previous master's.
+        m = MasterState(self.policy, clock=self.clock, wall_ns=self._wall_ns,
                         seed=self.rng.randrange(1 << 30))
         real_unmount = m.unmount
 
@@ -108,6 +110,10 @@ class Sim:
         m.index.set_commits(True)
         m.index.set_enabled(True)
         return m
+
+    def _wall_ns(self) -> int:
+        self.wall = getattr(self, "wall", 0) + 1
+        return self.wall
 
     def python(self, fn):
         """A call the index declined: the actor's lock applies the log first, and pushes
@@ -394,7 +400,12 @@ class Sim:
             view = {(e[0], e[3]): InventoryEntry(*e)
                     for e in reconcile(store.snapshot(), self.outboxes[node_id].owed())}
             views[node_id] = view
+            reserved = {(e.key, e.gen, e.offset, e.length) for e in view.values() if e.tier == "reserved"}
+            want = {(e.key, e.gen, e.offset, e.length) for e in m.node_entries(node_id) if e.tier == "reserved"}
+            assert reserved == want, f"{node_id} reserves {sorted(reserved ^ want)[:4]} unlike the master"
             for (key, tier), e in view.items():
+                if tier == "reserved":
+                    continue
                 obj = m._objects.peek(key)
                 assert obj is not None and obj.gen == e.gen, f"{node_id} remembers stale {key}/{tier}"
                 assert any(r.node_id == node_id and r.tier.value == tier and
@@ -443,7 +454,7 @@ class ShardedSim:
             m = sim.m
             assert all(shard_of(k, n) == shard for k in m._objects), f"shard {shard} holds another shard's key"
             for node_id, inv in sim.inv.items():
-                assert all(shard_of(e[0], n) == shard for e in inv.entries.values()), \
+                assert all(shard_of(e[0], n) == shard for e in inv.entries.values() if e[3] != "reserved"), \
                     f"{node_id}'s inventory for shard {shard} holds another shard's key"
             for node_id, alloc in m._alloc.items():
                 lo, length = arena_part(sim.caps[node_id], n, shard)

@@ -58,7 +58,9 @@ def test_native_commit_is_applied_as_put_commit_would_be():
     assert sorted(m._slab_table.slabs[sid].free.items()) == [(off + 128, K - 128), (off + 3 * K, length - 3 * K)]
     assert m.counters["puts"] == 2 and m.counters["hits"] == 3
     delta = m.drain_effects()[nid]
-    assert [(e.key, e.gen, e.offset) for e in delta.adds] == [("a", gens[0], off), ("b", gens[1], off + K)]
+    assert [(e.key, e.gen, e.offset) for e in delta.adds if e.tier == "dram"] == [("a", gens[0], off),
+                                                                                   ("b", gens[1], off + K)]
+    assert [(e.key, e.offset, e.length) for e in delta.adds if e.tier == "reserved"] == [(f"slab/{sid}", off, length)]
     assert m.put_commit("c", sid, off + 3 * K, 10, False, "c1") > gens[1]  # the counter went on
     m.check_invariants()
 

@@ -40,7 +40,8 @@ def test_commit_publishes_in_one_call_and_pieces_are_carved():
     assert m.get("b")[3][0][2] == off + 4 * K and m.get("b")[3][0][3] == 2 * K
     assert m.stats()["slab_bytes"] == 16 * K - 2 * K - 128  # "a" (100 bytes) is packed into 128
     delta = m.drain_effects()[nid]
-    assert {e.key for e in delta.adds} == {"a", "b"}  # the node's inventory learns both
+    assert {e.key for e in delta.adds if e.tier == "dram"} == {"a", "b"}  # the node's inventory learns both
+    assert [e.key for e in delta.adds if e.tier == "reserved"] == [f"slab/{sid}"]  # and the slab
     m.check_invariants()
 
 
@@ -151,6 +152,53 @@ def test_restarted_master_allocates_nothing_until_old_slabs_are_dead():
     grant(m)
     m.put_start("a", K)
     m.check_invariants()
+
+
+def test_restarted_master_keeps_recorded_slabs_and_pending_puts_out_of_allocations_and_allocates_at_once():
+    """With durable acknowledgements every slab and pending put is in its node's inventory
+    (reserved entries) before the client writes there: the next master allocates at once,
+    around those ranges, and frees them once no client may start a write into them."""
+    from mooncake_ray._private.store.inventory import StoreInventory
+
+    clock, wall = Clock(), iter(range(1, 10_000))
+    policy = Policy(put_slab_ttl_s=2.0, put_slab_bytes=16 * K, put_timeout_s=30.0, durable_acks=True)
+    old = MasterState(policy, clock=clock, wall_ns=lambda: next(wall))
+    old.mount(node(0, 256 * K))
+    sid, nid, off, length = grant(old)
+    gen_a = commit(old, "a", sid, off, 3 * K)  # a value in the slab, the rest still the client's
+    pgen, [ext] = old.put_start("big", 8 * K)  # a two-call put being written
+    inv = StoreInventory()  # the node, once it has applied what the old master sent
+    delta = old.drain_effects()[nid]
+    inv.apply(0, 1, delta.to_wire())
+    assert {e[0] for e in inv.entries.values() if e[3] == "reserved"} == {f"slab/{sid}", f"put/{pgen}"}
+
+    new = MasterState(policy, clock=clock, wall_ns=lambda: next(wall))
+    new.begin_recovery({nid})
+    new.mount(node(0, 256 * K), inv.snapshot())
+    assert new.get("a")[1] == gen_a
+    taken = [(off + 3 * K, length - 3 * K), (ext.offset, ext.length)]  # nobody may allocate these yet
+    placed = []
+    for i in range(12):  # no wait (no allocation gate), and never on the reserved ranges
+        g, [e] = new.put_start(f"n{i}", 8 * K)
+        new.put_end(f"n{i}", g)
+        placed.append((e.offset, e.length))
+    assert all(o + n <= t or t + tl <= o for o, n in placed for t, tl in taken), (placed, taken)
+    with pytest.raises(LeaseExpiredError):  # the old slab is not the client's any more
+        commit(new, "late", sid, off + 3 * K, K)
+    new.check_invariants()
+    # The node's entries now name the new master's ownerless slabs; they go at expiry.
+    reserved = [e for e in new.node_entries(nid) if e.tier == "reserved"]
+    assert sorted((e.offset, e.length) for e in reserved) == sorted([(off, length), (ext.offset, ext.length)])
+    clock.t += 2.5
+    new.heartbeat(nid, "a")
+    new.tick()
+    assert [(e.offset, e.length) for e in new.node_entries(nid) if e.tier == "reserved"] == [(ext.offset, ext.length)]
+    clock.t += 30
+    new.heartbeat(nid, "a")
+    new.tick()
+    assert [e for e in new.node_entries(nid) if e.tier == "reserved"] == []
+    assert new.stats()["used"] == 3 * K + 12 * 8 * K
+    new.check_invariants()
 
 
 def test_a_fragmented_arena_gets_a_shorter_slab_rather_than_evictions():

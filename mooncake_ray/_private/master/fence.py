@@ -28,7 +28,8 @@ from mooncake_ray import errors
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.outbox import NodeOutbox
 
-# key, gen, the nodes holding a replica (one item per value a call published or answered)
+# key, gen, the nodes holding a replica (one item per value a call published or answered;
+# gen -1: a range reserved for the caller to write into, ReplicaTable.note_reserved)
 Published = tuple[str, int, tuple[str, ...]]
 
 
@@ -108,7 +109,7 @@ class Fence:
                 continue
             failed = set()
             for key, gen, nodes in h.values:
-                if node_ids.isdisjoint(nodes):
+                if gen < 0 or node_ids.isdisjoint(nodes):  # a reservation: the client's write fails
                     continue
                 left = fate(key, gen)
                 if left is not None and not left:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims
 from mooncake_ray._private.master.types import (
+    RESERVED,
     InventoryEntry,
     NodeDelta,
     NodeInfo,
@@ -93,6 +94,18 @@ class ReplicaTable:
             self.delta(r.node_id).add(inventory_entry(obj, r))
         if self.fenced is not None:
             self.settled(obj)
+
+    def note_reserved(self, node_id: str, key: str, gen: int, offset: int, length: int) -> None:
+        """Tell the node a range of its arena is handed out for writing (a put slab, a
+        pending put's extent: ``key`` names it); the call's reply waits until the node has
+        recorded it (fence.py), so a restarted master learns of every such range."""
+        self.delta(node_id).add(InventoryEntry(key, gen, length, RESERVED, offset, length, 0))
+        if self.fenced is not None:
+            self.fenced.append((key, -1, (node_id,)))
+
+    def note_unreserved(self, node_id: str, key: str, gen: int) -> None:
+        if node_id in self._nodes:
+            self.delta(node_id).drop(key, gen, RESERVED)
 
     def settled(self, obj: Obj) -> None:
         """A call answers for ``obj``'s value (published now, or again on a retry): its

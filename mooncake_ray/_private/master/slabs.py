@@ -16,12 +16,16 @@ Safety rules (what makes a slab's bytes never land on someone else's value):
   the grant request (so its window ends before the master's does). The master reclaims
   the uncommitted rest ``put_slab_ttl_s + put_timeout_s`` after granting it (a dead
   client's slab, like a dead client's pending put), or at once when the client returns it.
-- A restarted master knows nothing of the previous incarnation's slabs; their space is
-  free in its rebuilt index. It therefore allocates nothing (``put_start`` and
-  ``slab_grant`` answer "rebuilding, retry") until ``put_slab_ttl_s`` after it started,
-  by which time no client may begin a write into an old slab. A commit into a slab it
-  does not know fails with ``LeaseExpiredError``; the client puts that value again the
-  two-call way.
+- Each slab, and each pending put's extent, is recorded in its node's inventory as a
+  reserved range; with ``durable_acks`` the grant's (and PUT_START's) reply waits until the
+  node has it. A restarted master learns them when the nodes remount and keeps the
+  uncommitted parts out of its allocations (``adopt``: an ownerless slab) for
+  ``put_slab_ttl_s`` (slabs) or ``put_timeout_s`` (pending puts), by which time no client
+  may begin a write there; it allocates elsewhere at once. Without ``durable_acks`` a
+  reservation may not have reached its node when the master died, so a restarted master
+  allocates nothing (``put_start`` and ``slab_grant`` answer "rebuilding, retry") until
+  ``put_slab_ttl_s`` after it started. A commit into a slab it does not know fails with
+  ``LeaseExpiredError``; the client puts that value again the two-call way.
 - A slab lives on one node incarnation: unmounting the node drops it.
 
 ``SlabTable`` keeps the live slabs and their uncommitted pieces; ``MasterState`` holds one
@@ -33,6 +37,7 @@ take the two-call path, where the extra round trip is small next to the copy.
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -56,6 +61,16 @@ if TYPE_CHECKING:
 
 
 SLAB_MIN = 1 << 20  # the shortest slab granted out of a fragmented arena rather than evicting
+
+
+def slab_key(slab_id: int) -> str:
+    """A slab's reserved entry in its node's inventory (gen: the slab id)."""
+    return f"slab/{slab_id}"
+
+
+def put_key(gen: int) -> str:
+    """A pending put's reserved entry on each node it writes to (gen: the put's gen)."""
+    return f"put/{gen}"
 
 
 @dataclass(slots=True)
@@ -119,6 +134,7 @@ class SlabTable:
                         now + policy.put_slab_ttl_s + policy.put_timeout_s, {got[0]: got[1]})
             self.slabs[slab.slab_id] = slab
             self._mirror.slab(slab.slab_id, slab)
+            self._replicas.note_reserved(node.node_id, slab_key(slab.slab_id), slab.slab_id, slab.offset, slab.length)
             return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
                              policy.put_slab_ttl_s)
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more")
@@ -206,6 +222,7 @@ class SlabTable:
         if slab is None:
             return 0
         self._mirror.slab(slab_id, None)
+        self._replicas.note_unreserved(slab.node_id, slab_key(slab_id), slab_id)
         alloc = self._alloc.get(slab.node_id)
         freed = 0
         for off, ln in slab.free.items():
@@ -219,6 +236,38 @@ class SlabTable:
         for slab_id in gone:
             self.give_back(slab_id)
         return len(gone)
+
+    def adopt(self, node_id: str, reserved: list, hold: dict[str, float], now: float) -> None:
+        """A mounting node's reserved ranges this master did not hand out (a previous
+        master did, or this one before it unmounted the node): clients may still write
+        there. Each becomes a slab nobody owns (no commit matches it) over the parts of the
+        range no restored value holds, given back when it expires: ``now`` plus
+        ``hold[kind]``, the longest a client may still start a write into that kind of
+        range ("slab" or "put"). The node's entry for it is replaced by the new slab's."""
+        alloc = self._alloc[node_id]
+        runs = sorted(alloc.free_runs())
+        starts = [r[0] for r in runs]
+        for e in reserved:
+            self._replicas.note_unreserved(node_id, e.key, e.gen)
+            kind = e.key.split("/", 1)[0]
+            lo, hi = e.offset, e.offset + e.length
+            free = {}
+            for start, length in runs[max(0, bisect.bisect_right(starts, lo) - 1):]:
+                if start >= hi:
+                    break
+                a, b = max(start, lo), min(start + length, hi)
+                if a < b:
+                    free[a] = b - a
+            for off, ln in free.items():
+                alloc.reserve(off, ln)
+            if free:
+                runs = sorted(alloc.free_runs())
+                starts = [r[0] for r in runs]
+                self._next_id = max(self._next_id + 1, self._wall_ns())
+                ghost = Slab(self._next_id, node_id, lo, e.length, "", now + hold.get(kind, 0.0), free)
+                self.slabs[ghost.slab_id] = ghost
+                self._mirror.slab(ghost.slab_id, ghost)
+                self._replicas.note_reserved(node_id, slab_key(ghost.slab_id), ghost.slab_id, lo, e.length)
 
     def drop_node(self, node_id: str) -> None:
         for slab_id in [s.slab_id for s in self.slabs.values() if s.node_id == node_id]:

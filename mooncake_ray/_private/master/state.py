@@ -54,10 +54,11 @@ from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirro
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.pyindex import PyIndex
-from mooncake_ray._private.master.slabs import SlabTable
+from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
 from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
 from mooncake_ray._private.master.types import (
+    RESERVED,
     InventoryEntry,
     NodeDelta,
     NodeInfo,
@@ -157,9 +158,15 @@ class MasterState:
         self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
         # Newest allocation first: if two entries overlap (a drop that never reached the
         # node before a crash, then the extent reused), the newer one wins.
-        for e in sorted((InventoryEntry(*e) for e in inventory), key=lambda e: -e.gen):
+        entries = [InventoryEntry(*e) for e in inventory]
+        for e in sorted((e for e in entries if e.tier != RESERVED), key=lambda e: -e.gen):
             self._gens.seen(e.gen + 1)
             self._replicas.restore(node, e, now)
+        # Then the ranges clients may still be writing into (slabs.py: adopt).
+        reserved = [e for e in entries if e.tier == RESERVED]
+        if reserved:
+            hold = {"slab": self.policy.put_slab_ttl_s, "put": self.policy.put_timeout_s}
+            self._slab_table.adopt(node.node_id, reserved, hold, now)
         self._expected.discard(node.node_id)
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
@@ -215,7 +222,9 @@ class MasterState:
                 f"master is rebuilding its index; waiting for store nodes {sorted(self._expected)}")
 
     def _allocation_gate(self, now: float) -> None:
-        if now < self._alloc_gate_until:
+        """Without durable reservations, a restarted master allocates nothing until no
+        client can still start a write into a previous master's slab (slabs.py)."""
+        if now < self._alloc_gate_until and not self.policy.durable_acks:
             raise MasterUnavailableError(
                 f"master restarted {now - self._restarted_at:.1f}s ago; allocations resume after "
                 f"put_slab_ttl_s={self.policy.put_slab_ttl_s}s (writes into old slabs must end first)")
@@ -288,6 +297,7 @@ class MasterState:
         self._mirror.pending(key)
         for r in placed:
             self._replicas.watermark(r.node_id, now)
+            self._replicas.note_reserved(r.node_id, put_key(obj.gen), obj.gen, r.offset, r.length)
         return PutAlloc(obj.gen, self._extents(placed))
 
     def _extents(self, reps) -> list[Extent]:
@@ -315,7 +325,12 @@ class MasterState:
             raise NodeUnavailableError(f"put of {key!r} failed: {obj.failed or 'no replica left'}")
         del self._pending[key]
         self._mirror.pending(key)
+        self._unreserve(obj)
         self._replicas.publish(obj, self._clock())
+
+    def _unreserve(self, obj: Obj) -> None:
+        for r in obj.replicas:
+            self._replicas.note_unreserved(r.node_id, put_key(obj.gen), obj.gen)
 
     def put_revoke(self, key: str, gen: int) -> bool:
         """Abandon a pending put and free its extents. Idempotent (False if nothing to do)."""
@@ -324,6 +339,7 @@ class MasterState:
             return False
         del self._pending[key]
         self._mirror.pending(key)
+        self._unreserve(obj)
         for r in obj.replicas:
             self._replicas.free_extent(r, 0.0)
         self.counters["revoked"] += 1
@@ -523,6 +539,13 @@ class MasterState:
         out = [inventory_entry(obj, obj.replicas[0]) for obj in map(objects.peek, objects.cold_on_node(node_id))]
         for _key, obj in objects.hot_items():
             out.extend(inventory_entry(obj, r) for r in obj.replicas if r.node_id == node_id and r.ready)
+        for slab in self._slab_table.slabs.values():
+            if slab.node_id == node_id:
+                out.append(InventoryEntry(slab_key(slab.slab_id), slab.slab_id, slab.length, RESERVED, slab.offset,
+                                          slab.length, 0))
+        for obj in self._pending.values():
+            out.extend(InventoryEntry(put_key(obj.gen), obj.gen, r.length, RESERVED, r.offset, r.length, 0)
+                       for r in obj.replicas if r.node_id == node_id)
         return out
 
     # ----------------------------------------------------------------- removal --

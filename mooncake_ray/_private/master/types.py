@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 
+RESERVED = "reserved"
+"""An inventory entry's tier for a range the master reserved (a put slab, a pending put's
+extent): not a value, but space a client may still write into (``SlabTable.adopt``)."""
+
+
 class Tier(str, enum.Enum):
     """A replica's tier. Hot paths read a member's string as ``_value_`` (a plain attribute;
     ``.value`` is a Python-level property, about 1 us a read, on every put and eviction)."""
@@ -287,6 +292,11 @@ class Policy:
     recovery_timeout_s: float = 15.0
     put_slab_bytes: int = 32 << 20
     put_slab_ttl_s: float = 2.0
+    durable_acks: bool = False
+    """The actor holds put, PUT_START and slab grant replies until the nodes recorded them
+    (fence.py): a restarted master then knows every range a client may still write into
+    from the nodes' reservations, and allocates at once instead of waiting out
+    ``put_slab_ttl_s``."""
     evict_in_background: bool = False
     """Past the high watermark, only note the node (``MasterState.evict_due`` then evicts
     in small chunks, each its own section of the actor's lock) instead of evicting a whole

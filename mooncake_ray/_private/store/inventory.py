@@ -1,7 +1,9 @@
 """What one store node holds, and how the master's messages change it (pure, no Ray).
 
 DRAM entries are written only by the master: a node cannot tell a finished put from an
-abandoned one, so it records what the master says it holds. Disk entries are written by
+abandoned one, so it records what the master says it holds. Reserved entries are ranges
+of the arena the master handed out for writing (put slabs, pending puts): a restarted
+master keeps them out of its allocations until no client can still write there. Disk entries are written by
 the node when a spill file is complete (the master learns of it from OFFLOAD_DONE) and
 deleted on the master's word. The whole inventory goes to the master on every mount, so a
 restarted master loses nothing and a node that was unmounted comes back with its keys.
@@ -19,7 +21,7 @@ compute what a remounting node holds once it has applied what it was owed.
 from __future__ import annotations
 
 from mooncake_ray.errors import InvalidArgumentError
-from mooncake_ray._private.master.types import InventoryEntry, NodeDelta
+from mooncake_ray._private.master.types import RESERVED, InventoryEntry, NodeDelta
 
 DRAM, DISK = "dram", "disk"
 APPLIED = b""
@@ -56,7 +58,7 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
     return files
 
 
-_TIERS = (DRAM, DISK)
+_TIERS = (DRAM, DISK, RESERVED)
 
 
 def _ints(xs) -> bool:
