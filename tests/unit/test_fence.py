@@ -108,3 +108,15 @@ def test_a_lost_node_answers_at_once_and_a_replaced_value_is_not_an_error():
     [(_t, out)] = fence.take_out()
     items = rpc.unpack(out)[1]
     assert items[1] is None and rpc.is_err(items[0]) and items[0][1] == "NodeUnavailableError"
+
+
+def test_a_slab_grant_on_a_lost_node_is_answered_with_a_retryable_error():
+    ob = NodeOutbox("inc", 1)
+    ob.merged(delta("slab/9"))
+    fence = Fence()
+    grant = rpc.pack([rpc.OK, [9, "N", 0, 4096, "inc", 2.0]])
+    assert fence.hold(Held("t", grant, rpc.SLAB_GRANT, [], [("slab/9", -1, ("N",))]), {"N": ob})
+    fence.lost({"N"}, lambda key, gen: set())
+    [(_t, out)] = fence.take_out()
+    rep = rpc.unpack(out)
+    assert rpc.is_err(rep) and rep[1] == "NodeUnavailableError"

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, NoCapacityError
+from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, NoCapacityError, NodeUnavailableError
 from mooncake_ray._private import rpc, wire
 from mooncake_ray._private.master.allocator import ALIGN
 
@@ -130,7 +130,7 @@ class Slabs:
         try:
             g = wire.slab_grant(self._master.call(
                 rpc.SLAB_GRANT, self._owner, self._here, need, self._take_returns()))
-        except (NoCapacityError, MasterUnavailableError, InvalidArgumentError):
+        except (NoCapacityError, MasterUnavailableError, InvalidArgumentError, NodeUnavailableError):
             return False
         # Writes start at most 3/4 of the ttl after the request left: the master's window
         # (counted from when it granted) ends later still.

@@ -397,7 +397,9 @@ class MasterActor:
         for node_id, ob, payload in sends:
             peer = self._peer(node_id)
             handle = None
-            if peer is not None:
+            if peer is None:
+                self._check_node(node_id)  # cannot connect: is it gone?
+            else:
                 try:
                     handle = self.engine.call_async(peer, self._inventory_rpc, auth.seal(self._node_key, payload))
                 except MooncakeRayError as e:

@@ -114,6 +114,9 @@ class Fence:
                 left = fate(key, gen)
                 if left is not None and not left:
                     failed.add(key)
+            if h.op == rpc.SLAB_GRANT:  # the slab was on a lost node: the client asks again
+                h.reply = rpc.pack(rpc.err_entry(errors.NodeUnavailableError(
+                    f"the store node of the put slab granted was lost ({', '.join(sorted(node_ids & h.waits.keys()))})")))
             for node_id in node_ids:
                 h.waits.pop(node_id, None)
             if failed:
