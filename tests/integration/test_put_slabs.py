@@ -183,3 +183,40 @@ def test_small_values_are_packed_and_evicted_ones_make_room(make_store):
     for node_id in ray.get(master.stats.remote())["nodes"]:  # the store nodes' processes too
         store = ray.get_actor(store_actor_name(node_id), namespace=s.config.namespace)
         assert ray.get(store.__ray_call__.remote(young)) == GC_YOUNG_THRESHOLD
+
+
+@ray.remote(num_cpus=0)
+class SlabWriter:
+    """A client process of its own, as each engine worker of a fleet is."""
+
+    def __init__(self, namespace):
+        self.s = mooncake_ray.connect(namespace=namespace)
+
+    def put(self, prefix, n, size):
+        value = b"w" * size
+        return self.s.batch_put([f"{prefix}/{i}" for i in range(n)], [value] * n)
+
+
+def test_thirty_two_clients_the_store_evicts_only_once_values_fill_it(make_store):
+    """32 client processes put small values (the one-call slab path) in rounds. Their put
+    slabs share a budget (half the headroom above the watermark: 5% of the arena), and
+    eviction counts the bytes values hold, so nothing is evicted while the values fill
+    less than the arena's watermark; evictions start past it."""
+    s = make_store(segment_size_bytes="32mb")
+    ns = s.config.namespace
+    writers = [SlabWriter.remote(ns) for _ in range(32)]
+    ray.get([w.__ray_ready__.remote() for w in writers])
+    capacity = s.stats()["capacity"]
+    size, per_round = 32 * KB, 8  # 32 x 8 x 32 KiB = 8 MiB a round
+    rounds, first_eviction, slab_share = 0, None, []
+    while rounds < 16 and first_eviction is None:
+        res = ray.get([w.put.remote(f"r{rounds}/w{j}", per_round, size) for j, w in enumerate(writers)])
+        assert all(r == [None] * per_round for r in res)
+        rounds += 1
+        st = s.stats()
+        slab_share.append(st["slab_bytes"] / capacity)
+        if st["evictions"]:
+            first_eviction = rounds * 32 * per_round * size / capacity
+    assert max(slab_share) <= 0.05, f"put slabs held {max(slab_share):.0%} of the arena unused"
+    assert first_eviction is not None, "the store never evicted"
+    assert first_eviction > 0.85, f"eviction started with values at {first_eviction:.0%} of the arena"

@@ -74,6 +74,9 @@ class ReplicaTable:
         # dropped or unpinned go when counted): stats() counts pins without a scan of
         # every object, which at ten million keys held the state lock for seconds.
         self.pinned: dict[str, Obj] = {}
+        # Bytes of a node's arena put slabs hold uncommitted (SlabTable.room, set by the
+        # state machine): eviction follows the bytes values hold, not these.
+        self.slab_room: Callable[[str], int] = lambda node_id: 0
         # While the actor collects them for its fence (fence.py): (key, gen, nodes) of each
         # value a call published or answered for again.
         self.fenced: list | None = None
@@ -428,7 +431,9 @@ class ReplicaTable:
         allocations find room without waiting; or, with ``evict_in_background``, note the
         node for ``evict_chunk``."""
         alloc = self._alloc[node_id]
-        if alloc.used > self.policy.high_watermark * alloc.capacity:
+        mark = self.policy.high_watermark * alloc.capacity
+        # Values count, not the room put slabs hold for writes to come (slabs.py: budget).
+        if alloc.used > mark and alloc.used - self.slab_room(node_id) > mark:
             if self.policy.evict_in_background:
                 self.evict_due.add(node_id)
             else:
@@ -442,7 +447,7 @@ class ReplicaTable:
         if alloc is None:
             self.evict_due.discard(node_id)
             return False
-        target = (self.policy.high_watermark - self.policy.evict_ratio) * alloc.capacity
+        target = (self.policy.high_watermark - self.policy.evict_ratio) * alloc.capacity + self.slab_room(node_id)
         excess = int(alloc.used - node.offload_inflight - target)
         if (excess <= 0 or not self.evict(node_id, min(chunk, excess), now, whole_round=False)
                 or alloc.used - node.offload_inflight <= target):

@@ -8,6 +8,15 @@ extent lies in a part of the slab nobody committed yet, then publishes exactly a
 ``put_end`` does. A failed commit (the key exists, another put of it is in flight) frees
 its extent: the client wrote bytes nobody will read, nothing else is lost.
 
+Room: a slab holds arena space no value uses yet, and every client has one per master
+shard, so the slabs of a node together get a budget (``budget``: half the headroom above
+the high watermark); a grant past it fails and the client puts the two-call way. Eviction
+follows the bytes values hold, leaving out the slabs' uncommitted room, so a fleet of
+clients does not make the store evict while its values fill a fraction of the arena.
+A client gives back a slab it has not used up once its write window (``put_slab_ttl_s``)
+is over; the master takes back a slab's room no earlier than that window plus
+``put_timeout_s``, when no write into it can still land.
+
 Safety rules (what makes a slab's bytes never land on someone else's value):
 
 - Uncommitted slab space is allocated in the node's allocator for as long as the slab
@@ -119,9 +128,10 @@ class SlabTable:
         policy = self.policy
         for node in order_nodes(policy.allocation_strategy, usable, self._alloc, client_node, self._rng):
             cap = self._alloc[node.node_id].capacity
-            length = max(page_up(need), min(policy.put_slab_bytes, cap // 16) // ALIGN * ALIGN)
-            if length > cap // 4:
-                continue  # a slab must not take a large share of any arena
+            left = self.budget(cap) - self.room(node.node_id)
+            length = max(page_up(need), min(policy.put_slab_bytes, cap // 16, left) // ALIGN * ALIGN)
+            if length > cap // 4 or length > left:
+                continue  # a slab must not take a large share of any arena, nor more than the slabs' budget
             got = self._fit(node.node_id, length, need, now)
             if got is None:
                 got = self._replicas.allocate(node.node_id, length, now)  # evicting
@@ -137,7 +147,19 @@ class SlabTable:
             self._replicas.note_reserved(node.node_id, slab_key(slab.slab_id), slab.slab_id, slab.offset, slab.length)
             return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
                              policy.put_slab_ttl_s)
-        raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more")
+        raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more (or the put slabs "
+                              "of other clients hold their budget: the value goes the two-call way)")
+
+    def budget(self, capacity: int) -> int:
+        """The most a node's arena holds in put slabs' uncommitted room, all clients
+        together: half the headroom above the high watermark (at least one small slab).
+        Eviction counts only the bytes values hold, so values fill the arena up to the
+        watermark whatever the number of clients, and the slabs still fit beside them."""
+        return max(SLAB_MIN, int((1 - self.policy.high_watermark) * capacity) // 2 // ALIGN * ALIGN)
+
+    def room(self, node_id: str) -> int:
+        """Bytes of ``node_id``'s arena that slabs hold uncommitted."""
+        return sum(ln for s in self.slabs.values() if s.node_id == node_id for ln in s.free.values())
 
     def _fit(self, node_id: str, length: int, need: int, now: float) -> tuple[int, int] | None:
         """A slab of ``length`` bytes, or a shorter one (down to ``SLAB_MIN`` or ``need``)

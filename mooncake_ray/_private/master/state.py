@@ -115,6 +115,7 @@ class MasterState:
         reps = self._replicas
         self._slab_table = SlabTable(self.policy, self._nodes, self._alloc, self._objects, self._pending, reps,
                                      self._mirror, self._gens, self._rng, wall_ns)
+        reps.slab_room = self._slab_table.room
         self._tier = DiskTier(self.policy, self._nodes, self._objects, self.counters, self._mirror,
                               delta=reps.delta, drop_replica=reps.drop_replica, allocate=reps.allocate,
                               new_placement=reps.new_placement)
