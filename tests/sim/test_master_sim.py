@@ -401,7 +401,7 @@ class Sim:
                     for e in reconcile(store.snapshot(), self.outboxes[node_id].owed())}
             views[node_id] = view
             reserved = {(e.key, e.gen, e.offset, e.length) for e in view.values() if e.tier == "reserved"}
-            want = {(e.key, e.gen, e.offset, e.length) for e in m.node_entries(node_id) if e.tier == "reserved"}
+            want = {(e.key, e.gen, e.offset, e.length) for e in m.reserved_entries(node_id)}
             assert reserved == want, f"{node_id} reserves {sorted(reserved ^ want)[:4]} unlike the master"
             for (key, tier), e in view.items():
                 if tier == "reserved":

@@ -187,16 +187,16 @@ def test_restarted_master_keeps_recorded_slabs_and_pending_puts_out_of_allocatio
         commit(new, "late", sid, off + 3 * K, K)
     new.check_invariants()
     # The node's entries now name the new master's ownerless slabs; they go at expiry.
-    reserved = [e for e in new.node_entries(nid) if e.tier == "reserved"]
+    reserved = new.reserved_entries(nid)
     assert sorted((e.offset, e.length) for e in reserved) == sorted([(off, length), (ext.offset, ext.length)])
     clock.t += 2.5
     new.heartbeat(nid, "a")
     new.tick()
-    assert [(e.offset, e.length) for e in new.node_entries(nid) if e.tier == "reserved"] == [(ext.offset, ext.length)]
+    assert [(e.offset, e.length) for e in new.reserved_entries(nid)] == [(ext.offset, ext.length)]
     clock.t += 30
     new.heartbeat(nid, "a")
     new.tick()
-    assert [e for e in new.node_entries(nid) if e.tier == "reserved"] == []
+    assert new.reserved_entries(nid) == []
     assert new.stats()["used"] == 3 * K + 12 * 8 * K
     new.check_invariants()
 

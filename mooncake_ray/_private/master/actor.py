@@ -327,6 +327,8 @@ class MasterActor:
     def _send_replies(self) -> None:
         """Send the put replies that became durable (no lock held: see fence.py)."""
         with self._outbox_cv:
+            if len(self._fence):
+                self._fence.progress(self._outboxes)
             out = self._fence.take_out()
         for token, reply in out:
             try:
@@ -373,8 +375,6 @@ class MasterActor:
         for node_id, ob in waiting:
             self._check_answer(node_id, ob, now)
         if len(self._fence):
-            with self._outbox_cv:
-                self._fence.progress(self._outboxes)
             self._send_replies()
 
     def _collect(self, now: float):

@@ -103,6 +103,11 @@ class ReplicaTable:
         pending put's extent: ``key`` names it); the call's reply waits until the node has
         recorded it (fence.py), so a restarted master learns of every such range."""
         self.delta(node_id).add(InventoryEntry(key, gen, length, RESERVED, offset, length, 0))
+        self.refence(key, node_id)
+
+    def refence(self, key: str, node_id: str) -> None:
+        """A call answers for a reservation (made now, or again on a retry): its reply
+        waits until the node has recorded it."""
         if self.fenced is not None:
             self.fenced.append((key, -1, (node_id,)))
 

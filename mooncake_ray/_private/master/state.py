@@ -265,7 +265,10 @@ class MasterState:
         pending = self._pending.get(key)
         if pending is not None:
             if owner and pending.owner == owner and pending.size == size and not pending.failed:
-                # The same client retrying after a lost reply: hand back its allocation.
+                # The same client retrying after a lost reply: hand back its allocation
+                # (once its nodes have recorded the reservations, as the first reply).
+                for r in pending.replicas:
+                    self._replicas.refence(put_key(pending.gen), r.node_id)
                 return PutAlloc(pending.gen, self._extents(pending.replicas))
             raise ObjectPendingError(f"a put of {key!r} is already in flight")
         if key in self._objects and not upsert:
@@ -540,6 +543,15 @@ class MasterState:
         out = [inventory_entry(obj, obj.replicas[0]) for obj in map(objects.peek, objects.cold_on_node(node_id))]
         for _key, obj in objects.hot_items():
             out.extend(inventory_entry(obj, r) for r in obj.replicas if r.node_id == node_id and r.ready)
+        return out
+
+    def reserved_entries(self, node_id: str) -> list[InventoryEntry]:
+        """The ranges of ``node_id``'s arena this master handed out for writing (put slabs,
+        pending puts), as the node's inventory must list them once it has applied every
+        message it is owed (slabs.py; tests and tools)."""
+        if node_id not in self._nodes:
+            return []
+        out = []
         for slab in self._slab_table.slabs.values():
             if slab.node_id == node_id:
                 out.append(InventoryEntry(slab_key(slab.slab_id), slab.slab_id, slab.length, RESERVED, slab.offset,
