@@ -52,14 +52,20 @@ def test_stalled_inventory_applier_is_not_unmounted(make_store, ray_cluster):
     ray.get(nodes[victim].debug_stall_inventory.remote(3 * TTL_S))  # longer than the TTL
     keys = [f"k{i}" for i in range(300)]
     t0 = time.monotonic()
-    failed, busy = [], []
-    for i in range(0, len(keys), 10):  # puts keep coming for the whole stall
+    failed, first = [], {}
+    # A put is acknowledged once its nodes have recorded it: the first batch (both nodes
+    # take some of it) waits for the stalled node, in a thread of its own meanwhile.
+    th = threading.Thread(target=lambda: first.setdefault("res", s.batch_put(keys[:10], [val(j) for j in range(10)])))
+    th.start()
+    time.sleep(0.5)
+    # Occupy every thread of the master's default concurrency group for two TTLs (these
+    # calls wait for the stalled node): heartbeats have a group of their own.
+    busy = [master.flush_inventory.remote(2 * TTL_S) for _ in range(4)]
+    th.join()
+    failed += [k for k, r in zip(keys[:10], first["res"]) if r is not None]
+    for i in range(10, len(keys), 10):  # then puts keep coming
         res = s.batch_put(keys[i:i + 10], [val(j) for j in range(i, i + 10)])
         failed += [k for k, r in zip(keys[i:i + 10], res) if r is not None]
-        if i == 20:
-            # Occupy every thread of the master's default concurrency group for two TTLs
-            # (these calls wait for the stalled node): heartbeats have a group of their own.
-            busy = [master.flush_inventory.remote(2 * TTL_S) for _ in range(4)]
         time.sleep(max(0.0, (i / 10) * 0.3 - (time.monotonic() - t0)))
     assert time.monotonic() - t0 > 2 * TTL_S
     assert counters(master) == (0, 0)  # (node_unmounts, unmount_lost_keys)
