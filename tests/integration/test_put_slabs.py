@@ -145,7 +145,8 @@ class Putter:
 
 
 def test_dead_clients_slab_is_reclaimed(make_store):
-    s = make_store(master={"put_slab_ttl_s": 0.5, "put_timeout_s": 1.5, "put_slab_bytes": "4mb"})
+    s = make_store(master={"put_slab_ttl_s": 0.5, "put_timeout_s": 1.5, "put_slab_bytes": "4mb",
+                           "high_watermark": 0.85})  # a slab budget (half the headroom) of 4.8 MiB
     base = s.stats()["used"]
     p = Putter.remote(s.config.namespace)
     ray.get(p.put.remote("from-dead", 5000))
