@@ -148,12 +148,22 @@ def test_blocks_spilled_to_disk_come_back_byte_exact(env):
     p = prompt(3, 1500)
     expect, keys = written(env, p)
     saved = client.batch_get(keys)
-    # push them out of DRAM (two 32 MiB arenas): 96 MiB of newer values
+    # push them out of DRAM (two 32 MiB arenas) with newer values: 96 MiB, then more until
+    # both nodes have turned over (which node takes each value depends on timing)
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+
+    def on_disk():
+        return all(w and all(t == "disk" for _, t, _ in w) for w in ray.get(master.where.remote(keys)))
+
     for i in range(96):
         client.put(f"junk/spill/{i}", np.full(1 << 20, i, dtype=np.uint8))
-    master = ray.get_actor(MASTER_NAME, namespace=ns)
-    wait_for(lambda: all(w and all(t == "disk" for _, t, _ in w) for w in ray.get(master.where.remote(keys))),
-             what="the blocks to be on disk only")
+    i = 96
+    while not on_disk() and i < 384:
+        client.put(f"junk/spill/{i}", np.full(1 << 20, i % 256, dtype=np.uint8))
+        i += 1
+        if i % 32 == 0:
+            time.sleep(0.5)  # offloads land
+    wait_for(on_disk, what="the blocks to be on disk only")
     promotions = client.stats()["promotions"]
     reader.reset()
     r = reader.generate([p])[0]
