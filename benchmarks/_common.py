@@ -197,3 +197,16 @@ class Processes:
 
     def stop_all(self, wait_s: float = 15.0) -> None:
         stop_processes(self.procs, wait_s)
+
+
+def git_state() -> dict:
+    """The commit measured, and files of the store's code that differed from it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mooncake_ray", "native"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.splitlines()
+        return {"head": head, "uncommitted_store_files": [d[3:] for d in dirty]}
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e)}

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import free_port, host_info, host_label, spread, stop_processes, ucx_perftest
+from _common import free_port, git_state, host_info, host_label, spread, stop_processes, ucx_perftest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -756,7 +756,7 @@ def main() -> None:
     # namespace, on a shared /tmp) and then waits for its GCS forever.
     ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
 
-    git_start = _git_state()
+    git_start = git_state()
     phases: dict = {p: [] for p in protocols}
     load = [os.getloadavg()[0]]
     t_start = time.perf_counter()
@@ -805,7 +805,7 @@ def main() -> None:
         "sizes": sizes, "ops_per_run": {str(s): ops_per_run(s) for s in sizes},
         "throughput_definition": "bytes / sum of per-op times (verification outside the timed region)",
         "ours": {"segment": args.segment, "protocols": protocols, "git_at_start": git_start,
-                 "git_at_end": _git_state()},
+                 "git_at_end": git_state()},
         "mooncake": ({"skipped": mc_skip} if mc_skip else
                      {"version": _mooncake_version(), "segment": args.mooncake_segment,
                       "local_buffer_bytes": args.mooncake_local_buffer, "commands": [c.strip() for c in mc_peer.commands],
@@ -825,19 +825,6 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
-
-
-def _git_state() -> dict:
-    """The commit measured, and files of the store's code that differed from it."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "mooncake_ray", "native"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.splitlines()
-        return {"head": head, "uncommitted_store_files": [d[3:] for d in dirty]}
-    except Exception as e:  # noqa: BLE001
-        return {"error": str(e)}
 
 
 def _mooncake_version() -> str:

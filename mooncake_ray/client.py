@@ -123,13 +123,17 @@ class Client:
         self._closed = False
 
     # ================================================================ public API ==
-    def put(self, key: str, value: Any, *, replicas: int | None = None) -> None:
+    def put(self, key: str, value: Any, *, replicas: int | None = None, parent: str | None = None) -> None:
         """Store ``value`` under a new ``key``. Returns None.
 
         Args:
             key: non-empty str, at most ``max_key_bytes`` UTF-8 bytes.
             value: bytes, bytearray, memoryview, numpy array or torch CPU tensor.
             replicas: copies on distinct store nodes (default: config ``master.replicas``).
+            parent: the key this value follows in a KV chain (the previous page): with
+                ``master.chain_eviction`` the parent is not evicted while this value is
+                stored, and this value goes if its parent does (a lookup could not reach
+                it). A parent owned by another master shard is not linked.
 
         Raises:
             ObjectExistsError: the key is stored already (use ``upsert``); not retryable.
@@ -139,22 +143,24 @@ class Client:
             NoCapacityError: no room even after eviction (retryable).
             MasterUnavailableError, TransferError: retryable; a retry is safe.
         """
+        ps = self._parents([key], None if parent is None else [parent])
         if self._device.needed((value,)):
-            return self._raise_first(self._put_routed([key], [value], None, replicas, False, None))
+            return self._raise_first(self._put_routed([key], [value], None, replicas, False, None, ps))
         w = self._shard(key).writes
-        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, False)))
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, False, ps)))
 
-    def upsert(self, key: str, value: Any, *, replicas: int | None = None) -> None:
+    def upsert(self, key: str, value: Any, *, replicas: int | None = None, parent: str | None = None) -> None:
         """Store ``value`` under ``key``, replacing any stored value. Readers see the old
         value until the new one is complete. Returns None; raises as ``put`` (never
         ObjectExistsError)."""
+        ps = self._parents([key], None if parent is None else [parent])
         if self._device.needed((value,)):
-            return self._raise_first(self._put_routed([key], [value], None, replicas, True, None))
+            return self._raise_first(self._put_routed([key], [value], None, replicas, True, None, ps))
         w = self._shard(key).writes
-        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, True)))
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [value], replicas, True, ps)))
 
     def put_from(self, key: str, buffer: Any, size: int | None = None, *, replicas: int | None = None,
-                 after: Any = None) -> None:
+                 after: Any = None, parent: str | None = None) -> None:
         """``put`` from a buffer (zero-copy if it was registered with ``register_buffer``);
         ``size`` stores only the first ``size`` bytes. Returns None.
 
@@ -167,11 +173,13 @@ class Client:
             InvalidArgumentError: ``size`` outside the buffer, or a bad key or buffer.
             Otherwise as ``put``.
         """
+        ps = self._parents([key], None if parent is None else [parent])
         if self._device.needed((buffer,)):
             return self._raise_first(self._put_routed([key], [buffer], None if size is None else [size],
-                                                      replicas, False, after))
+                                                      replicas, False, after, ps))
         w = self._shard(key).writes
-        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [Sized(buffer, size)], replicas, False)))
+        self._raise_first(self._timed("put", [key], lambda: w.put_many([key], [Sized(buffer, size)], replicas, False,
+                                                                       ps)))
 
     def get(self, key: str) -> bytes:
         """The value stored under ``key``, as bytes.
@@ -214,10 +222,12 @@ class Client:
         return out
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int | None = None,
-                  upsert: bool = False) -> list[MooncakeRayError | None]:
+                  upsert: bool = False, parents: Sequence[str | None] | None = None) -> list[MooncakeRayError | None]:
         """Put many values in one round of metadata calls. Returns, per key, ``None`` on
         success or the error (e.g. ObjectExistsError) for that key; a key that failed with a
         retryable error may be retried alone. ``upsert=True`` replaces stored values.
+        ``parents``: per key, its parent in a KV chain or None (see ``put``); a chain's
+        pages in order, first page first.
 
         Raises:
             InvalidArgumentError: ``keys`` and ``values`` differ in length, or ``replicas``
@@ -225,14 +235,17 @@ class Client:
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, values, "values")
+        ps = self._parents(keys, parents)
         if self._device.needed(values):
-            return self._put_routed(keys, values, None, replicas, upsert, None)
+            return self._put_routed(keys, values, None, replicas, upsert, None, ps)
         return self._timed("batch_put", keys, lambda: self._by_shard(
-            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [values[i] for i in idx], replicas, upsert),
-            lambda sh: sh.writes.put_many(keys, values, replicas, upsert)))
+            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [values[i] for i in idx], replicas, upsert,
+                                                         _pick(ps, idx)),
+            lambda sh: sh.writes.put_many(keys, values, replicas, upsert, ps)))
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
-                       *, replicas: int | None = None, after: Any = None) -> list[MooncakeRayError | None]:
+                       *, replicas: int | None = None, after: Any = None,
+                       parents: Sequence[str | None] | None = None) -> list[MooncakeRayError | None]:
         """``batch_put`` from buffers (zero-copy from registered ones); ``sizes`` stores
         only the first ``sizes[i]`` bytes of each. Returns ``None`` or the error per key.
         Device memory and ``after`` as in ``put_from``.
@@ -245,15 +258,37 @@ class Client:
         same_length(keys, buffers, "buffers")
         if sizes is not None:
             same_length(keys, sizes, "sizes")
+        ps = self._parents(keys, parents)
         if self._device.needed(buffers):
-            return self._put_routed(keys, buffers, sizes, replicas, False, after)
-        return self._host_put_from(keys, buffers, sizes, replicas, False)
+            return self._put_routed(keys, buffers, sizes, replicas, False, after, ps)
+        return self._host_put_from(keys, buffers, sizes, replicas, False, ps)
 
-    def _host_put_from(self, keys, buffers, sizes, replicas, upsert) -> list:
+    def _host_put_from(self, keys, buffers, sizes, replicas, upsert, parents=None) -> list:
         items = [Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
         return self._timed("batch_put", keys, lambda: self._by_shard(
-            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, upsert),
-            lambda sh: sh.writes.put_many(keys, items, replicas, upsert)))
+            keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, upsert,
+                                                         _pick(parents, idx)),
+            lambda sh: sh.writes.put_many(keys, items, replicas, upsert, parents)))
+
+    def _parents(self, keys, parents) -> list[str] | None:
+        """``parents`` checked and aligned with ``keys``; a parent owned by another master
+        shard than its key is dropped (chains are kept per shard). None: no parent named.
+
+        Raises:
+            InvalidArgumentError: not one parent per key, or a parent not a str or None.
+        """
+        if parents is None:
+            return None
+        same_length(keys, parents, "parents")
+        out = []
+        for k, p in zip(keys, parents):
+            if p is None or p == "":
+                out.append("")
+                continue
+            if not isinstance(p, str):
+                raise InvalidArgumentError(f"parent of {k!r} must be a str key or None, got {type(p).__name__}")
+            out.append(p if len(self._shards) == 1 or self._shard(p) is self._shard(k) else "")
+        return out if any(out) else None
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None | InvalidArgumentError]:
         """Values of many keys, in order; ``None`` for a miss, and for a bad key its
@@ -616,9 +651,10 @@ class Client:
     def _inside_registered(self, addr: int, n: int) -> bool:
         return self._registered.find(addr, n) is not None or self._device.registered(addr, n)
 
-    def _put_routed(self, keys, bufs, sizes, replicas, upsert, after) -> list:
-        return self._device.put_routed(keys, bufs, sizes, after,
-                                       lambda ks, bs, sz: self._host_put_from(ks, bs, sz, replicas, upsert))
+    def _put_routed(self, keys, bufs, sizes, replicas, upsert, after, parents=None) -> list:
+        of = None if parents is None else dict(zip(keys, parents))
+        return self._device.put_routed(keys, bufs, sizes, after, lambda ks, bs, sz: self._host_put_from(
+            ks, bs, sz, replicas, upsert, None if of is None else [of.get(k, "") for k in ks]))
 
     def _get_routed(self, keys, bufs) -> list:
         return self._device.get_routed(keys, bufs, self._host_get_into)
@@ -643,3 +679,7 @@ class Client:
 
     def _check_key(self, key: Any) -> None:
         check_key(key, self._max_key)
+
+
+def _pick(parents, idx):
+    return None if parents is None else [parents[i] for i in idx]

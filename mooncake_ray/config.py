@@ -223,6 +223,16 @@ class MasterConfig(_Model):
     False acknowledges at once (about 1 ms sooner): a master killed in that millisecond
     loses the value, and a value written into a node killed just before is acknowledged."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
+    chain_eviction: bool = True
+    """Evict KV chains leaves first: a value put with a ``parent`` holds its parent (and so
+    its whole prefix) in the store while it is stored or being put; a page whose parent
+    went is dropped (no prefix lookup reaches it). False: plain LRU over every key."""
+    chain_insert: Literal["recent", "old"] = "recent"
+    """Where a new value put with a parent enters the eviction order: the recent end (LRU),
+    or the old end, moving to the recent end at its first read. ``old`` keeps a stable
+    part of a working set larger than DRAM (many conversations taking turns: LRU evicts
+    each just before its next turn) at the cost of new pages going first under pressure;
+    figures in docs/performance.md."""
     shards: int = Field(1, ge=1, le=64)
     """Master actors, each owning the keys that hash to it and an equal part of every
     store node's arena (``_private/shards.py``): more metadata throughput, and a shard's

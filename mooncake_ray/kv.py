@@ -204,15 +204,19 @@ class KVStore:
     def save(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
         """Store the pages ``start_page..`` of ``tokens`` held in ``pool`` at ``page_ids``
         (one pool page per full token page from ``start_page``). Pages already stored are
-        skipped. Returns how many pages were newly stored."""
-        keys = self.keys(tokens)[start_page:start_page + len(page_ids)]
+        skipped. Each page names the previous one as its parent, so the store evicts a
+        chain from its tail (``master.chain_eviction``). Returns how many pages were newly
+        stored."""
+        every = self.keys(tokens)
+        keys = every[start_page:start_page + len(page_ids)]
         if not keys:
             return 0
         present = self.client.batch_exists(keys)
-        todo = [(k, pid) for k, pid, p in zip(keys, page_ids, present) if not p]
+        todo = [(start_page + j, pid) for j, (pid, p) in enumerate(zip(page_ids, present)) if not p]
         if not todo:
             return 0
-        res = self.client.batch_put_from([k for k, _ in todo], [pool.page(pid) for _, pid in todo])
+        res = self.client.batch_put_from([every[i] for i, _ in todo], [pool.page(pid) for _, pid in todo],
+                                         parents=[every[i - 1] if i else None for i, _ in todo])
         self._count("put", res)
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
 

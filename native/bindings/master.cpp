@@ -68,6 +68,7 @@ void bind_master(nb::module_& m) {
       .def("contains", &mcr::MasterIndex::contains, "key"_a)
       .def("is_hot", &mcr::MasterIndex::is_hot, "key"_a)
       .def("touch", &mcr::MasterIndex::touch, "key"_a)
+      .def("demote", &mcr::MasterIndex::demote, "key"_a)
       // -> ([(key, None | (gen, size, offset, length)), ...], next key or None)
       .def("scan", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, bool disk,
                       double now, size_t limit) {

@@ -29,6 +29,7 @@ import pytest
 
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.shards import shard_of
 from mooncake_ray._private.master.fastpath import COMMIT
 from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.master.outbox import plan_mount
@@ -56,6 +57,7 @@ class Sim:
 
     def __init__(self, seed, spill=None, shards=1, shard=0, world=None):
         self.shards, self.shard = shards, shard
+        self.chained = seed % 2 == 0  # puts name parents (chains.py) in half of the runs
         self.rng = random.Random(seed) if world is None else world.rng
         self.clock = Clock() if world is None else world.clock
         self.losses = {}
@@ -66,7 +68,8 @@ class Sim:
             self.policy = Policy(lease_ttl_s=5, soft_pin_ttl_s=50, node_ttl_s=8, put_timeout_s=20,
                                  allocation_strategy=strategy, replicas=self.rng.choice([1, 2]),
                                  high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05,
-                                 evict_in_background=self.rng.random() < 0.5)
+                                 evict_in_background=self.rng.random() < 0.5,
+                                 chain_insert="old" if seed % 4 == 2 else "recent")
         else:  # the shards of one store share its configuration
             self.spill, self.policy = world.spill, world.policy
         self.m = self._new_master()
@@ -275,7 +278,7 @@ class Sim:
             if r < 0.33:
                 size = rng.choice([1, 100, ALIGN, 3 * ALIGN, 9 * ALIGN, 20 * ALIGN])
                 gen, _ = m.put_start(key, size, client_node=rng.choice([None, "rn0", "rn1"]),
-                                     upsert=rng.random() < 0.3)
+                                     upsert=rng.random() < 0.3, parent=self.parent_of(key))
                 self.pending[key] = gen
                 if rng.random() < 0.8:
                     m.put_end(key, gen)
@@ -304,6 +307,7 @@ class Sim:
             elif r < 0.85:
                 for n in m.tick()["unmounted"]:  # the actor keeps the outbox for its return
                     self.outboxes[n].mounted = False
+                self.check_tails()
             elif r < 0.88:   # heartbeats; a node the master forgot remounts with its inventory
                 for n in list(self.incs):
                     if self.paused.get(n, -1) > self.clock.t:
@@ -363,9 +367,34 @@ class Sim:
         if rng.random() < 0.1:
             return  # carved, never committed: the slab's expiry reclaims it
         upsert = rng.random() < 0.3
-        if native and self.native([rpc.PUT_COMMIT, [[key, sid, cur, size, upsert]], owner, []]) is not None:
+        parent = self.parent_of(key)
+        if (native and not parent
+                and self.native([rpc.PUT_COMMIT, [[key, sid, cur, size, upsert]], owner, []]) is not None):
             return
-        self.python(lambda: m.put_commit(key, sid, cur, size, upsert, owner))
+        self.python(lambda: m.put_commit(key, sid, cur, size, upsert, owner, parent))
+
+    def parent_of(self, key):
+        """Keys k0..k59 form chains (k<i> follows k<i-1>) in most puts."""
+        i = int(key[1:]) if key[1:].isdigit() else 0
+        if not self.chained:
+            return ""
+        draw = random.Random(f"{key}/{self.clock.t}").random()  # not from self.rng: the same runs
+        parent = f"k{i - 1}" if i % 10 and draw < 0.7 else ""
+        # the client names only a parent of the same shard (chains are kept per shard)
+        return parent if not parent or shard_of(parent, self.shards) == self.shard else ""
+
+    def check_tails(self):
+        """After a tick (chain_eviction on): no stored value whose parent is gone, but
+        those held by a reader, a hard pin or a move in flight (their tail goes later)."""
+        m, now = self.m, self.clock.t
+        if m.recovering:
+            return
+        for key in m._objects.chains.orphans:
+            obj = m._objects.peek(key)
+            assert obj is not None, f"orphan {key} is not stored"
+            assert (obj.leased(now) or obj.effective_pin(now) == 2
+                    or any(r.offloading or not r.ready for r in obj.replicas)), \
+                f"{key} outlived its parent {m._objects.chains.parent[key]} past a tick"
 
     def check(self):
         m = self.m

@@ -9,6 +9,7 @@ from __future__ import annotations
 from mooncake_ray.errors import (
     LeaseExpiredError,
     MasterUnavailableError,
+    NoCapacityError,
     NodeUnavailableError,
     OffloadPendingError,
     TransferError,
@@ -45,9 +46,10 @@ class Writer:
         self._backpressure_s = config.client.backpressure_timeout_s
         self.moved = 0  # bytes written by the call being timed (metrics only)
 
-    def put_many(self, keys, values, replicas, upsert) -> list:
+    def put_many(self, keys, values, replicas, upsert, parents=None) -> list:
         """Put each value; returns, per key, None or the error it got (a bad key or value
-        is that key's InvalidArgumentError; the others are put).
+        is that key's InvalidArgumentError; the others are put). ``parents``: per key, the
+        key of its parent in a KV chain, or "" / None (master/chains.py).
 
         Raises:
             InvalidArgumentError: ``replicas`` is not a count of copies.
@@ -56,29 +58,36 @@ class Writer:
             check_replicas(replicas)
         bad = key_errors(keys, self._max_key)
         srcs = convert(values, lambda v: source(v, self._registered), bad)
+        if parents is not None:
+            parents = [p or "" for p in parents]
+            if all(not p for p in parents):
+                parents = None
         if not bad:
-            return self._put_checked(keys, srcs, replicas, upsert)
+            return self._put_checked(keys, srcs, replicas, upsert, parents)
         good = [i for i in range(len(keys)) if i not in bad]
         results: list = [bad.get(i) for i in range(len(keys))]
         if good:
             for i, r in zip(good, self._put_checked([keys[i] for i in good], [srcs[i] for i in good],
-                                                    replicas, upsert)):
+                                                    replicas, upsert,
+                                                    None if parents is None else [parents[i] for i in good])):
                 results[i] = r
         return results
 
-    def _put_checked(self, keys, srcs, replicas, upsert) -> list:
+    def _put_checked(self, keys, srcs, replicas, upsert, parents=None) -> list:
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
         if self._slabs.slab_bytes and (replicas or self._replicas) == 1:
-            todo = self._put_slabbed(keys, srcs, upsert, results)
+            todo = self._put_slabbed(keys, srcs, upsert, results, parents)
         failures, backoff = 0, Backoff(self._backpressure_s)
         while todo:
-            retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert)
+            retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert,
+                                    None if parents is None else [parents[i] for i in todo])
             nxt, transfer_failed = [], False
             for i, res in zip(todo, retry):
                 results[i] = res
-                if isinstance(res, OffloadPendingError) and not backoff.expired():
-                    nxt.append(i)  # DRAM frees up as offloads to disk complete: wait
+                if isinstance(res, (OffloadPendingError, NoCapacityError)) and not backoff.expired():
+                    # DRAM frees up as offloads to disk complete and leases end: wait
+                    nxt.append(i)
                 elif isinstance(res, (NodeUnavailableError, TransferError)) and failures + 1 < PUT_ATTEMPTS:
                     nxt.append(i)
                     transfer_failed = True
@@ -88,7 +97,7 @@ class Writer:
                 backoff.sleep()
         return results
 
-    def _put_slabbed(self, keys, srcs, upsert, results) -> list[int]:
+    def _put_slabbed(self, keys, srcs, upsert, results, parents=None) -> list[int]:
         """Put what fits into this client's slab with one master call for all of them
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
@@ -120,6 +129,10 @@ class Writer:
         # PUT_COMMIT items as lists in wire.Commit's field order (a Commit record costs 0.15 us a key more)
         commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
                    if i not in failed]
+        if parents is not None:  # a commit naming a parent is the master's Python's to answer
+            for i, c in commits:
+                if parents[i]:
+                    c.append(parents[i])
         rest.extend(failed)
         if not commits:
             self._slabs.settle(settled)
@@ -145,9 +158,13 @@ class Writer:
                     results[i] = exc
         return sorted(rest)
 
-    def _put_round(self, keys, srcs, replicas, upsert) -> list:
+    def _put_round(self, keys, srcs, replicas, upsert, parents=None) -> list:
         """One PUT_START, write, PUT_END round; returns None or the error per key."""
         reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]
+        if parents is not None:
+            for r, p in zip(reqs, parents):
+                if p:
+                    r.append(p)
         allocs = self._master.call(rpc.PUT_START, reqs, self._here, self._owner)
         results: list = [None] * len(keys)
         ops, owners = [], []

@@ -225,8 +225,8 @@ class MasterActor:
     def _put_start(self, items, client_node=None, owner=""):
         # Whole-call, so the client's channel waits and retries (per key it would be an answer).
         self.state._allocation_gate(self.state._clock())
-        def one(key, size, replicas=None, upsert=False):
-            return self.state.put_start(key, size, replicas, client_node, owner, upsert)
+        def one(key, size, replicas=None, upsert=False, parent=""):
+            return self.state.put_start(key, size, replicas, client_node, owner, upsert, parent)
 
         return rpc.per_key(one, items)
 
@@ -238,8 +238,8 @@ class MasterActor:
         return self.state.slab_grant(owner, client_node, need)
 
     def _put_commit(self, items, owner, returns=()):
-        def one(key, slab_id, offset, size, upsert=False):
-            return self.state.put_commit(key, slab_id, offset, size, upsert, owner)
+        def one(key, slab_id, offset, size, upsert=False, parent=""):
+            return self.state.put_commit(key, slab_id, offset, size, upsert, owner, parent)
 
         out = rpc.per_key(one, items)
         self._return_slabs(returns)  # after the commits: a returned slab may hold some of them

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mooncake_ray._private.master.chains import Chains, Picker
 from mooncake_ray._private.master.types import Pin, Tier
 
 if TYPE_CHECKING:
@@ -48,35 +49,48 @@ def judge(obj, node_id: str, now: float, tier: Tier = Tier.DRAM):
     return (SOFT if pin is Pin.SOFT else EVICT), rep
 
 
-def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, tier: Tier = Tier.DRAM) -> list:
+def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, tier: Tier = Tier.DRAM,
+                 chains: Chains | None = None) -> list:
     """Replicas on ``node_id`` (in ``tier``) to evict, in eviction order, until at least
     ``need_bytes`` are freed or nothing evictable is left. Each is ``(obj, rep)`` for a
-    hot object, or ``(key, gen, size, offset, length)`` for a cold record."""
-    chosen: list = []
-    freed = 0
+    hot object, or ``(key, gen, size, offset, length)`` for a cold record.
+
+    With ``chains`` (chain-aware eviction, chains.py), orphans go first, then leaves: a
+    value whose children are stored waits for them, and a pass that frees nothing else
+    takes such values (least recent first)."""
+    pick = Picker(chains, need_bytes)
     soft: list = []
+    if chains is not None:
+        take_orphans(table, chains, node_id, now, tier, pick)
+    taken = {obj.key for obj, _rep in pick.chosen}  # orphans (hydrated: the scan lists them hot)
     for key, cold in table.scan(node_id, tier, now):
+        if pick.done():
+            return pick.chosen
         if cold is not None:
-            chosen.append((key, *cold))
-            freed += cold[3]
-            if freed >= need_bytes:
-                return chosen
+            if key not in taken:
+                pick.take(key, (key, *cold), cold[3])
             continue
         obj = table.hot(key)
         verdict = judge(obj, node_id, now, tier)
-        if verdict is None:
+        if verdict is None or key in taken:
             continue
-        rep = verdict[1]
         if verdict[0] is SOFT:
-            soft.append((obj, rep))
-            continue
-        chosen.append((obj, rep))
-        freed += rep.length
-        if freed >= need_bytes:
-            return chosen
-    for obj, rep in soft:
-        chosen.append((obj, rep))
-        freed += rep.length
-        if freed >= need_bytes:
-            break
-    return chosen
+            soft.append((obj, verdict[1]))
+        else:
+            pick.offer(obj, verdict[1])
+    forced = pick.close(soft)
+    if forced:
+        chains.counters["chain_tail_evictions"] += forced
+    return pick.chosen
+
+
+def take_orphans(table: ObjectTable, chains: Chains, node_id: str, now: float, tier: Tier, pick: Picker) -> None:
+    """Orphans on ``node_id`` (no prefix lookup reaches them) go before anything else."""
+    for key in list(chains.orphans):
+        if pick.done():
+            return
+        obj = table.get(key)
+        verdict = judge(obj, node_id, now, tier)
+        if verdict is not None:
+            pick.take(key, (obj, verdict[1]), verdict[1].length)
+            chains.counters["chain_tail_evictions"] += 1

@@ -105,6 +105,11 @@ class PyIndex:
         if r is not None:
             self._map[key] = r
 
+    def demote(self, key) -> None:
+        r = self._map.pop(key, None)
+        if r is not None:
+            self._map = {key: r, **self._map}
+
     def drop(self, key) -> None:
         self._map.pop(key, None)
 

@@ -14,7 +14,8 @@ import heapq
 from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray._private.master.allocator import ExtentAllocator
-from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims
+from mooncake_ray._private.master.chains import Picker
+from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims, take_orphans
 from mooncake_ray._private.master.types import (
     RESERVED,
     InventoryEntry,
@@ -89,7 +90,7 @@ class ReplicaTable:
             self.drop_object(old, now)
         obj.complete = True
         self._objects[key] = obj
-        self._objects.touch(key)
+        self._objects.touch_new(key, obj.parent)
         self.counters["puts"] += 1
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
@@ -152,7 +153,7 @@ class ReplicaTable:
         if obj is None:
             # Readers may still hold leases granted by the previous master: honour them.
             obj = Obj(e.key, e.size, e.gen, [], complete=True, lease_until=now + self.policy.lease_ttl_s,
-                      pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s)
+                      pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s, parent=e.parent)
             self._objects[e.key] = obj
             self._objects.touch(e.key)
             if obj.pin is not Pin.NONE:
@@ -367,42 +368,68 @@ class ReplicaTable:
             objects.drop_many(gone)
         self.counters["evictions"] += evicted
         self.counters["evicted_bytes"] += freed
+        if objects.chains.orphans and self.policy.chain_eviction:
+            self.drop_orphans(now)
         return freed
+
+    def drop_orphans(self, now: float) -> int:
+        """A chain's tail goes with it: drop every stored value whose parent is gone (no
+        prefix lookup reaches it), on any node, and theirs in turn; those being read,
+        moved or hard-pinned stay orphans until a later eviction. Returns how many went."""
+        chains, objects, n = self._objects.chains, self._objects, 0
+        todo = list(chains.orphans)
+        tried = set(todo)
+        while todo:
+            for key in todo:
+                obj = objects.get(key)
+                if (obj is None or not obj.complete or obj.leased(now) or obj.effective_pin(now) is Pin.HARD
+                        or any(r.offloading or not r.ready for r in obj.replicas)):
+                    continue
+                self.drop_object(obj, now)
+                n += 1
+            todo = [k for k in chains.orphans if k not in tried]
+            tried.update(todo)
+        self.counters["chain_tail_evictions"] += n
+        return n
 
     def _evict_cold(self, node_id: str, need: int, now: float, delta: NodeDelta, batch: list) -> tuple:
         """Eviction on a node without a spill tier: the index drops the cold victims, least
         recent first (``evict_cold``), stopping at each hot object met, which is judged here
         as ``pick_victims`` would. Returns the bytes and count dropped, and the hot victims
-        (``(obj, rep)``, soft-pinned ones last and only if still needed) to drop next."""
+        (``(obj, rep)``, soft-pinned ones last and only if still needed) to drop next.
+
+        With chain-aware eviction, a value with stored children is always hot (table.py),
+        so the index stops at it; it waits for its children as in ``pick_victims``."""
         index, table = self._objects.index, self._objects
         node = self._nodes[node_id]
-        after, cold, freed, n, hot, soft = "", 0, 0, 0, [], []  # freed: cold + hot chosen
-        while freed < need:
-            keys, gens, runs, got, stop = index.evict_cold(after, node_id, now, need - freed)
+        chains = table.chains if self.policy.chain_eviction else None
+        pick = Picker(chains, need)  # pick.freed: cold dropped + hot chosen
+        if chains is not None and chains.orphans:
+            take_orphans(table, chains, node_id, now, Tier.DRAM, pick)
+        taken = {obj.key for obj, _rep in pick.chosen}
+        after, cold, n, soft = "", 0, 0, []
+        while not pick.done():
+            keys, gens, runs, got, stop = index.evict_cold(after, node_id, now, pick.need - pick.freed)
             if keys:
                 delta.drop_many(keys, gens, "dram")
                 node.tier_keys["dram"] -= len(keys)
                 batch.extend(runs)
                 cold += got
-                freed += got
+                pick.freed += got
                 n += len(keys)
-            if stop is None or freed >= need:
+                table.dropped_natively(keys)
+            if stop is None or pick.done():
                 break
             obj = table.hot(stop)
             verdict = judge(obj, node_id, now)
-            if verdict is not None:
-                if verdict[0] == EVICT:
-                    hot.append((obj, verdict[1]))
-                    freed += verdict[1].length
-                else:
+            if verdict is not None and stop not in taken:
+                if verdict[0] != EVICT:
                     soft.append((obj, verdict[1]))
+                else:
+                    pick.offer(obj, verdict[1])
             after = stop
-        for v in soft:
-            if freed >= need:
-                break
-            hot.append(v)
-            freed += v[1].length
-        return cold, n, hot
+        self.counters["chain_tail_evictions"] += pick.close(soft)
+        return cold, n, pick.chosen
 
     def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:
         alloc = self._alloc[node_id]
@@ -539,4 +566,4 @@ class ReplicaTable:
                 assert o1 + l1 <= o2, f"{node_id}: extents overlap at {o2}"
             for off, ln in extents:
                 assert not a._overlaps_free(off, ln), f"{node_id}: live extent {off} is free"
-        self._objects.check()
+        self._objects.check(unapplied)

@@ -179,7 +179,8 @@ class SlabTable:
         return got
 
     # ----------------------------------------------------------------- commit ----
-    def commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool, owner: str, now: float) -> int:
+    def commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool, owner: str, now: float,
+               parent: str = "") -> int:
         """Publish ``size`` bytes the caller wrote at ``offset`` of slab ``slab_id`` as
         ``key`` (a checked key). Returns the value's generation. Idempotent: a retry of a
         commit that went through answers with the same generation.
@@ -217,7 +218,7 @@ class SlabTable:
         gen = self._gens.new()
         # Evict before publishing (as put_start does): a node applies a delta's drops
         # before its adds, so the new value must not be a victim of this same delta.
-        self._publish(slab, key, size, gen, offset, now)
+        self._publish(slab, key, size, gen, offset, now, parent)
         return gen
 
     def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float) -> str:
@@ -230,10 +231,11 @@ class SlabTable:
         assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
         self._gens.seen(gen)
         self._replicas.published_natively(key, gen, size, slab.node_id, offset, length)
+        self._objects.stored_natively(key, "")  # a native commit names no parent
         return slab.node_id
 
-    def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float) -> None:
-        obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, extent_length(size))])
+    def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, parent: str = "") -> None:
+        obj = Obj(key, size, gen, [Replica(slab.node_id, Tier.DRAM, offset, extent_length(size))], parent=parent)
         self._replicas.watermark(slab.node_id, now)
         self._replicas.publish(obj, now)
 

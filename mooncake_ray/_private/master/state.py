@@ -109,6 +109,10 @@ class MasterState:
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0,
                          "node_unmounts": 0, "unmount_lost_keys": 0}
+        self._objects.chains.counters = self.counters
+        self.counters.update(chain_tail_evictions=0, lookups=0)
+        self._objects.hold_parents = self.policy.chain_eviction
+        self._objects.insert_old = self.policy.chain_insert == "old"
         self._mirror = ReadMirror(self._objects, self._pending, self._nodes)
         self._replicas = ReplicaTable(self.policy, clock, wall_ns, self._nodes, self._alloc, self._objects, self._pending,
                                       self.counters, self._mirror, offload=self._offload)
@@ -241,15 +245,30 @@ class MasterState:
             raise InvalidArgumentError(
                 f"key of {n} bytes is longer than max_key_bytes={self.policy.max_key_bytes}: {key[:64]!r}...")
 
+    def _check_parent(self, key: str, parent) -> None:
+        if parent == "":
+            return
+        if not isinstance(parent, str):
+            raise InvalidArgumentError(f"parent of {key!r} must be a str key, got {type(parent).__name__}")
+        if parent == key:
+            raise InvalidArgumentError(f"{key!r} names itself as its parent")
+        n = len(parent.encode("utf-8", "surrogatepass"))
+        if n > self.policy.max_key_bytes:
+            raise InvalidArgumentError(f"parent of {key!r} is a key of {n} bytes, longer than "
+                                       f"max_key_bytes={self.policy.max_key_bytes}: {parent[:64]!r}...")
+
     def put_start(self, key: str, size: int, replicas: int | None = None, client_node: str | None = None,
-                  owner: str = "", upsert: bool = False) -> PutAlloc:
+                  owner: str = "", upsert: bool = False, parent: str = "") -> PutAlloc:
         """Reserve extents for a new value on up to ``replicas`` distinct nodes.
 
         Returns ``PutAlloc(gen, [Extent(node_id, offset, length, incarnation), ...])``; the client writes ``size``
         bytes at each extent, then calls ``put_end(key, gen)``.
 
+        ``parent``: the key of the value this one follows in its KV chain ("" none): it is
+        not evicted while this one is stored (``master.chain_eviction``, chains.py).
+
         Raises:
-            InvalidArgumentError: bad key or size, or a value larger than every arena.
+            InvalidArgumentError: bad key, parent or size, or a value larger than every arena.
             ObjectExistsError: ``key`` is stored and ``upsert`` is false.
             ObjectPendingError: another put of ``key`` is in flight (retryable).
             NoCapacityError: no node has room even after eviction (retryable).
@@ -257,6 +276,7 @@ class MasterState:
         """
         self._ready()
         self._check_key(key)
+        self._check_parent(key, parent)
         if not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
         now = self._clock()
@@ -285,7 +305,11 @@ class MasterState:
                      "equal part)")
             raise InvalidArgumentError(f"value of {size} bytes is larger than {where} (largest: {biggest} bytes)")
         ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
-        placed = self._replicas.place(size, want, ordered, now)
+        self._objects.wait_child(parent)  # the room for the child must not come from its parent
+        try:
+            placed = self._replicas.place(size, want, ordered, now)
+        finally:
+            self._objects.unwait_child(parent)
         if not placed:
             if any(n.offload_inflight for n in usable):
                 raise OffloadPendingError(
@@ -296,8 +320,10 @@ class MasterState:
                     "replaced values wait for their readers; retry")
             raise NoCapacityError(
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")
-        obj = Obj(key, size, self._gens.new(), placed, put_deadline=now + self.policy.put_timeout_s, owner=owner)
+        obj = Obj(key, size, self._gens.new(), placed, put_deadline=now + self.policy.put_timeout_s, owner=owner,
+                  parent=parent)
         self._pending[key] = obj
+        self._objects.wait_child(parent)  # until the put ends
         self._mirror.pending(key)
         for r in placed:
             self._replicas.watermark(r.node_id, now)
@@ -331,6 +357,7 @@ class MasterState:
         self._mirror.pending(key)
         self._unreserve(obj)
         self._replicas.publish(obj, self._clock())
+        self._objects.unwait_child(obj.parent)
 
     def _unreserve(self, obj: Obj) -> None:
         for r in obj.replicas:
@@ -344,6 +371,7 @@ class MasterState:
         del self._pending[key]
         self._mirror.pending(key)
         self._unreserve(obj)
+        self._objects.unwait_child(obj.parent)
         for r in obj.replicas:
             self._replicas.free_extent(r, 0.0)
         self.counters["revoked"] += 1
@@ -374,12 +402,18 @@ class MasterState:
         return self._slab_table.free_bytes()
 
     def put_commit(self, key: str, slab_id: int, offset: int, size: int, upsert: bool = False,
-                   owner: str = "") -> int:
+                   owner: str = "", parent: str = "") -> int:
         """Publish ``size`` bytes the caller wrote at ``offset`` of slab ``slab_id`` as
-        ``key``; returns its generation (see ``SlabTable.commit``). Idempotent."""
+        ``key``; returns its generation (see ``SlabTable.commit``; ``parent`` as
+        ``put_start``). Idempotent."""
         self._ready()
         self._check_key(key)
-        return self._slab_table.commit(key, slab_id, offset, size, upsert, owner, self._clock())
+        self._check_parent(key, parent)
+        self._objects.wait_child(parent)  # the room for the child must not come from its parent
+        try:
+            return self._slab_table.commit(key, slab_id, offset, size, upsert, owner, self._clock(), parent)
+        finally:
+            self._objects.unwait_child(parent)
 
     # ------------------------------------------------------- read index (fastpath.py) --
     def apply_index_log(self, misses: int, hits: int, log, decide: bool = True) -> None:
@@ -510,7 +544,10 @@ class MasterState:
             self._replicas.end_lease(obj, lease, self._clock() if now is None else now)
 
     def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored. A lookup is not a use: it neither moves the key in
+        the eviction order nor holds it (only a read's lease does)."""
         self._ready()
+        self.counters["lookups"] += 1
         return key in self._objects
 
     def take_held(self) -> list:
@@ -665,7 +702,7 @@ class MasterState:
 
     def tick(self) -> dict:
         """Periodic work: revoke timed-out puts, unmount silent nodes, free extents whose
-        leases ended. Returns what it did."""
+        leases ended, drop orphaned chain tails. Returns what it did."""
         now = self._clock()
         self._replicas.release_deferred(now)
         self._tier.expire_promotions(now)
@@ -677,8 +714,11 @@ class MasterState:
         lost = sum(self.unmount(n.node_id, f"silent for {now - n.last_heartbeat:.1f}s") for n in silent)
         self.counters["node_unmounts"] += len(silent)
         self.counters["unmount_lost_keys"] += lost
+        # Orphans (a removed or lost parent, or one whose reader held it) go here too.
+        tails = (self._replicas.drop_orphans(now)
+                 if self.policy.chain_eviction and self._objects.chains.orphans and not self.recovering else 0)
         return {"revoked": len(expired), "unmounted": [n.node_id for n in silent], "lost": lost,
-                "slabs_expired": slabs}
+                "slabs_expired": slabs, "tails_dropped": tails}
 
     # ------------------------------------------------------------------- stats --
     def stats(self) -> dict:
@@ -706,6 +746,8 @@ class MasterState:
             "soft_pinned": soft,
             "recovering": self.recovering,
             "native_calls": self.index.served(),
+            "chained": len(self._objects.chains.parent),
+            "orphaned_pages": len(self._objects.chains.orphans),
             "nodes": nodes,
             **self.counters,
         }

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from mooncake_ray._private.master.chains import Chains
 from mooncake_ray._private.master.types import NodeInfo, Obj, Pin, Replica, Tier
 
 SCAN_BATCH = 4096  # records the index lists per scan() call of a victim search
@@ -45,6 +46,11 @@ class ObjectTable:
         self._nodes = nodes
         self._hot: dict[str, Obj] = {}
         self._dirty: set[str] = set()  # hot keys touched since the last flush
+        self.chains = Chains()
+        # Chain-aware eviction: a value with stored children stays hot, so the index's
+        # own eviction (evict_cold) stops at it and the state machine judges it.
+        self.hold_parents = True
+        self.insert_old = False  # a new value with a parent enters at the old end (chain_insert)
 
     # ----------------------------------------------------------------- mapping --
     def get(self, key: str, default=None) -> Obj | None:
@@ -54,6 +60,7 @@ class ObjectTable:
             if rec is None:
                 return default
             obj = self._hot[key] = _obj(key, rec)
+            obj.parent = self.chains.parent.get(key, "")
         self._dirty.add(key)
         return obj
 
@@ -71,10 +78,65 @@ class ObjectTable:
         self._hot[key] = obj
         self._dirty.add(key)
         self.index.set(key, obj.size, obj.gen, self.answer(obj))
+        self._linked(key, obj.parent)
+
+    def touch_new(self, key: str, parent: str) -> None:
+        """A put published ``key``: to the recent end, or (``insert_old``, a chained
+        value) the old end, from where its first read moves it."""
+        if parent and self.insert_old:
+            self.index.demote(key)
+        else:
+            self.index.touch(key)
 
     def __delitem__(self, key: str) -> None:
         self._hot.pop(key, None)
         self.index.drop(key)
+        self._unlinked(key)
+
+    # ------------------------------------------------------------------ chains --
+    def _linked(self, key: str, parent: str) -> None:
+        chains = self.chains
+        if parent or chains.holds(key) or key in chains.parent:
+            first = chains.stored(key, parent, self.__contains__)
+            if self.hold_parents:  # hot from now on (flush keeps a parent hot)
+                if first is not None:
+                    self.get(first)
+                if chains.holds(key) and key not in self._hot:
+                    self.get(key)
+
+    def _unlinked(self, key: str) -> str | None:
+        """``key`` went; returns its parent if that lost its last child (then cooled at
+        the next flush)."""
+        parent = self.chains.gone(key)
+        if parent is not None and parent in self._hot and not self.chains.holds(parent):
+            self._dirty.add(parent)
+        return parent
+
+    def wait_child(self, parent: str) -> None:
+        """A put naming ``parent`` started: it holds the parent until it ends."""
+        if parent and self.chains.wait(parent) and self.hold_parents and parent in self:
+            self.get(parent)
+
+    def unwait_child(self, parent: str) -> None:
+        if parent:
+            self.chains.unwait(parent)
+            if not self.chains.holds(parent) and parent in self._hot:
+                self._dirty.add(parent)
+
+    def stored_natively(self, key: str, parent: str) -> None:
+        """The read index committed ``key`` (its record is in the index already)."""
+        self._linked(key, parent)
+
+    def dropped_natively(self, keys: list[str]) -> list[str]:
+        """The read index dropped these keys (its eviction); returns the parents that
+        lost their last child."""
+        out = []
+        if self.chains.parent or self.chains.kids:
+            for key in keys:
+                p = self._unlinked(key)
+                if p is not None:
+                    out.append(p)
+        return out
 
     def __len__(self) -> int:
         return len(self.index)
@@ -96,7 +158,11 @@ class ObjectTable:
         if obj is not None:
             return obj
         rec = self.index.peek_cold(key)
-        return None if rec is None else _obj(key, rec)
+        if rec is None:
+            return None
+        obj = _obj(key, rec)
+        obj.parent = self.chains.parent.get(key, "")
+        return obj
 
     def items(self) -> Iterator[tuple[str, Obj]]:
         """Every ``(key, object)``, least recent first, without hydrating (``peek``)."""
@@ -123,6 +189,7 @@ class ObjectTable:
             for key in keys:
                 hot.pop(key, None)
             self.index.drop_many(keys)
+            self.dropped_natively(keys)
 
     def scan(self, node_id: str, tier: Tier, now: float) -> Iterator[tuple[str, tuple | None]]:
         """Eviction candidates on ``node_id`` in ``tier``, least recent first: ``(key,
@@ -160,9 +227,11 @@ class ObjectTable:
         """Write the plain objects touched since the last flush back cold; returns how
         many. The actor calls it at the end of each section (index mutex held)."""
         hot, index, nodes, n = self._hot, self.index, self._nodes, 0
+        chains = self.chains if self.hold_parents else None
         for key in self._dirty:
             obj = hot.get(key)
-            if obj is None or obj.pin is not Pin.NONE or len(obj.replicas) != 1 or not obj.complete:
+            if (obj is None or obj.pin is not Pin.NONE or len(obj.replicas) != 1 or not obj.complete
+                    or chains is not None and chains.holds(key)):
                 continue
             r = obj.replicas[0]
             held = obj.leases
@@ -198,12 +267,19 @@ class ObjectTable:
                            placed, lease_until, leases)
         self.index = index
 
-    def check(self) -> None:
-        """Assert the hot objects and the index's hot records are the same keys."""
+    def check(self, unapplied=frozenset()) -> None:
+        """Assert the hot objects and the index's hot records are the same keys, and the
+        chain links agree with the table (``unapplied``: keys the index committed that the
+        state machine has not seen yet)."""
         index = self.index
         assert all(index.is_hot(k) for k in self._hot), "a hot object without a hot record"
         hot_records = len(index) - index.cold_count()
         assert hot_records == len(self._hot), f"{hot_records} hot records, {len(self._hot)} hot objects"
+        self.chains.check(lambda k: k in self and k not in unapplied)
+        if self.hold_parents:
+            for parent in [*self.chains.kids, *self.chains.waiting]:
+                assert parent not in self or parent in unapplied or index.is_hot(parent), \
+                    f"parent {parent!r} went cold"
 
 
 def _obj(key: str, rec: tuple) -> Obj:

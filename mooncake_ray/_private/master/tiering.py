@@ -101,7 +101,8 @@ class DiskTier:
         limit = node.spill_capacity * node.spill_high_watermark
         if node.disk_used + length > limit:
             need = node.disk_used + length - limit + self.policy.evict_ratio * node.spill_capacity
-            for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK):
+            chains = self._objects.chains if self.policy.chain_eviction else None
+            for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK, chains):
                 if type(v[0]) is str:  # a cold record (only on this disk): the object, to drop it
                     obj = self._objects.get(v[0])
                     v = (obj, obj.replicas[0])

@@ -63,6 +63,7 @@ class Obj:
     put_deadline: float = 0.0
     owner: str = ""
     failed: str = ""  # why a pending put can no longer be published (a replica's node died)
+    parent: str = ""  # the key its put named as its parent (chains.py); "" none
 
     def dram(self) -> list[Replica]:
         return [r for r in self.replicas if r.tier is Tier.DRAM]
@@ -86,11 +87,12 @@ class InventoryEntry(NamedTuple):
     offset: int
     length: int
     pin: int = 0
+    parent: str = ""  # the key its put named as its parent (chains.py)
 
 
 def inventory_entry(obj: Obj, r: Replica) -> InventoryEntry:
     """The entry a node keeps for replica ``r`` of ``obj``."""
-    return InventoryEntry(obj.key, obj.gen, obj.size, r.tier._value_, r.offset, r.length, int(obj.pin))
+    return InventoryEntry(obj.key, obj.gen, obj.size, r.tier._value_, r.offset, r.length, int(obj.pin), obj.parent)
 
 
 class NodeDelta:
@@ -297,6 +299,10 @@ class Policy:
     (fence.py): a restarted master then knows every range a client may still write into
     from the nodes' reservations, and allocates at once instead of waiting out
     ``put_slab_ttl_s``."""
+    chain_eviction: bool = True
+    """Leaves first among values put with a parent (chains.py); False: plain LRU."""
+    chain_insert: str = "recent"
+    """"old": a new value put with a parent enters at the old end of the eviction order."""
     evict_in_background: bool = False
     """Past the high watermark, only note the node (``MasterState.evict_due`` then evicts
     in small chunks, each its own section of the actor's lock) instead of evicting a whole

@@ -33,7 +33,7 @@ def _entry(e) -> tuple:
     order, pin included. Not the named tuple: CPython's collector stops tracking a plain
     tuple of strings and ints, but walks every named tuple at each full collection, which
     with millions of entries cost a store node most of its time."""
-    return tuple(e) if len(e) == 7 else (*e, 0)
+    return tuple(e) if len(e) == 8 else (*e, "") if len(e) == 7 else (*e, 0, "")
 
 
 def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[str, int]]:
@@ -54,7 +54,7 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
         if e is not None and e[1] <= gen:
             del entries[k]
     for e in adds:  # _entry inline (tuple() of a tuple, as unpacked, is that tuple: no copy)
-        entries[(e[0], e[3])] = tuple(e) if len(e) == 7 else (*e, 0)
+        entries[(e[0], e[3])] = tuple(e) if len(e) == 8 else (*e, "") if len(e) == 7 else (*e, 0, "")
     return files
 
 
@@ -78,10 +78,11 @@ def check_delta(delta) -> None:
         raise InvalidArgumentError(f"an inventory delta is [adds, drops, offloads], got {delta!r:.200}")
     adds, drops, offloads = delta
     ok_seq, ok_ints = (list, tuple), int
-    for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin]
-        if not (isinstance(e, ok_seq) and 6 <= len(e) <= 7 and type(e[0]) is str and e[3] in _TIERS
+    for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin[, parent]]
+        if not (isinstance(e, ok_seq) and 6 <= len(e) <= 8 and type(e[0]) is str and e[3] in _TIERS
                 and type(e[1]) is ok_ints and type(e[2]) is ok_ints and type(e[4]) is ok_ints
-                and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)):
+                and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)
+                and (len(e) < 8 or type(e[7]) is str)):
             raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
     for d in drops:  # key, gen, tier
         if not (type(d) in ok_seq and len(d) == 3 and type(d[0]) is str and type(d[1]) is ok_ints
@@ -97,7 +98,7 @@ class StoreInventory:
     thread-safe: the store node actor holds its lock around every call."""
 
     def __init__(self, entries=()) -> None:
-        # (key, tier) -> (key, gen, size, tier, offset, length, pin): see _entry
+        # (key, tier) -> (key, gen, size, tier, offset, length, pin, parent): see _entry
         self.entries: dict[tuple[str, str], tuple] = {}
         for e in entries:
             e = _entry(e)

@@ -147,6 +147,7 @@ class MasterIndex {
   bool contains(const std::string& key);
   bool is_hot(const std::string& key);
   void touch(const std::string& key);  // to the recent end
+  void demote(const std::string& key);  // to the least recent end
   void drop(const std::string& key);
   void drop_many(const std::vector<std::string>& keys);
   // Records from the least recent (after ``after``, if not empty) in recency order: every

@@ -371,6 +371,17 @@ bool MasterIndex::is_hot(const std::string& key) {
   return r != nullptr && r->hot;
 }
 
+void MasterIndex::demote(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  if (r == nullptr || r == oldest_) return;
+  unlink(r);
+  r->older = nullptr;
+  r->newer = oldest_;
+  (oldest_ ? oldest_->older : newest_) = r;
+  oldest_ = r;
+}
+
 void MasterIndex::touch(const std::string& key) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   IndexRecord* r = find(key);

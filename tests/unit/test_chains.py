@@ -1,0 +1,221 @@
+"""Chain-aware eviction (master/chains.py) on the state machine with an injected clock:
+the literal order of victims, orphans, forced evictions, restarts."""
+
+import pytest
+
+from mooncake_ray.errors import InvalidArgumentError
+from mooncake_ray._private.master.chains import Chains, Picker
+from mooncake_ray._private.master.state import MasterState
+from mooncake_ray._private.master.types import InventoryEntry
+
+from tests.unit.test_master_state import K, Clock, make, node, put
+
+
+def stored(m, keys):
+    return "".join(k for k in keys if m.exists(k))
+
+
+def chain(m, keys, clock, parent=""):
+    """Put ``keys`` as one chain, first key first (each names the one before)."""
+    for k in keys:
+        put(m, k, parent=parent)
+        parent = k
+        clock.t += 1
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_leaf_goes_before_its_older_parent(on):
+    """a->b->c, then plain keys; a hit on the root a. LRU takes b (oldest), leaving c
+    unreachable; chain-aware takes c: b still has a child stored."""
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.1, chain_eviction=on)
+    chain(m, "abc", clock)
+    for k in "stuvwxy":
+        put(m, k)
+        clock.t += 1
+    m.get("a")
+    clock.t += 20  # the lease ends
+    put(m, "z")
+    assert stored(m, "abc") == ("ab" if on else "ac")
+    assert m.stats()["orphaned_pages"] == (0 if on else 1)
+    m.check_invariants()
+
+
+def test_a_round_takes_one_page_per_chain_then_the_next_leaves():
+    """Two chains older than four plain keys, four pages needed: the round takes each
+    chain's tail (c, f), then the oldest plain keys, not the chains' parents."""
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.4)
+    chain(m, "abc", clock)
+    chain(m, "def", clock)
+    for k in "stuv":
+        put(m, k)
+        clock.t += 1
+    put(m, "z")
+    assert stored(m, "abcdefstuvz") == "abdeuvz"
+    assert m.stats()["chain_tail_evictions"] == 0
+    m.check_invariants()
+
+
+def test_chains_shorten_tail_first_when_nothing_else_is_left():
+    """Only chains: the round takes the tails (c, f), then the parents left with no child,
+    least recent first (b)."""
+    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=0.5)
+    chain(m, "abc", clock)
+    chain(m, "def", clock)
+    put(m, "z")
+    assert stored(m, "abcdefz") == "adez"
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("insert", ["recent", "old"])
+def test_chain_insert_old_puts_new_pages_first_in_line_until_read(insert):
+    m, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25, chain_insert=insert)
+    chain(m, "a", clock)
+    put(m, "x")
+    clock.t += 1
+    chain(m, "bc", clock, parent="a")  # new pages of a's chain
+    put(m, "z")  # "recent": x is the oldest leaf; "old": c (new, not read yet) is
+    assert stored(m, "abcxz") == ("abcz" if insert == "recent" else "abxz")
+    m.get("b")  # read: to the recent end
+    clock.t += 20
+    put(m, "y")
+    assert stored(m, "abcxyz") == "abyz"  # "recent": c the oldest leaf; "old": x (b was read)
+    m.check_invariants()
+
+
+def test_a_put_in_flight_holds_its_parent():
+    """A pending child holds its parent: the room for the child never comes from it."""
+    m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=1 / 3)
+    put(m, "x")
+    clock.t += 1
+    put(m, "a")
+    clock.t += 1
+    put(m, "y")
+    m.get("x")
+    clock.t += 20
+    gen, _ = m.put_start("b", K, parent="a")  # a is the oldest now, but held
+    assert stored(m, "axy") == "ax"
+    m.put_end("b", gen)
+    assert m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+
+def test_a_shared_prefix_stays_while_any_branch_does():
+    """p is the parent of two branches; the older branch goes whole, p stays for the
+    other one."""
+    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=1 / 6)
+    chain(m, "p", clock)
+    chain(m, "ab", clock, parent="p")
+    chain(m, "cd", clock, parent="p")
+    put(m, "x")
+    clock.t += 1
+    for k in "yz":  # each evicts one: b, then a
+        put(m, k)
+        clock.t += 1
+    assert stored(m, "pabcd") == "pcd"
+    m.get("c")
+    clock.t += 20
+    put(m, "w")  # p is the oldest, held by c->d: d goes (the leaf), not p
+    assert stored(m, "pcd") == "pc"
+    m.check_invariants()
+
+
+def test_an_orphan_goes_first_and_a_removed_parent_takes_its_tail():
+    m, clock = make(n_nodes=1, cap=8 * K, high_watermark=1.0, evict_ratio=1 / 8)
+    put(m, "old")
+    clock.t += 1
+    put(m, "o", parent="nowhere")  # its parent is not stored: no lookup reaches it
+    assert m.stats()["orphaned_pages"] == 1
+    chain(m, "abc", clock)
+    for k in "xyz":
+        put(m, k)
+    put(m, "n")  # full: the orphan goes before "old"
+    assert not m.exists("o") and m.exists("old")
+    assert m.remove("a")
+    assert m.stats()["orphaned_pages"] == 1  # b; c hangs from b
+    put(m, "q")  # a's room
+    assert m.stats()["chain_tail_evictions"] == 1  # o
+    put(m, "r")  # eviction drops the tail (b, then c) wherever it is
+    assert stored(m, "bc") == "" and m.exists("old")
+    assert m.stats()["orphaned_pages"] == 0 and m.stats()["chain_tail_evictions"] == 3
+    m.check_invariants()
+
+
+def test_a_leased_leaf_forces_its_parent_only_when_nothing_else_can_go():
+    """Every slot holds a->b->c with c being read: the round frees nothing but a chain
+    value, so it takes the oldest (a); b goes with it, c once its reader is done."""
+    m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=1 / 3, lease_ttl_s=10, node_ttl_s=100)
+    chain(m, "abc", clock)
+    m.get("c")
+    put(m, "z")
+    assert stored(m, "abcz") == "cz"
+    assert m.stats()["orphaned_pages"] == 1
+    put(m, "y")
+    m.tick()  # c is still read
+    assert stored(m, "cyz") == "cyz"
+    clock.t += 11
+    m.tick()  # c's lease is over: the orphan goes
+    assert stored(m, "cyz") == "yz" and m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+
+def test_lookups_do_not_hold_a_value():
+    """exists() is not a use: the value looked up stays the oldest and goes first."""
+    m, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25)
+    for k in "abcd":
+        put(m, k)
+        clock.t += 1
+    assert m.exists("a") and m.exists("a")
+    assert m.stats()["lookups"] == 2
+    put(m, "e")
+    assert stored(m, "abcde") == "bcde"
+
+
+def test_chains_survive_a_master_restart_through_the_inventory():
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.1)
+    chain(m, "abc", clock)
+    entries = m.node_entries("n0")
+    assert {e.key: e.parent for e in entries} == {"a": "", "b": "a", "c": "b"}
+    m2 = MasterState(m.policy, clock=clock, wall_ns=lambda: 0, seed=1)
+    m2.mount(node(0, 10 * K), [InventoryEntry(*e) for e in entries])
+    for k in "stuvwxy":
+        put(m2, k)
+    m2.get("a")
+    clock.t += 20
+    put(m2, "z")
+    assert stored(m2, "abc") == "ab"
+    m2.check_invariants()
+
+
+def test_a_bad_parent_is_refused_and_stores_nothing():
+    m, _ = make(n_nodes=1)
+    with pytest.raises(InvalidArgumentError, match="names itself"):
+        m.put_start("k", K, parent="k")
+    with pytest.raises(InvalidArgumentError, match="must be a str"):
+        m.put_start("k", K, parent=7)
+    with pytest.raises(InvalidArgumentError, match="max_key_bytes"):
+        m.put_start("k", K, parent="p" * 5000)
+    assert not m.exists("k") and m.stats()["used"] == 0
+
+
+def test_a_replaced_parent_keeps_its_children():
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0)
+    chain(m, "ab", clock)
+    gen, _ = m.put_start("a", K, upsert=True)
+    m.put_end("a", gen)
+    assert m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+
+def test_picker_goes_up_a_chain_by_rounds_within_the_need():
+    c = Chains()
+    for k, p in [("b", "a"), ("c", "b"), ("d", "c")]:
+        c.stored(k, p, lambda key: True)
+    pick = Picker(c, need=3)
+    for k in "abc":  # met oldest first: each has a child
+        assert pick.blocks(k, last_copy=True)
+        pick.hold(k, k, 1)
+    pick.take("d", "d", 1)
+    assert pick.chosen == ["d"]  # c waits for the next round
+    pick.finish()
+    assert pick.chosen == ["d", "c", "b"] and pick.done() and list(pick.held) == ["a"]
+    assert not Picker(c, 1).blocks("b", last_copy=False)  # another copy stays: no hold
