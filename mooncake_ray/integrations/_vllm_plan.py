@@ -40,6 +40,7 @@ class BlockRun:
     hashes: list[str]
     block_ids: list[int]
     direct: dict | None = None  # read from a prefill engine: {"engine", "req", "blocks"} (see _vllm_direct)
+    parent: str = ""  # the chained hash of block ``first - 1`` (saves; "" for the first block)
 
 
 @dataclass
@@ -173,7 +174,8 @@ class SchedulerPlan:
             if full <= r.saved_upto:
                 continue
             hs = self.hashes(req_id, tokens, full)
-            plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full])))
+            plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full]),
+                                       parent=hs[r.saved_upto - 1] if r.saved_upto else ""))
             r.saved_upto = full
             r.saves_sent = True
         return plan

@@ -209,12 +209,16 @@ class KVTransfer:
         layer in it), counted in vLLM blocks like loads: saved, skipped (there already)
         or failed."""
         keys, bufs, owners = self._keys(runs)
+        # each block names the one before it (chain-aware eviction holds a prefix while
+        # its suffix is stored)
+        parents = [f"{self.prefix}{h}" if h else None
+                   for run in runs for h in [run.parent, *run.hashes[:-1]]]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
             res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo],
-                                             after=marker) if todo else []
+                                             after=marker, parents=[parents[i] for i in todo]) if todo else []
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
             log.warning("KV save of %d blocks failed (%s)", len(keys), e)
             with self._lock:

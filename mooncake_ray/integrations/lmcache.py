@@ -432,15 +432,19 @@ class MooncakeRayRemoteConnector(RemoteConnector):
         if not keys:
             return
         names = [self.name_of(k) for k in keys]
+        # LMCache stores a request's new chunks in token order in one call: each chunk of
+        # the same model, rank, dtype and tags names the one before as its parent
+        parents = [None] + [names[i - 1] if _same_stream(keys[i - 1], keys[i]) else None
+                            for i in range(1, len(keys))]
         objs = list(memory_objs)
         for obj in objs:
             obj.ref_count_up()
         write = self._put_raw if self.layout == "r" else self._put_with_header
-        await self._run(lambda: self._put_holding(write, names, objs))
+        await self._run(lambda: self._put_holding(write, names, objs, parents))
 
-    def _put_holding(self, write, names: list[str], objs: list[MemoryObj]) -> None:
+    def _put_holding(self, write, names: list[str], objs: list[MemoryObj], parents: list) -> None:
         try:
-            results = write(names, objs)
+            results = write(names, objs, parents)
         finally:
             _release(objs)
         failed = [(n, r) for n, r in zip(names, results)
@@ -450,11 +454,11 @@ class MooncakeRayRemoteConnector(RemoteConnector):
                         failed[0][0], type(failed[0][1]).__name__, failed[0][1])
             raise failed[0][1]
 
-    def _put_raw(self, names: list[str], objs: list[MemoryObj]) -> list:
+    def _put_raw(self, names: list[str], objs: list[MemoryObj], parents: list) -> list:
         bufs = [o.raw_tensor if o.raw_tensor is not None else o.byte_array for o in objs]
-        return self.client.batch_put_from(names, bufs, [o.get_size() for o in objs])
+        return self.client.batch_put_from(names, bufs, [o.get_size() for o in objs], parents=parents)
 
-    def _put_with_header(self, names: list[str], objs: list[MemoryObj]) -> list:
+    def _put_with_header(self, names: list[str], objs: list[MemoryObj], parents: list) -> list:
         h = self.remote_metadata_bytes
         staged = []
         for obj in objs:
@@ -464,7 +468,7 @@ class MooncakeRayRemoteConnector(RemoteConnector):
                            obj.get_memory_format()).serialize_into(buf)
             buf[h:] = src
             staged.append(buf)
-        return self.client.batch_put(names, staged)
+        return self.client.batch_put(names, staged, parents=parents)
 
     # ------------------------------------------------------------------ admin ----
     def remove_sync(self, key: CacheEngineKey) -> bool:
@@ -535,3 +539,9 @@ class MooncakeRayConnectorAdapter(ConnectorAdapter):
                 f"config={type(context.config).__name__}, metadata={type(metadata).__name__}")
         return MooncakeRayRemoteConnector(loop=context.loop, local_cpu_backend=context.local_cpu_backend,
                                           config=context.config, metadata=metadata, plugin_name=name)
+
+
+def _same_stream(a: CacheEngineKey, b: CacheEngineKey) -> bool:
+    """Two chunks of one model's KV on one rank (only the chunk hash differs)."""
+    return (a.model_name, a.world_size, a.worker_id, a.dtype, a.tags) == \
+        (b.model_name, b.world_size, b.worker_id, b.dtype, b.tags)

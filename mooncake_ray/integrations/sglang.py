@@ -407,7 +407,15 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         views = self._pool_pages(keys, host_indices)
         if not self.is_writer:
             return [True] * len(keys)
-        return self._timed("backup", lambda: self._write(self.object_keys(keys), views, self._direct))
+        prior = (extra_info.prefix_keys or [None])[-1] if extra_info is not None else None
+        return self._timed("backup", lambda: self._write(self.object_keys(keys), views, self._direct,
+                                                         self._parents(keys, prior)))
+
+    def _parents(self, keys: Sequence[str], prior: str | None) -> list[str | None]:
+        """Each object's parent in its KV chain: the same component of the page before
+        (``prior``: the page before the call's first, from ``extra_info.prefix_keys``)."""
+        pages = [prior, *keys[:-1]]
+        return [None if k is None else f"{self.prefix}{k}/{p.name}" for k in pages for p in self._parts]
 
     # ========================================================== tensor I/O ==
     def _flat_pages(self, pages: Sequence[Any]) -> list[torch.Tensor]:
@@ -475,7 +483,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         views = self._flat_pages(values)
         if not self.is_writer:
             return True
-        return all(self._timed("backup", lambda: self._write(self.object_keys(keys), views, False)))
+        return all(self._timed("backup", lambda: self._write(self.object_keys(keys), views, False, self._parents(keys, None))))
 
     # ============================================================= lookup ==
     def exists(self, key: str) -> bool:
@@ -542,10 +550,13 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
             return False
         return True
 
-    def _write(self, names: list[str], srcs: list[torch.Tensor], direct: bool) -> tuple[list[bool], int]:
-        """Store each object not stored yet from its view. Returns a bool per page and
-        the bytes stored (objects already held are not counted)."""
+    def _write(self, names: list[str], srcs: list[torch.Tensor], direct: bool,
+               parents: list[str | None] | None = None) -> tuple[list[bool], int]:
+        """Store each object not stored yet from its view (naming ``parents[i]`` as its
+        parent). Returns a bool per page and the bytes stored (objects already held are
+        not counted)."""
         present = self.client.batch_exists(names)
+        par = parents if parents is not None else [None] * len(names)
         ok = list(present)
         missing = [i for i, p in enumerate(present) if not p]
         sizes = [srcs[i].numel() * srcs[i].element_size() for i in missing]
@@ -555,7 +566,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         elif direct:
             results = self.client.batch_put_from([names[i] for i in missing],
                                                  [(srcs[i].data_ptr(), n) for i, n in zip(missing, sizes)],
-                                                 replicas=self.cfg.replicas)
+                                                 replicas=self.cfg.replicas, parents=[par[i] for i in missing])
         else:
             st = self._staging_for("write")
             with st.lock:
@@ -566,7 +577,8 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
                         slot.copy_(srcs[missing[j]])
                         bufs.append((slot.data_ptr(), sizes[j]))
                     res = self.client.batch_put_from([names[missing[j]] for j, _ in run], bufs,
-                                                     replicas=self.cfg.replicas)
+                                                     replicas=self.cfg.replicas,
+                                                     parents=[par[missing[j]] for j, _ in run])
                     for (j, _), r in zip(run, res):
                         results[j] = r
         for i, r in zip(missing, results):
