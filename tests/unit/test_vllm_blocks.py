@@ -28,8 +28,9 @@ class FakeClient:
     def batch_exists(self, keys):
         return [k in self.stored for k in keys]
 
-    def batch_put_from(self, keys, bufs, after=None):
+    def batch_put_from(self, keys, bufs, after=None, parents=None):
         self.puts.append(list(keys))
+        self.parents = list(parents) if parents is not None else None
         out = []
         for k, ranges in zip(keys, bufs):
             if k in self.refuse:
@@ -74,6 +75,7 @@ def test_a_block_is_one_value_of_every_layers_parts_in_order():
     assert t.parts == 2 and t.block_bytes == 3 * 2 * (16 * 2 * 64 * 2)
     t._save([BlockRun("r", 0, ["h0", "h1"], [3, 1])])
     assert c.puts == [["p/h0", "p/h1"]]  # one key a block, one call for the step
+    assert c.parents == [None, "p/h0"]  # each block names the one before (chain-aware eviction)
     want = b"".join(layer.tensor[p, 3].contiguous().view(torch.uint8).numpy().tobytes()
                     for layer in t.layers for p in range(2))  # layer 0 K, layer 0 V, layer 1 K, ...
     assert c.stored["p/h0"] == want
@@ -81,6 +83,9 @@ def test_a_block_is_one_value_of_every_layers_parts_in_order():
     assert t.stats["save_cpu_s"] > 0
     t._save([BlockRun("r2", 0, ["h0", "h2"], [3, 0])])  # h0 is there: skipped, not rewritten
     assert c.puts[-1] == ["p/h2"] and t.stats["skipped_blocks"] == 1
+    assert c.parents == ["p/h0"]
+    t._save([BlockRun("r", 2, ["h3"], [0], parent="h1")])  # a later run names the block before it
+    assert c.parents == ["p/h1"]
     t.close()
 
 
