@@ -38,6 +38,37 @@ threads with a connector and on 1 without. ``--lmcache-path``: LMCache unpacked 
 venv (its wheel would change the venv's numpy, grpcio and protobuf and pull cupy-cuda13x).
 
 Writes benchmarks/results/bench_vllm_multiturn.{json,png}.
+
+Chain-eviction study (``--chains``; writes benchmarks/results/bench_vllm_chains.{json,png}
+instead): the same multi-turn workload, sized by default so that vLLM's own KV cache is
+small (``--vllm-kv-blocks 96``: two requests in flight) and the conversations' KV is the
+store's problem (16 clients x 8 rounds, 176 MiB of KV in the last round's prompts), on a
+store with NO spill tier whose DRAM arena is ``--store-fractions`` (0.25,0.5) of that
+working set (every conversation's last-round prompt, in KV bytes: ``kv_bytes_per_token``
+from GEOMETRY). Configurations, per fraction, interleaved over ``--repeats``:
+
+- ``mcr-chain``      ``master.chain_eviction: true``, ``chain_insert: recent`` (the default);
+- ``mcr-chain-old``  the same with ``chain_insert: old``;
+- ``mcr-lru``        ``master.chain_eviction: false`` (plain LRU);
+- ``mooncake-store`` vLLM's ``MooncakeStoreConnector`` on Mooncake (master + standalone
+                     ``mooncake_client``), offload off, its segment the arena's bytes exactly
+                     (``mooncake_client`` refuses less than 16 MiB: recorded, not enlarged).
+
+Per round (after the barrier, when the saves have landed): the share of prompt tokens served
+from cache (``num_cached_tokens``, vLLM's own prefix cache and the connector's), the share the
+connector alone served (vLLM's connector prefix-cache counters, per-round difference), mean
+TTFT, orphaned pages (pages stored whose parent is not): ours from the master's
+``orphaned_pages`` (with ``chained``, the keys stored naming a parent, ``evictions`` and
+``chain_tail_evictions``); Mooncake's counted here from its master's HTTP ``/get_all_keys``
+(no lease, no LRU touch) against every conversation's chain of vLLM block hashes (vLLM's own
+``hash_block_tokens``, sha256; the key ends with the hash: ``..@<hex>``). Summary per
+fraction: median and range over repeats of the served share over rounds ``--from-round``..end
+and of mean TTFT, ratios chain/lru, chain-old/lru and against mooncake-store; targets at 50 %:
+served >= 2x lru, 0 orphaned pages.
+
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--chains --repeats 1"   # ~15-20 min
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--chains --chain-configs mcr-chain \
+        --store-fractions 0.5 --num-rounds 3 --repeats 1"                          # plumbing check
 """
 
 from __future__ import annotations
@@ -81,14 +112,27 @@ GEOMETRY = dict(layers=4, hidden=512, heads=8, kv_heads=8, intermediate=1536, vo
 FIRST_WORD_ID = 7  # 4 special tokens and 3 role words come first in the tiny vocabulary
 
 MULTITURN = ["vllm", "mcr", "example", "mooncake-store", "mooncake-p2p", "lmcache"]
+CHAIN_CONFIGS = ["mcr-chain", "mcr-chain-old", "mcr-lru", "mooncake-store"]
+CHAIN_MASTER = {"mcr-chain": {"chain_eviction": True, "chain_insert": "recent"},
+                "mcr-chain-old": {"chain_eviction": True, "chain_insert": "old"},
+                "mcr-lru": {"chain_eviction": False}}
+# --chains: the workload, where the flags are left at their defaults (see the docstring)
+CHAIN_DEFAULTS = dict(num_clients=16, num_rounds=8, request_length=512, sub_question_length=112, output_length=16,
+                      max_parallel=2, vllm_kv_blocks=96, repeats=1)
+MOONCAKE_MIN_SEGMENT = 16 << 20  # mooncake_client: "Total size must be at least 16777216"
+STORE_STATS = ("orphaned_pages", "chained", "chain_tail_evictions", "evictions", "evicted_bytes", "keys", "used",
+               "capacity", "puts", "hits", "misses")
 UNIQUE = ["vllm-unique", "mcr-unique"]
 CONNECTOR = {"vllm": None, "mcr": "mooncake-ray", "vllm-unique": None, "mcr-unique": "mooncake-ray",
              "example": "example", "mooncake-store": "mooncake-store", "mooncake-p2p": "mooncake-p2p",
-             "lmcache": "lmcache"}
+             "lmcache": "lmcache", "mcr-chain": "mooncake-ray", "mcr-chain-old": "mooncake-ray",
+             "mcr-lru": "mooncake-ray"}
 LABELS = {"vllm": "vLLM alone", "mcr": "vLLM + MooncakeRayConnector", "example": "vLLM + ExampleConnector",
           "mooncake-store": "vLLM + MooncakeStoreConnector", "mooncake-p2p": "vLLM + MooncakeConnector",
           "lmcache": "vLLM + LMCacheConnectorV1", "vllm-unique": "vLLM alone, no reuse",
-          "mcr-unique": "vLLM + MooncakeRayConnector, no reuse"}
+          "mcr-unique": "vLLM + MooncakeRayConnector, no reuse",
+          "mcr-chain": "MooncakeRay, chain eviction", "mcr-chain-old": "MooncakeRay, chain eviction, insert old",
+          "mcr-lru": "MooncakeRay, plain LRU"}
 
 
 def kv_bytes_per_token(g=GEOMETRY) -> int:
@@ -215,8 +259,11 @@ async def _send_all(engine, sp, jobs, a, rng, on_done):
     return recs
 
 
-async def run_multiturn(engine, sp, a) -> dict:
+async def run_multiturn(engine, sp, a, after_round=None) -> dict:
+    """``after_round(rnd, seqs)``, if given, runs after each round's barrier (``seqs``: every
+    client's last prompt and answer, token ids); what it returns joins the round's record."""
     histories = [_tokens(a.seed, "first", c, n=a.request_length) for c in range(a.num_clients)]
+    seqs: dict[int, list[int]] = {}
     rng = random.Random(f"{a.seed}/arrivals")
     rounds = []
     for rnd in range(a.num_rounds):
@@ -226,6 +273,7 @@ async def run_multiturn(engine, sp, a) -> dict:
 
         def done(tag, rec, rnd=rnd):
             c = int(tag.split("-c")[-1])
+            seqs[c] = histories[c] + list(rec["out_ids"])
             # the answer and the next question join the history
             histories[c] = histories[c] + list(rec["out_ids"]) + _tokens(a.seed, "q", c, rnd, n=a.sub_question_length)
 
@@ -238,6 +286,8 @@ async def run_multiturn(engine, sp, a) -> dict:
         print(f"  round {rnd}: prompt {rs['prompt_tokens'] // a.num_clients} tok/client, hit {rs['cache_hit_rate']:.2f}, "
               f"ttft {rs['mean_ttft_s']:.3f}s, {rs['input_throughput_tok_s']:.0f} tok/s in {dt:.1f}s", flush=True)
         await asyncio.sleep(a.barrier_s)
+        if after_round is not None:
+            rs.update(after_round(rnd, seqs))
     return _totals(rounds)
 
 
@@ -286,6 +336,7 @@ def _dir_bytes(path) -> int:
 def child(spec: dict) -> dict:
     a = argparse.Namespace(**spec["args"])
     name, conn = spec["name"], CONNECTOR[spec["name"]]
+    chain = spec.get("chain")  # the chain-eviction study: {"fraction", "arena_bytes", "master"}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
     os.environ.pop("RAY_ADDRESS", None)
@@ -295,6 +346,8 @@ def child(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     res: dict = {"config": name, "connector": conn, "loadavg_start": os.getloadavg(), "repeat": spec["repeat"],
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]}
+    if chain:
+        res.update(fraction=chain["fraction"], arena_bytes=chain["arena_bytes"])
     procs: list[subprocess.Popen] = []  # helper servers this child started
     tmpdirs: list[str] = []
     ray_ns = None
@@ -323,10 +376,14 @@ def child(spec: dict) -> dict:
                     res["ray_init_retries"] += 1
             os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # engine processes join it
             ray_ns = f"bvm{uuid.uuid4().hex[:8]}"
-            spill = tempfile.mkdtemp(prefix="bench_vllm_mt-spill-", dir=a.spill_dir)
-            tmpdirs.append(spill)
-            store_cfg = {"namespace": ray_ns, "segment_size_bytes": a.dram, "transport": {"devices": ["lo"]},
-                         "spill": {"enabled": True, "directory": spill, "capacity_bytes": a.spill}}
+            if chain:  # DRAM only, the arena a fraction of the working set, the eviction policy under test
+                store_cfg = {"namespace": ray_ns, "segment_size_bytes": chain["arena_bytes"],
+                             "transport": {"devices": ["lo"]}, "master": dict(chain["master"])}
+            else:
+                spill = tempfile.mkdtemp(prefix="bench_vllm_mt-spill-", dir=a.spill_dir)
+                tmpdirs.append(spill)
+                store_cfg = {"namespace": ray_ns, "segment_size_bytes": a.dram, "transport": {"devices": ["lo"]},
+                             "spill": {"enabled": True, "directory": spill, "capacity_bytes": a.spill}}
             mooncake_ray.start(store_cfg)
             res["store_config"] = store_cfg
             res["store_start_s"] = time.perf_counter() - t0
@@ -340,7 +397,7 @@ def child(spec: dict) -> dict:
                                    kv_connector_extra_config={"shared_storage_path": d})
             res["storage_dir"] = d
         elif conn == "mooncake-store":
-            ktc = _start_mooncake(a, res, procs, tmpdirs)
+            ktc = _start_mooncake(a, res, procs, tmpdirs, chain)
         elif conn == "mooncake-p2p":
             os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(_port())
             ktc = KVTransferConfig(kv_connector="MooncakeConnector", kv_role="kv_both",
@@ -368,6 +425,8 @@ def child(spec: dict) -> dict:
         sp = SamplingParams(max_tokens=a.output_length, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
+        after_round = _chain_probe(conn, ray_ns, res, sink) if chain else None
+
         async def work():
             # warm-up (kernels and their shapes, allocator): the workload's batch shape twice,
             # with prompts no workload request shares a block with
@@ -380,7 +439,7 @@ def child(spec: dict) -> dict:
             sink.clear()
             if name in UNIQUE:
                 return await asyncio.wait_for(run_unique(engine, sp, a), a.workload_timeout_s)
-            return await asyncio.wait_for(run_multiturn(engine, sp, a), a.workload_timeout_s)
+            return await asyncio.wait_for(run_multiturn(engine, sp, a, after_round), a.workload_timeout_s)
 
         res.update(asyncio.run(work()))
         time.sleep(1.0)  # let the last stats arrive
@@ -392,13 +451,15 @@ def child(spec: dict) -> dict:
 
             st = ray.get(store_deploy.find_master(ray_ns).stats.remote(), timeout=60)
             res["store_stats"] = {k: v for k, v in st.items() if k != "nodes" and not isinstance(v, dict)}
-            res["spill_dir_bytes"] = _dir_bytes(tmpdirs[0])
+            if tmpdirs:
+                res["spill_dir_bytes"] = _dir_bytes(tmpdirs[0])
         elif conn == "example":
             res["storage_dir_bytes"] = _dir_bytes(tmpdirs[0])
         elif conn == "mooncake-store" and tmpdirs:
-            res["offload_dir_bytes"] = _dir_bytes(tmpdirs[0])
+            if not chain:
+                res["offload_dir_bytes"] = _dir_bytes(tmpdirs[0])
             time.sleep(10)  # the master prints its metrics every 10 s
-            res["mooncake_master_metrics"] = _mooncake_metrics(Path(a.log_dir) / f"mooncake-master-{spec['repeat']}.log")
+            res["mooncake_master_metrics"] = _mooncake_metrics(Path(res["mooncake_master_log"]))
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a peer that refuses is a result
         res["ok"] = False
@@ -435,10 +496,12 @@ def child(spec: dict) -> dict:
     return res
 
 
-def _start_mooncake(a, res, procs, tmpdirs):
+def _start_mooncake(a, res, procs, tmpdirs, chain=None):
     """Mooncake master (offload on) + a standalone ``mooncake_client`` owning the DRAM pool and
     the SSD tier, vLLM's connector in ``standalone-store`` mode: the set-up of Mooncake's
-    published SSD-offload benchmark, with the DRAM pool the size of ours."""
+    published SSD-offload benchmark, with the DRAM pool the size of ours. ``chain`` (the
+    chain-eviction study): offload off, the DRAM pool exactly ``chain["arena_bytes"]`` (a
+    size ``mooncake_client`` refuses is its error, not enlarged)."""
     from vllm.config import KVTransferConfig
 
     bindir = Path(sys.executable).parent
@@ -448,27 +511,41 @@ def _start_mooncake(a, res, procs, tmpdirs):
     d = tempfile.mkdtemp(prefix="bench_vllm_mt-mooncake-", dir=a.spill_dir)
     tmpdirs.append(d)
     logdir = Path(a.log_dir)
-    rpc, client_port = _port(), _port()
-    mlog_path = logdir / f"mooncake-master-{res['repeat']}.log"
-    procs.append(subprocess.Popen(
-        [str(master_bin), f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", "-enable_offload=true",
-         "-enable_http_metadata_server=false", f"-metrics_port={_port()}", "-logtostderr",
-         *a.mooncake_master_flags.split()],
-        stdout=open(mlog_path, "w"), stderr=subprocess.STDOUT))
+    rpc, client_port, metrics_port = _port(), _port(), _port()
+    offload = chain is None
+    tag = f"{res['repeat']}" + (f"-{chain['fraction']}" if chain else "")
+    mlog_path = logdir / f"mooncake-master-{tag}.log"
+    res["mooncake_master_log"] = str(mlog_path)
+    margv = [str(master_bin), f"-rpc_port={rpc}", "-rpc_address=127.0.0.1", f"-enable_offload={str(offload).lower()}",
+             "-enable_http_metadata_server=false", f"-metrics_port={metrics_port}", "-logtostderr",
+             *a.mooncake_master_flags.split()]
+    procs.append(subprocess.Popen(margv, stdout=open(mlog_path, "w"), stderr=subprocess.STDOUT))
+    res["mooncake_metrics_port"] = metrics_port
     wait_port(rpc, proc=procs[-1], log=mlog_path)
-    env = {**os.environ, "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d,
-           "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(_size(a.spill)), "MOONCAKE_USE_URING": "1"}
-    clog_path = logdir / f"mooncake-client-{res['repeat']}.log"
-    segment = max(_size(a.dram), 16 << 20)  # mooncake_client refuses less than 16 MiB
+    env = dict(os.environ)
+    if offload:
+        env.update({"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d,
+                    "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(_size(a.spill)), "MOONCAKE_USE_URING": "1"})
+    clog_path = logdir / f"mooncake-client-{tag}.log"
+    if chain:
+        segment = chain["arena_bytes"]
+    else:
+        segment = max(_size(a.dram), 16 << 20)  # mooncake_client refuses less than 16 MiB
     res["mooncake_dram_bytes"] = segment
-    procs.append(subprocess.Popen(
-        [str(client_bin), "-host=127.0.0.1", f"-port={client_port}", f"-global_segment_size={segment}",
-         f"-master_server_address=127.0.0.1:{rpc}", "-metadata_server=P2PHANDSHAKE", "-protocol=tcp",
-         "-enable_offload=true", "-logtostderr"], stdout=open(clog_path, "w"), stderr=subprocess.STDOUT, env=env))
-    wait_port(client_port, proc=procs[-1], log=clog_path)
+    cargv = [str(client_bin), "-host=127.0.0.1", f"-port={client_port}", f"-global_segment_size={segment}",
+             f"-master_server_address=127.0.0.1:{rpc}", "-metadata_server=P2PHANDSHAKE", "-protocol=tcp",
+             f"-enable_offload={str(offload).lower()}", "-logtostderr"]
+    res["mooncake_commands"] = [" ".join(margv), " ".join(cargv)]
+    procs.append(subprocess.Popen(cargv, stdout=open(clog_path, "w"), stderr=subprocess.STDOUT, env=env))
+    try:
+        wait_port(client_port, proc=procs[-1], log=clog_path)
+    except BaseException:
+        # what the client said when it refused (e.g. a segment under 16 MiB)
+        res["mooncake_client_log_tail"] = clog_path.read_text(errors="replace").splitlines()[-8:]
+        raise
     cfg = {"metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{rpc}", "protocol": "tcp",
            "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-           "local_buffer_size": "256mb", "enable_offload": True}
+           "local_buffer_size": "256mb", "enable_offload": offload}
     cfg_path = Path(d) / "mooncake.json"
     cfg_path.write_text(json.dumps(cfg))
     os.environ["MOONCAKE_CONFIG_PATH"] = str(cfg_path)
@@ -489,6 +566,83 @@ def _mooncake_metrics(log_path: Path) -> dict:
         if m:
             out[key] = m.group(1).strip()
     return out
+
+
+def _chain_probe(conn, ray_ns, res, sink):
+    """The chain study's per-round probe: ``probe(rnd, seqs)`` -> what joins round ``rnd``'s
+    record: the tokens the connector served this round (vLLM's connector prefix-cache
+    counters, difference from the last round), and orphaned pages after the round (ours:
+    the master's own count; Mooncake: counted here, see ``_mooncake_orphans``)."""
+    last = {"hits": 0, "queries": 0}
+
+    def probe(rnd, seqs):
+        out = {"connector_hit_tokens": sink.get("connector_prefix_hits", 0) - last["hits"],
+               "connector_query_tokens": sink.get("connector_prefix_queries", 0) - last["queries"]}
+        last["hits"], last["queries"] = sink.get("connector_prefix_hits", 0), sink.get("connector_prefix_queries", 0)
+        try:
+            if conn == "mooncake-ray":
+                import ray
+
+                from mooncake_ray._private import deploy as store_deploy
+
+                st = ray.get(store_deploy.find_master(ray_ns).stats.remote(), timeout=60)
+                out["store"] = {k: st.get(k) for k in STORE_STATS}
+                out["orphaned_pages"] = st.get("orphaned_pages")
+                out["orphan_source"] = "master stats orphaned_pages"
+            elif conn == "mooncake-store":
+                out.update(_mooncake_orphans(res["mooncake_metrics_port"], seqs))
+                out["orphan_source"] = "client-side: master /get_all_keys vs vLLM block-hash chains"
+        except Exception as e:  # noqa: BLE001 - a failed probe is a null, not a failed run
+            out["orphaned_pages"] = None
+            out["probe_error"] = f"{type(e).__name__}: {e}"
+        print(f"    after round {rnd}: connector served {out['connector_hit_tokens']} tok, orphaned "
+              f"{out.get('orphaned_pages')}" + (f", store {out['store']}" if "store" in out else "")
+              + (f", mooncake keys {out.get('stored_keys')} (in chains {out.get('chain_pages_stored')}), "
+                 f"unreachable {out.get('unreachable_pages')}" if conn == "mooncake-store" else ""), flush=True)
+        return out
+
+    return probe
+
+
+_HASHER: dict = {}
+
+
+def _vllm_block_hashes(tokens: list[int]) -> list[str]:
+    """vLLM's chained block hashes (hex) of ``tokens``' full blocks, as its scheduler computes
+    them for a plain token prompt (sha256, the default ``prefix_caching_hash_algo``; no extra
+    keys: no LoRA, multimodal input or cache salt)."""
+    if not _HASHER:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core import kv_cache_utils
+
+        kv_cache_utils.init_none_hash(sha256)  # the seed the engine core used (PYTHONHASHSEED or the default)
+        _HASHER.update(fn=sha256, hash=kv_cache_utils.hash_block_tokens)
+    out, parent = [], None
+    for i in range(len(tokens) // BLOCK):
+        parent = _HASHER["hash"](_HASHER["fn"], parent, tokens[i * BLOCK:(i + 1) * BLOCK], None)
+        out.append(bytes(parent).hex())
+    return out
+
+
+def _mooncake_orphans(metrics_port: int, seqs: dict) -> dict:
+    """Orphaned pages in Mooncake, counted as bench_chains.py does: of every conversation's
+    chain (its last prompt and answer, in vLLM blocks), the pages stored whose previous page
+    is not. The stored keys come from the master's ``/get_all_keys`` (no lease, no LRU
+    touch); a key names its block by the hash after its last ``@``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/get_all_keys", timeout=30) as r:
+        keys = r.read().decode().split()
+    stored = {k.rsplit("@", 1)[-1] for k in keys}
+    orphaned = unreachable = in_chains = 0
+    for c in sorted(seqs):
+        present = [h in stored for h in _vllm_block_hashes(seqs[c])]
+        in_chains += sum(present)
+        orphaned += sum(1 for i in range(1, len(present)) if present[i] and not present[i - 1])
+        first_gap = next((i for i, p in enumerate(present) if not p), len(present))
+        unreachable += sum(present[first_gap:])
+    return {"orphaned_pages": orphaned, "unreachable_pages": unreachable, "stored_keys": len(keys),
+            "chain_pages_stored": in_chains}
 
 
 def _lmcache_config(a, res, tmpdirs):
@@ -521,13 +675,17 @@ def _size(s) -> int:
 
 # ========================================================================== parent ==
 
-def run_config(name: str, repeat: int, a, model: str) -> dict:
-    """Run one configuration in a subprocess (its own process group); returns its result."""
+def run_config(name: str, repeat: int, a, model: str, chain: dict | None = None) -> dict:
+    """Run one configuration in a subprocess (its own process group); returns its result.
+    ``chain``: the chain study's ``{"fraction", "arena_bytes", "master"}``."""
     log_dir = Path(a.log_dir)
-    log_path = log_dir / f"{name}-rep{repeat}.log"
-    out_path = log_dir / f"{name}-rep{repeat}.json"
+    tag = name + (f"@{chain['fraction']}" if chain else "")
+    log_path = log_dir / f"{tag}-rep{repeat}.log"
+    out_path = log_dir / f"{tag}-rep{repeat}.json"
     out_path.unlink(missing_ok=True)
     spec = {"name": name, "repeat": repeat, "model": model, "args": vars(a), "out": str(out_path)}
+    if chain:
+        spec["chain"] = chain
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=log,
@@ -543,6 +701,8 @@ def run_config(name: str, repeat: int, a, model: str) -> dict:
         res = json.loads(out_path.read_text())
     else:
         res = {"config": name, "ok": False, "error": f"child exited with {p.returncode} and no result"}
+        if chain:
+            res.update(fraction=chain["fraction"], arena_bytes=chain["arena_bytes"], repeat=repeat)
     res["wall_s"] = wall
     res["log"] = str(log_path)
     if not res.get("ok"):
@@ -619,8 +779,19 @@ def main() -> None:
                     help="before starting, wait up to this long for the 1-minute load average to fall below 1.5")
     ap.add_argument("--model-dir", default="/tmp/bench_vllm_mt-model")
     ap.add_argument("--log-dir", default="/tmp/bench_vllm_mt-logs")
-    ap.add_argument("--out", default=str(RESULTS / "bench_vllm_multiturn.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default results/bench_vllm_multiturn.json, with --chains bench_vllm_chains.json)")
+    ap.add_argument("--chains", action="store_true",
+                    help="the chain-eviction study instead (see the docstring): writes bench_vllm_chains.{json,png}")
+    ap.add_argument("--chain-configs", default=",".join(CHAIN_CONFIGS), help="--chains: comma list of "
+                    + ",".join(CHAIN_CONFIGS))
+    ap.add_argument("--store-fractions", default="0.25,0.5",
+                    help="--chains: store DRAM arenas as fractions of the workload's KV working set")
+    ap.add_argument("--from-round", type=int, default=None,
+                    help="--chains: the summary counts rounds from this one (default: num_rounds // 2)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = str(RESULTS / ("bench_vllm_chains.json" if a.chains else "bench_vllm_multiturn.json"))
 
     if a.child:
         spec = json.loads(a.child)
@@ -633,10 +804,24 @@ def main() -> None:
     if a.resummarize:
         path = Path(a.resummarize)
         results = json.loads(path.read_text())
+        if results.get("benchmark") == "bench_vllm_chains":
+            results["summary"] = summarize_chains(results)
+            path.write_text(json.dumps(results, indent=1, default=str))
+            plot_chains(results, path.with_suffix(".png"))
+            print_chains(results)
+            return
         results["summary"] = summarize(results, argparse.Namespace(**results["args"]))
         path.write_text(json.dumps(results, indent=1, default=str))
         plot(results, path.with_suffix(".png"))
         print_table(results)
+        return
+    if a.chains:
+        given = {act.dest for act in ap._actions
+                 if any(arg == o or arg.startswith(o + "=") for o in act.option_strings for arg in sys.argv[1:])}
+        for k, v in CHAIN_DEFAULTS.items():
+            if k not in given:  # the study's workload, where the flag is not on the command line
+                setattr(a, k, v)
+        main_chains(a, ap)
         return
     if a.quick:
         a.repeats = 1 if a.repeats == 3 else a.repeats
@@ -962,6 +1147,267 @@ def plot(results, path) -> None:
     fig.suptitle(f"real vLLM (cpu), multi-turn chat, {results['args']['num_clients']} clients x "
                  f"{results['args']['num_rounds']} rounds; medians and min-max of {nrep} repeat(s); "
                  f"{host_label(results.get('host'))}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ==================================================================== chain study ==
+
+def chain_working_set(a) -> dict:
+    """The study's KV working set: every conversation's last-round prompt, in KV bytes."""
+    tokens = a.num_clients * prompt_len(a, a.num_rounds - 1)
+    return {"tokens": tokens, "bytes": tokens * kv_bytes_per_token(),
+            "blocks": a.num_clients * (prompt_len(a, a.num_rounds - 1) // BLOCK)}
+
+
+def main_chains(a, ap) -> None:
+    configs = [c for c in a.chain_configs.split(",") if c]
+    bad = [c for c in configs if c not in CHAIN_CONFIGS]
+    if bad:
+        ap.error(f"unknown --chain-configs {bad}; allowed: {','.join(CHAIN_CONFIGS)}")
+    fractions = [float(f) for f in a.store_fractions.split(",") if f]
+    if a.from_round is None:
+        a.from_round = a.num_rounds // 2
+    names = sorted(n for _, n in socket.if_nameindex())
+    if names != ["lo"]:
+        sys.exit(f"run inside a private network namespace (interfaces: {names}): "
+                 "make bench B=benchmarks/bench_vllm_multiturn.py ARGS=--chains")
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    quiet = _wait_quiet(a.wait_quiet_s)
+    code_at_start = _code_version()
+    from mooncake_ray.integrations.tiny_model import TinyModelSpec, build
+
+    model = build(a.model_dir, TinyModelSpec(**GEOMETRY))
+    ws = chain_working_set(a)
+    block_bytes = kv_bytes_per_token() * BLOCK
+    arenas = {f: int(f * ws["bytes"]) // block_bytes * block_bytes for f in fractions}
+    print(f"model {GEOMETRY} ({kv_bytes_per_token()} B of KV per token); {a.num_clients} clients x {a.num_rounds} "
+          f"rounds; KV working set (last-round prompts) {ws['tokens']} tokens = {ws['bytes'] / 2**20:.1f} MiB; "
+          f"vLLM's own KV cache {a.vllm_kv_blocks} blocks ({a.vllm_kv_blocks * block_bytes / 2**20:.0f} MiB, "
+          f"{a.vllm_kv_blocks / ws['blocks']:.0%} of it); store arenas "
+          + ", ".join(f"{f:.0%}: {b / 2**20:.1f} MiB" for f, b in arenas.items()), flush=True)
+    t_all = time.perf_counter()
+    runs: list[dict] = []
+    refused: dict[tuple, dict] = {}
+    for rep in range(a.repeats):
+        for fi, frac in enumerate(fractions):
+            k = (rep * len(fractions) + fi) % len(configs)
+            for name in configs[k:] + configs[:k]:  # interleaved: each block starts with another config
+                if (name, frac) in refused:
+                    continue
+                chain = {"fraction": frac, "arena_bytes": arenas[frac], "master": CHAIN_MASTER.get(name)}
+                print(f"[repeat {rep}] {name} @ {frac:.0%} ({arenas[frac] / 2**20:.1f} MiB) ... "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                res = run_config(name, rep, a, model, chain)
+                runs.append(res)
+                if res.get("ok"):
+                    lr = [r for r in res["rounds"] if r["round"] >= a.from_round]
+                    served = sum(r["cached_tokens"] for r in lr) / sum(r["prompt_tokens"] for r in lr)
+                    print(f"[repeat {rep}] {name} @ {frac:.0%}: served {100 * served:.1f}% of rounds "
+                          f"{a.from_round}+, mean ttft {res['mean_ttft_s']:.3f}s, orphaned after the last round "
+                          f"{res['rounds'][-1].get('orphaned_pages')} (workload {res['workload_s']:.0f}s, "
+                          f"wall {res['wall_s']:.0f}s)", flush=True)
+                else:
+                    print(f"[repeat {rep}] {name} @ {frac:.0%} FAILED: {res.get('error')}\n    root cause: "
+                          f"{res.get('root_cause')}", flush=True)
+                    if name == "mooncake-store":
+                        refused[(name, frac)] = res
+    total_s = time.perf_counter() - t_all
+    results = {"benchmark": "bench_vllm_chains", "description": "chain-aware eviction vs plain LRU (and Mooncake "
+               "Store) under a real vLLM's multi-turn workload, DRAM only, the store a fraction of the KV working set",
+               "args": {k: v for k, v in vars(a).items() if k != "child"}, "configs_run": configs,
+               "fractions": fractions, "arena_bytes": {str(f): b for f, b in arenas.items()},
+               "geometry": {**GEOMETRY, "kv_bytes_per_token": kv_bytes_per_token(), "block_tokens": BLOCK,
+                            "block_bytes": block_bytes},
+               "workload": {"working_set": ws, "working_set_definition": "KV bytes of every conversation's "
+                            "last-round prompt", "prompt_tokens_per_round": [a.num_clients * prompt_len(a, r)
+                                                                            for r in range(a.num_rounds)],
+                            "ideal_hit_rate_per_round": [ideal_hit_rate(a, r) for r in range(a.num_rounds)],
+                            "vllm_kv_cache_blocks": a.vllm_kv_blocks, "from_round": a.from_round},
+               "master_config": CHAIN_MASTER, "versions": {**_versions(), **versions(("mooncake-ray",))},
+               "code": {"at_start": code_at_start, "at_end": _code_version()},
+               "machine": {"cpus": os.cpu_count(), "quiet_wait": quiet, "loadavg_end": os.getloadavg()},
+               "host": host_info(), "total_run_s": total_s,
+               "notes": ["served = sum(num_cached_tokens) / sum(prompt tokens): vLLM's own prefix cache and the "
+                         "connector's; store_served = the connector's share alone (vLLM's connector prefix-cache "
+                         "counters)",
+                         "warm-up requests (2 x max_parallel prompts of request_length tokens) are saved too and "
+                         "hold arena space until evicted, in every config",
+                         "both stores lease a key read for 10 s (their defaults) and evict no leased key"],
+               "runs": runs}
+    results["summary"] = summarize_chains(results)
+    out = Path(a.out)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    plot_chains(results, out.with_suffix(".png"))
+    print_chains(results)
+    print(f"wrote {out} and {out.with_suffix('.png')} ({total_s / 60:.1f} min)")
+
+
+def summarize_chains(results) -> dict:
+    a = results["args"]
+    fr = results["workload"]["from_round"]
+    ok = [r for r in results["runs"] if r.get("ok")]
+
+    def share(r, key):
+        lr = [x for x in r["rounds"] if x["round"] >= fr]
+        return 100.0 * sum(x.get(key) or 0 for x in lr) / sum(x["prompt_tokens"] for x in lr) if lr else None
+
+    def ttft(r, later=True):
+        recs = [x for rd in r["rounds"] if rd["round"] >= (fr if later else 0) for x in rd["records"]]
+        return statistics.mean(x["ttft"] for x in recs) if recs else None
+
+    out: dict = {"from_round": fr, "fractions": {}}
+    for frac in results["fractions"]:
+        per: dict = {}
+        for name in results["configs_run"]:
+            rs = [r for r in ok if r["config"] == name and r.get("fraction") == frac]
+            bad = [r for r in results["runs"] if r["config"] == name and r.get("fraction") == frac and not r.get("ok")]
+            c = {"runs": len(rs)}
+            if bad:
+                c["failed"] = [{"error": b.get("error"), "root_cause": b.get("root_cause"),
+                                "client_log": b.get("mooncake_client_log_tail"), "log": b.get("log")} for b in bad]
+            if rs:
+                n = max(len(r["rounds"]) for r in rs)
+                c.update({
+                    "served_pct_later": _stat([share(r, "cached_tokens") for r in rs]),
+                    "store_served_pct_later": _stat([share(r, "connector_hit_tokens") for r in rs]),
+                    "mean_ttft_later_s": _stat([ttft(r) for r in rs]),
+                    "mean_ttft_s": _stat([ttft(r, later=False) for r in rs]),
+                    "orphaned_last": _stat([r["rounds"][-1].get("orphaned_pages") for r in rs]),
+                    "orphaned_max": _stat([max((x.get("orphaned_pages") or 0) for x in r["rounds"]) for r in rs]),
+                    "orphan_source": rs[0]["rounds"][-1].get("orphan_source"),
+                    "probe_errors": sorted({x["probe_error"] for r in rs for x in r["rounds"] if x.get("probe_error")})
+                    or None,
+                    "store_last": rs[-1]["rounds"][-1].get("store"),
+                    "connector_stats_last_run": rs[-1].get("engine_stats", {}).get("connector"),
+                    "preempted_reqs": [r.get("engine_stats", {}).get("preempted_reqs", 0) for r in rs],
+                    "per_round": [{
+                        "round": i,
+                        "served_pct": _stat([100 * r["rounds"][i]["cache_hit_rate"] for r in rs if i < len(r["rounds"])]),
+                        "store_served_pct": _stat([100 * r["rounds"][i].get("connector_hit_tokens", 0)
+                                                   / r["rounds"][i]["prompt_tokens"] for r in rs if i < len(r["rounds"])]),
+                        "mean_ttft_s": _stat([r["rounds"][i]["mean_ttft_s"] for r in rs if i < len(r["rounds"])]),
+                        "orphaned_pages": _stat([r["rounds"][i].get("orphaned_pages") for r in rs
+                                                 if i < len(r["rounds"])]),
+                        "unreachable_pages": _stat([r["rounds"][i].get("unreachable_pages") for r in rs
+                                                    if i < len(r["rounds"])])}
+                        for i in range(n)]})
+            per[name] = c
+
+        def ratio(num, den, key):
+            pn, pd = per.get(num, {}).get(key), per.get(den, {}).get(key)
+            if not pn or not pd or not pd["median"]:
+                return None
+            d = {r["repeat"]: r for r in ok if r["config"] == den and r.get("fraction") == frac}
+            f = (lambda r: share(r, "cached_tokens")) if key == "served_pct_later" else ttft
+            paired = [f(r) / f(d[r["repeat"]]) for r in ok if r["config"] == num and r.get("fraction") == frac
+                      and r["repeat"] in d and f(d[r["repeat"]])]
+            return {"of_medians": pn["median"] / pd["median"], "paired": _stat(paired)}
+
+        ratios = {}
+        for num in ("mcr-chain", "mcr-chain-old"):
+            for den in ("mcr-lru", "mooncake-store"):
+                for key, short in (("served_pct_later", "served"), ("mean_ttft_later_s", "ttft")):
+                    ratios[f"{num}/{den} {short}"] = ratio(num, den, key)
+        out["fractions"][str(frac)] = {"arena_bytes": results["arena_bytes"][str(frac)], "configs": per,
+                                       "ratios": ratios}
+    s = out["fractions"].get("0.5")
+    if s:
+        t = {}
+        for num in ("mcr-chain", "mcr-chain-old"):
+            r = s["ratios"].get(f"{num}/mcr-lru served")
+            o = s["configs"].get(num, {}).get("orphaned_last")
+            t[f"{num} served >= 2x mcr-lru at 50%"] = {"value": r and r["of_medians"], "goal": 2.0,
+                                                       "met": bool(r and r["of_medians"] >= 2.0)}
+            t[f"{num} 0 orphaned pages at 50%"] = {"value": o and o["max"], "goal": 0,
+                                                   "met": bool(o is not None and o["max"] == 0)}
+        out["targets"] = t
+    return out
+
+
+def print_chains(results) -> None:
+    s = results["summary"]
+    fr = s["from_round"]
+    print(f"\nhost: {host_label(results.get('host'), model=True)}; rounds {fr}+ (of {results['args']['num_rounds']}); "
+          f"median [min-max] over repeats")
+    for frac, fs in s["fractions"].items():
+        print(f"\nstore arena {float(frac):.0%} of the working set ({fs['arena_bytes'] / 2**20:.1f} MiB)")
+        print(f"  {'config':16s} {'served %':>22s} {'store-served %':>15s} {'mean TTFT s (later)':>26s} "
+              f"{'TTFT all':>9s} {'orphaned last/max':>18s}")
+        for name, c in fs["configs"].items():
+            if not c.get("served_pct_later"):
+                f = (c.get("failed") or [{}])[0]
+                print(f"  {name:16s} FAILED: {f.get('root_cause') or f.get('error')}"[:300])
+                continue
+            v, t, o = c["served_pct_later"], c["mean_ttft_later_s"], c["orphaned_last"]
+            ss = c["store_served_pct_later"]
+            om = c["orphaned_max"]
+            print(f"  {name:16s} {v['median']:6.1f} [{v['min']:5.1f}-{v['max']:5.1f}]      {ss['median']:10.1f}      "
+                  f"{t['median']:7.3f} [{t['min']:.3f}-{t['max']:.3f}]   {c['mean_ttft_s']['median']:7.3f}   "
+                  f"{o['median'] if o else None!s:>8}/{om['median'] if om else None!s:<8}  n={c['runs']}")
+        for k, r in fs["ratios"].items():
+            if r:
+                p = r["paired"]
+                print(f"  {k:40s} x{r['of_medians']:.2f}" + (f" (paired {p['min']:.2f}-{p['max']:.2f})" if p else ""))
+    for k, t in s.get("targets", {}).items():
+        print(f"target {k}: {t['value']} (goal {t['goal']}) -> {'met' if t['met'] else 'NOT met'}")
+
+
+CHAIN_COLORS = {"mcr-chain": "tab:green", "mcr-chain-old": "tab:olive", "mcr-lru": "tab:red",
+                "mooncake-store": "tab:blue"}
+
+
+def plot_chains(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["summary"]
+    fracs = list(s["fractions"])
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(3, len(fracs), figsize=(max(6.5 * len(fracs), 8), 10.5), squeeze=False, sharex=True)
+    for j, frac in enumerate(fracs):
+        fs = s["fractions"][frac]
+        ax, tx, ox = axes[0][j], axes[1][j], axes[2][j]
+        for name, c in fs["configs"].items():
+            if "per_round" not in c:
+                continue
+            col = CHAIN_COLORS.get(name)
+            xs = [p["round"] for p in c["per_round"]]
+            for axis, key, style, label in ((ax, "served_pct", "-", name),
+                                            (ax, "store_served_pct", ":", f"{name} (connector only)"),
+                                            (tx, "mean_ttft_s", "-", name), (ox, "orphaned_pages", "-", name),
+                                            (ox, "unreachable_pages", "--", f"{name} unreachable")):
+                pts = [(x, p[key]) for x, p in zip(xs, c["per_round"]) if p.get(key)]
+                if not pts:
+                    continue
+                axis.plot([x for x, _ in pts], [v["median"] for _, v in pts], style, marker="o", ms=3, color=col,
+                          label=label)
+                axis.fill_between([x for x, _ in pts], [v["min"] for _, v in pts], [v["max"] for _, v in pts],
+                                  color=col, alpha=0.15)
+        ideal = results["workload"]["ideal_hit_rate_per_round"]
+        ax.plot(range(len(ideal)), [100 * x for x in ideal], "k--", lw=1, label="every earlier block cached")
+        failed = [n for n, c in fs["configs"].items() if c.get("failed") and not c.get("runs")]
+        ax.set_title(f"store arena {float(frac):.0%} of the KV working set ({fs['arena_bytes'] / 2**20:.0f} MiB)"
+                     + (f"\nfailed: {', '.join(failed)}" if failed else ""), fontsize=10)
+        ax.set_ylabel("prompt tokens served from cache (%)")
+        ax.set_ylim(0, 100)
+        tx.set_ylabel("mean TTFT (s)")
+        ox.set_ylabel("orphaned pages after the round\n(--: stored but unreachable, Mooncake)")
+        ox.set_xlabel("round")
+        for axis in (ax, tx, ox):
+            axis.axvspan(s["from_round"] - 0.5, results["args"]["num_rounds"] - 0.5, color="0.93", zorder=0)
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=7)
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a = results["args"]
+    nrep = max((c.get("runs", 0) for fs in s["fractions"].values() for c in fs["configs"].values()), default=0)
+    fig.suptitle(f"chain-aware eviction under real vLLM (cpu): {a['num_clients']} clients x {a['num_rounds']} rounds, "
+                 f"DRAM only, no spill;\nmedian and range of {nrep} repeat(s); grey: rounds in the summary; "
+                 f"{host_label(results.get('host'))}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -29,9 +29,9 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from mooncake_ray.errors import InvalidArgumentError, MooncakeRayError, ObjectExistsError
+from mooncake_ray.errors import InvalidArgumentError, MooncakeRayError, ObjectExistsError, ObjectNotFoundError
 
-__all__ = ["KVGeometry", "PagePool", "KVStore", "page_hashes", "key_prefix"]
+__all__ = ["KVGeometry", "PagePool", "KVStore", "ConversationHint", "page_hashes", "key_prefix"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -66,6 +66,70 @@ class KVGeometry:
         import torch
 
         return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class ConversationHint:
+    """What a request says about its conversation, for the store to keep its KV.
+
+    ``priority > 0``: the newest stored page of the conversation's chain is soft-pinned
+    for ``keep_s`` seconds; with chain-aware eviction a pinned page holds every page
+    before it, so the whole conversation stays while the pin does. Each save moves the
+    conversation's pin forward to its new newest page. ``priority <= 0``: no pin (plain
+    eviction order). Limits: a soft pin yields when nothing unpinned is left to evict;
+    the conversation's earlier pin is moved only by the same ``KVStore`` (another engine
+    replica's pin of it lapses at its TTL); pins hold a chain only within one master shard.
+    """
+
+    conversation_id: str
+    priority: int = 0
+    keep_s: float = 600.0
+
+    def __post_init__(self):
+        if not isinstance(self.conversation_id, str) or not self.conversation_id:
+            raise InvalidArgumentError(f"conversation_id must be a non-empty str, got {self.conversation_id!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidArgumentError(f"priority must be an int, got {self.priority!r}")
+        if not isinstance(self.keep_s, (int, float)) or not 0 < self.keep_s <= 86400 * 365:
+            raise InvalidArgumentError(f"keep_s must be a positive number of seconds, got {self.keep_s!r}")
+
+    @classmethod
+    def from_request(cls, fields: dict | None) -> "ConversationHint | None":
+        """The hint a request carries (``conversation_id``, ``priority``, ``keep_s``), or
+        None without a conversation id. Raises InvalidArgumentError naming a bad field."""
+        if not fields or fields.get("conversation_id") is None:
+            return None
+        return cls(fields["conversation_id"], fields.get("priority", 0), fields.get("keep_s", 600.0))
+
+
+class ConversationPins:
+    """One soft pin per conversation, on its newest stored page (``ConversationHint``)."""
+
+    MAX = 65536  # conversations remembered; an older one's pin lapses at its TTL
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._pinned: dict[str, str] = {}  # conversation id -> the page pinned
+
+    def keep(self, conversation_id: str, newest: str, keep_s: float) -> bool:
+        """Soft-pin ``newest`` for ``keep_s`` and unpin the conversation's page pinned
+        before (an ancestor: ``newest`` holds it now). False if ``newest`` is not stored."""
+        old = self._pinned.pop(conversation_id, None)
+        try:
+            self.client.pin(newest, ttl_s=keep_s)
+        except ObjectNotFoundError:  # its put failed: the old pin stays
+            if old is not None:
+                self._pinned[conversation_id] = old
+            return False
+        self._pinned[conversation_id] = newest
+        if len(self._pinned) > self.MAX:
+            self._pinned.pop(next(iter(self._pinned)))
+        if old is not None and old != newest:
+            try:
+                self.client.unpin(old)
+            except ObjectNotFoundError:
+                pass
+        return True
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, prior: str = "") -> list[str]:
@@ -169,6 +233,7 @@ class KVStore:
         self.client, self.geometry = client, geometry
         self.prefix = key_prefix(model, geometry, layout, tp_rank, tp_size)
         self._registered: set[int] = set()
+        self._pins = ConversationPins(client)
         # pages a batch call answered with an error, by error type ("put:..."/"get:..."):
         # a batch reports per key, so these do not raise; they are counted here
         self.failures: dict[str, int] = {}
@@ -201,23 +266,24 @@ class KVStore:
             n += 1
         return n * self.geometry.page_size
 
-    def save(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
+    def save(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0,
+             hint: ConversationHint | None = None) -> int:
         """Store the pages ``start_page..`` of ``tokens`` held in ``pool`` at ``page_ids``
         (one pool page per full token page from ``start_page``). Pages already stored are
         skipped. Each page names the previous one as its parent, so the store evicts a
-        chain from its tail (``master.chain_eviction``). Returns how many pages were newly
-        stored."""
+        chain from its tail (``master.chain_eviction``). ``hint``: the request's
+        conversation (``ConversationHint``). Returns how many pages were newly stored."""
         every = self.keys(tokens)
         keys = every[start_page:start_page + len(page_ids)]
         if not keys:
             return 0
         present = self.client.batch_exists(keys)
         todo = [(start_page + j, pid) for j, (pid, p) in enumerate(zip(page_ids, present)) if not p]
-        if not todo:
-            return 0
         res = self.client.batch_put_from([every[i] for i, _ in todo], [pool.page(pid) for _, pid in todo],
-                                         parents=[every[i - 1] if i else None for i, _ in todo])
+                                         parents=[every[i - 1] if i else None for i, _ in todo]) if todo else []
         self._count("put", res)
+        if hint is not None and hint.priority > 0:
+            self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
 
     def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:

@@ -39,7 +39,7 @@ import torch
 
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray.engines.model import EOS, ModelConfig, TinyLM, set_deterministic_threads
-from mooncake_ray.kv import KVStore, PagePool, page_hashes
+from mooncake_ray.kv import ConversationHint, KVStore, PagePool, page_hashes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Sequence_:
     cached_l3: int = 0
     hashes: list[str] = field(default_factory=list)
     registered: int = 0  # leading full pages already in the L1 index
+    hint: ConversationHint | None = None  # the request's conversation (kv.ConversationHint)
 
 
 @dataclass
@@ -209,7 +210,7 @@ class InferenceEngine:
             start = new_pages[0]
             idx = list(range(start, new_pages[-1] + 1))
             self.stats["l3_saved_pages"] += self.kv.save(
-                seq.tokens, self.pool, [seq.pages[i] for i in idx], start_page=start)
+                seq.tokens, self.pool, [seq.pages[i] for i in idx], start_page=start, hint=seq.hint)
         except MooncakeRayError as e:
             self._l3_failed(e)
 
@@ -234,10 +235,13 @@ class InferenceEngine:
         seq.registered = len(seq.pages)
         return seq, reusable
 
-    def prefill(self, tokens: Sequence[int], use_l3: bool = True) -> tuple[Sequence_, StepInfo]:
-        """Compute (or load) the prompt's KV and the first token's logits."""
+    def prefill(self, tokens: Sequence[int], use_l3: bool = True,
+                hint: ConversationHint | None = None) -> tuple[Sequence_, StepInfo]:
+        """Compute (or load) the prompt's KV and the first token's logits (``hint``: the
+        request's conversation, for the pages it saves to the store)."""
         t_start = time.monotonic()
         seq, reusable = self._begin(tokens)
+        seq.hint = hint
         i = len(seq.pages)
         t_load = time.monotonic()
         loaded = self._load_l3(seq, i, reusable - i) if use_l3 else 0

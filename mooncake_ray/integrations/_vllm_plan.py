@@ -41,6 +41,7 @@ class BlockRun:
     block_ids: list[int]
     direct: dict | None = None  # read from a prefill engine: {"engine", "req", "blocks"} (see _vllm_direct)
     parent: str = ""  # the chained hash of block ``first - 1`` (saves; "" for the first block)
+    keep: tuple[str, float] | None = None  # (conversation id, seconds): soft-pin the run's last block
 
 
 @dataclass
@@ -60,6 +61,7 @@ class _Req:
     direct: dict | None = None  # the prefill engine's blocks, when a decode request names them
     load: BlockRun | None = None  # allocated, to be sent to the worker
     saves_sent: bool = False
+    keep: tuple[str, float] | None = None  # the request's conversation hint (kv.ConversationHint)
 
 
 class SchedulerPlan:
@@ -118,6 +120,10 @@ class SchedulerPlan:
         r.found = (first, n)
         return n * bs
 
+    def keep(self, req_id: str, conversation_id: str, keep_s: float) -> None:
+        """The request's conversation asks to be kept: its saves pin their last block."""
+        self._reqs.setdefault(req_id, _Req()).keep = (conversation_id, keep_s)
+
     def direct_source(self, req_id: str, params: dict | None) -> None:
         """Remember the prefill engine's blocks named by a decode request's params."""
         if params:
@@ -175,7 +181,7 @@ class SchedulerPlan:
                 continue
             hs = self.hashes(req_id, tokens, full)
             plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full]),
-                                       parent=hs[r.saved_upto - 1] if r.saved_upto else ""))
+                                       parent=hs[r.saved_upto - 1] if r.saved_upto else "", keep=r.keep))
             r.saved_upto = full
             r.saves_sent = True
         return plan

@@ -42,6 +42,7 @@ from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_plan import BlockRun
+from mooncake_ray.kv import ConversationPins
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class KVTransfer:
         self.metrics, self.tp_rank = metrics, tp_rank
         self.direct = DirectReader(client, self.layers, direct_timeout_s)
         self.holds = Holds(client, hold_s)
+        self._pins = ConversationPins(client)
         self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="mooncake-vllm-save")
@@ -229,6 +231,9 @@ class KVTransfer:
         if failed:
             log.warning("KV save: %d of %d blocks not stored", len(failed), len(keys))
         stored = sum(r is None for r in res)
+        for run in runs:
+            if run.keep is not None and run.hashes:
+                self._keep(run)
         with self._lock:
             self.stats["save_s"] += dt
             self.stats["save_cpu_s"] += cpu
@@ -238,6 +243,14 @@ class KVTransfer:
             self.stats["saved_blocks"] += len(todo) - len(failed)
         if self.metrics is not None:
             self.metrics.observe("save", dt)
+
+    def _keep(self, run: BlockRun) -> None:
+        """A conversation hint: soft-pin the run's last block (kv.ConversationPins)."""
+        conversation_id, keep_s = run.keep
+        try:
+            self._pins.keep(conversation_id, f"{self.prefix}{run.hashes[-1]}", keep_s)
+        except Exception as e:  # noqa: BLE001 - a pin is a hint: the save stands without it
+            log.warning("KV save: pinning the conversation %s failed (%s)", conversation_id, e)
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
         """Hand the step's saves to the save thread; with ``sync``, wait for them."""

@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mooncake_ray.config import _explain
-from mooncake_ray.errors import ConfigError
+from mooncake_ray.errors import ConfigError, InvalidArgumentError
 from mooncake_ray.integrations import _store
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_worker import KVTransfer
-from mooncake_ray.kv import KVGeometry, key_prefix
+from mooncake_ray.kv import ConversationHint, KVGeometry, key_prefix
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -302,12 +302,28 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
+        self._note_hint(request)
         direct = None
         if self.cfg.direct_handoff and self.kv_role != "kv_producer":
             direct = ((request.kv_transfer_params or {}).get("mooncake_ray") or {}).get("direct")
             self.plan.direct_source(request.request_id, direct)
         hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens, self._present)
         return hit, hit > 0 and (self.cfg.load_mode == "async" or direct is not None)
+
+    def _note_hint(self, request: "Request") -> None:
+        """A conversation hint in the request's ``kv_transfer_params["mooncake_ray"]``
+        (``conversation_id``, ``priority``, ``keep_s``; see kv.ConversationHint): with
+        ``priority > 0`` its saved blocks stay soft-pinned. A bad hint is logged, not fatal."""
+        fields = (request.kv_transfer_params or {}).get("mooncake_ray")
+        if not isinstance(fields, dict):
+            return
+        try:
+            hint = ConversationHint.from_request(fields)
+        except InvalidArgumentError as e:
+            log.warning("request %s: conversation hint ignored: %s", request.request_id, e)
+            return
+        if hint is not None and hint.priority > 0:
+            self.plan.keep(request.request_id, hint.conversation_id, hint.keep_s)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         self._reqs[request.request_id] = request

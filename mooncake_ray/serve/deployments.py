@@ -39,6 +39,7 @@ import time
 
 from mooncake_ray.engines.engine import InferenceEngine
 from mooncake_ray.engines.model import EOS, ModelConfig
+from mooncake_ray.kv import ConversationHint
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class EngineServer:
         (``target`` from a decode replica's ``reserve``) written straight into its pool."""
         need = await self._admit(len(req["tokens"]))
         try:
-            seq, info = await self._run(self.engine.prefill, req["tokens"])
+            seq, info = await self._run(self.engine.prefill, req["tokens"], True, _hint(req))
         except BaseException:
             self._leave(need)
             raise
@@ -195,11 +196,12 @@ class EngineServer:
         need = reserved[3] if reserved is not None else await self._admit(len(req["tokens"]) + req["max_tokens"])
         try:
             if reserved is not None and params.get("mode") == "direct":
+                reserved[0].hint = _hint(req)
                 seq, info = reserved[0], await self._run(self.engine.prefill_reserved, reserved[0], params["filled"])
             else:
                 if reserved is not None:  # the direct write did not happen: use the store
                     self.engine.release(reserved[0])
-                seq, info = await self._run(self.engine.prefill, req["tokens"])
+                seq, info = await self._run(self.engine.prefill, req["tokens"], True, _hint(req))
         except BaseException:
             self._leave(need)
             raise
@@ -227,3 +229,8 @@ class EngineServer:
                 "admission_waits": self.admission_waits, "pages_committed": self._committed,
                 "l3_page_failures": dict(self.engine.kv.failures) if self.engine.kv else {},
                 "l3": self.client is not None, "handoff": self.handoff, "reserved": len(self._reserved), "replica": self.replica}
+
+
+def _hint(req: dict) -> ConversationHint | None:
+    """The request's conversation hint (openai.parse checked it)."""
+    return ConversationHint.from_request(req.get("conversation"))

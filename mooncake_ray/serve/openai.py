@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_ray.engines.model import ByteTokenizer
+from mooncake_ray.errors import InvalidArgumentError
+from mooncake_ray.kv import ConversationHint
 
 
 class OpenAIError(Exception):
@@ -43,6 +45,7 @@ class GenRequest:
     stream: bool
     ignore_eos: bool
     include_usage: bool
+    conversation: dict | None = None  # {"conversation_id", "priority", "keep_s"} (kv.ConversationHint)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -92,7 +95,21 @@ def parse(body: bytes, kind: str, model_id: str, max_context: int, tokenizer: By
     opts = req.get("stream_options") or {}
     return GenRequest(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}", kind, model, tokens,
                       max_tokens, stream, bool(req.get("ignore_eos", False)),
-                      bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False)
+                      bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False,
+                      _conversation(req))
+
+
+def _conversation(req: dict) -> dict | None:
+    """The request's conversation hint: ``conversation_id`` (str), ``priority`` (int, > 0
+    keeps the conversation's KV in the store, soft-pinned) and ``keep_s`` (how long)."""
+    fields = {k: req[k] for k in ("conversation_id", "priority", "keep_s") if k in req}
+    try:
+        hint = ConversationHint.from_request(fields)
+    except InvalidArgumentError as e:
+        param = next((k for k in fields if k in str(e)), "conversation_id")
+        raise OpenAIError(400, str(e), param=param) from None
+    return None if hint is None else {"conversation_id": hint.conversation_id, "priority": hint.priority,
+                                      "keep_s": hint.keep_s}
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

@@ -180,10 +180,12 @@ class Picker:
         else:
             self.take(obj.key, (obj, rep), rep.length)
 
-    def close(self, soft: list) -> int:
-        """The end of a pass: the soft-pinned candidates (``(obj, rep)``) if still needed,
-        the next rounds of leaves (``finish``), and if nothing at all was freed, the held
-        values (``force``). Returns how many were forced."""
+    def close(self, soft: list, protected: Callable[[str], bool] | None = None) -> int:
+        """The end of a pass: the next rounds of leaves (``finish``), then the soft-pinned
+        candidates (``(obj, rep)``) if still needed (and the values they held), and if
+        nothing at all was freed, the held values (``force``). Returns how many were
+        forced."""
+        self.finish()
         for obj, rep in soft:
             if self.done():
                 break
@@ -191,7 +193,7 @@ class Picker:
         self.finish()
         if self.freed or self.chains is None:
             return 0
-        return self.force()
+        return self.force(protected)
 
     def take(self, key: str, item, length: int) -> None:
         """Choose ``item`` (``key``'s). Its parent is not a candidate of this round even
@@ -219,15 +221,20 @@ class Picker:
                     self.take(key, *self.held.pop(key))
                     progress = True
 
-    def force(self) -> int:
-        """Nothing else could be freed: take held values, least recent first, although
-        children of theirs are stored. Returns how many."""
+    def force(self, protected: Callable[[str], bool] | None = None) -> int:
+        """Nothing else could be freed (the leaves are read, pinned, or on other nodes):
+        take held values, least recent first, although children of theirs are stored
+        (their tails go as orphans); first those whose tail holds no pinned value
+        (``protected``). Returns how many."""
         n = 0
-        for key in list(self.held):
-            if self.done():
-                break
-            item, length = self.held.pop(key)
-            self.chosen.append(item)
-            self.freed += length
-            n += 1
+        for last in (False, True):
+            for key in list(self.held):
+                if self.done():
+                    return n
+                if not last and protected is not None and protected(key):
+                    continue
+                item, length = self.held.pop(key)
+                self.chosen.append(item)
+                self.freed += length
+                n += 1
         return n

@@ -78,10 +78,25 @@ def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, 
             soft.append((obj, verdict[1]))
         else:
             pick.offer(obj, verdict[1])
-    forced = pick.close(soft)
+    forced = pick.close(soft, pinned_tail(table, chains, now))
     if forced:
         chains.counters["chain_tail_evictions"] += forced
     return pick.chosen
+
+
+def pinned_tail(table: ObjectTable, chains: Chains | None, now: float):
+    """Whether a value's chain tail holds a pinned value (a forced eviction passes such a
+    value over while it can: the pin holds the whole chain)."""
+    if chains is None:
+        return None
+
+    def pinned(key: str) -> bool:
+        for k in chains.tail(key):
+            obj = table.hot(k)  # a pinned value is always hot
+            if obj is not None and obj.effective_pin(now) is not Pin.NONE:
+                return True
+        return False
+    return pinned
 
 
 def take_orphans(table: ObjectTable, chains: Chains, node_id: str, now: float, tier: Tier, pick: Picker) -> None:

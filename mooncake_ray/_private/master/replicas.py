@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.chains import Picker
-from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims, take_orphans
+from mooncake_ray._private.master.eviction import EVICT, judge, pick_victims, pinned_tail, take_orphans
 from mooncake_ray._private.master.types import (
     RESERVED,
     InventoryEntry,
@@ -428,7 +428,7 @@ class ReplicaTable:
                 else:
                     pick.offer(obj, verdict[1])
             after = stop
-        self.counters["chain_tail_evictions"] += pick.close(soft)
+        self.counters["chain_tail_evictions"] += pick.close(soft, pinned_tail(table, chains, now))
         return cold, n, pick.chosen
 
     def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:

@@ -137,7 +137,12 @@ class StoreInventory:
         return APPLIED, files, [tuple(o) for o in offloads]
 
     def add_disk(self, e: InventoryEntry) -> None:
-        self.entries[(e[0], DISK)] = _entry(e)
+        e = _entry(e)
+        if not e[7]:  # an offloaded value keeps the parent its DRAM entry names
+            dram = self.entries.get((e[0], DRAM))
+            if dram is not None and dram[1] == e[1] and dram[7]:
+                e = (*e[:7], dram[7])
+        self.entries[(e[0], DISK)] = e
 
     def drop_disk(self, key: str, gen: int) -> None:
         """A file went (the master's drop, or found corrupt): forget it if not newer."""

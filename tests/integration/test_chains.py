@@ -1,0 +1,110 @@
+"""KV chains on a real cluster (two store nodes): conversations saved through the KV layer
+into arenas far smaller than they are, with and without a spill tier; conversation hints;
+the master killed with chains stored."""
+
+import random
+
+import pytest
+import ray
+
+from mooncake_ray.kv import ConversationHint, KVGeometry, KVStore, PagePool
+from mooncake_ray._private.naming import MASTER_NAME
+from tests.conftest import wait_for
+
+GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)  # 32 KiB pages
+
+
+class Chat:
+    """Conversations taking turns through ``KVStore``: each turn looks its prompt up,
+    loads the hits, saves the rest (``hint``: a ConversationHint per conversation)."""
+
+    def __init__(self, client, n, seed=0, system=64, question=48, hints=None):
+        self.kv = KVStore(client, "test/chains", GEOM)
+        self.pool = PagePool(GEOM, 64)
+        self.kv.register_pool(self.pool)
+        rng = random.Random(seed)
+        self.rng, self.question = rng, question
+        self.hist = [[rng.randrange(1 << 16) for _ in range(system)] for _ in range(n)]
+        self.hints = hints or {}
+        self.served = {c: 0 for c in range(n)}
+
+    def turn(self, c):
+        tokens = self.hist[c] + [self.rng.randrange(1 << 16) for _ in range(self.question)]
+        n_pages = len(tokens) // GEOM.page_size
+        hit = self.kv.lookup(tokens) // GEOM.page_size
+        loaded = self.kv.load(tokens, self.pool, list(range(hit))) if hit else 0
+        self.served[c] += loaded
+        self.kv.save(tokens, self.pool, list(range(loaded, n_pages)), start_page=loaded, hint=self.hints.get(c))
+        self.hist[c] = tokens + [self.rng.randrange(1 << 16) for _ in range(16)]
+
+    def gaps(self):
+        """Pages stored after a missing page of their conversation (unreachable)."""
+        out = 0
+        for h in self.hist:
+            present = self.kv.client.batch_exists(self.kv.keys(h))
+            first_gap = next((i for i, p in enumerate(present) if not p), len(present))
+            out += sum(present[first_gap:])
+        return out
+
+
+def test_conversations_over_a_small_arena_leave_no_unreachable_page(make_store):
+    """12 conversations x 6 turns into 2 x 4 MiB: eviction all along, and no stored page
+    is ever cut off from its conversation's start (the same workload on plain LRU
+    strands some)."""
+    s = make_store(segment_size_bytes="4mb", master={"chain_eviction": True})
+    chat = Chat(s, 12)
+    for _ in range(6):
+        for c in random.Random(1).sample(range(12), 12):
+            chat.turn(c)
+    st = s.stats()
+    assert st["evictions"] > 100 and st["chained"] > 50
+    assert chat.gaps() == 0 and st["orphaned_pages"] == 0
+    assert sum(chat.served.values()) > 0
+
+
+def test_a_conversation_with_priority_stays_whole(make_store):
+    """A flood of other conversations evicts everything but the hinted one, which keeps
+    every page it saved (its newest page is soft-pinned and holds the rest)."""
+    s = make_store(segment_size_bytes="4mb")
+    keep = ConversationHint("vip", priority=1, keep_s=60)
+    chat = Chat(s, 10, system=256, hints={0: keep})
+    for _ in range(2):
+        chat.turn(0)
+    vip_keys = chat.kv.keys(chat.hist[0][:-16])
+    assert all(s.batch_exists(vip_keys))
+    for _ in range(5):
+        for c in range(1, 10):
+            chat.turn(c)
+    assert s.stats()["evictions"] > 100
+    assert all(s.batch_exists(vip_keys)), "the hinted conversation lost pages"
+    assert s.stats()["soft_pinned"] == 1  # one pin per conversation, moved forward each turn
+    with pytest.raises(Exception, match="priority must be an int"):
+        ConversationHint("c", priority="high")
+
+
+def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_store, tmp_path):
+    """2 x 4 MiB of DRAM over 2 x 4 MiB of disk: chains go to disk and are evicted from
+    there too, leaves first; the master is killed; it rebuilds the chains from the
+    nodes' inventories and goes on with none cut."""
+    s = make_store(segment_size_bytes="4mb",
+                   spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "4mb"})
+    chat = Chat(s, 10, seed=2, system=512)
+    for _ in range(5):
+        for c in range(10):
+            chat.turn(c)
+    st = s.stats()
+    assert st["disk_evictions"] > 0 and st["offloads"] > 0
+    wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
+    assert chat.gaps() == 0
+    chained = s.stats()["chained"]
+    master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
+    inc = ray.get(master.ping.remote())
+    ray.kill(master, no_restart=False)
+    wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
+    wait_for(lambda: not s.stats()["recovering"], timeout_s=30, what="recovery")
+    assert s.stats()["chained"] >= chained - 1  # the DRAM and disk inventories name the parents
+    for _ in range(3):
+        for c in range(10):
+            chat.turn(c)
+    wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
+    assert chat.gaps() == 0
