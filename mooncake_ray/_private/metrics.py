@@ -2,7 +2,8 @@
 metrics endpoint (and so in the Ray dashboard and Grafana) with Ray's ``ray_`` prefix.
 
 Master side: capacity / used / keys per store node and tier, hits (in all and per tier),
-misses, evictions, puts, put bytes, offloads and promotions (count and bytes). Client
+misses, evictions, puts, put bytes, offloads and promotions (count and bytes), KV chains
+(orphaned pages, chain-tail evictions, lookups answered). Client
 side: put and get latency histograms (tags ``op`` and ``tier``), bytes moved.
 """
 
@@ -30,6 +31,12 @@ class MasterMetrics:
         "promotion_bytes": "Value bytes read back into DRAM by completed promotions",
         "node_unmounts": "Store nodes unmounted for missing heartbeats past node_ttl_s",
         "unmount_lost_keys": "Objects lost because the only store node holding them was unmounted",
+        "chain_tail_evictions": "KV pages evicted because their parent went (orphans, forced chain evictions)",
+        "lookups": "Keys looked up (exists; a lookup takes no lease and is not a use)",
+    }
+    GAUGES = {
+        "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
+        "chained": "Stored values linked to a parent (KV chains)",
     }
     # ``mooncake_tier_hits`` (tag ``tier``): gets served from DRAM (the ``hits`` counter)
     # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).
@@ -44,6 +51,8 @@ class MasterMetrics:
         self.used = metrics.Gauge("mooncake_used_bytes", "Store bytes in use", tag_keys=tags)
         self.keys = metrics.Gauge("mooncake_keys", "Objects held", tag_keys=tags)
         self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight", tag_keys=("shard",))
+        self.gauges = {name: metrics.Gauge(f"mooncake_{name}", desc, tag_keys=("shard",))
+                       for name, desc in self.GAUGES.items()}
         self.counters = {name: metrics.Counter(f"mooncake_{name}", desc, tag_keys=("shard",))
                          for name, desc in self.COUNTERS.items()}
         self.tier_hits = metrics.Counter("mooncake_tier_hits", "Get hits per tier (disk: promoted into DRAM)",
@@ -60,6 +69,8 @@ class MasterMetrics:
                 self.used.set(t["used"], tags=tags)
                 self.keys.set(t.get("keys", 0), tags=tags)
         self.pending.set(stats.get("pending", 0), tags=shard)
+        for name, gauge in self.gauges.items():
+            gauge.set(stats.get(name, 0), tags=shard)
         for name, counter in self.counters.items():
             delta = self._delta(stats, name)
             if delta:

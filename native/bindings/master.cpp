@@ -151,6 +151,7 @@ void bind_master(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("__len__", &mcr::MasterIndex::size)
       .def("served", &mcr::MasterIndex::served)
+      .def("lookups", &mcr::MasterIndex::lookups)
       // -> (size, gen, [(node_id, ray_node_id, offset, length, incarnation, placed), ...]) or None
       .def("lookup", [](mcr::MasterIndex& ix, const std::string& key) -> nb::object {
         mcr::IndexEntry e;

@@ -45,7 +45,16 @@ def test_store_metrics_in_prometheus_and_dashboard_queries(make_store, prometheu
     for i in range(n - 8, n):  # DRAM hits, and misses
         s.batch_get([f"m{i}", "never"])
 
+    # A KV chain whose head is removed: its tail goes at the master's next tick.
+    s.put("c0", b"a")
+    s.put("c1", b"b", parent="c0")
+    s.put("c2", b"c", parent="c1")
+    assert s.batch_exists(["c0", "c1", "c2"]) == [True] * 3
+    assert s.remove("c0")
+    wait_for(lambda: s.batch_exists(["c1", "c2"]) == [False, False], timeout_s=10, what="the tail to go")
+
     st = s.stats()
+    assert st["chain_tail_evictions"] == 2 and st["orphaned_pages"] == 0 and st["lookups"] >= 5
     assert st["offloads"] > 0 and st["offload_bytes"] == st["offloads"] * MB
     assert st["disk_hits"] >= promoted and st["hits"] > 0 and st["misses"] > 0
     assert st["promotion_bytes"] == st["promotions"] * MB

@@ -61,6 +61,7 @@ class PyIndex:
         self._enabled = False
         self._max_log = 1 << 17
         self._served = 0
+        self._lookups = 0
         self._commits = False
         self._max_key_bytes = 4096
         self._slabs: dict[int, tuple] = {}  # id -> (owner, node_id, ray_node_id, incarnation, {off: len})
@@ -231,6 +232,9 @@ class PyIndex:
     def served(self) -> int:
         return self._served
 
+    def lookups(self) -> int:
+        return self._lookups
+
     def lookup(self, key):
         r = self._map.get(key)
         return None if r is None else (r.size, r.gen, r.answer())
@@ -260,6 +264,7 @@ class PyIndex:
                     return None  # a third lease, or the same key twice: Python's
         self._served += 1
         if op == rpc.EXISTS:
+            self._lookups += len(keys)
             return rpc.pack([rpc.OK, [e is not None for e in found]])
         for k, g, lease in done:
             r = self._map.get(k)

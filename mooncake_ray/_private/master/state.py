@@ -746,17 +746,24 @@ class MasterState:
             "soft_pinned": soft,
             "recovering": self.recovering,
             "native_calls": self.index.served(),
-            "chained": len(self._objects.chains.parent),
-            "orphaned_pages": len(self._objects.chains.orphans),
             "nodes": nodes,
             **self.counters,
+            **self._chain_stats(),
         }
 
     def gauges(self) -> dict:
         """What the metrics need, in O(nodes): no scan of the objects (the master holds its
         lock meanwhile; a scan of a million keys every second would stall every client)."""
         nodes = {node_id: node.usage(self._alloc[node_id], detail=False) for node_id, node in self._nodes.items()}
-        return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters}
+        return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters,
+                **self._chain_stats()}
+
+    def _chain_stats(self) -> dict:
+        """Values linked into chains, orphans (stored, parent not), lookups answered here
+        and by the read index (none takes a lease)."""
+        chains = self._objects.chains
+        return {"chained": len(chains.parent), "orphaned_pages": len(chains.orphans),
+                "lookups": self.counters["lookups"] + self.index.lookups()}
 
     # --------------------------------------------------------------- checking --
     def check_invariants(self, unapplied: set[str] = frozenset()) -> None:

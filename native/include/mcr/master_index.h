@@ -206,6 +206,7 @@ class MasterIndex {
   bool wait_commits(double timeout_s);
   size_t size();
   uint64_t served();  // calls answered natively so far
+  uint64_t lookups();  // keys EXISTS calls answered natively so far (a lookup takes no lease)
   bool lookup(const std::string& key, IndexEntry* out);
 
   // Answers a master RPC request (msgpack ``[op, *args]``) when it can: true with the
@@ -239,6 +240,7 @@ class MasterIndex {
   std::vector<IndexLogEntry> log_;
   uint64_t misses_ = 0;
   uint64_t served_ = 0;
+  uint64_t lookups_ = 0;
   uint64_t next_lease_ = kFirstLease;
   double ttl_s_ = 10.0;
   bool enabled_ = false;

@@ -540,6 +540,11 @@ uint64_t MasterIndex::served() {
   return served_;
 }
 
+uint64_t MasterIndex::lookups() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return lookups_;
+}
+
 bool MasterIndex::lookup(const std::string& key, IndexEntry* out) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   IndexRecord* r = find(key);
@@ -736,6 +741,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
   w.array(2);
   w.uint(kOk);
   if (op == kOpExists) {
+    lookups_ += keys.size();
     w.array(uint32_t(keys.size()));
     for (auto* r : found) w.boolean(r != nullptr);
     return true;
