@@ -250,8 +250,9 @@ class ClientConfig(_Model):
     """How long a call waits and retries while the master is down before raising
     MasterUnavailableError."""
     backpressure_timeout_s: float = Field(30.0, gt=0)
-    """How long a put (or a get that must promote from disk) waits for offloads to disk to
-    free DRAM before raising OffloadPendingError."""
+    """How long a put (or a get that must promote from disk) waits for room, retrying as
+    offloads to disk, eviction and ending read leases free it, before raising
+    OffloadPendingError or NoCapacityError."""
     device_path: Literal["auto", "direct", "staged"] = "auto"
     """How device memory (torch CUDA tensors, cupy arrays) moves, chosen per registered
     buffer: ``direct`` (UCX registers it: cuda_copy / cuda_ipc / GPUDirect RDMA, and on one
