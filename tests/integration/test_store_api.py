@@ -198,3 +198,42 @@ def test_public_api_through_each_transport(make_store, protocol):
         assert not any(v for k, v in paths.items() if "memcpy" in k), paths
     else:
         assert any(v for k, v in paths.items() if "memcpy" in k), paths
+
+
+def test_a_put_refused_for_room_is_retried_until_room_comes_back(make_store):
+    """Both arenas full of hard-pinned values: a put waits (retrying) and lands as soon as
+    they are unpinned; with nothing freed it raises NoCapacityError after
+    client.backpressure_timeout_s."""
+    import threading
+    import time
+
+    s = make_store(segment_size_bytes="4mb", client={"backpressure_timeout_s": 0.5},
+                   master={"high_watermark": 1.0})
+    mb = 1 << 20
+    pinned = []
+    for i in range(16):  # until a put finds no room (after 0.5 s of retries)
+        if s.batch_put([f"pin{i}"], [bytes(mb)])[0] is not None:
+            break
+        s.pin(f"pin{i}", hard=True)
+        pinned.append(f"pin{i}")
+    assert len(pinned) >= 4
+    t0 = time.monotonic()
+    with pytest.raises(mooncake_ray.NoCapacityError):
+        s.put("late", bytes(2 * mb))
+    assert 0.4 <= time.monotonic() - t0 < 10
+
+    patient = mooncake_ray.connect(s.config.namespace, {"client": {"backpressure_timeout_s": 20.0}})
+
+    def unpin_later():
+        time.sleep(1.5)
+        for k in pinned:
+            s.unpin(k)
+
+    t = threading.Thread(target=unpin_later)
+    t0 = time.monotonic()
+    t.start()
+    assert patient.batch_put(["late"], [bytes(2 * mb)]) == [None]
+    t.join()
+    assert time.monotonic() - t0 >= 1.4
+    assert s.get("late") == bytes(2 * mb)
+    patient.close()
