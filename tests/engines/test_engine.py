@@ -30,9 +30,10 @@ class DictStore:
         self._check()
         return [k in self.data for k in keys]
 
-    def batch_put_from(self, keys, bufs):
+    def batch_put_from(self, keys, bufs, parents=None):
         self._check()
-        for k, b in zip(keys, bufs):
+        for k, b, p in zip(keys, bufs, parents or [None] * len(keys)):
+            assert p is None or p in self.data, f"{k} names a parent never stored: {p}"
             self.data[k] = b.contiguous().view(torch.uint8).numpy().tobytes()
         return [None] * len(keys)
 

@@ -53,7 +53,7 @@ def test_keys_spread_over_shards_and_read_back(make_store, ray_cluster):
     for shard, m in enumerate(masters):
         lo, length = arena_part(arena, SHARDS, shard)
         for node_id in ray_cluster.store_node_ids:
-            for key, _gen, _size, tier, off, ln, _pin in ray.get(m.node_entries.remote(node_id)):
+            for key, _gen, _size, tier, off, ln, *_ in ray.get(m.node_entries.remote(node_id)):
                 assert shard_of(key, SHARDS) == shard
                 if tier == "dram":
                     assert lo <= off and off + ln <= lo + length, (shard, key, off, ln)
