@@ -369,10 +369,10 @@ def inventory_fixture() -> StoreInventory:
 
 
 def _entry_ok(k, e) -> bool:
-    if not (type(e) is tuple and len(e) == 7):
+    if not (type(e) is tuple and len(e) == 8):
         return False
     e = InventoryEntry(*e)
-    return (type(e.key) is str and e.tier in (DRAM, DISK) and k == (e.key, e.tier)
+    return (type(e.key) is str and e.tier in (DRAM, DISK) and k == (e.key, e.tier) and type(e.parent) is str
             and all(type(x) is int for x in (e.gen, e.size, e.offset, e.length, e.pin)))
 
 
