@@ -71,6 +71,7 @@ class Commit(NamedTuple):
     offset: int
     size: int
     upsert: bool = False
+    parent: str = ""  # its KV chain's previous value (master/chains.py)
 
 
 def read_grant(d) -> ReadGrant:

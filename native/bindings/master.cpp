@@ -113,9 +113,9 @@ void bind_master(nb::module_& m) {
         for (auto& e : log) {
           if (e.kind == mcr::MasterIndex::kHeld)  // the reply: bytes, not a key
             out.append(nb::make_tuple(e.kind, nb::bytes(e.key.data(), e.key.size()), e.gen, e.lease, e.now,
-                                      e.offset, e.size));
+                                      e.offset, e.size, e.parent));
           else
-            out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size));
+            out.append(nb::make_tuple(e.kind, e.key, e.gen, e.lease, e.now, e.offset, e.size, e.parent));
         }
         return nb::make_tuple(misses, hits, out);
       })

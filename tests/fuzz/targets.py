@@ -162,7 +162,7 @@ def _any(x):
 
 
 _ARGS = {  # op -> (argument checks, how many trailing ones are optional)
-    rpc.PUT_START: ((_list(_rec(_str, _int, _opt(_int), _bool, optional=2)), _opt(_str), _str), 2),
+    rpc.PUT_START: ((_list(_rec(_str, _int, _opt(_int), _bool, _str, optional=3)), _opt(_str), _str), 2),
     rpc.PUT_END: ((_list(_rec(_str, _int)),), 0),
     rpc.PUT_REVOKE: ((_list(_rec(_str, _int)),), 0),
     rpc.GET: ((_list(_str), _opt(_str), _opt(_list(_rec(_str, _int, _int)))), 2),
@@ -178,7 +178,7 @@ _ARGS = {  # op -> (argument checks, how many trailing ones are optional)
     rpc.PROMOTE_BEGIN: ((_str, _list(_rec(_str, _int, _int, _int))), 0),
     rpc.PROMOTE_DONE: ((_str, _list(_rec(_str, _int, _int, _str))), 0),
     rpc.SLAB_GRANT: ((_str, _opt(_str), _int, _list(_int)), 3),
-    rpc.PUT_COMMIT: ((_list(_rec(_str, _int, _int, _int, _bool, optional=1)), _str, _list(_int)), 1),
+    rpc.PUT_COMMIT: ((_list(_rec(_str, _int, _int, _int, _bool, _str, optional=2)), _str, _list(_int)), 1),
     rpc.SLAB_RETURN: ((_list(_int),), 0),
 }
 

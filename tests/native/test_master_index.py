@@ -39,6 +39,9 @@ def random_commit(rng: random.Random, slabs: dict):
               base + 4096 * rng.choice([-1, 0, 0, 1, 4, 4, 5, 8, 8, 11]) + rng.choice([0] * 30 + [1, 64, 192, 2048]),
               rng.choice([0, 1, 100, 256, 4096, 5000, 20000]), *([rng.random() < 0.3] if rng.random() < 0.8 else [])]
              for _ in range(rng.choice([1, 1, 1, 2, 4]))]
+    for it in items:  # a parent (KV chains): a key, the item's own key (refused), or too long
+        if len(it) == 5 and rng.random() < 0.4:
+            it.append(rng.choice([random_key(rng), random_key(rng), it[0], "p" * 5000, ""]))
     owner = "c2" if rng.random() < 0.1 else "c1"
     return [rpc.PUT_COMMIT, items, owner, *rng.choice([[], [[]], [[]], [None], [[sid]]])]
 

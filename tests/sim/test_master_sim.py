@@ -368,8 +368,8 @@ class Sim:
             return  # carved, never committed: the slab's expiry reclaims it
         upsert = rng.random() < 0.3
         parent = self.parent_of(key)
-        if (native and not parent
-                and self.native([rpc.PUT_COMMIT, [[key, sid, cur, size, upsert]], owner, []]) is not None):
+        item = [key, sid, cur, size, upsert] + ([parent] if parent else [])
+        if native and self.native([rpc.PUT_COMMIT, [item], owner, []]) is not None:
             return
         self.python(lambda: m.put_commit(key, sid, cur, size, upsert, owner, parent))
 

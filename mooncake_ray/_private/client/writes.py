@@ -129,7 +129,7 @@ class Writer:
         # PUT_COMMIT items as lists in wire.Commit's field order (a Commit record costs 0.15 us a key more)
         commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
                    if i not in failed]
-        if parents is not None:  # a commit naming a parent is the master's Python's to answer
+        if parents is not None:  # the item's last field, when it names one
             for i, c in commits:
                 if parents[i]:
                     c.append(parents[i])

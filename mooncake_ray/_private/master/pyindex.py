@@ -271,7 +271,7 @@ class PyIndex:
             if r is not None and not r.hot and r.gen == g:
                 _release_cold(r, lease, now)
             else:
-                self._log.append((RELEASE, k, g, lease, now, 0, 0))
+                self._log.append((RELEASE, k, g, lease, now, 0, 0, ""))
         if op == rpc.RELEASE:
             return rpc.pack([rpc.OK, None])
         out = []
@@ -283,7 +283,7 @@ class PyIndex:
             size, gen, reps = r.size, r.gen, r.answer()
             lease, self._next_lease = self._next_lease, self._next_lease + 1
             if r.hot:
-                self._log.append((GRANT, key, gen, lease, now, 0, 0))
+                self._log.append((GRANT, key, gen, lease, now, 0, 0, ""))
             else:
                 _grant_cold(r, lease, now, self._ttl)
                 self._hits += 1
@@ -303,19 +303,21 @@ class PyIndex:
             return None
         items = []
         for it in req[1]:
-            if not (isinstance(it, list) and len(it) in (4, 5) and type(it[0]) is str
+            if not (isinstance(it, list) and len(it) in (4, 5, 6) and type(it[0]) is str
                     and all(type(x) is int and x >= 0 for x in it[1:4])
-                    and (len(it) == 4 or type(it[4]) is bool)):
+                    and (len(it) == 4 or type(it[4]) is bool) and (len(it) < 6 or type(it[5]) is str)):
                 return None
             items.append(Commit(*it))
         if not self._enabled or not self._commits or len(self._log) + len(items) > self._max_log:
             return None
         scratch: dict[int, dict] = {}
         seen: set[str] = set()
-        for key, slab_id, offset, size, _upsert in items:
+        for key, slab_id, offset, size, _upsert, parent in items:
             nbytes = len(key.encode("utf-8", "surrogatepass"))
             if not key or nbytes > self._max_key_bytes or key in seen:
                 return None
+            if parent == key or len(parent.encode("utf-8", "surrogatepass")) > self._max_key_bytes:
+                return None  # Python's error
             seen.add(key)
             slab = self._slabs.get(slab_id)
             if key in self._pending or key in self._map or slab is None or slab[0] != owner:
@@ -326,11 +328,11 @@ class PyIndex:
         for slab_id, free in scratch.items():
             self._slabs[slab_id] = (*self._slabs[slab_id][:4], free)
         now, wall, gens = self.clock(), self.wall_ns(), []
-        for key, slab_id, offset, size, _upsert in items:
+        for key, slab_id, offset, size, _upsert, parent in items:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
-            self._log.append((COMMIT, key, gen, slab_id, now, offset, size))
+            self._log.append((COMMIT, key, gen, slab_id, now, offset, size, parent))
             gens.append(gen)
         self._served += 1
         return rpc.pack([rpc.OK, gens])

@@ -122,13 +122,14 @@ class ReplicaTable:
         if self.fenced is not None:
             self.fenced.append((obj.key, obj.gen, tuple({r.node_id for r in obj.replicas})))
 
-    def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int) -> None:
+    def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
+                           parent: str = "") -> None:
         """The bookkeeping of a value the read index committed (its record is in the
         table already, cold): what ``publish`` does besides the record."""
         self.counters["puts"] += 1
         self.counters["put_bytes"] += size
         self._nodes[node_id].tier_keys["dram"] += 1
-        self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0))
+        self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0, parent))
 
     def restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
         """Take in one entry of a mounting node's inventory (newest first)."""

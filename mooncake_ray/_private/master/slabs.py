@@ -221,7 +221,8 @@ class SlabTable:
         self._publish(slab, key, size, gen, offset, now, parent)
         return gen
 
-    def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float) -> str:
+    def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float,
+                     parent: str = "") -> str:
         """A commit the read index answered (its checks made, its pieces carved there):
         ``commit`` without the watermark check, which the caller makes once the whole log is
         applied (see ``fastpath.py``). Returns the slab's node."""
@@ -230,8 +231,8 @@ class SlabTable:
         taken = carve(slab.free, offset, length)
         assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
         self._gens.seen(gen)
-        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length)
-        self._objects.stored_natively(key, "")  # a native commit names no parent
+        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length, parent)
+        self._objects.stored_natively(key, parent)
         return slab.node_id
 
     def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, parent: str = "") -> None:

@@ -431,9 +431,9 @@ class MasterState:
         objects = self._objects
         full = self._watermark_due  # nodes that took logged commits, not checked yet
         call: list = []  # the values of the call whose commits are being applied
-        for kind, key, gen, lease, now, offset, size in log:
+        for kind, key, gen, lease, now, offset, size, parent in log:
             if kind == COMMIT:
-                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now)
+                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent)
                 full.add(node_id)
                 call.append((key, gen, (node_id,)))
                 continue

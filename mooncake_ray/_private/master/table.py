@@ -126,6 +126,8 @@ class ObjectTable:
     def stored_natively(self, key: str, parent: str) -> None:
         """The read index committed ``key`` (its record is in the index already)."""
         self._linked(key, parent)
+        if parent and self.insert_old:
+            self.index.demote(key)
 
     def dropped_natively(self, keys: list[str]) -> list[str]:
         """The read index dropped these keys (its eviction); returns the parents that

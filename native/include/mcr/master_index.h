@@ -103,7 +103,7 @@ struct IndexSlab {
 };
 
 // What a native call did, for Python to apply: kGrant / kRelease (lease = the lease id),
-// kCommit (lease = the slab id; offset, size of the committed value), kHeld (the reply to
+// kCommit (lease = the slab id; offset, size of the committed value; parent), kHeld (the reply to
 // the commits logged just before it, kept until they are durable: key = the reply, lease
 // = the caller's peer uid, gen = its call id, offset = the lane; see HeldReply).
 struct IndexLogEntry {
@@ -114,6 +114,7 @@ struct IndexLogEntry {
   double now = 0;  // CLOCK_MONOTONIC seconds (Python's time.monotonic)
   uint64_t offset = 0;
   uint64_t size = 0;
+  std::string parent;  // kCommit: the key the value names as its parent (KV chains), "" none
 };
 
 // Where a reply kept for later goes (the transport's request token).

@@ -630,13 +630,14 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   struct Item {
     std::string key;
     uint64_t slab = 0, offset = 0, size = 0;
+    std::string parent;  // its KV chain's previous value ("" none)
   };
   std::vector<Item> items(nitems);
   for (auto& it : items) {
     uint32_t m;
     bool upsert = false;  // of a key not stored: a plain put
-    if (!r.array(&m) || (m != 4 && m != 5) || !r.str(&it.key) || !r.uint(&it.slab) ||
-        !r.uint(&it.offset) || !r.uint(&it.size) || (m == 5 && !r.boolean(&upsert)))
+    if (!r.array(&m) || m < 4 || m > 6 || !r.str(&it.key) || !r.uint(&it.slab) || !r.uint(&it.offset) ||
+        !r.uint(&it.size) || (m >= 5 && !r.boolean(&upsert)) || (m == 6 && !r.str(&it.parent)))
       return false;
   }
   std::string owner;
@@ -653,6 +654,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   std::unordered_set<std::string> seen;
   for (auto& it : items) {
     if (it.key.empty() || it.key.size() > max_key_bytes_ || !seen.insert(it.key).second) return false;
+    if (it.parent == it.key || it.parent.size() > max_key_bytes_) return false;  // Python's error
     if (pending_.count(it.key) || find(it.key) != nullptr) return false;
     auto s = slabs_.find(it.slab);
     if (s == slabs_.end() || s->second.owner != owner) return false;
@@ -680,7 +682,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.offset = it.offset;
     r.rep.length = extent_length(it.size);
     cold_++;
-    log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size});
+    log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size, std::move(it.parent)});
     w.uint(gen);
   }
   if (hold != nullptr) {
