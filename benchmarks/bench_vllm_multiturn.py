@@ -61,7 +61,10 @@ TTFT, orphaned pages (pages stored whose parent is not): ours from the master's
 ``orphaned_pages`` (with ``chained``, the keys stored naming a parent, ``evictions`` and
 ``chain_tail_evictions``); Mooncake's counted here from its master's HTTP ``/get_all_keys``
 (no lease, no LRU touch) against every conversation's chain of vLLM block hashes (vLLM's own
-``hash_block_tokens``, sha256; the key ends with the hash: ``..@<hex>``). Summary per
+``hash_block_tokens``, sha256; the key ends with the hash: ``..@<hex>``), and ours the same
+way with ``batch_exists`` (no lease, no move in the eviction order) over the connector's keys.
+A chain that lost its first pages has one orphan and the rest of it stored but unreachable:
+``unreachable_pages`` (pages stored after a chain's first missing page) counts that. Summary per
 fraction: median and range over repeats of the served share over rounds ``--from-round``..end
 and of mean TTFT, ratios chain/lru, chain-old/lru and against mooncake-store; targets at 50 %:
 served >= 2x lru, 0 orphaned pages.
@@ -347,11 +350,12 @@ def child(spec: dict) -> dict:
     res: dict = {"config": name, "connector": conn, "loadavg_start": os.getloadavg(), "repeat": spec["repeat"],
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]}
     if chain:
-        res.update(fraction=chain["fraction"], arena_bytes=chain["arena_bytes"])
+        res.update(fraction=chain["fraction"], arena_bytes=chain["arena_bytes"], code=_code_version())
     procs: list[subprocess.Popen] = []  # helper servers this child started
     tmpdirs: list[str] = []
     ray_ns = None
     engine = None
+    store_client = None
     t_start = time.perf_counter()
     try:
         from vllm.config import KVTransferConfig
@@ -384,7 +388,7 @@ def child(spec: dict) -> dict:
                 tmpdirs.append(spill)
                 store_cfg = {"namespace": ray_ns, "segment_size_bytes": a.dram, "transport": {"devices": ["lo"]},
                              "spill": {"enabled": True, "directory": spill, "capacity_bytes": a.spill}}
-            mooncake_ray.start(store_cfg)
+            store_client = mooncake_ray.start(store_cfg)
             res["store_config"] = store_cfg
             res["store_start_s"] = time.perf_counter() - t0
             ktc = KVTransferConfig(kv_connector="MooncakeRayConnector",
@@ -425,7 +429,16 @@ def child(spec: dict) -> dict:
         sp = SamplingParams(max_tokens=a.output_length, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
-        after_round = _chain_probe(conn, ray_ns, res, sink) if chain else None
+        if chain and conn == "mooncake-ray":
+            from mooncake_ray.kv import KVGeometry, key_prefix
+
+            # the connector's key prefix (model_id defaults to vLLM's model; layout vllm-cpu), so
+            # that the probe counts our stored chains the way it counts Mooncake's
+            geo = KVGeometry(num_layers=GEOMETRY["layers"], num_kv_heads=GEOMETRY["kv_heads"],
+                             head_dim=GEOMETRY["hidden"] // GEOMETRY["heads"], dtype="bfloat16", page_size=BLOCK)
+            res["key_prefix"] = key_prefix(spec["model"], geo, "vllm-cpu")
+        after_round = _chain_probe(conn, ray_ns, res, sink, store_client if conn == "mooncake-ray" else None) \
+            if chain else None
 
         async def work():
             # warm-up (kernels and their shapes, allocator): the workload's batch shape twice,
@@ -568,11 +581,15 @@ def _mooncake_metrics(log_path: Path) -> dict:
     return out
 
 
-def _chain_probe(conn, ray_ns, res, sink):
+def _chain_probe(conn, ray_ns, res, sink, client=None):
     """The chain study's per-round probe: ``probe(rnd, seqs)`` -> what joins round ``rnd``'s
     record: the tokens the connector served this round (vLLM's connector prefix-cache
     counters, difference from the last round), and orphaned pages after the round (ours:
-    the master's own count; Mooncake: counted here, see ``_mooncake_orphans``)."""
+    the master's own count, and the same count made here as for Mooncake with
+    ``batch_exists``, which neither leases nor moves a key in the eviction order; Mooncake:
+    counted here, see ``_chain_count``). An orphan is a stored page whose parent is not:
+    a chain that lost its first pages counts one, while every page after the gap is
+    stored but unreachable (``unreachable_pages``)."""
     last = {"hits": 0, "queries": 0}
 
     def probe(rnd, seqs):
@@ -589,6 +606,16 @@ def _chain_probe(conn, ray_ns, res, sink):
                 out["store"] = {k: st.get(k) for k in STORE_STATS}
                 out["orphaned_pages"] = st.get("orphaned_pages")
                 out["orphan_source"] = "master stats orphaned_pages"
+                if client is not None:
+                    from mooncake_ray.kv import page_hashes
+
+                    prefix = res["key_prefix"]
+                    keys = {c: [prefix + h for h in page_hashes(seqs[c], BLOCK)] for c in sorted(seqs)}
+                    flat = [k for c in keys for k in keys[c]]
+                    found = dict(zip(flat, client.batch_exists(flat))) if flat else {}
+                    cnt = _chain_count({c: [found[k] for k in ks] for c, ks in keys.items()})
+                    out.update(unreachable_pages=cnt["unreachable_pages"], chain_pages_stored=cnt["chain_pages_stored"],
+                               orphaned_pages_client=cnt["orphaned_pages"], stored_keys=st.get("keys"))
             elif conn == "mooncake-store":
                 out.update(_mooncake_orphans(res["mooncake_metrics_port"], seqs))
                 out["orphan_source"] = "client-side: master /get_all_keys vs vLLM block-hash chains"
@@ -597,8 +624,9 @@ def _chain_probe(conn, ray_ns, res, sink):
             out["probe_error"] = f"{type(e).__name__}: {e}"
         print(f"    after round {rnd}: connector served {out['connector_hit_tokens']} tok, orphaned "
               f"{out.get('orphaned_pages')}" + (f", store {out['store']}" if "store" in out else "")
-              + (f", mooncake keys {out.get('stored_keys')} (in chains {out.get('chain_pages_stored')}), "
-                 f"unreachable {out.get('unreachable_pages')}" if conn == "mooncake-store" else ""), flush=True)
+              + (f", keys {out.get('stored_keys')} (in the chains {out.get('chain_pages_stored')}), "
+                 f"unreachable {out.get('unreachable_pages')}, orphaned counted here "
+                 f"{out.get('orphaned_pages_client', out.get('orphaned_pages'))}"), flush=True)
         return out
 
     return probe
@@ -634,15 +662,22 @@ def _mooncake_orphans(metrics_port: int, seqs: dict) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/get_all_keys", timeout=30) as r:
         keys = r.read().decode().split()
     stored = {k.rsplit("@", 1)[-1] for k in keys}
+    out = _chain_count({c: [h in stored for h in _vllm_block_hashes(seqs[c])] for c in sorted(seqs)})
+    out["stored_keys"] = len(keys)
+    return out
+
+
+def _chain_count(present: dict) -> dict:
+    """``present``: conversation -> whether each page of its chain is stored. Orphaned: stored,
+    the page before not (as bench_chains.py counts); unreachable: stored after the chain's
+    first missing page (a prefix lookup stops there)."""
     orphaned = unreachable = in_chains = 0
-    for c in sorted(seqs):
-        present = [h in stored for h in _vllm_block_hashes(seqs[c])]
-        in_chains += sum(present)
-        orphaned += sum(1 for i in range(1, len(present)) if present[i] and not present[i - 1])
-        first_gap = next((i for i, p in enumerate(present) if not p), len(present))
-        unreachable += sum(present[first_gap:])
-    return {"orphaned_pages": orphaned, "unreachable_pages": unreachable, "stored_keys": len(keys),
-            "chain_pages_stored": in_chains}
+    for pres in present.values():
+        in_chains += sum(pres)
+        orphaned += sum(1 for i in range(1, len(pres)) if pres[i] and not pres[i - 1])
+        first_gap = next((i for i, p in enumerate(pres) if not p), len(pres))
+        unreachable += sum(pres[first_gap:])
+    return {"orphaned_pages": orphaned, "unreachable_pages": unreachable, "chain_pages_stored": in_chains}
 
 
 def _lmcache_config(a, res, tmpdirs):
@@ -920,7 +955,10 @@ def _code_version() -> dict:
     integ = ROOT / "mooncake_ray" / "integrations"
     for f in sorted([integ / "vllm.py", *integ.glob("_vllm_*.py")]):
         h.update(f.name.encode() + f.read_bytes())
-    return {"commit": commit, "connector_files_sha1": h.hexdigest()[:12]}
+    m = hashlib.sha1()  # the master's eviction and chain code (the chain study measures it)
+    for f in sorted((ROOT / "mooncake_ray" / "_private" / "master").glob("*.py")):
+        m.update(f.name.encode() + f.read_bytes())
+    return {"commit": commit, "connector_files_sha1": h.hexdigest()[:12], "master_files_sha1": m.hexdigest()[:12]}
 
 
 def _versions() -> dict:
@@ -1187,6 +1225,10 @@ def main_chains(a, ap) -> None:
           f"vLLM's own KV cache {a.vllm_kv_blocks} blocks ({a.vllm_kv_blocks * block_bytes / 2**20:.0f} MiB, "
           f"{a.vllm_kv_blocks / ws['blocks']:.0%} of it); store arenas "
           + ", ".join(f"{f:.0%}: {b / 2**20:.1f} MiB" for f, b in arenas.items()), flush=True)
+    small = [f for f, b in arenas.items() if b < MOONCAKE_MIN_SEGMENT]
+    if small and "mooncake-store" in configs:
+        print(f"arenas at {small} are under Mooncake's minimum segment (16 MiB): mooncake-store's refusal is "
+              "recorded there", flush=True)
     t_all = time.perf_counter()
     runs: list[dict] = []
     refused: dict[tuple, dict] = {}
@@ -1257,7 +1299,10 @@ def summarize_chains(results) -> dict:
         recs = [x for rd in r["rounds"] if rd["round"] >= (fr if later else 0) for x in rd["records"]]
         return statistics.mean(x["ttft"] for x in recs) if recs else None
 
-    out: dict = {"from_round": fr, "fractions": {}}
+    out: dict = {"from_round": fr, "fractions": {},
+                 # what each run imported: a tree edited during the study shows as several
+                 "code_in_runs": sorted({json.dumps(r["code"], sort_keys=True) for r in results["runs"]
+                                         if r.get("code")})}
     for frac in results["fractions"]:
         per: dict = {}
         for name in results["configs_run"]:
@@ -1276,6 +1321,11 @@ def summarize_chains(results) -> dict:
                     "mean_ttft_s": _stat([ttft(r, later=False) for r in rs]),
                     "orphaned_last": _stat([r["rounds"][-1].get("orphaned_pages") for r in rs]),
                     "orphaned_max": _stat([max((x.get("orphaned_pages") or 0) for x in r["rounds"]) for r in rs]),
+                    "orphaned_counted_here_last": _stat([r["rounds"][-1].get("orphaned_pages_client",
+                                                                              r["rounds"][-1].get("orphaned_pages"))
+                                                         for r in rs]),
+                    "unreachable_last": _stat([r["rounds"][-1].get("unreachable_pages") for r in rs]),
+                    "chain_pages_stored_last": _stat([r["rounds"][-1].get("chain_pages_stored") for r in rs]),
                     "orphan_source": rs[0]["rounds"][-1].get("orphan_source"),
                     "probe_errors": sorted({x["probe_error"] for r in rs for x in r["rounds"] if x.get("probe_error")})
                     or None,
@@ -1334,7 +1384,7 @@ def print_chains(results) -> None:
     for frac, fs in s["fractions"].items():
         print(f"\nstore arena {float(frac):.0%} of the working set ({fs['arena_bytes'] / 2**20:.1f} MiB)")
         print(f"  {'config':16s} {'served %':>22s} {'store-served %':>15s} {'mean TTFT s (later)':>26s} "
-              f"{'TTFT all':>9s} {'orphaned last/max':>18s}")
+              f"{'TTFT all':>9s} {'orphaned last/max':>18s} {'unreachable':>11s}")
         for name, c in fs["configs"].items():
             if not c.get("served_pct_later"):
                 f = (c.get("failed") or [{}])[0]
@@ -1345,11 +1395,14 @@ def print_chains(results) -> None:
             om = c["orphaned_max"]
             print(f"  {name:16s} {v['median']:6.1f} [{v['min']:5.1f}-{v['max']:5.1f}]      {ss['median']:10.1f}      "
                   f"{t['median']:7.3f} [{t['min']:.3f}-{t['max']:.3f}]   {c['mean_ttft_s']['median']:7.3f}   "
-                  f"{o['median'] if o else None!s:>8}/{om['median'] if om else None!s:<8}  n={c['runs']}")
+                  f"{o['median'] if o else None!s:>8}/{om['median'] if om else None!s:<8}  "
+                  f"{c['unreachable_last']['median'] if c.get('unreachable_last') else None!s:>6}     n={c['runs']}")
         for k, r in fs["ratios"].items():
             if r:
                 p = r["paired"]
                 print(f"  {k:40s} x{r['of_medians']:.2f}" + (f" (paired {p['min']:.2f}-{p['max']:.2f})" if p else ""))
+    if len(s.get("code_in_runs", [])) > 1:
+        print(f"NOTE: the runs imported different code (the tree changed during the study): {s['code_in_runs']}")
     for k, t in s.get("targets", {}).items():
         print(f"target {k}: {t['value']} (goal {t['goal']}) -> {'met' if t['met'] else 'NOT met'}")
 
@@ -1394,14 +1447,16 @@ def plot_chains(results, path) -> None:
         ax.set_title(f"store arena {float(frac):.0%} of the KV working set ({fs['arena_bytes'] / 2**20:.0f} MiB)"
                      + (f"\nfailed: {', '.join(failed)}" if failed else ""), fontsize=10)
         ax.set_ylabel("prompt tokens served from cache (%)")
-        ax.set_ylim(0, 100)
+        ax.set_ylim(0, 135)  # room above 100 % for the legend
+        ax.set_yticks(range(0, 101, 20))
         tx.set_ylabel("mean TTFT (s)")
-        ox.set_ylabel("orphaned pages after the round\n(--: stored but unreachable, Mooncake)")
+        ox.set_ylabel("pages after the round: orphaned (-),\nstored but unreachable (--)")
         ox.set_xlabel("round")
+        ox.set_ylim(0, max(ox.get_ylim()[1], 1) * 1.45)  # room for the legend
         for axis in (ax, tx, ox):
             axis.axvspan(s["from_round"] - 0.5, results["args"]["num_rounds"] - 0.5, color="0.93", zorder=0)
             axis.grid(alpha=0.3)
-            axis.legend(fontsize=7)
+            axis.legend(fontsize=6.5, ncol=2 if axis is not tx else 1, loc="upper left" if axis is tx else "upper right")
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     a = results["args"]
     nrep = max((c.get("runs", 0) for fs in s["fractions"].values() for c in fs["configs"].values()), default=0)
