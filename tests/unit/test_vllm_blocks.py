@@ -20,6 +20,7 @@ class FakeClient:
 
     def __init__(self, refuse=()):
         self.puts, self.gets, self.stored, self.refuse = [], [], {}, set(refuse)
+        self.pins = {}
         self.groups_seen = []
 
     def register_buffer(self, t):
@@ -27,6 +28,14 @@ class FakeClient:
 
     def batch_exists(self, keys):
         return [k in self.stored for k in keys]
+
+    def pin(self, key, hard=False, ttl_s=None):
+        if key not in self.stored:
+            raise ObjectNotFoundError(key)
+        self.pins[key] = ttl_s
+
+    def unpin(self, key):
+        self.pins.pop(key, None)
 
     def batch_put_from(self, keys, bufs, after=None, parents=None):
         self.puts.append(list(keys))
@@ -153,4 +162,16 @@ def test_layerwise_load_that_raises_fails_every_block_of_it():
     t.start_loads([BlockRun("a", 0, ["h0", "h1"], [1, 2])])
     t.wait_all_layers()
     assert t.load_errors() == {1, 2} and t.stats["load_failures"] == 2
+    t.close()
+
+
+def test_a_conversation_hint_pins_the_last_saved_block_and_moves_forward():
+    c = FakeClient()
+    t = transfer(c)
+    t._save([BlockRun("r", 0, ["h0", "h1"], [3, 1], keep=("conv", 60.0))])
+    assert c.pins == {"p/h1": 60.0}
+    t._save([BlockRun("r", 2, ["h2"], [0], parent="h1", keep=("conv", 60.0))])
+    assert c.pins == {"p/h2": 60.0}  # one pin per conversation: its newest block
+    t._save([BlockRun("q", 0, ["h9"], [2])])
+    assert c.pins == {"p/h2": 60.0}
     t.close()

@@ -57,6 +57,17 @@ def test_saves_skip_loaded_and_local_blocks_and_follow_the_steps():
     assert plan.saves == []
     plan = p.step([("r", tokens[:24], 22, 23, 1)], lambda r: ids)
     assert [(s.first, s.block_ids, s.hashes) for s in plan.saves] == [(5, [105], page_hashes(tokens[:24], BS)[5:])]
+    assert plan.saves[0].parent == page_hashes(tokens[:24], BS)[4]  # the block before the run
+    assert plan.saves[0].keep is None
+
+
+def test_a_conversation_hint_marks_every_save_of_its_request():
+    p = SchedulerPlan(BS)
+    tokens = list(range(24))
+    p.match("r", tokens, 0, stored(0))
+    p.keep("r", "conv-1", 60.0)
+    plan = p.step([("r", tokens, 24, 0, 24)], lambda r: list(range(10)))
+    assert [(s.first, s.parent, s.keep) for s in plan.saves] == [(0, "", ("conv-1", 60.0))]
 
 
 def test_save_decode_off_stops_at_the_prompt_and_a_consumer_never_saves():
