@@ -10,6 +10,7 @@ import pytest
 import ray
 from ray import serve
 
+import mooncake_ray
 from mooncake_ray.engines.engine import InferenceEngine
 from mooncake_ray.engines.model import ByteTokenizer, ModelConfig
 from mooncake_ray.serve import build_app
@@ -95,6 +96,21 @@ def test_multi_turn_cached_tokens_rise_and_output_is_exact(app):
     decode = serve.get_deployment_handle("Decode", app_name=app[2]).stats.remote().result()
     assert decode["handoff"] == app[3] and decode["mismatches"] == 0
     assert decode["cached_l3"] > 0  # the prompt's pages came from prefill, not recomputed
+
+
+def test_a_conversation_hint_pins_its_newest_page_in_the_store(app):
+    url, ns = app[0], app[1]
+    body = {"model": "test/tiny", "prompt": "A conversation the store should keep. " * 6, "max_tokens": 4,
+            "conversation_id": f"keep-{app[3]}", "priority": 1, "keep_s": 120}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    store = mooncake_ray.connect(ns)
+    try:
+        wait_for(lambda: store.stats()["soft_pinned"] >= 1, timeout_s=30, what="the conversation's pin")
+    finally:
+        store.close()
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "priority": "high"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
 
 
 def test_completions_with_token_ids_and_ignore_eos(app):
