@@ -9,14 +9,16 @@ for the values stored now,
 - ``kids``: key -> the stored keys naming it (the key itself need not be stored: a child
   published before its parent, or whose parent went, waits here);
 - ``orphans``: stored keys whose parent is not stored. Nothing can reach them through a
-  prefix lookup, so eviction takes them first (``Picker.orphans``).
+  prefix lookup, so eviction takes them first (``eviction.take_orphans``) and
+  ``ReplicaTable.drop_orphans`` drops them at each eviction and tick;
+- ``waiting``: keys named by puts in flight (a put holds its parent as a child does).
 
-With ``master.chain_eviction`` on, eviction takes leaves first (``Picker``): a value is
-passed over while a child of it is stored, and becomes a candidate once every child went
-(in the same pass, if the children were chosen in it). A parent is so evicted no sooner
-than its most recent descendant: the effective recency of a page is that of its subtree.
-Only a pass that frees nothing else takes a value whose children are stored ("forced":
-their leases or pins hold every leaf), and its children then go as orphans.
+With ``master.chain_eviction`` on, an eviction pass takes leaves first (``Picker``): a value
+is held while a child of it is stored; the pass takes one round of leaves (each chain's
+tail, least recent first), then, if it needs more, the values its round left childless,
+and so on, so chains shorten from their ends. Only a pass that frees nothing else takes a
+value whose children are stored ("forced": their leases or pins hold every leaf, or they
+live on other nodes), and its tail then goes as orphans.
 
 Chains are per master shard: a parent that hashes to another shard is not named (the
 client drops it), so with ``master.shards > 1`` only the links inside one shard hold.
@@ -147,9 +149,10 @@ class Chains:
 class Picker:
     """Victims of one eviction pass on one node, leaves first (see the module docstring).
 
-    ``take`` chooses an item; a parent passed over (``hold``) because a child of it was
-    stored is chosen as soon as its last stored child is (cascade). Items are whatever the
-    caller evicts (``(obj, rep)`` or a cold record's tuple); lengths count toward the need.
+    ``offer`` / ``take`` choose an item; a value held (``hold``) while a child of it is
+    stored becomes a candidate of the next round once its children were chosen
+    (``finish``). Items are whatever the caller evicts (``(obj, rep)`` or a cold record's
+    tuple); lengths count toward the need.
     """
 
     def __init__(self, chains: Chains | None, need: int) -> None:

@@ -13,6 +13,9 @@ Victims for one node are picked oldest first in two passes:
    soft pin whose TTL passed counts as unpinned);
 2. only if pass 1 did not free enough: soft-pinned objects, oldest first.
 
+With chain-aware eviction (``chains.py``), orphans go first and a value whose children are
+stored waits for them (rounds of leaves).
+
 Pending objects are never in the list; hard-pinned objects are never chosen. The index
 judges its cold records itself (a cold record is never pinned or being offloaded: see
 ``table.py``) and skips those not on the node or leased; the hot ones it lists for the
