@@ -126,12 +126,6 @@ class Chains:
             todo = nxt
         return out
 
-    def clear(self) -> None:
-        self.parent.clear()
-        self.kids.clear()
-        self.orphans.clear()
-        self.waiting.clear()
-
     def check(self, is_stored: Callable[[str], bool]) -> None:
         """Assert the links agree with themselves and with the table."""
         for key, parent in self.parent.items():

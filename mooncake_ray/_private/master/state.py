@@ -305,12 +305,15 @@ class MasterState:
                      "equal part)")
             raise InvalidArgumentError(f"value of {size} bytes is larger than {where} (largest: {biggest} bytes)")
         ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
-        self._objects.wait_child(parent)  # the room for the child must not come from its parent
+        # The put holds its parent from here until it ends: its room never comes from it.
+        self._objects.wait_child(parent)
         try:
             placed = self._replicas.place(size, want, ordered, now)
-        finally:
+        except BaseException:
             self._objects.unwait_child(parent)
+            raise
         if not placed:
+            self._objects.unwait_child(parent)
             if any(n.offload_inflight for n in usable):
                 raise OffloadPendingError(
                     f"no room for {size} bytes of {key!r} until offloads to disk finish; retry")
@@ -323,7 +326,6 @@ class MasterState:
         obj = Obj(key, size, self._gens.new(), placed, put_deadline=now + self.policy.put_timeout_s, owner=owner,
                   parent=parent)
         self._pending[key] = obj
-        self._objects.wait_child(parent)  # until the put ends
         self._mirror.pending(key)
         for r in placed:
             self._replicas.watermark(r.node_id, now)

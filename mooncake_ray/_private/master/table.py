@@ -104,13 +104,11 @@ class ObjectTable:
                 if chains.holds(key) and key not in self._hot:
                     self.get(key)
 
-    def _unlinked(self, key: str) -> str | None:
-        """``key`` went; returns its parent if that lost its last child (then cooled at
-        the next flush)."""
+    def _unlinked(self, key: str) -> None:
+        """``key`` went; a parent that lost its last child is cooled at the next flush."""
         parent = self.chains.gone(key)
         if parent is not None and parent in self._hot and not self.chains.holds(parent):
             self._dirty.add(parent)
-        return parent
 
     def wait_child(self, parent: str) -> None:
         """A put naming ``parent`` started: it holds the parent until it ends."""
@@ -129,16 +127,11 @@ class ObjectTable:
         if parent and self.insert_old:
             self.index.demote(key)
 
-    def dropped_natively(self, keys: list[str]) -> list[str]:
-        """The read index dropped these keys (its eviction); returns the parents that
-        lost their last child."""
-        out = []
+    def dropped_natively(self, keys: list[str]) -> None:
+        """The read index dropped these keys (its eviction)."""
         if self.chains.parent or self.chains.kids:
             for key in keys:
-                p = self._unlinked(key)
-                if p is not None:
-                    out.append(p)
-        return out
+                self._unlinked(key)
 
     def __len__(self) -> int:
         return len(self.index)
