@@ -176,13 +176,15 @@ class ConnectorMetrics:
     process, flushed to Ray's metrics once a second by a background thread.
 
     Counters ``mooncake_connector_<name>`` (tag ``role``): lookup_tokens (prompt tokens
-    looked up), hit_tokens (of those, found in the store), loaded_bytes, saved_bytes,
+    looked up), hit_tokens (of those, found in the store), engine_hit_tokens (in the
+    engine's own cache), loaded_bytes, saved_bytes,
     load_failures, save_failures; histogram ``mooncake_connector_transfer_seconds``
     (tags ``role``, ``op`` = load | save)."""
 
     NAMES = {
         "lookup_tokens": "Prompt tokens the connector looked up in the store",
         "hit_tokens": "Prompt tokens found in the store (loaded instead of computed)",
+        "engine_hit_tokens": "Prompt tokens the engine had in its own KV cache (vLLM's prefix cache)",
         "loaded_bytes": "KV bytes loaded from the store into the engine",
         "saved_bytes": "KV bytes saved from the engine into the store",
         "load_failures": "Block loads that failed (recomputed by the engine)",

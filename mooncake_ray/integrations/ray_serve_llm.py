@@ -91,10 +91,40 @@ class MooncakeRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
             # vLLM's engine core is not a Ray worker: it joins this replica's cluster.
             extra["ray_address"] = ray.get_runtime_context().gcs_address
 
+        from mooncake_ray.integrations.kv_router import uses_router
+
+        if uses_router(self.llm_config.deployment_config):
+            extra["router_key"] = self._publish_kv_events()
+
         # In place, so every holder of this dict (the LLMConfig's engine_kwargs, an engine
         # config built from it earlier) sees it, and explicitly through Ray's own updater.
         ktc["kv_connector_extra_config"] = extra
         self.llm_config.update_engine_kwargs(kv_transfer_config=ktc)
+
+    def _publish_kv_events(self) -> str:
+        """This replica's engine publishes its KV events on two free ports of the node (live
+        and replay); the record naming them (and the model's tokenizer source) goes to the
+        GCS for ``MooncakeKVRouter``. Returns the replica's id, the record's key."""
+        import ray
+        from ray import serve
+
+        from mooncake_ray.integrations.kv_router import events_config, put_record
+
+        rid = serve.get_replica_context().replica_id.to_full_id_str()
+        ek = self.llm_config.engine_kwargs
+        if ek.get("enable_prefix_caching") is False:
+            log.warning("MooncakeKVRouter: enable_prefix_caching is off, so the engine has no cache to "
+                        "report; routing uses the store and load only")
+        if ek.get("kv_events_config"):
+            log.warning("MooncakeKVRouter: engine_kwargs.kv_events_config replaced by the router's own")
+        cfg, rec = events_config(ray.util.get_node_ip_address())
+        self.llm_config.update_engine_kwargs(kv_events_config=cfg)
+        source = self.llm_config.model_loading_config.model_source
+        rec["model_source"] = source if isinstance(source, str) else self.llm_config.model_id
+        rec["chat_template"] = ek.get("chat_template")
+        put_record(rid, "events", rec)
+        log.info("KV events of replica %s on %s (replay %s)", rid, rec["endpoint"], rec["replay_endpoint"])
+        return rid
 
     @staticmethod
     def _check_store(namespace: str) -> None:

@@ -93,6 +93,10 @@ class MooncakeRayConnectorConfig(BaseModel):
     """How long one store call may wait (for a restarting master, or for DRAM that offloads
     to disk are freeing) before the connector gives up on it: a load is recomputed, a save
     skipped. The client's own defaults (30 s) suit a notebook, not an engine's step."""
+    router_key: str | None = None
+    """Set by the Ray Serve LLM backend when the deployment routes with
+    ``MooncakeKVRouter``: the Serve replica whose record (the store's key prefixes and
+    block size) the connector publishes for the router. Not for users."""
     direct_handoff: bool = True
     """Prefill -> decode: a producer whose request asks for a remote decode
     (``kv_transfer_params["do_remote_decode"]``, as Ray Serve LLM's P/D app sends) keeps the
@@ -198,10 +202,21 @@ class MooncakeRayConnector(KVConnectorBase_V1):
                                       sync_saves=self.kv_role == "kv_producer")
             self._reqs: dict[str, "Request"] = {}
             self._prefixes = [self._prefix(t, p) for t in range(self.tp_size) for p in range(self.pp_size)]
+            self._local_hits: dict[str, int] = {}
             self.transfer = None
+            if self.cfg.router_key:
+                self._publish_router_record()
         else:
             self.plan = None
             self.transfer: KVTransfer | None = None
+
+    def _publish_router_record(self) -> None:
+        """What ``MooncakeKVRouter`` needs to look this engine's prompts up in the store."""
+        from mooncake_ray.integrations.kv_router import put_record
+
+        put_record(self.cfg.router_key, "store", {
+            "namespace": self.cfg.namespace, "prefixes": self._prefixes, "block_size": self.block_size,
+            "model_id": self.model_id})
 
     def _prefix(self, tp_rank: int, pp_rank: int) -> str:
         return key_prefix(self.model_id, self.geometry, self.layout, tp_rank, self.tp_size, pp_rank, self.pp_size)
@@ -302,6 +317,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
+        self._local_hits[request.request_id] = num_computed_tokens
         self._note_hint(request)
         direct = None
         if self.cfg.direct_handoff and self.kv_role != "kv_producer":
@@ -327,6 +343,9 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         self._reqs[request.request_id] = request
+        local = self._local_hits.pop(request.request_id, 0)
+        if local:
+            self.metrics.add("engine_hit_tokens", local)
         if num_external_tokens > 0:
             self.plan.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
             self._add_stat("hit_tokens", num_external_tokens)
@@ -358,6 +377,7 @@ class MooncakeRayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
         params, direct = None, None
         if self.kv_role == "kv_producer":
             if self.cfg.direct_handoff and (request.kv_transfer_params or {}).get("do_remote_decode"):

@@ -1,0 +1,651 @@
+"""A Ray Serve request router for Ray Serve LLM that knows where KV cache is.
+
+Switch it on in an LLM deployment that carries the ``MooncakeRayConnector``::
+
+    deployment_config:
+      request_router_config:
+        request_router_class: mooncake_ray.integrations.kv_router:MooncakeKVRouter
+
+(``serve_configs/vllm-aggregated.yaml`` does; in a prefill/decode app, the prefill
+deployment's router is the one that matters.) Per request it weighs, for every replica:
+
+- what the replica's engine holds in its own KV cache, from vLLM's KV events
+  (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` on a ZMQ publisher the
+  connector's Serve backend switches on, one port per replica);
+- what the mooncake-ray store holds, which every replica can load: one batched lookup of
+  the prompt's chained block hashes (the keys the connector stores blocks under);
+- the prefill work the replica has in hand (prompt tokens of the requests routed to it and
+  not finished) and its requests in flight;
+
+and sends the request to the replica of least cost (``_kv_index.choose``: tokens to
+compute + ``load_cost`` x tokens to load from the store + queued tokens +
+``request_cost`` x requests in flight). It tokenizes prompts itself, with the model's
+tokenizer (Hugging Face ``AutoTokenizer`` from the deployment's model source, the chat
+template applied for chat requests).
+
+Nothing here fails a request: no tokenizer, no events, events lost and not replayable, a
+store that does not answer -- each only takes that signal out of the cost, down to plain
+load balancing. A replica that dies leaves the index.
+
+Router options (``request_router_kwargs``): ``load_cost`` (default 0.1; see
+docs/performance.md for how it was measured), ``request_cost`` (64), ``stale_s`` (5.0:
+how long an index whose events were lost counts as empty), ``lookup_timeout_s`` (0.5),
+``tokenizer`` (a path or model id, when the model source is not one).
+
+Metrics (Ray metrics, on the ingress's node): ``mooncake_router_decisions{reason}``
+(engine: to the replica holding the longest prefix; store: for a store hit; load: away
+from a holder with too much work; balance: no hit anywhere; no_prompt: no prompt to
+tokenize; error), ``mooncake_router_prompt_tokens``,
+``mooncake_router_expected_cached_tokens{source=engine|store}`` (compare with the
+connector's ``mooncake_connector_engine_hit_tokens`` and ``mooncake_connector_hit_tokens``,
+what the engines then reported), ``mooncake_router_event_batches``,
+``mooncake_router_event_gaps{outcome=replayed|lost}``, ``mooncake_router_index_blocks{replica}``,
+``mooncake_router_decision_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import random
+import socket
+import threading
+import time
+from typing import Any
+
+from mooncake_ray.integrations import _kv_index as kvi
+from mooncake_ray.kv import page_hashes
+
+log = logging.getLogger(__name__)
+
+ROUTER_CLASS = "mooncake_ray.integrations.kv_router:MooncakeKVRouter"
+KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
+END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
+
+
+# ----------------------------------------------------------------- records ----
+def record_key(replica_full_id: str, part: str) -> bytes:
+    """GCS key of a replica's record: ``events`` (written by the connector's Serve backend
+    before the engine starts) or ``store`` (by the connector, once it knows its key prefixes)."""
+    return f"router/{replica_full_id}/{part}".encode()
+
+
+def put_record(replica_full_id: str, part: str, value: dict) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(record_key(replica_full_id, part), json.dumps(value).encode(),
+                                 overwrite=True, namespace=KV_NAMESPACE)
+
+
+def get_record(replica_full_id: str, part: str) -> dict | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(record_key(replica_full_id, part), namespace=KV_NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+def uses_router(deployment_config: dict | None) -> bool:
+    """Whether an LLMConfig's ``deployment_config`` selects this router."""
+    rrc = (deployment_config or {}).get("request_router_config")
+    if rrc is None:
+        return False
+    cls = rrc.get("request_router_class") if isinstance(rrc, dict) else getattr(rrc, "request_router_class", None)
+    if isinstance(cls, str):
+        return cls.replace(":", ".") == ROUTER_CLASS.replace(":", ".")
+    return isinstance(cls, type) and issubclass(cls, MooncakeKVRouter)
+
+
+def events_config(node_ip: str) -> tuple[dict, dict]:
+    """(vLLM ``kv_events_config``, the record the router reads) on two free ports of this
+    node. vLLM binds its publisher only to a wildcard address (it connects out to any
+    other), so the live socket listens on every interface of the node, as vLLM's default
+    does; the replay socket binds the node's address."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind((node_ip, 0))
+            ports.append(s.getsockname()[1])
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[0]}",
+           "replay_endpoint": f"tcp://{node_ip}:{ports[1]}"}
+    return cfg, {"endpoint": f"tcp://{node_ip}:{ports[0]}", "replay_endpoint": cfg["replay_endpoint"]}
+
+
+# -------------------------------------------------------------------- feed ----
+class _Sub:
+    """One replica's event stream: SUB for live batches, DEALER for replays."""
+
+    def __init__(self, ctx, rid: str, rec: dict, index: kvi.ReplicaIndex, replay_timeout_s: float):
+        import zmq
+
+        self.rid, self.rec, self.index = rid, rec, index
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(rec["endpoint"])
+        self.dealer = None
+        self.replay_timeout_s = replay_timeout_s
+        self.replaying_until = 0.0
+        self.replay: list[tuple[int, bytes]] = []
+        self.live: list[tuple[int, bytes]] = []  # held while a replay runs
+        self.want_from = 0  # the first batch the running replay asked for
+        self.batches = 0
+
+    def close(self) -> None:
+        for s in (self.sub, self.dealer):
+            if s is not None:
+                s.close(linger=0)
+
+
+class EventFeed:
+    """A thread keeping a :class:`~mooncake_ray.integrations._kv_index.ReplicaIndex` per
+    replica from its engine's KV events. On connecting, and on a gap in the batch numbers,
+    it asks the engine's replay socket for the missing batches; when they cannot be had
+    (no answer in ``replay_timeout_s``, or the engine's replay buffer no longer holds them)
+    the index is reset and stale for ``stale_s``."""
+
+    def __init__(self, stale_s: float = 5.0, replay_timeout_s: float = 2.0, metrics=None):
+        self.stale_s, self.replay_timeout_s = stale_s, replay_timeout_s
+        self.indexes: dict[str, kvi.ReplicaIndex] = {}
+        self.lock = threading.Lock()  # guards every ReplicaIndex (the feed writes, routing reads)
+        self._cmds: queue.Queue = queue.Queue()
+        self._subs: dict[str, _Sub] = {}
+        self._metrics = metrics
+        self.gaps = {"replayed": 0, "lost": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mooncake-kv-events", daemon=True)
+        self._thread.start()
+
+    # commands (any thread)
+    def add(self, rid: str, rec: dict, block_size: int) -> None:
+        with self.lock:
+            self.indexes[rid] = kvi.ReplicaIndex(block_size, self.stale_s)
+        self._cmds.put(("add", rid, rec))
+
+    def remove(self, rid: str) -> None:
+        with self.lock:
+            self.indexes.pop(rid, None)
+        self._cmds.put(("remove", rid, None))
+
+    def disconnect(self, rid: str) -> None:
+        """Close ``rid``'s subscription (its index stays); :meth:`reconnect` opens it again.
+        What the engine publishes in between is lost to this feed, as when a link drops."""
+        self._cmds.put(("disconnect", rid, None))
+
+    def reconnect(self, rid: str) -> None:
+        self._cmds.put(("reconnect", rid, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def match(self, rid: str, hashes: list[str]) -> int:
+        with self.lock:
+            idx = self.indexes.get(rid)
+            return idx.match(hashes) if idx is not None else 0
+
+    # the thread
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context()
+        poller = zmq.Poller()
+        parked: dict[str, tuple[dict, kvi.ReplicaIndex]] = {}
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        op, rid, rec = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    old = self._subs.pop(rid, None)
+                    if old is not None:
+                        for s in (old.sub, old.dealer):
+                            if s is not None:
+                                poller.unregister(s)
+                        old.close()
+                    if op == "disconnect" and old is not None:
+                        parked[rid] = (old.rec, old.index)
+                        continue
+                    if op == "reconnect":
+                        if rid not in parked:
+                            continue
+                        rec, index = parked.pop(rid)
+                    elif op == "add":
+                        with self.lock:
+                            index = self.indexes.get(rid)
+                        if index is None:
+                            continue
+                    else:
+                        parked.pop(rid, None)
+                        continue
+                    try:
+                        sub = _Sub(ctx, rid, rec, index, self.replay_timeout_s)
+                    except zmq.ZMQError as e:
+                        log.warning("KV events of replica %s: cannot subscribe to %s: %s", rid, rec.get("endpoint"), e)
+                        continue
+                    self._subs[rid] = sub
+                    poller.register(sub.sub, zmq.POLLIN)
+                    # the engine published before we connected: ask for everything it keeps
+                    start = 0 if index.next_seq is None else index.next_seq
+                    self._ask_replay(ctx, poller, sub, start)
+                events = dict(poller.poll(50))
+                now = time.monotonic()
+                for sub in list(self._subs.values()):
+                    if sub.dealer is not None and sub.dealer in events:
+                        self._on_replay(sub)
+                    if sub.sub in events:
+                        while True:
+                            try:
+                                _topic, seq_b, payload = sub.sub.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            except ValueError:
+                                continue
+                            self._on_live(ctx, poller, sub, int.from_bytes(seq_b, "big"), payload)
+                    if sub.replaying_until and now > sub.replaying_until:
+                        self._end_replay(sub, poller, complete=False)
+        except Exception:  # noqa: BLE001 - the router degrades to load balancing
+            log.exception("KV event feed stopped; routing goes on without engine residency")
+            with self.lock:
+                for idx in self.indexes.values():
+                    idx.reset()
+        finally:
+            for sub in self._subs.values():
+                sub.close()
+            ctx.destroy(linger=0)
+
+    def _ask_replay(self, ctx, poller, sub: _Sub, start: int) -> None:
+        import zmq
+
+        rep = sub.rec.get("replay_endpoint")
+        if not rep:
+            if start > 0 or sub.index.next_seq is not None:
+                self._lost(sub)
+            return
+        if sub.dealer is None:
+            sub.dealer = ctx.socket(zmq.DEALER)
+            sub.dealer.setsockopt(zmq.LINGER, 0)
+            sub.dealer.connect(rep)
+            poller.register(sub.dealer, zmq.POLLIN)
+        sub.replay, sub.replaying_until, sub.want_from = [], time.monotonic() + self.replay_timeout_s, start
+        sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+
+    def _on_live(self, ctx, poller, sub: _Sub, seq: int, payload: bytes) -> None:
+        if sub.replaying_until:
+            sub.live.append((seq, payload))
+            return
+        if sub.index.gap(seq):
+            sub.live.append((seq, payload))
+            self._ask_replay(ctx, poller, sub, sub.index.next_seq)
+            if not sub.replaying_until:  # no replay socket
+                self._drain(sub)
+            return
+        self._apply(sub, seq, payload)
+
+    def _on_replay(self, sub: _Sub) -> None:
+        import zmq
+
+        while True:
+            try:
+                frames = sub.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 5:
+                frames = frames[1:]  # the empty delimiter
+            if len(frames) != 4:
+                continue
+            _topic, seq_b, payload = frames[1], frames[2], frames[3]
+            if seq_b == END_SEQ:
+                self._end_replay(sub, None, complete=True)
+                return
+            sub.replay.append((int.from_bytes(seq_b, "big"), payload))
+
+    def _end_replay(self, sub: _Sub, poller, complete: bool) -> None:
+        """The replay answered (``complete``) or timed out: apply what came, then the live
+        batches held meanwhile. Batches from ``want_from`` on that neither brought are lost."""
+        want, got = sub.want_from, sorted(sub.replay)
+        sub.replaying_until, sub.replay = 0.0, []
+        first = got[0][0] if got else (min(sub.live)[0] if sub.live else None)
+        if not complete or (first is not None and first > want):
+            self._lost(sub)
+        elif want > 0:
+            self._count_gap("replayed")
+        for seq, payload in got:
+            self._apply(sub, seq, payload)
+        self._drain(sub)
+
+    def _drain(self, sub: _Sub) -> None:
+        live, sub.live = sorted(sub.live), []
+        for seq, payload in live:
+            if sub.index.gap(seq):
+                self._lost(sub)
+                sub.index.next_seq = seq
+            self._apply(sub, seq, payload)
+
+    def _lost(self, sub: _Sub) -> None:
+        with self.lock:
+            sub.index.reset(None)
+        self._count_gap("lost")
+        log.warning("KV events of replica %s lost and not replayable: its index restarts empty", sub.rid)
+
+    def _count_gap(self, outcome: str) -> None:
+        self.gaps[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.gap(outcome)
+
+    def _apply(self, sub: _Sub, seq: int, payload: bytes) -> None:
+        try:
+            _ts, events = kvi.decode_batch(payload)
+        except ValueError as e:
+            log.warning("replica %s: %s", sub.rid, e)
+            return
+        with self.lock:
+            if sub.index.next_seq is None:
+                sub.index.next_seq = seq
+            sub.index.apply_batch(seq, events)
+        sub.batches += 1
+        if self._metrics is not None:
+            self._metrics.batch(sub.rid, sub.index.blocks)
+
+
+# ----------------------------------------------------------------- metrics ----
+class _Metrics:
+    def __init__(self):
+        from ray.util import metrics
+
+        self.decisions = metrics.Counter("mooncake_router_decisions", "Routing decisions by reason",
+                                         tag_keys=("reason",))
+        self.prompt = metrics.Counter("mooncake_router_prompt_tokens", "Prompt tokens routed")
+        self.expected = metrics.Counter("mooncake_router_expected_cached_tokens",
+                                        "Prompt tokens the router expected the chosen replica not to compute",
+                                        tag_keys=("source",))
+        self.batches = metrics.Counter("mooncake_router_event_batches", "KV event batches applied")
+        self.gaps = metrics.Counter("mooncake_router_event_gaps", "Gaps in KV event streams",
+                                    tag_keys=("outcome",))
+        self.blocks = metrics.Gauge("mooncake_router_index_blocks", "Blocks indexed per replica",
+                                    tag_keys=("replica",))
+        self.seconds = metrics.Histogram("mooncake_router_decision_seconds",
+                                         "Time to choose a replica (tokenize, hash, store lookup, cost)",
+                                         boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0])
+        self._last_gauge = 0.0
+
+    def decided(self, reason: str, prompt: int, engine: int, store: int, seconds: float) -> None:
+        self.decisions.inc(1, tags={"reason": reason})
+        if prompt:
+            self.prompt.inc(prompt)
+        if engine:
+            self.expected.inc(engine, tags={"source": "engine"})
+        if store:
+            self.expected.inc(store, tags={"source": "store"})
+        self.seconds.observe(seconds)
+
+    def batch(self, rid: str, blocks: int) -> None:
+        self.batches.inc(1)
+        now = time.monotonic()
+        if now - self._last_gauge > 1.0:
+            self._last_gauge = now
+            self.blocks.set(blocks, tags={"replica": rid})
+
+    def gap(self, outcome: str) -> None:
+        self.gaps.inc(1, tags={"outcome": outcome})
+
+
+# --------------------------------------------------------------- tokenizer ----
+def prompt_text_or_ids(args: list) -> tuple[str, Any] | None:
+    """("prompt", str | list[int]) or ("messages", list) from a Serve LLM request's args."""
+    for a in args or ():
+        for name in ("prompt", "messages"):
+            v = a.get(name) if isinstance(a, dict) else getattr(a, name, None)
+            if v is not None:
+                return name, v
+    return None
+
+
+class Tokenizer:
+    """The model's tokenizer, as vLLM applies it: completions with special tokens, chat
+    rendered by the chat template (the deployment's, else the tokenizer's) without."""
+
+    def __init__(self, source: str, chat_template: str | None = None):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(source)
+        self.chat_template = chat_template
+
+    def __call__(self, kind: str, value: Any) -> list[int] | None:
+        if kind == "prompt":
+            if isinstance(value, list):
+                if value and all(isinstance(t, int) for t in value):
+                    return value
+                if len(value) == 1 and isinstance(value[0], str):
+                    value = value[0]
+                else:
+                    return None  # a batch of prompts: no single prefix to route on
+            if not isinstance(value, str):
+                return None
+            return self.tok(value, add_special_tokens=True)["input_ids"]
+        msgs = []
+        for m in value:
+            m = m if isinstance(m, dict) else (m.model_dump() if hasattr(m, "model_dump") else dict(m))
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+            msgs.append({"role": m.get("role", "user"), "content": c or ""})
+        text = self.tok.apply_chat_template(msgs, chat_template=self.chat_template, tokenize=False,
+                                            add_generation_prompt=True)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------ router ----
+def _router_base():
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    return RequestRouter
+
+
+class MooncakeKVRouter(_router_base()):
+    """Ray Serve ``RequestRouter`` choosing the replica of least prefill cost given its
+    engine cache (KV events) and the shared store (see the module docstring)."""
+
+    def initialize_state(self, load_cost: float = 0.1, request_cost: float = 64.0, stale_s: float = 5.0,
+                         lookup_timeout_s: float = 0.5, tokenizer: str | None = None, **_unknown):
+        if _unknown:
+            raise ValueError(f"MooncakeKVRouter: unknown request_router_kwargs {sorted(_unknown)}; allowed: "
+                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer")
+        self._model = kvi.CostModel(load_cost=load_cost, request_cost=request_cost)
+        self._lookup_timeout_s = lookup_timeout_s
+        self._tokenizer_source = tokenizer
+        self._tok: Tokenizer | None = None
+        self._tok_loading = False
+        try:
+            self._metrics = _Metrics()
+        except Exception as e:  # noqa: BLE001 - outside a Ray worker (unit use)
+            log.debug("router metrics off: %s", e)
+            self._metrics = None
+        self._feed = EventFeed(stale_s=stale_s, metrics=self._metrics)
+        self._records: dict[str, dict] = {}  # replica full id -> its events + store records
+        self._missing: set[str] = set()  # replicas whose records are not there yet
+        self._block_size: int | None = None
+        self._store: dict | None = None  # {"namespace", "prefixes"}
+        self._client = None
+        self._load: dict[str, kvi.Load] = {}
+        self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
+        self._pending: dict[str, tuple[kvi.Decision, float]] = {}  # internal request id -> decision
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ replicas ----
+    def update_replicas(self, replicas):
+        old = set(self._records) | self._missing
+        super().update_replicas(replicas)
+        new = {r.replica_id.to_full_id_str() for r in replicas}
+        for rid in old - new:
+            self._forget(rid)
+        for rid in new - old:
+            self._missing.add(rid)
+        self._find_records()
+
+    def on_replica_actor_died(self, replica_id):
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.to_full_id_str())
+
+    def _forget(self, rid: str) -> None:
+        self._records.pop(rid, None)
+        self._missing.discard(rid)
+        self._load.pop(rid, None)
+        self._feed.remove(rid)
+
+    def _find_records(self) -> None:
+        """Read the records of replicas that have none yet (cheap GCS reads; retried at
+        each routing until found)."""
+        for rid in list(self._missing):
+            try:
+                ev, st = get_record(rid, "events"), get_record(rid, "store")
+            except Exception as e:  # noqa: BLE001
+                self._warn_once("gcs", "cannot read replica records from the GCS: %s", e)
+                return
+            if ev is None or st is None:
+                continue
+            self._missing.discard(rid)
+            self._records[rid] = {**ev, **st}
+            bs = int(st["block_size"])
+            if self._block_size is None:
+                self._block_size = bs
+            elif bs != self._block_size:
+                self._warn_once(f"bs{rid}", "replica %s has block size %d, others %d: it is routed by load",
+                                rid, bs, self._block_size)
+                continue
+            if self._store is None:
+                self._store = {"namespace": st["namespace"], "prefixes": list(st["prefixes"])}
+            self._feed.add(rid, ev, bs)
+            if self._tok is None and not self._tok_loading:
+                self._load_tokenizer(self._tokenizer_source or ev.get("model_source"), ev.get("chat_template"))
+
+    def _load_tokenizer(self, source: str | None, chat_template: str | None) -> None:
+        if not source:
+            self._warn_once("tok", "no tokenizer source: routing by load only (set request_router_kwargs.tokenizer)")
+            return
+        self._tok_loading = True
+
+        def load():
+            try:
+                self._tok = Tokenizer(source, chat_template)
+            except Exception as e:  # noqa: BLE001
+                self._warn_once("tok", "cannot load tokenizer %r (%s): routing by load only", source, e)
+
+        threading.Thread(target=load, name="mooncake-router-tokenizer", daemon=True).start()
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("MooncakeKVRouter: " + msg, *args)
+
+    # ------------------------------------------------------------- routing ----
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        t0 = time.perf_counter()
+        try:
+            dec = await self._decide(candidate_replicas, pending_request)
+        except Exception as e:  # noqa: BLE001 - never fail a request for want of a signal
+            self._warn_once(f"err{type(e).__name__}", "routing by load after an error: %r", e)
+            dec = self._by_load(candidate_replicas, "error")
+        if pending_request is not None:
+            self._pending[pending_request.metadata.internal_request_id] = (dec, time.perf_counter() - t0)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        return [[by_id[o.key]] for o in dec.ranked if o.key in by_id]
+
+    def _by_load(self, candidates, reason: str) -> kvi.Decision:
+        zero = {r.replica_id.to_full_id_str(): 0 for r in candidates}
+        dec = kvi.choose(0, 1, zero, None, self._loads(candidates), self._model, self._ties(candidates))
+        dec.reason = reason
+        return dec
+
+    def _ties(self, candidates) -> dict:
+        return {r.replica_id.to_full_id_str(): random.random() for r in candidates}
+
+    def _loads(self, candidates) -> dict:
+        out = {}
+        cache = self._replica_queue_len_cache
+        for r in candidates:
+            rid = r.replica_id.to_full_id_str()
+            mine = self._load.get(rid) or kvi.Load()
+            q = cache.get(r.replica_id) if cache is not None else None
+            out[rid] = kvi.Load(mine.tokens, max(mine.requests, q or 0))
+        return out
+
+    async def _decide(self, candidates, pending_request) -> kvi.Decision:
+        if self._missing:
+            self._find_records()
+        got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
+        if got is None or self._tok is None or self._block_size is None:
+            return self._by_load(candidates, "no_prompt")
+        tokens = self._tok(*got)
+        if not tokens:
+            return self._by_load(candidates, "no_prompt")
+        bs = self._block_size
+        hashes = page_hashes(tokens, bs)
+        engine = {}
+        for r in candidates:
+            rid = r.replica_id.to_full_id_str()
+            engine[rid] = self._feed.match(rid, hashes) if rid in self._records else 0
+        present = await self._lookup(hashes, min(engine.values()) if engine else 0)
+        return kvi.choose(len(tokens), bs, engine, present, self._loads(candidates), self._model,
+                          self._ties(candidates))
+
+    async def _lookup(self, hashes: list[str], skip: int) -> list[bool] | None:
+        """Which of the prompt's blocks the store holds (every rank's value of a block), in
+        one batched call; blocks every candidate holds already are not asked (False)."""
+        if self._store is None or len(hashes) <= skip:
+            return None
+        prefixes = self._store["prefixes"]
+        ask = [p + h for h in hashes[skip:] for p in prefixes]
+        try:
+            client = await self._store_client()
+            found = await asyncio.wait_for(client.batch_exists_async(ask), self._lookup_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a store that does not answer is no store
+            self._warn_once("lookup", "store lookup failed (%r): routing without the store this time", e)
+            return None
+        n = len(prefixes)
+        return [False] * skip + [all(found[i * n:(i + 1) * n]) for i in range(len(hashes) - skip)]
+
+    async def _store_client(self):
+        if self._client is None:
+            from mooncake_ray.integrations import _store
+
+            ns = self._store["namespace"]
+            self._client = await asyncio.to_thread(
+                _store.store_client, namespace=ns, ray_address=None, store_wait_s=2.0,
+                connect_timeout_s=5.0, who="MooncakeKVRouter")
+        return self._client
+
+    # -------------------------------------------------------- bookkeeping ----
+    def on_request_routed(self, pending_request, replica_id, result):
+        rid = replica_id.to_full_id_str()
+        key = pending_request.metadata.internal_request_id
+        dec, seconds = self._pending.pop(key, (None, 0.0))
+        if dec is None:
+            return
+        opt = next((o for o in dec.ranked if o.key == rid), None)
+        reason = dec.reason if opt is dec.best else "load"
+        compute = dec.prompt_tokens - (opt.hit_tokens if opt else 0)
+        ld = self._load.setdefault(rid, kvi.Load())
+        ld.tokens += compute
+        ld.requests += 1
+        self._inflight[key] = (rid, compute)
+        if self._metrics is not None and opt is not None:
+            engine = min(opt.engine_blocks * (self._block_size or 0), opt.hit_tokens)
+            self._metrics.decided(reason, dec.prompt_tokens, engine, opt.hit_tokens - engine, seconds)
+        elif self._metrics is not None:
+            self._metrics.decided(reason, dec.prompt_tokens, 0, 0, seconds)
+
+    def on_request_completed(self, replica_id, internal_request_id):
+        got = self._inflight.pop(internal_request_id, None)
+        self._pending.pop(internal_request_id, None)
+        if got is None:
+            return
+        rid, compute = got
+        ld = self._load.get(rid)
+        if ld is not None:
+            ld.tokens = max(ld.tokens - compute, 0)
+            ld.requests = max(ld.requests - 1, 0)

@@ -1,0 +1,118 @@
+"""The router's event feed against vLLM's own ZMQ publisher (``ZmqEventPublisher``: PUB
+for live batches, ROUTER for replays), on loopback: batches published before the feed
+connects are replayed, and so are those missed while disconnected, on reconnecting;
+batches the publisher no longer keeps leave the index reset and stale."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mooncake_ray.integrations.kv_router import EventFeed, events_config
+from mooncake_ray.kv import page_hashes
+from tests.unit.test_kv_index import BS, stored
+
+ev = pytest.importorskip("vllm.distributed.kv_events")
+pytestmark = pytest.mark.timeout(60)
+
+TOK = list(range(200, 200 + 10 * BS))
+H = page_hashes(TOK, BS)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """A publisher as a vLLM engine runs it; ``block(i)`` publishes block i of TOK."""
+
+    def __init__(self, buffer_steps: int = 10_000):
+        cfg, self.rec = events_config("127.0.0.1")  # as the Serve backend configures an engine
+        self.pub = ev.ZmqEventPublisher(0, endpoint=cfg["endpoint"],
+                                        replay_endpoint=self.rec["replay_endpoint"], buffer_steps=buffer_steps)
+
+    def block(self, i: int) -> None:
+        parent = None if i == 0 else i - 1
+        self.pub.publish(ev.KVEventBatch(ts=time.time(), events=[stored([i], parent, TOK[i * BS:(i + 1) * BS])]))
+
+    def close(self):
+        self.pub.shutdown()
+
+
+def wait_for(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.fixture
+def feed():
+    f = EventFeed(stale_s=2.0, replay_timeout_s=1.0)
+    yield f
+    f.close()
+
+
+def test_batches_before_connecting_and_while_disconnected_are_replayed(feed):
+    eng = Engine()
+    try:
+        for i in range(3):
+            eng.block(i)  # before the feed exists: only a replay can bring them
+        time.sleep(0.2)
+        feed.add("r1", eng.rec, BS)
+        assert wait_for(lambda: feed.match("r1", H) == 3)
+        eng.block(3)
+        assert wait_for(lambda: feed.match("r1", H) == 4)
+        feed.disconnect("r1")
+        time.sleep(0.2)
+        for i in (4, 5, 6):
+            eng.block(i)  # published while nobody listens: lost to the feed
+        time.sleep(0.2)
+        feed.reconnect("r1")  # asks for everything after the last batch it applied
+        assert wait_for(lambda: feed.match("r1", H) == 7), feed.match("r1", H)
+        assert feed.gaps == {"replayed": 1, "lost": 0}
+        eng.block(7)
+        assert wait_for(lambda: feed.match("r1", H) == 8)
+    finally:
+        eng.close()
+
+
+def test_batches_the_engine_no_longer_keeps_reset_the_index_to_stale(feed):
+    eng = Engine(buffer_steps=2)
+    try:
+        feed.add("r1", eng.rec, BS)
+        time.sleep(0.5)
+        eng.block(0)
+        assert wait_for(lambda: feed.match("r1", H) == 1)
+        feed.disconnect("r1")
+        time.sleep(0.2)
+        for i in range(1, 6):
+            eng.block(i)  # 5 batches, the publisher keeps 2
+        time.sleep(0.2)
+        feed.reconnect("r1")
+        time.sleep(0.3)
+        eng.block(6)
+        assert wait_for(lambda: feed.gaps["lost"] == 1)
+        assert feed.match("r1", H) == 0  # reset, and stale: counts as holding nothing
+        assert wait_for(lambda: feed.match("r1", H) == 0 and not feed.indexes["r1"].stale, 5)
+        # it rebuilt from what came after the loss: blocks 5 and 6, whose chain from
+        # block 0 it cannot know, so the prompt's prefix still matches nothing
+        assert feed.indexes["r1"].blocks == 0 and feed.indexes["r1"].unnamed >= 1
+    finally:
+        eng.close()
+
+
+def test_an_engine_that_is_not_there_only_empties_its_index(feed):
+    rec = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    feed.add("gone", rec, BS)
+    assert wait_for(lambda: feed.gaps["lost"] == 1)  # the replay never answered
+    assert feed.match("gone", H) == 0
+    feed.remove("gone")
+    assert "gone" not in feed.indexes and feed.match("gone", H) == 0
