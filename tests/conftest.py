@@ -4,6 +4,7 @@ other's keys or actors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -103,13 +104,21 @@ def _free_port() -> int:
 @pytest.fixture
 def prometheus(ray_cluster, tmp_path):
     """A real Prometheus scraping every Ray node's metrics endpoint; yields its URL."""
-    import httpx
     import ray
+
+    with running_prometheus([f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
+                             if n["Alive"]], tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_prometheus(targets: list[str], tmp_path):
+    """A real Prometheus scraping ``targets`` (``host:port``) every second; yields its URL."""
+    import httpx
 
     exe = shutil.which("prometheus")
     if exe is None:
         pytest.fail("prometheus is not installed (make test installs Debian's prometheus)")
-    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(json.dumps({  # YAML is a superset of JSON
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

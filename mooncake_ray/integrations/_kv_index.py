@@ -270,7 +270,8 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
         load: replica -> :class:`Load` (missing: idle).
         tie: replica -> a number breaking equal costs (e.g. random), lower first.
     """
-    limit = max(prompt_tokens - 1, 0)  # the engine computes at least the last token
+    # the engine computes at least the last token, and reuses whole blocks only
+    limit = max(prompt_tokens - 1, 0) // block_size * block_size
     opts = []
     for r, e in engine_blocks.items():
         e = e if e >= model.min_hit_blocks else 0

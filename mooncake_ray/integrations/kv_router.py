@@ -86,6 +86,20 @@ def get_record(replica_full_id: str, part: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+def list_records() -> dict[str, dict]:
+    """Every replica's records (``events`` and ``store`` merged), by replica id; for tools
+    and tests that watch the engines as the router does."""
+    from ray.experimental import internal_kv
+
+    out: dict[str, dict] = {}
+    for key in internal_kv._internal_kv_list(b"router/", namespace=KV_NAMESPACE):
+        rid, part = key.decode().removeprefix("router/").rsplit("/", 1)
+        rec = get_record(rid, part)
+        if rec is not None:
+            out.setdefault(rid, {}).update(rec)
+    return out
+
+
 def uses_router(deployment_config: dict | None) -> bool:
     """Whether an LLMConfig's ``deployment_config`` selects this router."""
     rrc = (deployment_config or {}).get("request_router_config")

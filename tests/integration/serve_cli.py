@@ -76,11 +76,12 @@ class RayHead:
         self.env["RAY_AUTH_TOKEN_PATH"] = token
         self.env.pop("RAY_AUTH_TOKEN", None)
         self.log_path = os.path.join(tmp_dir, "ray-head.log")
+        self.metrics_port = free_port()  # Ray's metrics agent: Prometheus text at /metrics
         self._log = open(self.log_path, "w")
         cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={num_cpus}",
                "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
                f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+               f"--metrics-export-port={self.metrics_port}", f"--runtime-env-agent-port={free_port()}"]
         if resources:
             cmd.append(f"--resources={resources}")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,

@@ -118,10 +118,10 @@ def test_holder_with_too_much_work_loses_to_an_idle_replica():
     assert d.best.key == "a" and d.reason == "load"
 
 
-def test_store_run_continues_after_the_engine_prefix_and_the_last_token_is_computed():
+def test_store_run_continues_after_the_engine_prefix_and_the_last_block_is_computed():
     present = [False, False, True, True]  # the store holds blocks 2-3 only: no use to anyone from block 0
     d = kvi.choose(400, 100, {"a": 2, "b": 0}, present, {}, M)
-    assert d.best.key == "a" and d.best.hit_tokens == 399 and d.best.engine_blocks == 2
+    assert d.best.key == "a" and d.best.hit_tokens == 300 and d.best.engine_blocks == 2
     assert [o.key for o in d.ranked] == ["a", "b"] and d.ranked[1].hit_tokens == 0
 
 
