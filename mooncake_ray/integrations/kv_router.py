@@ -565,6 +565,8 @@ class MooncakeKVRouter(_router_base()):
             self._warn_once(f"err{type(e).__name__}", "routing by load after an error: %r", e)
             dec = self._by_load(candidate_replicas, "error")
         if pending_request is not None:
+            if len(self._pending) >= 10_000:  # requests cancelled before they were routed
+                self._pending.pop(next(iter(self._pending)))
             self._pending[pending_request.metadata.internal_request_id] = (dec, time.perf_counter() - t0)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         return [[by_id[o.key]] for o in dec.ranked if o.key in by_id]

@@ -33,6 +33,10 @@ replica before the engine starts):
   it the connector connects to a store already running in its namespace
   (``mooncake-ray start`` or ``mooncake_ray.start(config)``).
 
+- when the deployment routes with ``MooncakeKVRouter`` (``request_router_config``), the
+  engine publishes its KV events on two free ports of the node and the replica records
+  them in the GCS for the router (:mod:`mooncake_ray.integrations.kv_router`).
+
 Ray resolves a connector's backend by the ``kv_connector`` name through a registry kept in
 the cluster's GCS; :func:`register` puts ours there (the builders call it).
 """
