@@ -143,7 +143,7 @@ class ClientMetrics:
                 lat.append(seconds)
             self._ops[op] = self._ops.get(op, 0) + keys
             if nbytes:
-                self._bytes["write" if op.startswith("put") else "read"] += nbytes
+                self._bytes["write" if op in ("put", "batch_put") else "read"] += nbytes
 
     def flush(self) -> None:
         with self._lock:
