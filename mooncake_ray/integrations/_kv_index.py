@@ -229,7 +229,7 @@ class Option:
 class CostModel:
     """Weights of :func:`choose`, in prompt-token equivalents."""
 
-    load_cost: float = 0.1  # loading a token from the store / computing one
+    load_cost: float = 0.4  # loading a token from the store / computing one (measured, docs/performance.md)
     request_cost: float = 64.0  # per request in flight (its decode steps, scheduling)
     min_hit_blocks: int = 1  # a replica's hit shorter than this counts as none
 

@@ -27,8 +27,8 @@ Nothing here fails a request: no tokenizer, no events, events lost and not repla
 store that does not answer -- each only takes that signal out of the cost, down to plain
 load balancing. A replica that dies leaves the index.
 
-Router options (``request_router_kwargs``): ``load_cost`` (default 0.1; see
-docs/performance.md for how it was measured), ``request_cost`` (64), ``stale_s`` (5.0:
+Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
+docs/performance.md), ``request_cost`` (64), ``stale_s`` (5.0:
 how long an index whose events were lost counts as empty), ``lookup_timeout_s`` (0.5),
 ``tokenizer`` (a path or model id, when the model source is not one).
 
@@ -462,7 +462,7 @@ class MooncakeKVRouter(_router_base()):
     """Ray Serve ``RequestRouter`` choosing the replica of least prefill cost given its
     engine cache (KV events) and the shared store (see the module docstring)."""
 
-    def initialize_state(self, load_cost: float = 0.1, request_cost: float = 64.0, stale_s: float = 5.0,
+    def initialize_state(self, load_cost: float = 0.4, request_cost: float = 64.0, stale_s: float = 5.0,
                          lookup_timeout_s: float = 0.5, tokenizer: str | None = None, **_unknown):
         if _unknown:
             raise ValueError(f"MooncakeKVRouter: unknown request_router_kwargs {sorted(_unknown)}; allowed: "
