@@ -480,6 +480,7 @@ class MooncakeKVRouter(_router_base()):
         self._feed = EventFeed(stale_s=stale_s, metrics=self._metrics)
         self._records: dict[str, dict] = {}  # replica full id -> its events + store records
         self._missing: set[str] = set()  # replicas whose records are not there yet
+        self._looked_at = 0.0  # when the routing path last read the GCS for them (at most once a second)
         self._block_size: int | None = None
         self._store: dict | None = None  # {"namespace", "prefixes"}
         self._client = None
@@ -510,8 +511,8 @@ class MooncakeKVRouter(_router_base()):
         self._feed.remove(rid)
 
     def _find_records(self) -> None:
-        """Read the records of replicas that have none yet (cheap GCS reads; retried at
-        each routing until found)."""
+        """Read the records of replicas that have none yet (two GCS reads each; retried on
+        replica updates and, at most once a second, from the routing path until found)."""
         for rid in list(self._missing):
             try:
                 ev, st = get_record(rid, "events"), get_record(rid, "store")
@@ -591,7 +592,8 @@ class MooncakeKVRouter(_router_base()):
         return out
 
     async def _decide(self, candidates, pending_request) -> kvi.Decision:
-        if self._missing:
+        if self._missing and time.monotonic() - self._looked_at > 1.0:
+            self._looked_at = time.monotonic()
             self._find_records()
         got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
         if got is None or self._tok is None or self._block_size is None:
