@@ -144,7 +144,6 @@ class _Sub:
         self.replay: list[tuple[int, bytes]] = []
         self.live: list[tuple[int, bytes]] = []  # held while a replay runs
         self.want_from = 0  # the first batch the running replay asked for
-        self.batches = 0
 
     def close(self) -> None:
         for s in (self.sub, self.dealer):
@@ -259,7 +258,7 @@ class EventFeed:
                                 continue
                             self._on_live(ctx, poller, sub, int.from_bytes(seq_b, "big"), payload)
                     if sub.replaying_until and now > sub.replaying_until:
-                        self._end_replay(sub, poller, complete=False)
+                        self._end_replay(sub, complete=False)
         except Exception:  # noqa: BLE001 - the router degrades to load balancing
             log.exception("KV event feed stopped; routing goes on without engine residency")
             with self.lock:
@@ -312,11 +311,11 @@ class EventFeed:
                 continue
             _topic, seq_b, payload = frames[1], frames[2], frames[3]
             if seq_b == END_SEQ:
-                self._end_replay(sub, None, complete=True)
+                self._end_replay(sub, complete=True)
                 return
             sub.replay.append((int.from_bytes(seq_b, "big"), payload))
 
-    def _end_replay(self, sub: _Sub, poller, complete: bool) -> None:
+    def _end_replay(self, sub: _Sub, complete: bool) -> None:
         """The replay answered (``complete``) or timed out: apply what came, then the live
         batches held meanwhile. Batches from ``want_from`` on that neither brought are lost."""
         want, got = sub.want_from, sorted(sub.replay)
@@ -359,7 +358,6 @@ class EventFeed:
             if sub.index.next_seq is None:
                 sub.index.next_seq = seq
             sub.index.apply_batch(seq, events)
-        sub.batches += 1
         if self._metrics is not None:
             self._metrics.batch(sub.rid, sub.index.blocks)
 

@@ -11,6 +11,7 @@ import pytest
 
 from mooncake_ray.integrations.kv_router import EventFeed, events_config
 from mooncake_ray.kv import page_hashes
+from tests.integration.serve_cli import free_port
 from tests.unit.test_kv_index import BS, stored
 
 ev = pytest.importorskip("vllm.distributed.kv_events")
@@ -18,14 +19,6 @@ pytestmark = pytest.mark.timeout(60)
 
 TOK = list(range(200, 200 + 10 * BS))
 H = page_hashes(TOK, BS)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:
