@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 import click
 
@@ -37,6 +38,11 @@ def format_status(stats: dict) -> str:
              f"Evictions: {stats.get('evictions', 0)} Offloads: {stats.get('offloads', 0)} "
              f"Promotions: {stats.get('promotions', 0)}"
              + (" | RECOVERING" if stats.get("recovering") else "")]
+    lines.append(f"Membership: joins {stats.get('joins', 0)} | drains {stats.get('drains', 0)}: "
+                 f"{stats.get('drain_moved_keys', 0)} keys ({_human(stats.get('drain_moved_bytes', 0))}) moved, "
+                 f"{stats.get('drain_lost_keys', 0)} keys ({_human(stats.get('drain_lost_bytes', 0))}) lost | "
+                 f"restarts re-adopted {stats.get('readoptions', 0)}: {stats.get('readopted_keys', 0)} keys kept, "
+                 f"{stats.get('readopt_dropped_keys', 0)} failed their checksum")
     shards = stats.get("shards")
     if isinstance(shards, list):
         down = [i for i, p in enumerate(shards) if "error" in p]
@@ -52,12 +58,23 @@ def format_status(stats: dict) -> str:
             if tier == "disk" and not t["capacity"]:
                 continue
             pct = 100.0 * t["used"] / t["capacity"] if t["capacity"] else 0.0
-            state = "suspect" if node.get("suspect") else "ok"
+            state = "draining" if node.get("draining") else "suspect" if node.get("suspect") else "ok"
             if tier == "disk" and t.get("degraded"):
                 state = f"DEGRADED: {t['degraded']}"
             mem = ",".join(node.get("memory_types", ["host"])) if tier == "dram" else ""
             lines.append(f"{node_id[:14]:<14} {tier:<5} {_human(t['used']):>11} {_human(t['capacity']):>11} "
                          f"{pct:>5.1f}% {t.get('keys', 0):>8}  {mem:<10} {state}")
+    for ev in stats.get("events", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
+        node = str(ev.get("node_id", ""))[:14]
+        if ev["event"] == "drained":
+            what = (f"drained: {ev['moved_keys']} keys ({_human(ev['moved_bytes'])}) moved, "
+                    f"{ev['lost_keys']} keys ({_human(ev['lost_bytes'])}) lost")
+        elif ev["event"] == "readopted":
+            what = f"restarted, re-adopted its arena: {ev['keys']} keys kept, {ev['dropped']} failed their checksum"
+        else:
+            what = ev["event"]
+        lines.append(f"{when} {node:<14} {what}")
     return "\n".join(lines)
 
 

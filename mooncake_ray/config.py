@@ -188,6 +188,31 @@ class SpillConfig(_Model):
         return self
 
 
+class ElasticConfig(_Model):
+    """How the store follows the Ray cluster's size (``docs/elastic.md``)."""
+
+    join: bool = True
+    """A Ray node that joins the running cluster (with ``store_resource``, or any node when
+    no node offers it) gets a store node within ``poll_s``."""
+    poll_s: float = Field(2.0, gt=0, le=60)
+    """How often the master looks for joined nodes, and a store node for its Ray node's drain."""
+    drain: bool = True
+    """When Ray drains a node (``ray drain-node``, autoscaler idle termination, a preemption
+    notice), its store node takes no new values, moves its most recently used keys to the
+    other nodes before the drain's deadline, then unmounts."""
+    drain_batch_bytes: Size = 64 << 20
+    """Bytes moved per batch of a drain (one master call and one transfer per batch)."""
+    drain_no_deadline_s: float = Field(300.0, gt=0)
+    """How long a drain without a deadline may take."""
+    drain_margin_s: float = Field(1.0, ge=0)
+    """A drain stops this long before its deadline, to unmount in time."""
+    keep_arena: bool = True
+    """The arena lives in named shared memory (``arena_dir``) that outlives the store node's
+    process: a store node restarted on the same host re-adopts it, and its keys stay
+    readable (each checked against the master's generation and a checksum)."""
+    arena_dir: str = "/dev/shm"
+
+
 class MasterConfig(_Model):
     """Metadata service: leases, pins, eviction, liveness, allocation."""
 
@@ -287,6 +312,7 @@ class StoreConfig(_Model):
     transport: TransportConfig = Field(default_factory=TransportConfig)
     spill: SpillConfig = Field(default_factory=SpillConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="after")
     def _arena_fits(self) -> "StoreConfig":

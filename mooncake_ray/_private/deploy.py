@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import ConfigError, MasterUnavailableError, NodeUnavailableError
-from mooncake_ray._private import auth, preflight
+from mooncake_ray._private import auth, elastic, preflight
 from mooncake_ray._private.master.actor import master_actor_class
 from mooncake_ray._private.rayjoin import join
 from mooncake_ray._private.naming import MASTER_NAME, is_master_name, master_name, store_actor_name
@@ -35,8 +35,13 @@ def ensure_ray(cfg: StoreConfig) -> None:
 
 
 def store_nodes(cfg: StoreConfig) -> list[dict]:
-    """Ray nodes that get a store node: those with the store resource, else all alive."""
-    alive = [n for n in ray.nodes() if n.get("Alive")]
+    """Ray nodes that get a store node: those with the store resource, else all alive;
+    never one Ray is draining (it is leaving)."""
+    try:
+        leaving = elastic.draining_nodes()
+    except Exception:  # noqa: BLE001 - an older GCS: no drains known
+        leaving = {}
+    alive = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in leaving]
     offering = [n for n in alive if n.get("Resources", {}).get(cfg.store_resource, 0) > 0]
     return offering or alive
 
@@ -68,20 +73,12 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
     if cfg.transport.auth:
         auth.ensure_secret(cfg.namespace)  # before any member's engine is made
     preflight.check_nodes(cfg, [n for n in nodes if not _exists(store_actor_name(n["NodeID"]), cfg.namespace)])
-    opts = dict(namespace=cfg.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-                max_restarts=-1, max_task_retries=-1)
     head = ray.get_runtime_context().get_node_id()
     masters = [master_actor_class().options(
         name=master_name(shard), max_concurrency=4,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **opts,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True), **_OPTS, namespace=cfg.namespace,
     ).remote(cfg.model_dump(), shard) for shard in range(cfg.master.shards)]
-    actors = []
-    for n in nodes:
-        node_id = n["NodeID"]
-        actors.append(ray.remote(StoreNodeActor).options(
-            name=store_actor_name(node_id), max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **opts,
-        ).remote(cfg.model_dump(), node_id))
+    actors = [spawn_store_node(cfg, n["NodeID"]) for n in nodes]
     deadline = time.monotonic() + timeout_s
     ray.get([m.ping.remote() for m in masters], timeout=timeout_s)
     for n, a in zip(nodes, actors):
@@ -94,6 +91,41 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         if not mounted:
             raise NodeUnavailableError(f"a store node did not mount within {timeout_s:.0f}s")
     return masters, actors
+
+
+_OPTS = dict(lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1, max_task_retries=-1)
+
+
+def spawn_store_node(cfg: StoreConfig, node_id: str):
+    """The store node of Ray node ``node_id`` (created, or the running one): a detached
+    actor pinned to that node, restarted there by Ray if its process dies."""
+    return ray.remote(StoreNodeActor).options(
+        name=store_actor_name(node_id), max_concurrency=4, namespace=cfg.namespace,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **_OPTS,
+    ).remote(cfg.model_dump(), node_id)
+
+
+def join_new_nodes(cfg: StoreConfig, skip: dict[str, float]) -> list[str]:
+    """Give a store node to every Ray node that should have one and has none (a node that
+    joined the running cluster). ``skip``: node id -> monotonic time before which a node
+    whose probe failed is not probed again (updated here). Returns the Ray node ids that
+    got one. Called by master shard 0 every ``elastic.poll_s``."""
+    have = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == cfg.namespace}
+    now = time.monotonic()
+    new = [n for n in store_nodes(cfg)
+           if store_actor_name(n["NodeID"]) not in have and skip.get(n["NodeID"], 0.0) <= now]
+    made = []
+    for n in new:
+        try:
+            preflight.check_nodes(cfg, [n])
+        except (ConfigError, NodeUnavailableError) as e:
+            skip[n["NodeID"]] = now + 60.0
+            log.warning("Ray node %s joined but gets no store node: %s", n["NodeID"][:12], e)
+            continue
+        spawn_store_node(cfg, n["NodeID"])
+        made.append(n["NodeID"])
+        log.info("Ray node %s joined: store node started", n["NodeID"][:12])
+    return made
 
 
 def _check_shards(cfg: StoreConfig) -> None:
@@ -129,7 +161,8 @@ def find_master(namespace: str, shard: int = 0):
 
 
 def store_stats(namespace: str, timeout_s: float = 30.0) -> dict:
-    """The store's statistics, summed over its master shards (``shards.merge_stats``).
+    """The store's statistics, summed over its master shards (``shards.merge_stats``),
+    and its recent membership events (``events``: joins, drains, re-adoptions).
 
     Raises:
         MasterUnavailableError: no store in ``namespace``.
@@ -139,8 +172,10 @@ def store_stats(namespace: str, timeout_s: float = 30.0) -> dict:
     """
     first = find_master(namespace)
     n = StoreConfig.model_validate(ray.get(first.config.remote(), timeout=timeout_s)).master.shards
+    events = first.events.remote()
     if n == 1:
-        return merge_stats([ray.get(first.stats.remote(), timeout=timeout_s)])
+        return {**merge_stats([ray.get(first.stats.remote(), timeout=timeout_s)]),
+                "events": ray.get(events, timeout=timeout_s)}
     refs = [first.stats.remote()]
     for shard in range(1, n):
         try:
@@ -154,21 +189,31 @@ def store_stats(namespace: str, timeout_s: float = 30.0) -> dict:
                          {"error": str(ref)} if isinstance(ref, Exception) else ray.get(ref, timeout=timeout_s))
         except (ray.exceptions.RayError, ValueError) as e:
             parts.append({"error": f"master shard {shard}: {type(e).__name__}: {e}"})
-    return merge_stats(parts)
+    try:
+        evs = ray.get(events, timeout=timeout_s)
+    except ray.exceptions.RayError:
+        evs = []
+    return {**merge_stats(parts), "events": evs}
 
 
 def teardown(namespace: str) -> int:
     """Kill the store's actors in ``namespace`` and drop its secret; returns how many."""
     n = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") != namespace:
-            continue
-        name = entry["name"]
+    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == namespace]
+    handles = {}
+    for name in names:
         if is_master_name(name) or name.startswith(store_actor_name("")):
             try:
-                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-                n += 1
+                handles[name] = ray.get_actor(name, namespace=namespace)
             except ValueError:
                 pass
+    # Store nodes delete their arenas' files in shared memory first (store/arena.py).
+    released = [h.release.remote() for name, h in handles.items() if not is_master_name(name)]
+    if released:
+        ray.wait(released, num_returns=len(released), timeout=10)
+    # Masters first: shard 0 would otherwise start store nodes again (join_new_nodes).
+    for name in sorted(handles, key=lambda name: not is_master_name(name)):
+        ray.kill(handles[name], no_restart=True)
+        n += 1
     auth.forget_secret(namespace)
     return n

@@ -3,7 +3,8 @@ metrics endpoint (and so in the Ray dashboard and Grafana) with Ray's ``ray_`` p
 
 Master side: capacity / used / keys per store node and tier, hits (in all and per tier),
 misses, evictions, puts, put bytes, offloads and promotions (count and bytes), KV chains
-(orphaned pages, chain-tail evictions, lookups answered). Client
+(orphaned pages, chain-tail evictions, lookups answered), membership (joins, drains with
+the keys and bytes moved and lost, re-adoptions of restarted nodes' arenas). Client
 side: put and get latency histograms (tags ``op`` and ``tier``), bytes moved.
 """
 
@@ -33,6 +34,16 @@ class MasterMetrics:
         "unmount_lost_keys": "Objects lost because the only store node holding them was unmounted",
         "chain_tail_evictions": "KV pages evicted because their parent went (orphans, forced chain evictions)",
         "lookups": "Keys looked up (exists; a lookup takes no lease and is not a use)",
+        "joins": "Store nodes started on Ray nodes that joined the running cluster",
+        "drains": "Store nodes drained (their Ray node was draining)",
+        "drain_moved_keys": "Values moved off draining store nodes",
+        "drain_moved_bytes": "Value bytes moved off draining store nodes",
+        "drain_lost_keys": "Values lost by drains (no room elsewhere, deadline, or only on the node's disk)",
+        "drain_lost_bytes": "Value bytes lost by drains",
+        "readoptions": "Restarted store nodes that re-adopted their arena",
+        "readopted_keys": "Values a restarted store node kept from its arena",
+        "readopt_dropped_keys": "Values a restarted store node dropped: checksum mismatch",
+        "readopt_refused": "Re-adopted values the master refused (removed or replaced meanwhile)",
     }
     GAUGES = {
         "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",

@@ -17,6 +17,8 @@ CONNECTOR_EXPRS = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"
                    for t in p["targets"]]
 ROUTER_EXPRS = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] if "router" in p["title"].lower()
                 for t in p["targets"]]
+MEMBERSHIP_EXPRS = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+                    if "membership" in p["title"].lower() for t in p["targets"]]
 MB = 1 << 20
 
 
@@ -99,9 +101,10 @@ def test_store_metrics_in_prometheus_and_dashboard_queries(make_store, prometheu
                 empty.append((panel["title"], t["expr"]))
     # Rates need two scrapes of a change: keep the store busy (new values offload older
     # ones; reads of the least recently used promote them back), then every query has data.
-    # The engine connector's and the KV router's panels stay empty: tests/vllm checks them.
+    # The engine connector's, the KV router's and the membership panels stay empty:
+    # tests/vllm and tests/integration/test_elastic.py check them.
     def missing():
-        return [e for e in empty if e[1] not in CONNECTOR_EXPRS + ROUTER_EXPRS]
+        return [e for e in empty if e[1] not in CONNECTOR_EXPRS + ROUTER_EXPRS + MEMBERSHIP_EXPRS]
 
     deadline = time.monotonic() + 30
     nxt, lru = n, len(old)

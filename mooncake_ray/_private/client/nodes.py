@@ -10,6 +10,7 @@ from typing import Any
 
 from mooncake_ray.errors import MooncakeRayError, NodeUnavailableError, NotRegisteredError, TransferError
 from mooncake_ray._private import rpc
+from mooncake_ray._private.store.arena import local_mapping
 
 # What a transfer to or from a node raises when the node (or this client's view of it) fails.
 TRANSFER_ERRORS = (NodeUnavailableError, TransferError, NotRegisteredError)
@@ -61,7 +62,8 @@ class NodeTable:
                 if cur is not None and cur.incarnation == info["incarnation"]:
                     continue
                 peer = self._engine.connect(info["address"])
-                region = self._engine.import_remote(peer, info["rkey"], info["base"], info["capacity"])
+                region = self._engine.import_remote(peer, info["rkey"], info["base"], info["capacity"],
+                                                    *local_mapping(info, self._engine.protocol))
                 self._nodes[nid] = Node(nid, info["incarnation"], peer, region)
             for nid in list(self._nodes):
                 if nid not in infos:

@@ -32,6 +32,7 @@ nothing is held while calling out.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -116,8 +117,13 @@ class MasterActor:
             self.engine.serve(rpc.MASTER_RPC, handler, inline=True)
         with self._lock:  # enables the index unless the master is rebuilding
             pass
-        for target, name in ((self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
-                             (self._apply_loop, "master-apply"), (self._evict_loop, "master-evict")):
+        self._events: collections.deque = collections.deque(maxlen=100)
+        self.state.counters.update(joins=0, readoptions=0, readopted_keys=0, readopt_dropped_keys=0)
+        loops = [(self._tick_loop, "master-tick"), (self._delivery_loop, "master-deliver"),
+                 (self._apply_loop, "master-apply"), (self._evict_loop, "master-evict")]
+        if shard == 0 and self.cfg.elastic.join and self.cfg.segment_size_bytes:
+            loops.append((self._join_loop, "master-join"))
+        for target, name in loops:
             threading.Thread(target=target, name=name, daemon=True).start()
 
     # ------------------------------------------------------------------- RPC door --
@@ -551,6 +557,64 @@ class MasterActor:
             lost = self.state.unmount(node_id, "unmounted by request")
             self._lose({node_id})
             return lost
+
+    # ------------------------------------------------------------------- drains --
+    def drain_begin(self, node_id: str) -> bool:
+        """A store node's Ray node is draining: take no new values there (``drain.py``)."""
+        with self._lock:
+            ok = self.state.drain_begin(node_id)
+        if ok:
+            log.warning("store node %s is draining: moving its values to the other nodes", node_id)
+        return ok
+
+    def drain_plan(self, node_id: str, max_bytes: int) -> list:
+        with self._lock:
+            return self.state.drain_plan(node_id, int(max_bytes))
+
+    def drain_done(self, node_id: str, items: list) -> None:
+        with self._lock:
+            self.state.drain_done(node_id, items)
+
+    def drain_end(self, node_id: str) -> dict:
+        """Finish a drain: unmount the node; returns what was moved and what was lost."""
+        with self._lock:
+            self._peers.pop(node_id, None)
+            with self._outbox_cv:
+                self._outboxes.pop(node_id, None)
+            report = self.state.drain_end(node_id)
+            self._lose({node_id})
+        self._events.append({"event": "drained", "time": time.time(), **report})
+        log.warning("store node %s drained: %d keys (%d bytes) moved, %d keys (%d bytes) lost", node_id,
+                    report["moved_keys"], report["moved_bytes"], report["lost_keys"], report["lost_bytes"])
+        return report
+
+    def events(self) -> list:
+        """The store's membership events, oldest first (at most 100): joins, drains (moved /
+        lost keys and bytes), re-adoptions of a restarted node's arena."""
+        return list(self._events)
+
+    def note_event(self, event: dict) -> None:
+        """A store node reports a membership event (a re-adopted arena)."""
+        self._events.append(dict(event))
+        if event.get("event") == "readopted":
+            with self._lock:
+                self.state.counters["readoptions"] += 1
+                self.state.counters["readopted_keys"] += int(event.get("keys", 0))
+                self.state.counters["readopt_dropped_keys"] += int(event.get("dropped", 0))
+
+    def _join_loop(self) -> None:
+        """Master shard 0: give a store node to every Ray node that joins (``elastic.join``)."""
+        from mooncake_ray._private.deploy import join_new_nodes
+
+        skip: dict[str, float] = {}
+        while not self._stop.wait(self.cfg.elastic.poll_s):
+            try:
+                for node_id in join_new_nodes(self.cfg, skip):
+                    self._events.append({"event": "joined", "time": time.time(), "node_id": node_id})
+                    with self._lock:
+                        self.state.counters["joins"] += 1
+            except Exception:  # keep watching: a GCS hiccup must not end joins
+                log.exception("looking for joined Ray nodes failed")
 
     def stats(self) -> dict:
         with self._lock:

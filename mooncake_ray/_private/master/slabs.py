@@ -122,7 +122,7 @@ class SlabTable:
     # ------------------------------------------------------------------ grant ----
     def grant(self, owner: str, client_node: str | None, need: int, now: float) -> SlabGrant:
         """Reserve a slab for ``owner`` (see ``MasterState.slab_grant``)."""
-        usable = [n for n in self._nodes.values() if not n.suspect]
+        usable = [n for n in self._nodes.values() if not n.suspect and not n.draining]
         if not usable:
             raise NoCapacityError("no usable store node for a put slab")
         policy = self.policy

@@ -50,6 +50,7 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private.checks import check_records, check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
+from mooncake_ray._private.master.drain import Drains
 from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
@@ -71,6 +72,10 @@ from mooncake_ray._private.master.types import (
     inventory_entry,
 )
 from mooncake_ray._private.wire import Extent, PutAlloc, ReadGrant, ReplicaLoc, SlabGrant
+
+GONE_TTL_S = 120.0
+"""How long the master remembers what an unmounted node held in DRAM, for the node's
+restarted process to re-adopt (``mount``)."""
 
 
 class MasterState:
@@ -102,13 +107,15 @@ class MasterState:
         self._restarted_at = 0.0
         self._alloc_gate_until = 0.0
         self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
+        # node id -> (when, {key: gen}) of the DRAM values an unmounted node held (mount).
+        self._gone: dict[str, tuple[float, dict[str, int]]] = {}
         # Replies the read index logged (held until durable, fence.py): (token, reply bytes,
         # the key of each item, [(key, gen, nodes), ...]); the actor takes them.
         self.held: list = []
         self.counters = {"hits": 0, "misses": 0, "disk_hits": 0, "evictions": 0, "evicted_bytes": 0,
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0,
-                         "node_unmounts": 0, "unmount_lost_keys": 0}
+                         "node_unmounts": 0, "unmount_lost_keys": 0, "readopt_refused": 0}
         self._objects.chains.counters = self.counters
         self.counters.update(chain_tail_evictions=0, lookups=0)
         self._objects.hold_parents = self.policy.chain_eviction
@@ -123,6 +130,8 @@ class MasterState:
         self._tier = DiskTier(self.policy, self._nodes, self._objects, self.counters, self._mirror,
                               delta=reps.delta, drop_replica=reps.drop_replica, allocate=reps.allocate,
                               new_placement=reps.new_placement)
+        self._drains = Drains(self.policy, clock, self._nodes, self._alloc, self._objects, reps, self.counters,
+                              self._mirror, self._writes_into)
 
     @property
     def _next_gen(self) -> int:
@@ -158,6 +167,12 @@ class MasterState:
             return
         if old is not None:
             self.unmount(node.node_id, "remounted with a new incarnation")
+        # The DRAM values a restarted node re-adopted from its arena (store/arena.py) come
+        # back only if they are what this master lost with its previous process: same key,
+        # same generation, not removed since. (A master that never knew the node, e.g. one
+        # rebuilding after its own restart, takes what the nodes hold, as for disk.)
+        gone = self._gone.pop(node.node_id, None)
+        vouched = None if gone is None else gone[1]
         node.last_heartbeat = now
         self._nodes[node.node_id] = node
         self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
@@ -165,6 +180,10 @@ class MasterState:
         # node before a crash, then the extent reused), the newer one wins.
         entries = [InventoryEntry(*e) for e in inventory]
         for e in sorted((e for e in entries if e.tier != RESERVED), key=lambda e: -e.gen):
+            if vouched is not None and e.tier == "dram" and vouched.get(e.key) != e.gen:
+                self._replicas.delta(node.node_id).drop(e.key, e.gen, e.tier)
+                self.counters["readopt_refused"] += 1
+                continue
             self._gens.seen(e.gen + 1)
             self._replicas.restore(node, e, now)
         # Then the ranges clients may still be writing into (slabs.py: adopt).
@@ -196,16 +215,48 @@ class MasterState:
     def unmount(self, node_id: str, reason: str = "unmounted") -> int:
         """Drop a node and every replica on it; keys with no replica left become misses.
         Returns the number of objects lost. Idempotent."""
+        if node_id in self._nodes:  # what it held in DRAM, should it come back (mount)
+            self._gone[node_id] = (self._clock(), {e.key: e.gen for e in self.node_entries(node_id)
+                                                   if e.tier == "dram"})
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._replicas.effects.pop(node_id, None)
         self._slab_table.drop_node(node_id)
+        self._drains.forget(node_id)
         if node is None:
             return 0
         return self._replicas.forget_node(node, reason)
 
     def nodes(self) -> list[dict]:
         return [n.public() for n in self._nodes.values()]
+
+    # ----------------------------------------------------------------- drains --
+    def drain_begin(self, node_id: str) -> bool:
+        """``node_id`` is leaving: no new values there; its values are to be moved
+        (``drain.py``). False: not mounted. Idempotent."""
+        return self._drains.begin(node_id)
+
+    def drain_plan(self, node_id: str, max_bytes: int) -> tuple[list[list], bool]:
+        """The next batch of moves of a drain, and whether to ask again (``Drains.plan``)."""
+        return self._drains.plan(node_id, max_bytes)
+
+    def _writes_into(self, node_id: str) -> bool:
+        """Puts in flight or put slabs on ``node_id``."""
+        return (any(s.node_id == node_id for s in self._slab_table.slabs.values())
+                or any(r.node_id == node_id for o in self._pending.values() for r in o.replicas))
+
+    def drain_done(self, node_id: str, items) -> None:
+        """Moves made (``Drains.done``)."""
+        self._drains.done(node_id, items)
+
+    def drain_end(self, node_id: str) -> dict:
+        """Finish a drain and unmount the node; returns moved and lost keys and bytes."""
+        report = self._drains.end(node_id)
+        self.unmount(node_id, "drained")
+        return report
+
+    def draining(self) -> list[str]:
+        return sorted(self._drains.active)
 
     # --------------------------------------------------------------- recovery --
     def begin_recovery(self, expected_nodes: set[str]) -> None:
@@ -294,10 +345,10 @@ class MasterState:
         if key in self._objects and not upsert:
             raise ObjectExistsError(f"{key!r} is already stored; use upsert to replace it")
         want = self.policy.replicas if replicas is None else check_replicas(replicas)
-        usable = [n for n in self._nodes.values() if not n.suspect]
+        usable = [n for n in self._nodes.values() if not n.suspect and not n.draining]
         if not usable:
             raise NoCapacityError("no store node is mounted" if not self._nodes
-                                  else "every store node is unreachable")
+                                  else "every store node is unreachable or draining")
         biggest = max(self._alloc[n.node_id].capacity for n in usable)
         if size > biggest:
             where = ("any store node's arena" if all(n.arena_length <= n.capacity for n in usable) else
@@ -608,6 +659,8 @@ class MasterState:
             ObjectLeasedError: a reader holds a lease and ``force`` is false (retryable).
         """
         self._ready()
+        for _t, vouched in self._gone.values():  # a removed key never comes back with a node
+            vouched.pop(key, None)
         obj = self._objects.get(key)
         if obj is None:
             return False
@@ -623,6 +676,9 @@ class MasterState:
         """Remove every stored key starting with ``prefix``; leased ones are skipped
         unless ``force``. Returns how many were removed."""
         self._ready()
+        for _t, vouched in self._gone.values():
+            for key in [k for k in vouched if k.startswith(prefix)]:
+                del vouched[key]
         now, n = self._clock(), 0
         for key in self._objects.keys_with_prefix(prefix):
             obj = self._objects[key]
@@ -708,6 +764,9 @@ class MasterState:
         now = self._clock()
         self._replicas.release_deferred(now)
         self._tier.expire_promotions(now)
+        self._drains.expire(now)
+        for node_id in [n for n, (t, _v) in self._gone.items() if now - t > GONE_TTL_S]:
+            del self._gone[node_id]
         slabs = self._slab_table.expire(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
         for key, gen in expired:
@@ -747,6 +806,7 @@ class MasterState:
             "pinned": pinned,
             "soft_pinned": soft,
             "recovering": self.recovering,
+            "draining": self.draining(),
             "native_calls": self.index.served(),
             "nodes": nodes,
             **self.counters,

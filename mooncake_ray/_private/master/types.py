@@ -240,6 +240,7 @@ class NodeInfo:
     spill_high_watermark: float = 0.9
     last_heartbeat: float = 0.0
     suspect: bool = False  # a client reported it unreachable: no new allocations
+    draining: bool = False  # leaving the cluster (drain.py): no new allocations
     spill_used: int = 0  # as the node reports it
     spill_degraded: str | None = None
     disk_used: int = 0  # the master's account: disk replicas + offloads in flight
@@ -247,6 +248,9 @@ class NodeInfo:
     offload_inflight: int = 0  # DRAM bytes that will be freed when offloads complete
     tier_keys: dict = field(default_factory=lambda: {"dram": 0, "disk": 0})  # readable replicas here
     memory_types: list = field(default_factory=lambda: ["host"])  # what the node's UCX registers
+    arena_file: str = ""  # the arena's file in shared memory (store/arena.py), "" none
+    arena_file_id: list = field(default_factory=list)  # its [st_dev, st_ino]
+    boot_id: str = ""  # the node's host's boot id: same-host clients map arena_file
 
     def spill_usable(self) -> bool:
         return self.spill_capacity > 0 and not self.spill_degraded
@@ -261,7 +265,8 @@ class NodeInfo:
             return {"dram": dram, "disk": disk}
         dram["offloading_bytes"] = self.offload_inflight
         disk.update(reported_used=self.spill_used, degraded=self.spill_degraded)
-        return {"ray_node_id": self.ray_node_id, "suspect": self.suspect, "dram": dram, "disk": disk,
+        return {"ray_node_id": self.ray_node_id, "suspect": self.suspect, "draining": self.draining,
+                "dram": dram, "disk": disk,
                 "memory_types": list(self.memory_types)}
 
     def public(self) -> dict:
@@ -275,6 +280,9 @@ class NodeInfo:
             "capacity": self.arena_length or self.capacity,  # the whole arena: clients map it all
             "ray_node_id": self.ray_node_id,
             "spill_capacity": self.spill_capacity,
+            "arena_file": self.arena_file,
+            "arena_file_id": list(self.arena_file_id),
+            "boot_id": self.boot_id,
         }
 
 

@@ -49,11 +49,12 @@ from mooncake_ray.errors import (
     ObjectNotFoundError,
 )
 from mooncake_ray._private import auth, gcyoung, preflight, rpc, shards
+from mooncake_ray._private.store import arena
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
-from mooncake_ray._private.store.inventory import DISK, StoreInventory
+from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory
 from mooncake_ray._private.naming import master_name
 
 log = logging.getLogger(__name__)
@@ -83,21 +84,19 @@ class _ShardLink:
         self.mounted = threading.Event()
         self.channel = channel
         self.handle = None  # the master shard's Ray actor handle
+        self.left = False  # drained off this shard: no heartbeat, no mount (StoreNodeActor.drain)
 
 
 class StoreNodeActor:
     def __init__(self, config: dict, node_id: str):
+        self.started_at = time.time()  # this process's start (benchmarks: restart timings)
         gcyoung.raise_young_threshold()  # inventory messages: many records, each short-lived
         self.cfg = StoreConfig.model_validate(config)
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:16]
         t = self.cfg.transport
         self.engine = role_engine(self.cfg, f"store-{node_id[:8]}", server=True)
-        seg, avail = self.cfg.segment_size_bytes, preflight.mem_available()
-        if seg > avail:  # start() checked the host; this guards against memory taken since
-            raise ConfigError(f"segment_size_bytes={seg} is more than this host's available memory "
-                              f"({avail} bytes): the arena's pre-fault would exhaust it")
-        self.arena = self.engine.alloc_arena(seg)
+        self.arena_file, self.arena = self._open_arena()
         self._lock = threading.Lock()
         n = self.cfg.master.shards
         self._links = [_ShardLink(i, shards.arena_part(self.arena.length, n, i),
@@ -105,6 +104,8 @@ class StoreNodeActor:
                                                 rpc_timeout_s=t.rpc_timeout_s, name=master_name(i)))
                        for i in range(n)]
         self._stall_until = 0.0  # fault injection: inventory messages wait until then
+        self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
+        self.readopted = self._readopt() if self.arena_file is not None and self.arena_file.reused else None
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
         for link in self._links:
@@ -112,11 +113,101 @@ class StoreNodeActor:
         self.engine.serve(rpc.NODE_PROMOTE_RPC, self._on_promote)
         self.engine.serve_echo(rpc.NODE_ECHO_RPC)
         self._stop = threading.Event()
+        self._left = threading.Event()  # drained: not mounted until Ray stops draining the node
+        self.drain_report: dict | None = None
         self._threads = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
                                           name=f"store-heartbeat-{link.shard}") for link in self._links]
         self._threads.append(threading.Thread(target=self._worker_loop, name="store-offload", daemon=True))
+        if self.cfg.elastic.drain:
+            self._threads.append(threading.Thread(target=self._drain_watch_loop, name="store-drain", daemon=True))
+        if self.arena_file is not None:
+            self._threads.append(threading.Thread(target=self._index_loop, name="store-arena-index", daemon=True))
         for th in self._threads:
             th.start()
+
+    def _open_arena(self):
+        """The arena: a file in shared memory that a restart re-adopts (``arena.py``), or
+        (``elastic.keep_arena`` false, or no room there) memory UCX allocates."""
+        seg, el = self.cfg.segment_size_bytes, self.cfg.elastic
+        if el.keep_arena:
+            arena.collect_garbage(el.arena_dir)
+            try:
+                f = arena.ArenaFile(el.arena_dir, self.cfg.namespace, self.node_id, seg, self.cfg.prefault)
+            except (OSError, ConfigError) as e:
+                log.warning("arena kept in memory only (a restart loses it): %s", e)
+            else:
+                if not f.reused:
+                    self._check_memory(seg)
+                return f, self.engine.register((f.addr, seg))
+        self._check_memory(seg)
+        return None, self.engine.alloc_arena(seg)
+
+    @staticmethod
+    def _check_memory(seg: int) -> None:
+        avail = preflight.mem_available()
+        if seg > avail:  # start() checked the host; this guards against memory taken since
+            raise ConfigError(f"segment_size_bytes={seg} is more than this host's available memory "
+                              f"({avail} bytes): the arena's pre-fault would exhaust it")
+
+    def _readopt(self) -> dict:
+        """Take back the values the previous process of this node left in the arena: each
+        entry of its index whose bytes still have the checksum it was saved with (the
+        master checks them against what it lost when the node mounts)."""
+        started = time.monotonic()
+        cap, kept, dropped, good = self.arena.length, 0, 0, []
+        for rec in self.arena_file.load_index():
+            key, gen, size, offset, length, pin, parent, crc = rec
+            if not (_extent_ok(offset, length, cap) and 0 <= size <= length) or self.arena_file.checksum(
+                    offset, size) != crc:
+                dropped += 1
+                continue
+            self._link(key).inv.entries[(key, DRAM)] = (key, gen, size, DRAM, offset, length, pin, parent)
+            self._sums[(key, gen, offset)] = crc
+            good.append(list(rec))
+            kept += 1
+        self.arena_file.save_index(good)
+        report = {"event": "readopted", "node_id": self.node_id, "keys": kept, "dropped": dropped,
+                  "seconds": time.monotonic() - started}
+        log.warning("re-adopted the arena of the previous process: %d values kept, %d failed their checksum",
+                    kept, dropped)
+        return report
+
+    def _journal(self, delta) -> None:
+        """Record one applied inventory message in the arena's journal, each added DRAM
+        value with the checksum of its bytes (under the lock: in the order applied; before
+        the master hears it applied)."""
+        adds, drops, _offloads = delta
+        out = []
+        for e in adds:
+            if e[3] == DRAM:
+                crc = self.arena_file.checksum(e[4], e[2])
+                self._sums[(e[0], e[1], e[4])] = crc
+                out.append([e[0], e[1], e[2], e[4], e[5], e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "",
+                            crc])
+        gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
+        if out or gone:
+            self.arena_file.journal(out, gone)
+
+    def _index_loop(self) -> None:
+        """Compact the arena's journal into a snapshot now and then."""
+        last = time.monotonic()
+        while not self._stop.wait(1.0):
+            try:
+                size = self.arena_file.journal_bytes()
+                if size < (4 << 20) and not (size and time.monotonic() - last > 30.0):
+                    continue
+                with self._lock:
+                    now = [e for link in self._links for e in link.inv.entries.values() if e[3] == DRAM]
+                    sums = self._sums
+                    state = {(e[0], e[1], e[4]) for e in now}
+                    for stale in set(sums) - state:
+                        del sums[stale]
+                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums[(e[0], e[1], e[4])]]
+                           for e in now if (e[0], e[1], e[4]) in sums]
+                    self.arena_file.save_index(out)
+                last = time.monotonic()
+            except Exception:  # never stop: a later round compacts it
+                log.exception("compacting the arena index failed")
 
     @property
     def inv(self) -> StoreInventory:
@@ -260,7 +351,10 @@ class StoreNodeActor:
         if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
             time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
+            before = (link.inv.mount_id, link.inv.applied_seq)
             answer, files, offloads = link.inv.apply(mount_id, seq, delta)
+            if self.arena_file is not None and (link.inv.mount_id, link.inv.applied_seq) != before:
+                self._journal(delta)  # before the master hears it: an acknowledged put is in it
         for key, gen in files:
             self._work.put(("drop", (key, gen)))
         for item in offloads:
@@ -289,6 +383,9 @@ class StoreNodeActor:
             "spill_capacity": self.tier.capacity_bytes // len(self._links) if self.tier else 0,
             "spill_high_watermark": sp.high_watermark,
             "memory_types": self.engine.memory_types,
+            "arena_file": self.arena_file.path if self.arena_file else "",
+            "arena_file_id": self.arena_file.file_id if self.arena_file else [],
+            "boot_id": arena.boot_id(),
         }
 
     # ---------------------------------------------------------------- liveness --
@@ -299,17 +396,25 @@ class StoreNodeActor:
 
     def _mount(self, link: _ShardLink) -> None:
         link.mounted.clear()
+        if link.left:
+            return
         master = self._master_handle(link)
         link.node_key = ray.get(master.node_key.remote(), timeout=60)
         with self._lock:  # from here on, messages of earlier mounts are refused
             mount_id, entries = link.inv.begin_mount()
         ray.get(master.mount.remote(self.info(link.shard), entries, mount_id), timeout=60)
         link.mounted.set()
+        if self.readopted is not None and link.shard == 0 and not self.readopted.get("reported"):
+            master.note_event.remote(self.readopted)
+            self.readopted["reported"] = True
 
     def _heartbeat_loop(self, link: _ShardLink) -> None:
         period = self.cfg.master.heartbeat_interval_s
         beats = 0
         while not self._stop.is_set():
+            if link.left:
+                self._stop.wait(period)
+                continue
             try:
                 if not link.mounted.is_set():
                     self._mount(link)
@@ -334,6 +439,88 @@ class StoreNodeActor:
             beats += 1
             self._stop.wait(period)
 
+    # ------------------------------------------------------------------- drain --
+    def _drain_watch_loop(self) -> None:
+        """Watch Ray's drain of this node; drain the store node once it starts. A node
+        Ray stops draining (or a drain that was never followed by the node's end) mounts
+        again, empty."""
+        from mooncake_ray._private import elastic
+
+        while not self._stop.wait(self.cfg.elastic.poll_s):
+            try:
+                deadline = elastic.draining_nodes().get(self.node_id)
+            except Exception as e:  # the GCS is restarting: look again later
+                log.info("could not read Ray's draining nodes (%s)", e)
+                continue
+            if deadline is not None and not self._left.is_set() and all(l.mounted.is_set() for l in self._links):
+                try:
+                    self.drain(deadline)
+                except Exception:
+                    log.exception("drain of store node %s failed", self.node_id)
+            elif deadline is None and self._left.is_set():
+                log.warning("Ray no longer drains node %s: the store node mounts again", self.node_id)
+                for link in self._links:
+                    link.left = False
+                self._left.clear()
+
+    def drain(self, deadline: float = 0.0) -> dict:
+        """Move this node's values to the other store nodes, most recently used first,
+        until none is left or ``deadline`` (Unix seconds, less ``elastic.drain_margin_s``;
+        0: ``elastic.drain_no_deadline_s`` from now), then unmount. Reads are served
+        meanwhile. Returns what was moved and lost (keys, bytes), summed over shards."""
+        el = self.cfg.elastic
+        until = (deadline - el.drain_margin_s) if deadline > 0 else time.time() + el.drain_no_deadline_s
+        started = time.monotonic()
+        total = {"moved_keys": 0, "moved_bytes": 0, "failed_moves": 0, "lost_keys": 0, "lost_bytes": 0}
+        masters = [self._master_handle(link) for link in self._links]
+        ray.get([m.drain_begin.remote(self.node_id) for m in masters], timeout=60)
+        for link, master in zip(self._links, masters):
+            self._drain_shard(master, until)
+            link.left = True
+            report = ray.get(master.drain_end.remote(self.node_id), timeout=60)
+            link.mounted.clear()
+            for k in total:
+                total[k] += report[k]
+        self._left.set()
+        total.update(node_id=self.node_id, seconds=time.monotonic() - started, deadline=deadline)
+        self.drain_report = total
+        log.warning("drained: %d keys (%d bytes) moved, %d keys (%d bytes) lost in %.1fs", total["moved_keys"],
+                    total["moved_bytes"], total["lost_keys"], total["lost_bytes"], total["seconds"])
+        return total
+
+    def _drain_shard(self, master, until: float) -> None:
+        regions: dict[str, object] = {}
+        base, cap = self.arena.addr, self.arena.length
+        timeout = self.cfg.transport.transfer_timeout_s
+        while time.time() < until:
+            plan, again = ray.get(master.drain_plan.remote(self.node_id, self.cfg.elastic.drain_batch_bytes),
+                                  timeout=60)
+            if not plan:
+                if not again:
+                    return
+                time.sleep(0.05)  # puts into this node still in flight
+                continue
+            if any(dst not in regions for *_x, dst, _o in plan):
+                for info in ray.get(master.nodes.remote(), timeout=60):
+                    if info["node_id"] not in regions and info["node_id"] != self.node_id:
+                        try:
+                            peer = self.engine.connect(info["address"])
+                            regions[info["node_id"]] = self.engine.import_remote(
+                                peer, info["rkey"], info["base"], info["capacity"], *arena.local_mapping(info, self.engine.protocol))
+                        except MooncakeRayError as e:
+                            log.warning("drain: store node %s unreachable (%s)", info["node_id"], e)
+            ok = [dst in regions and _extent_ok(src, size, cap) for _k, _g, size, src, dst, _o in plan]
+            ops = [(regions[dst], dst_off, base + src, size)
+                   for (_k, _g, size, src, dst, dst_off), good in zip(plan, ok) if good and size]
+            try:
+                self.engine.write(ops, timeout_s=min(timeout, max(1.0, until - time.time())))
+            except MooncakeRayError as e:  # one bad target fails the batch: count it, go on
+                log.warning("drain: a batch of %d moves failed (%s)", len(ops), e)
+                ok = [False] * len(plan)
+            ray.get(master.drain_done.remote(
+                self.node_id, [[k, g, dst, off, good] for (k, g, _s, _src, dst, off), good in zip(plan, ok)]),
+                timeout=60)
+
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:
         """Whether every master shard has mounted this node within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -348,7 +535,9 @@ class StoreNodeActor:
         with self._lock:
             parts = [link.inv.counts() for link in self._links]
         counts = {k: sum(p[k] for p in parts) for k in parts[0]}
-        out = {"node_id": self.node_id, "capacity": self.arena.length, **counts}
+        out = {"node_id": self.node_id, "capacity": self.arena.length, **counts,
+               "left": self._left.is_set(), "drain": self.drain_report, "started_at": self.started_at,
+               "readopted": self.readopted}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}
@@ -365,3 +554,10 @@ class StoreNodeActor:
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    def release(self) -> None:
+        """The store is being stopped: delete the arena's files (the mapping lives on
+        until the process ends)."""
+        self._stop.set()
+        if self.arena_file is not None:
+            self.arena_file.remove()

@@ -244,6 +244,10 @@ class RemoteRegion {
   uint64_t base_, length_;
   std::vector<void*> rkeys_;  // ucp_rkey_h per local lane
   char* ptr_ = nullptr;       // rkey_ptr mapping of base_ (same host, shared memory)
+  // Or this process's own mapping of the owner's memory file (same host, a registered
+  // file in shared memory that UCX cannot map itself): unmapped when the region goes.
+  void* file_map_ = nullptr;
+  size_t file_map_len_ = 0;
   ReadPath read_path_ = ReadPath::kGet;
   WritePath write_path_ = WritePath::kPut;
   std::shared_mutex mu_;      // shared: using rkeys/ptr; exclusive: destroying them
@@ -317,9 +321,13 @@ class Engine {
   std::shared_ptr<Region> register_memory(uintptr_t addr, uint64_t length, MemType mt);
 
   std::shared_ptr<Peer> connect(const std::string& address, double timeout_s);
+  // map_path: where UCX cannot map the remote memory itself (registered, not allocated by
+  // it), the file holding it on this host, and ``map_offset`` the file offset of ``base``
+  // (the caller checked it is the owner's file): mapped here for same-host memcpy.
   std::shared_ptr<RemoteRegion> import_remote(const std::shared_ptr<Peer>& peer,
                                               const std::string& rkey, uint64_t base,
-                                              uint64_t length);
+                                              uint64_t length, const std::string& map_path = "",
+                                              uint64_t map_offset = 0);
 
   std::shared_ptr<Op> submit(std::vector<IoOp>& ops, bool is_read);
 

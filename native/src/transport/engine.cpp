@@ -583,8 +583,9 @@ std::shared_ptr<Peer> Engine::connect(const std::string& address, double timeout
 }
 std::shared_ptr<RemoteRegion> Engine::import_remote(const std::shared_ptr<Peer>& peer,
                                                     const std::string& rkey, uint64_t base,
-                                                    uint64_t length) {
-  return core_->import_remote(peer, rkey, base, length);
+                                                    uint64_t length, const std::string& map_path,
+                                                    uint64_t map_offset) {
+  return core_->import_remote(peer, rkey, base, length, map_path, map_offset);
 }
 std::shared_ptr<Op> Engine::submit(std::vector<IoOp>& ops, bool is_read) {
   return core_->submit(ops, is_read);

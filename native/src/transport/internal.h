@@ -277,7 +277,8 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void peer_failed(Peer* peer, Code code, const std::string& msg);
   std::shared_ptr<RemoteRegion> import_remote(const std::shared_ptr<Peer>& peer,
                                               const std::string& rkey, uint64_t base,
-                                              uint64_t len);
+                                              uint64_t len, const std::string& map_path,
+                                              uint64_t map_offset);
 
   // rma.cpp
   std::shared_ptr<Op> submit(std::vector<IoOp>& ops, bool is_read);

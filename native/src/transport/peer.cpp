@@ -1,4 +1,6 @@
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 // Peers: engine addresses, endpoints (error mode PEER), the HELLO handshake, peer
 // failure, and remote-key import.
 //
@@ -440,6 +442,11 @@ RemoteRegion::~RemoteRegion() {
   if (destroyed_) return;
   destroyed_ = true;
   unpin_cuda_locked();
+  if (file_map_) {
+    munmap(file_map_, file_map_len_);
+    file_map_ = nullptr;
+    ptr_ = nullptr;
+  }
   auto core = peer_ ? peer_->core_ : nullptr;
   if (!core) return;
   for (size_t i = 0; i < rkeys_.size() && i < core->lanes.size(); ++i) {
@@ -451,7 +458,8 @@ RemoteRegion::~RemoteRegion() {
 
 std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Peer>& peer,
                                                         const std::string& rkey, uint64_t base,
-                                                        uint64_t len) {
+                                                        uint64_t len, const std::string& map_path,
+                                                        uint64_t map_offset) {
   ActiveGuard guard(this);
   if (!peer) throw Error(Code::kInvalidArgument, "peer is None");
   if (peer->core_.get() != this) throw Error(Code::kInvalidArgument, "peer belongs to another engine");
@@ -485,6 +493,27 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
       static_cast<char*>(p1) == static_cast<char*>(p0) + (len - 1) &&
       cuda::device_of(reinterpret_cast<uintptr_t>(p0)) < 0) {  // a mapping of host memory only
     rr->ptr_ = static_cast<char*>(p0);
+  } else if (len > 0 && !map_path.empty()) {
+    // The owner registered a file in shared memory (a store node's arena that outlives its
+    // process): UCX will not map registered memory, so map the same file here.
+    int fd = ::open(map_path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) throw Error(Code::kInvalidArgument, "cannot open " + map_path + ": " + strerror(errno));
+    struct stat st;
+    const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+    const uint64_t start = map_offset / page * page, skew = map_offset - start;
+    if (fstat(fd, &st) != 0 || uint64_t(st.st_size) < map_offset + len) {
+      ::close(fd);
+      throw Error(Code::kOutOfBounds, map_path + " is smaller than the remote region");
+    }
+    void* m = mmap(nullptr, len + skew, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
+    ::close(fd);
+    if (m == MAP_FAILED) throw Error(Code::kInternal, "mmap " + map_path + ": " + strerror(errno));
+    rr->file_map_ = m;
+    rr->file_map_len_ = len + skew;
+    rr->ptr_ = static_cast<char*>(m) + skew;
+    p0 = rr->ptr_;
+  }
+  if (rr->ptr_) {
     // This process's mapping of the owner's memory starts with empty page tables: every
     // first touch of a 4 KiB page is a minor fault (~1024 per 4 MiB written, measured to
     // cost as much as the copy). Populate them once, now, not on the data path.

@@ -1,0 +1,208 @@
+"""Moving a leaving store node's values to the other nodes (pure, no Ray).
+
+When Ray drains a node (an operator's ``ray drain-node``, the autoscaler's idle
+termination, a preemption notice with a deadline), its store node asks the master to
+drain it (``begin``): the node takes no new values (placement and put slabs skip it), and
+its values are moved, most recently used first, in batches:
+
+- ``plan``: for the next values with a readable DRAM copy on the node, reserve an extent
+  on another node (where one fits without evicting; else where eviction, or an offload
+  to that node's spill tier, makes room), as a replica that is not readable yet (as a
+  promotion from disk reserves one, ``tiering.py``).
+- the store node writes the bytes from its arena into the reserved extents (one batched
+  transfer) and reports each move (``done``): a moved value's new replica becomes
+  readable and its copy on the leaving node is dropped. A failed move frees the extent.
+- ``end``: what was not moved (no room left anywhere, the deadline came first, values
+  only on the node's disk) is counted by keys and bytes; the actor then unmounts the
+  node, and those values become misses.
+
+Reads keep being served from the leaving node's copy until its value is moved (then from
+the new one), so a drain never fails a read. ``MasterState`` holds one ``Drains``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from mooncake_ray._private.master.types import NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
+
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.replicas import ReplicaTable
+    from mooncake_ray._private.master.table import ObjectTable
+
+
+@dataclass
+class _Drain:
+    order: list[str]  # keys with a copy on the node, most recently used first
+    cursor: int = 0
+    settled: bool = False  # the last rescan found nothing new
+    moving: dict = field(default_factory=dict)  # (key, dst node, dst offset) -> (obj, replica)
+    moved: int = 0
+    moved_bytes: int = 0
+    failed: int = 0
+
+
+class Drains:
+    """The drains in progress, by node id (see the module docstring)."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float], nodes: dict[str, NodeInfo], alloc: dict,
+                 objects: ObjectTable, reps: ReplicaTable, counters: dict, mirror,
+                 busy: Callable[[str], bool]) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._nodes = nodes
+        self._alloc = alloc
+        self._objects = objects
+        self._reps = reps
+        self._counters = counters
+        self._mirror = mirror
+        self._busy = busy  # node id -> whether writes into it are still in flight (puts, slabs)
+        self.active: dict[str, _Drain] = {}
+        counters.update(drains=0, drain_moved_keys=0, drain_moved_bytes=0, drain_lost_keys=0,
+                        drain_lost_bytes=0)
+
+    def _on_node(self, node_id: str) -> list[str]:
+        """Keys with a replica on ``node_id``, most recently used first."""
+        out = []
+        for key in reversed(self._objects.keys_with_prefix("")):
+            obj = self._objects.peek(key)
+            if obj is not None and any(r.node_id == node_id for r in obj.replicas):
+                out.append(key)
+        return out
+
+    def begin(self, node_id: str) -> bool:
+        """Start draining ``node_id`` (idempotent). False: the node is not mounted."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        if node_id not in self.active:
+            node.draining = True
+            self.active[node_id] = _Drain(self._on_node(node_id))
+            self._counters["drains"] += 1
+        return True
+
+    def _targets(self, node_id: str) -> list[NodeInfo]:
+        """The nodes a drained value may go to, most free first."""
+        usable = [n for n in self._nodes.values() if n.node_id != node_id and not n.suspect and not n.draining]
+        return sorted(usable, key=lambda n: -self._alloc[n.node_id].free)
+
+    def plan(self, node_id: str, max_bytes: int) -> tuple[list[list], bool]:
+        """The next moves of a drain: ``[key, gen, size, src_offset, dst_node, dst_offset]``
+        each, about ``max_bytes`` in all (at least one move when one is possible), and
+        whether to ask again later with none now (puts into the node still in flight).
+        No moves and no wait: nothing left to move, or no room for the next value."""
+        d = self.active.get(node_id)
+        if d is None:
+            return [], False
+        now = self._clock()
+        out, total = [], 0
+        targets = self._targets(node_id)
+        while total < max_bytes and targets:
+            if d.cursor >= len(d.order):
+                if self._busy(node_id):  # puts started before the drain: moved once done
+                    return out, True
+                if d.settled:
+                    break
+                # Values the node took after the drain began (put slabs granted before it).
+                moving = {k for k, _n, _o in d.moving}
+                d.order = [k for k in self._on_node(node_id) if k not in moving]
+                d.cursor, d.settled = 0, True
+                continue
+            key = d.order[d.cursor]
+            obj = self._objects.get(key)
+            src = None if obj is None else next(
+                (r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready
+                 and not r.offloading), None)
+            if src is None or any(k == key for k, _n, _o in d.moving) or any(
+                    r.node_id != node_id and r.tier is Tier.DRAM and r.ready for r in obj.replicas):
+                d.cursor += 1  # gone, on disk only, being moved, or readable elsewhere already
+                continue
+            dst = self._place(obj, targets, now)
+            if dst is None:
+                break  # no room anywhere for this value: the rest is counted at the end
+            d.cursor += 1
+            d.settled = False
+            obj.replicas.append(dst)
+            d.moving[(key, dst.node_id, dst.offset)] = (obj, dst)
+            out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
+            total += obj.size
+        return out, False
+
+    def _place(self, obj: Obj, targets: list[NodeInfo], now: float) -> Replica | None:
+        got = None
+        for evict in (False, True):
+            for node in targets:
+                got = (self._reps.allocate(node.node_id, obj.size, now) if evict
+                       else self._alloc[node.node_id].allocate(obj.size))
+                if got is not None:
+                    return Replica(node.node_id, Tier.DRAM, got[0], got[1], ready=False,
+                                   deadline=now + self.policy.put_timeout_s, placed=self._reps.new_placement())
+        return None
+
+    def done(self, node_id: str, items) -> None:
+        """Moves the store node made: ``[key, gen, dst_node, dst_offset, ok]`` each."""
+        d = self.active.get(node_id)
+        if d is None:
+            return
+        now = self._clock()
+        for key, gen, dst_node, dst_offset, ok in items:
+            got = d.moving.pop((key, dst_node, dst_offset), None)
+            if got is None:
+                continue
+            obj, rep = got
+            if self._objects.get(key) is not obj or obj.gen != gen:
+                continue  # removed or replaced meanwhile: its extents went with it
+            if not any(r is rep for r in obj.replicas):
+                d.order.append(key)  # the target left meanwhile: try another
+                d.settled = False
+                continue
+            if not ok or dst_node not in self._nodes:
+                d.failed += 1
+                self._reps.drop_replica(obj, rep, now)
+                continue
+            rep.ready, rep.deadline = True, 0.0
+            self._nodes[dst_node].tier_keys["dram"] += 1
+            self._reps.delta(dst_node).add(inventory_entry(obj, rep))
+            src = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM), None)
+            if src is not None:
+                self._reps.drop_replica(obj, src, now)
+            else:
+                self._mirror.key(key)
+            d.moved += 1
+            d.moved_bytes += obj.size
+            self._counters["drain_moved_keys"] += 1
+            self._counters["drain_moved_bytes"] += obj.size
+
+    def expire(self, now: float) -> None:
+        """Drop the reserved extents of moves not reported by their deadline."""
+        for d in self.active.values():
+            for k, (obj, rep) in list(d.moving.items()):
+                if rep.deadline <= now:
+                    del d.moving[k]
+                    if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
+                        self._reps.drop_replica(obj, rep, now)
+
+    def end(self, node_id: str) -> dict:
+        """Finish a drain: what was moved, and what is left only on the node (lost when it
+        unmounts), by keys and bytes. The caller unmounts the node."""
+        d = self.active.pop(node_id, None)
+        now = self._clock()
+        if d is not None:
+            for obj, rep in d.moving.values():
+                if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
+                    self._reps.drop_replica(obj, rep, now)
+        lost = lost_bytes = 0
+        for key in self._on_node(node_id):
+            obj = self._objects.peek(key)
+            if obj is not None and all(r.node_id == node_id for r in obj.replicas):
+                lost += 1
+                lost_bytes += obj.size
+        self._counters["drain_lost_keys"] += lost
+        self._counters["drain_lost_bytes"] += lost_bytes
+        return {"node_id": node_id, "moved_keys": d.moved if d else 0, "moved_bytes": d.moved_bytes if d else 0,
+                "failed_moves": d.failed if d else 0, "lost_keys": lost, "lost_bytes": lost_bytes}
+
+    def forget(self, node_id: str) -> None:
+        """A node unmounted (or a target of moves gone): its drain, if any, ends."""
+        self.active.pop(node_id, None)

@@ -1,0 +1,222 @@
+"""A store node's arena kept in named shared memory, so that it outlives the process.
+
+With ``elastic.keep_arena`` (the default) the arena is a file in ``elastic.arena_dir``
+(``/dev/shm``: memory, not disk), mapped shared and registered with the transport. When
+the store node's process dies (a crash, an upgrade) and Ray restarts it on the same host,
+the new process maps the same file: the bytes are still there. Beside it, the node keeps
+an index of the values in it, each with a CRC32C of its bytes: a journal it appends to as
+it applies the master's messages (before it answers them, so every acknowledged put is in
+it), compacted now and then into a snapshot. A restarted node re-adopts an entry only if its checksum
+still matches the arena's bytes (a torn or overwritten value is a miss, never wrong
+bytes); the master then takes it back only if the value is the one it lost with the node
+(same key and generation, ``MasterState.mount``).
+
+Clients on the same host map the file themselves (UCX maps only memory it allocated
+itself), so reads and writes stay plain memory copies.
+
+Files of a Ray node that is gone (its raylet no longer runs) are removed by the next store
+node that starts on the host; ``mooncake-ray stop`` removes a store's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import zlib
+
+from mooncake_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "mooncake-ray."
+_MADV_POPULATE_WRITE = 23
+_INDEX_MAGIC = b"MCRIDX1\n"
+
+
+def boot_id() -> str:
+    """This host's boot id: two processes share a file in shared memory only if equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _name(namespace: str, node_id: str) -> str:
+    tag = f"{zlib.crc32(namespace.encode()):08x}"
+    return f"{PREFIX}{tag}.{node_id[:24]}"
+
+
+def _raylet_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"raylet" in f.read()
+    except OSError:
+        return False
+
+
+def collect_garbage(directory: str) -> int:
+    """Remove arena files whose Ray node is gone (its raylet process no longer runs).
+    Returns how many arenas were removed."""
+    n = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not (name.startswith(PREFIX) and name.endswith(".owner")):
+            continue
+        stem = os.path.join(directory, name[: -len(".owner")])
+        try:
+            with open(stem + ".owner") as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("boot_id") == boot_id() and _raylet_alive(int(owner.get("raylet_pid", 0))):
+            continue
+        remove_files(stem)
+        n += 1
+    return n
+
+
+def remove_files(stem: str) -> None:
+    for ext in (".arena", ".index", ".journal", ".owner", ".index.tmp"):
+        try:
+            os.unlink(stem + ext)
+        except FileNotFoundError:
+            pass
+
+
+class ArenaFile:
+    """The arena of one store node, mapped from ``<arena_dir>/mooncake-ray.<ns>.<node>.arena``.
+
+    ``reused`` tells whether the file existed with this size (a restart: its bytes and
+    index are the previous process's). Raises ``ConfigError`` when the directory lacks
+    room for a new arena."""
+
+    def __init__(self, directory: str, namespace: str, node_id: str, size: int, prefault: bool = True):
+        self.stem = os.path.join(directory, _name(namespace, node_id))
+        self.path = self.stem + ".arena"
+        self.index_path = self.stem + ".index"
+        self.journal_path = self.stem + ".journal"
+        try:
+            old = os.stat(self.path).st_size
+        except FileNotFoundError:
+            old = -1
+        self.reused = old == size and os.path.exists(self.index_path)
+        if not self.reused:
+            free = shutil.disk_usage(directory).free + max(old, 0)
+            if free < size:
+                raise ConfigError(f"elastic.arena_dir={directory!r} has {free} bytes free, less than "
+                                  f"segment_size_bytes={size}: give it room or set elastic.keep_arena=false")
+            # A new file (a new inode), never the old one truncated: a client may still map
+            # the old one, and pages cut from under a mapping fault on access.
+            remove_files(self.stem)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not self.reused:
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self.file_id = [st.st_dev, st.st_ino]
+        self.length = size
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.addr = ctypes.addressof(self._anchor)
+        if prefault:
+            try:
+                self._mm.madvise(_MADV_POPULATE_WRITE)  # allocate and map every page now
+            except OSError:  # kernels before 5.14: touch one byte per page
+                view = memoryview(self._mm)
+                for off in range(0, size, mmap.PAGESIZE):
+                    view[off] = view[off]
+                view.release()
+        with open(self.stem + ".owner", "w") as f:
+            json.dump({"namespace": namespace, "node_id": node_id, "raylet_pid": os.getppid(),
+                       "boot_id": boot_id(), "size": size}, f)
+        if not self.reused:
+            self.save_index([])
+        self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def checksum(self, offset: int, size: int) -> int:
+        from mooncake_ray._private.native import _native
+
+        return _native.spill_crc32c(self.addr + offset, size, 0) if size else 0
+
+    def load_index(self) -> list[tuple]:
+        """The entries the previous process saved (its snapshot, then its journal):
+        ``(key, gen, size, offset, length, pin, parent, crc)`` each."""
+        entries: dict[str, tuple] = {}
+        try:
+            with open(self.index_path, "rb") as f:
+                data = f.read()
+        except OSError:
+            data = b""
+        if data.startswith(_INDEX_MAGIC) and len(data) >= len(_INDEX_MAGIC) + 4:
+            body, (crc,) = data[len(_INDEX_MAGIC):-4], struct.unpack("<I", data[-4:])
+            if zlib.crc32(body) == crc:
+                for e in json.loads(body):
+                    entries[e[0]] = tuple(e)
+            else:
+                log.warning("arena index %s is corrupt: ignored", self.index_path)
+        try:
+            with open(self.journal_path, "rb") as f:
+                lines = f.read().split(b"\n")
+        except OSError:
+            lines = []
+        for line in lines:  # "<crc32 hex> [adds, drops]": a torn last line is skipped
+            if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
+                continue
+            adds, drops = json.loads(line[9:])
+            for key, gen in drops:
+                e = entries.get(key)
+                if e is not None and e[1] <= gen:
+                    del entries[key]
+            for e in adds:
+                entries[e[0]] = tuple(e)
+        return list(entries.values())
+
+    def journal(self, adds: list, drops: list) -> None:
+        """Append what one inventory message changed: ``adds`` as ``load_index`` returns
+        entries, ``drops`` as ``[key, gen]`` (entries of gen <= gen go)."""
+        body = json.dumps([adds, drops], separators=(",", ":")).encode()
+        os.write(self._jfd, b"%08x %s\n" % (zlib.crc32(body), body))
+
+    def journal_bytes(self) -> int:
+        return os.fstat(self._jfd).st_size
+
+    def save_index(self, entries: list) -> None:
+        """Replace the snapshot with ``entries`` (as ``load_index`` returns them),
+        atomically, and empty the journal (the caller holds off appends meanwhile)."""
+        body = json.dumps(entries, separators=(",", ":")).encode()
+        tmp = self.index_path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(_INDEX_MAGIC + body + struct.pack("<I", zlib.crc32(body)))
+        os.replace(tmp, self.index_path)
+        if getattr(self, "_jfd", None) is not None:
+            os.ftruncate(self._jfd, 0)
+
+    def remove(self) -> None:
+        """Delete the files (the mapping stays valid until the process ends)."""
+        remove_files(self.stem)
+
+
+def local_mapping(info: dict, protocol: str) -> tuple[str, int]:
+    """``(map_path, map_offset)`` for ``Engine.import_remote`` of a store node's arena
+    (``info``: the master's public view of the node) by an engine speaking ``protocol``:
+    the arena's file, when it is one in shared memory on this very host (same boot id,
+    same device and inode) and the engine may use shared memory; else ``("", 0)``."""
+    path = info.get("arena_file") or ""
+    if not path or protocol not in ("auto", "shm") or info.get("boot_id") != boot_id():
+        return "", 0
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "", 0
+    return (path, 0) if [st.st_dev, st.st_ino] == list(info.get("arena_file_id") or []) else ("", 0)

@@ -1,0 +1,295 @@
+"""The store follows the Ray cluster's size, on the shared multi-node cluster: a Ray node
+that joins gets a store node and takes puts; a node Ray drains moves its values to the
+others before it goes (none lost with room elsewhere, reads never failing meanwhile; with
+a deadline too short, only what it reports is lost); a store node SIGKILLed and restarted
+by Ray re-adopts its arena (a value corrupted on purpose is a miss); a rolling restart of
+every store node under load loses nothing."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from mooncake_ray._private import deploy, elastic
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+from mooncake_ray.cli import format_status
+from tests.conftest import STORE_RESOURCE, prometheus, query, wait_for  # noqa: F401 - fixture
+
+KB = 1024
+
+ELASTIC = {"poll_s": 0.5}
+PLACEMENT = {"allocation_strategy": "free_ratio_first", "put_slab_bytes": 0}
+
+
+def val(i, n=64 * KB):
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def extra_node(ray_cluster):
+    """Add Ray nodes with the store resource to the shared cluster; removed after the test."""
+    added = []
+
+    def add():
+        node = ray_cluster.add_node(num_cpus=1, resources={STORE_RESOURCE: 1})
+        ray_cluster.wait_for_nodes()
+        added.append(node)
+        return node
+
+    yield add
+    for node in added:
+        ray_cluster.remove_node(node, allow_graceful=False)
+    gone = {n.node_id for n in added}
+    wait_for(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] in gone), timeout_s=60,
+             what="removed nodes to be reported dead")
+
+
+def master_of(s):
+    return ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
+
+
+def mounted(master) -> dict:
+    return {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}
+
+
+def keys_on(master, keys, node_id) -> list:
+    where = ray.get(master.where.remote(keys))
+    return [k for k, reps in zip(keys, where) if any(r[0] == node_id for r in reps)]
+
+
+def event(master, kind, node_id, after=0.0):
+    return next((e for e in ray.get(master.events.remote())
+                 if e["event"] == kind and e.get("node_id") == node_id and e.get("time", after) >= after), None)
+
+
+class Load:
+    """Puts of new keys and reads of acknowledged ones, on threads, until stopped."""
+
+    def __init__(self, s, prefix, replicas=1):
+        self.s, self.prefix, self.replicas = s, prefix, replicas
+        self.acked: list[int] = []
+        self.wrong: list[str] = []
+        self.read_errors: list[str] = []
+        self.misses: list[str] = []
+        self.put_errors = 0
+        self.reads = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._writer), threading.Thread(target=self._reader)]
+        for t in self._threads:
+            t.start()
+
+    def _writer(self):
+        i = 0
+        while not self._stop.is_set():
+            try:
+                self.s.put(f"{self.prefix}{i}", val(i, 16 * KB), replicas=self.replicas)
+                self.acked.append(i)
+                i += 1
+            except Exception:  # noqa: BLE001 - counted; a put may fail while a node restarts
+                self.put_errors += 1
+                time.sleep(0.05)
+
+    def _reader(self):
+        rng = np.random.default_rng(0)
+        while not self._stop.is_set():
+            if not self.acked:
+                time.sleep(0.01)
+                continue
+            idx = [self.acked[int(j)] for j in rng.integers(0, len(self.acked), 16)]
+            try:
+                got = self.s.batch_get([f"{self.prefix}{i}" for i in idx])
+            except Exception as e:  # noqa: BLE001
+                self.read_errors.append(repr(e))
+                continue
+            for i, v in zip(idx, got):
+                if v is None:
+                    self.misses.append(f"{self.prefix}{i}")
+                elif v != val(i, 16 * KB):
+                    self.wrong.append(f"{self.prefix}{i}")
+            self.reads += 1
+
+    def stop(self):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def all_readable(self) -> list:
+        """The acknowledged keys that do not read back their bytes."""
+        got = self.s.batch_get([f"{self.prefix}{i}" for i in self.acked])
+        return [i for i, v in zip(self.acked, got) if v != val(i, 16 * KB)]
+
+
+def test_a_joined_node_gets_a_store_node_and_takes_puts(make_store, extra_node):
+    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    master = master_of(s)
+    assert len(mounted(master)) == 2
+    load = Load(s, "j")
+    wait_for(lambda: len(load.acked) > 20, what="puts before the join")
+    t0 = time.monotonic()
+    node = extra_node()
+    wait_for(lambda: node.node_id in mounted(master), timeout_s=60, what="the joined node's store node to mount")
+    join_s = time.monotonic() - t0
+    first = len(load.acked)
+    wait_for(lambda: keys_on(master, [f"j{i}" for i in load.acked[first:]], node.node_id), timeout_s=30,
+             what="a put placed on the joined node")
+    load.stop()
+    print(f"joined node mounted {join_s:.1f}s after it was added")
+    assert event(master, "joined", node.node_id) is not None
+    assert ray.get(master.stats.remote())["joins"] >= 1
+    assert load.wrong == [] and load.read_errors == [] and load.misses == []
+    assert load.all_readable() == []
+    assert s.stats()["capacity"] == 3 * (64 << 20)
+
+
+def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(make_store, extra_node, prometheus):
+    node = extra_node()
+    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    master = master_of(s)
+    assert node.node_id in mounted(master)
+    keys = [f"d{i}" for i in range(300)]
+    assert s.batch_put(keys, [val(i) for i in range(300)]) == [None] * 300
+    on_node = keys_on(master, keys, node.node_id)
+    assert len(on_node) > 50
+    load = Load(s, "dl")
+    stop, wrong, misses, errors, rounds = threading.Event(), [], [], [], [0]
+
+    def reader():
+        while not stop.is_set():
+            try:
+                got = s.batch_get(keys)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                continue
+            misses.extend(k for k, v in zip(keys, got) if v is None)
+            wrong.extend(k for i, (k, v) in enumerate(zip(keys, got)) if v is not None and v != val(i))
+            rounds[0] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    wait_for(lambda: rounds[0] >= 2, what="reads before the drain")
+    started = time.time()
+    elastic.drain_ray_node(node.node_id, "DRAIN_NODE_REASON_PREEMPTION", deadline_s=30)
+    report = wait_for(lambda: event(master, "drained", node.node_id), timeout_s=40, what="the drain to finish")
+    before = rounds[0]
+    wait_for(lambda: rounds[0] >= before + 2, what="reads after the drain")
+    stop.set()
+    t.join()
+    load.stop()
+    print("drain:", report, f"in {report['time'] - started:.1f}s")
+    assert report["lost_keys"] == 0 and report["lost_bytes"] == 0
+    assert report["moved_keys"] >= len(on_node)
+    assert node.node_id not in mounted(master)
+    assert errors == [] and misses == [] and wrong == []
+    assert load.wrong == [] and load.misses == [] and load.read_errors == []
+    assert keys_on(master, keys, node.node_id) == []
+    assert s.batch_get(keys) == [val(i) for i in range(300)]
+    assert load.all_readable() == []
+    status = format_status(deploy.store_stats(s.config.namespace))
+    assert f"drained: {report['moved_keys']} keys" in status and "drains 1:" in status
+    wait_for(lambda: sum(float(r["value"][1]) for r in query(prometheus, "ray_mooncake_drain_moved_keys_total"))
+             >= report["moved_keys"], timeout_s=60, interval_s=1, what="the drain's moved keys in Prometheus")
+
+
+def test_a_drain_deadline_too_short_loses_only_what_it_reports(make_store, extra_node):
+    node = extra_node()
+    s = make_store(elastic={**ELASTIC, "drain_margin_s": 0.0, "drain_batch_bytes": "1mb"}, master=PLACEMENT)
+    master = master_of(s)
+    keys = [f"s{i}" for i in range(400)]
+    size = 128 * KB
+    assert s.batch_put(keys, [val(i, size) for i in range(400)]) == [None] * 400
+    on_node = keys_on(master, keys, node.node_id)
+    assert len(on_node) > 50
+    elastic.drain_ray_node(node.node_id, "DRAIN_NODE_REASON_PREEMPTION", deadline_s=1.0)
+    report = wait_for(lambda: event(master, "drained", node.node_id), timeout_s=30, what="the drain to finish")
+    print("short drain:", report)
+    got = s.batch_get(keys)
+    missing = [k for k, v in zip(keys, got) if v is None]
+    assert [k for i, (k, v) in enumerate(zip(keys, got)) if v is not None and v != val(i, size)] == []
+    assert len(missing) == report["lost_keys"] and report["lost_bytes"] == report["lost_keys"] * size
+    assert set(missing) <= set(on_node)
+    assert report["moved_keys"] + report["lost_keys"] == len(on_node)
+
+
+def sigkill_and_wait(s, master, node_id) -> float:
+    """SIGKILL ``node_id``'s store node; returns when Ray restarted it and it mounted again
+    (the time of the kill)."""
+    old = mounted(master)[node_id]
+    t0 = time.time()
+    os.kill(ray.get(ray.get_actor(store_actor_name(node_id), namespace=s.config.namespace).pid.remote()), 9)
+    wait_for(lambda: mounted(master).get(node_id) not in (None, old), timeout_s=60,
+             what="the restarted store node to mount")
+    return t0
+
+
+def _arena_file(master, node_id):
+    return next(n for n in ray.get(master.nodes.remote()) if n["node_id"] == node_id)["arena_file"]
+
+
+def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss(make_store, ray_cluster):
+    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    master = master_of(s)
+    keys = [f"r{i}" for i in range(200)]
+    assert s.batch_put(keys, [val(i, 32 * KB) for i in range(200)]) == [None] * 200
+    victim = ray_cluster.store_node_ids[0]
+    on_victim = keys_on(master, keys, victim)
+    assert len(on_victim) > 20
+    entries = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
+    bad = on_victim[3]
+    path = _arena_file(master, victim)
+    assert path.startswith("/dev/shm/")
+    with open(path, "r+b") as f:  # flip bytes of one value inside the arena
+        f.seek(entries[bad][4] + 100)
+        f.write(bytes(b ^ 0xFF for b in f.read(16)))
+    t0 = sigkill_and_wait(s, master, victim)
+    readopted = wait_for(lambda: event(master, "readopted", victim, after=t0), timeout_s=30,
+                         what="the re-adoption event")
+    print("re-adopted:", readopted)
+    assert readopted["dropped"] == 1 and readopted["keys"] == len(on_victim) - 1
+    got = s.batch_get(keys)
+    assert [k for i, (k, v) in enumerate(zip(keys, got)) if k != bad and v != val(i, 32 * KB)] == []
+    assert got[keys.index(bad)] is None
+    assert len(keys_on(master, keys, victim)) == len(on_victim) - 1
+    stats = ray.get(master.stats.remote())
+    assert stats["readoptions"] >= 1 and stats["readopted_keys"] >= len(on_victim) - 1
+    assert f"re-adopted its arena: {len(on_victim) - 1} keys kept, 1 failed" in format_status(
+        deploy.store_stats(s.config.namespace))
+
+
+def test_a_removed_value_does_not_come_back_with_its_restarted_node(make_store, ray_cluster):
+    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    master = master_of(s)
+    keys = [f"x{i}" for i in range(60)]
+    assert s.batch_put(keys, [val(i, 8 * KB) for i in range(60)]) == [None] * 60
+    victim = ray_cluster.store_node_ids[1]
+    on_victim = keys_on(master, keys, victim)
+    gone = on_victim[:5]
+    for k in gone:
+        assert s.remove(k)
+    sigkill_and_wait(s, master, victim)
+    got = dict(zip(keys, s.batch_get(keys)))
+    assert [k for k in gone if got[k] is not None] == []
+    assert [k for k in on_victim[5:] if got[k] != val(keys.index(k), 8 * KB)] == []
+
+
+def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_store, ray_cluster, extra_node):
+    extra_node()
+    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    master = master_of(s)
+    nodes = sorted(mounted(master))
+    assert len(nodes) == 3
+    load = Load(s, "rr")
+    wait_for(lambda: len(load.acked) > 50, what="puts before the restarts")
+    windows = []
+    for node_id in nodes:
+        misses = len(load.misses)
+        t0 = sigkill_and_wait(s, master, node_id)
+        wait_for(lambda: event(master, "readopted", node_id, after=t0), timeout_s=30, what="re-adoption")
+        windows.append((node_id[:8], round(time.time() - t0, 2), len(load.misses) - misses))
+    load.stop()
+    print("restarts (node, seconds until mounted again, reads that missed meanwhile):", windows,
+          "acked puts:", len(load.acked), "put errors:", load.put_errors, "reads:", load.reads)
+    assert load.wrong == [] and load.read_errors == []
+    assert load.all_readable() == [], "acknowledged keys lost across the rolling restart"

@@ -1,0 +1,111 @@
+"""A store node's arena in named shared memory (store/arena.py) and the master's check of
+what a restarted node re-adopts (MasterState.mount): no Ray."""
+
+import os
+
+import pytest
+
+from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.state import MasterState, Policy
+from mooncake_ray._private.master.types import NodeInfo
+from mooncake_ray._private.store import arena
+from tests.unit.test_master_state import Clock
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def shm(tmp_path):
+    return str(tmp_path)
+
+
+def test_a_reopened_arena_keeps_its_bytes_and_its_index(shm):
+    a = arena.ArenaFile(shm, "ns", "node1", MB)
+    assert not a.reused
+    view = memoryview(a._mm)
+    view[4096:4096 + 5] = b"hello"
+    a.journal([["k", 7, 5, 4096, 4096, 0, "", a.checksum(4096, 5)]], [])
+    a.journal([["j", 8, 3, 8192, 4096, 0, "", a.checksum(8192, 3)]], [])
+    a.journal([], [["j", 8]])
+    view.release()
+    b = arena.ArenaFile(shm, "ns", "node1", MB)
+    assert b.reused and b.path == a.path
+    assert bytes(b._mm[4096:4101]) == b"hello"
+    assert b.load_index() == [("k", 7, 5, 4096, 4096, 0, "", a.checksum(4096, 5))]
+    b.save_index([list(e) for e in b.load_index()])  # compaction empties the journal
+    assert b.journal_bytes() == 0 and arena.ArenaFile(shm, "ns", "node1", MB).load_index()[0][0] == "k"
+
+
+def test_a_torn_journal_line_and_a_corrupt_snapshot_are_ignored(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    a.journal([["k", 1, 1, 0, 4096, 0, "", 0]], [])
+    with open(a.journal_path, "ab") as f:
+        f.write(b"0badf00d [[[\"x\"")  # a write cut short by the crash
+    assert [e[0] for e in a.load_index()] == ["k"]
+    with open(a.index_path, "r+b") as f:
+        f.seek(10)
+        f.write(b"!!")
+    os.unlink(a.journal_path)
+    assert a.load_index() == []
+
+
+def test_a_new_size_makes_a_new_zeroed_file_and_the_old_mapping_stays_valid(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    a._mm[0:3] = b"old"
+    ino = os.stat(a.path).st_ino
+    b = arena.ArenaFile(shm, "ns", "n", 2 * MB)
+    assert not b.reused and os.stat(b.path).st_ino != ino
+    assert bytes(b._mm[0:3]) == b"\0\0\0" and bytes(a._mm[0:3]) == b"old"
+
+
+def test_files_of_a_gone_ray_node_are_collected(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    assert arena.collect_garbage(shm) == 1  # the process that made it is not a raylet
+    assert not os.path.exists(a.path) and not os.path.exists(a.index_path)
+
+
+def test_a_local_mapping_needs_the_same_file_and_a_shared_memory_protocol(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    info = {"arena_file": a.path, "arena_file_id": a.file_id, "boot_id": arena.boot_id()}
+    assert arena.local_mapping(info, "auto") == (a.path, 0)
+    assert arena.local_mapping(info, "tcp") == ("", 0)
+    assert arena.local_mapping({**info, "boot_id": "another host"}, "auto") == ("", 0)
+    assert arena.local_mapping({**info, "arena_file_id": [0, 0]}, "auto") == ("", 0)
+
+
+def test_a_full_directory_is_a_config_error_naming_the_setting(shm, monkeypatch):
+    monkeypatch.setattr(arena.shutil, "disk_usage", lambda d: type("U", (), {"free": MB})())
+    with pytest.raises(arena.ConfigError, match="elastic.keep_arena"):
+        arena.ArenaFile(shm, "ns", "n", 4 * MB)
+
+
+def node(inc):
+    return NodeInfo("n0", inc, b"a", b"r", 0, 64 * ALIGN)
+
+
+def test_the_master_takes_back_only_what_it_lost_with_the_node():
+    clock = Clock()
+    m = MasterState(Policy(), clock=clock, wall_ns=lambda: 0, seed=1)
+    m.mount(node("a"))
+    for k in ("keep", "removed", "replaced"):
+        gen, _ = m.put_start(k, ALIGN)
+        m.put_end(k, gen)
+    held = {e.key: e for e in m.node_entries("n0")}
+    m.remove("removed")
+    gen, _ = m.put_start("replaced", ALIGN, upsert=True)
+    m.put_end("replaced", gen)
+    m.unmount("n0")  # the process died
+    assert m.get("keep") is None
+    stale_replaced = held["replaced"]
+    m.mount(node("b"), [list(held["keep"]), list(held["removed"]), list(stale_replaced)])
+    assert m.get("keep") is not None
+    assert m.get("removed") is None
+    assert m.get("replaced") is None  # its newer value died with the node too; the older one stays gone
+    assert m.counters["readopt_refused"] == 2
+    m.check_invariants()
+
+
+def test_a_master_that_never_knew_the_node_takes_its_entries():
+    m = MasterState(Policy(), clock=Clock(), wall_ns=lambda: 0, seed=1)
+    m.mount(node("a"), [["k", 5, ALIGN, "dram", 0, ALIGN]])
+    assert m.get("k")[1] == 5
