@@ -692,6 +692,7 @@ def main() -> None:
     ap.add_argument("--mooncake-local-buffer", type=int, default=256 << 20)
     ap.add_argument("--perftest-iters", type=int, default=128)
     ap.add_argument("--no-mooncake", action="store_true")
+    ap.add_argument("--store-json", default="{}", help='more of our StoreConfig, e.g. \'{"elastic": {"keep_arena": false}}\'')
     ap.add_argument("--no-perftest", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "bench_transport.json"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results file")
@@ -765,7 +766,8 @@ def main() -> None:
             ns = f"bench_transport_{proto}_{r}"
             t = time.perf_counter()
             store = mooncake_ray.start({"segment_size_bytes": args.segment, "namespace": ns,
-                                        "transport": {"protocol": proto, "devices": ["lo"]}})
+                                        "transport": {"protocol": proto, "devices": ["lo"]},
+                                        **json.loads(args.store_json)})
             t_up = time.perf_counter() - t
             peers = {"ours": Ours(store, f"ours_{proto}")}
             warm_pool(peers["ours"], f"warm/{proto}/{r}", parse_size(args.segment))

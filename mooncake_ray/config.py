@@ -189,7 +189,7 @@ class SpillConfig(_Model):
 
 
 class ElasticConfig(_Model):
-    """How the store follows the Ray cluster's size (``docs/elastic.md``)."""
+    """How the store follows the Ray cluster's size (``docs/internals.md``, "Elastic store")."""
 
     join: bool = True
     """A Ray node that joins the running cluster (with ``store_resource``, or any node when

@@ -57,6 +57,9 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    from mooncake_ray._private.store import arena
+
+    arena.collect_garbage("/dev/shm")  # arenas of store nodes the shutdown killed
 
 
 def store_config(**overrides) -> dict:

@@ -251,11 +251,12 @@ void bind_transport(nb::module_& m) {
         return e.connect(a, timeout_s);
       }, "address"_a, "timeout_s"_a)
       .def("import_remote", [](mcr::Engine& e, std::shared_ptr<mcr::Peer> peer, nb::bytes rkey,
-                               uint64_t base, uint64_t length, std::string map_path, uint64_t map_offset) {
+                               uint64_t base, uint64_t length, std::string map_path, uint64_t map_offset,
+                               bool populate) {
         std::string k(rkey.c_str(), rkey.size());
         nb::gil_scoped_release nogil;
-        return e.import_remote(peer, k, base, length, map_path, map_offset);
-      }, "peer"_a, "rkey"_a, "base"_a, "length"_a, "map_path"_a = "", "map_offset"_a = 0)
+        return e.import_remote(peer, k, base, length, map_path, map_offset, populate);
+      }, "peer"_a, "rkey"_a, "base"_a, "length"_a, "map_path"_a = "", "map_offset"_a = 0, "populate"_a = true)
       .def("transfer", [](mcr::Engine& e, nb::handle ops, bool is_read, std::optional<double> timeout_s) {
         auto v = parse_ops(ops);
         nb::gil_scoped_release nogil;

@@ -6,8 +6,11 @@ by Ray re-adopts its arena (a value corrupted on purpose is a miss); a rolling r
 every store node under load loses nothing."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,7 +147,8 @@ def test_a_joined_node_gets_a_store_node_and_takes_puts(make_store, extra_node):
     assert s.stats()["capacity"] == 3 * (64 << 20)
 
 
-def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(make_store, extra_node, prometheus):
+def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(make_store, ray_cluster, extra_node,
+                                                                                 prometheus):
     node = extra_node()
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
     master = master_of(s)
@@ -171,7 +175,11 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
     t.start()
     wait_for(lambda: rounds[0] >= 2, what="reads before the drain")
     started = time.time()
-    elastic.drain_ray_node(node.node_id, "DRAIN_NODE_REASON_PREEMPTION", deadline_s=30)
+    # As an operator does it (a spot node's preemption notice).
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", ray_cluster.address,
+                    "--node-id", node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                    "--reason-message", "spot preemption", "--deadline-remaining-seconds", "30"],
+                   check=True, capture_output=True, timeout=60)
     report = wait_for(lambda: event(master, "drained", node.node_id), timeout_s=40, what="the drain to finish")
     before = rounds[0]
     wait_for(lambda: rounds[0] >= before + 2, what="reads after the drain")

@@ -38,6 +38,7 @@ class _Drain:
     cursor: int = 0
     settled: bool = False  # the last rescan found nothing new
     moving: dict = field(default_factory=dict)  # (key, dst node, dst offset) -> (obj, replica)
+    moving_keys: set = field(default_factory=set)
     moved: int = 0
     moved_bytes: int = 0
     failed: int = 0
@@ -83,7 +84,7 @@ class Drains:
         return True
 
     def _targets(self, node_id: str) -> list[NodeInfo]:
-        """The nodes a drained value may go to, most free first."""
+        """The nodes a drained value may go to, most free first (at the start of a batch)."""
         usable = [n for n in self._nodes.values() if n.node_id != node_id and not n.suspect and not n.draining]
         return sorted(usable, key=lambda n: -self._alloc[n.node_id].free)
 
@@ -105,8 +106,7 @@ class Drains:
                 if d.settled:
                     break
                 # Values the node took after the drain began (put slabs granted before it).
-                moving = {k for k, _n, _o in d.moving}
-                d.order = [k for k in self._on_node(node_id) if k not in moving]
+                d.order = [k for k in self._on_node(node_id) if k not in d.moving_keys]
                 d.cursor, d.settled = 0, True
                 continue
             key = d.order[d.cursor]
@@ -114,7 +114,7 @@ class Drains:
             src = None if obj is None else next(
                 (r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready
                  and not r.offloading), None)
-            if src is None or any(k == key for k, _n, _o in d.moving) or any(
+            if src is None or key in d.moving_keys or any(
                     r.node_id != node_id and r.tier is Tier.DRAM and r.ready for r in obj.replicas):
                 d.cursor += 1  # gone, on disk only, being moved, or readable elsewhere already
                 continue
@@ -125,6 +125,7 @@ class Drains:
             d.settled = False
             obj.replicas.append(dst)
             d.moving[(key, dst.node_id, dst.offset)] = (obj, dst)
+            d.moving_keys.add(key)
             out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
             total += obj.size
         return out, False
@@ -150,6 +151,7 @@ class Drains:
             got = d.moving.pop((key, dst_node, dst_offset), None)
             if got is None:
                 continue
+            d.moving_keys.discard(key)
             obj, rep = got
             if self._objects.get(key) is not obj or obj.gen != gen:
                 continue  # removed or replaced meanwhile: its extents went with it
@@ -180,6 +182,7 @@ class Drains:
             for k, (obj, rep) in list(d.moving.items()):
                 if rep.deadline <= now:
                     del d.moving[k]
+                    d.moving_keys.discard(k[0])
                     if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
                         self._reps.drop_replica(obj, rep, now)
 

@@ -96,7 +96,9 @@ class StoreNodeActor:
         self.incarnation = uuid.uuid4().hex[:16]
         t = self.cfg.transport
         self.engine = role_engine(self.cfg, f"store-{node_id[:8]}", server=True)
+        self.startup = {"engine_s": time.time() - self.started_at}  # seconds from the process's start
         self.arena_file, self.arena = self._open_arena()
+        self.startup["arena_s"] = time.time() - self.started_at
         self._lock = threading.Lock()
         n = self.cfg.master.shards
         self._links = [_ShardLink(i, shards.arena_part(self.arena.length, n, i),
@@ -106,6 +108,7 @@ class StoreNodeActor:
         self._stall_until = 0.0  # fault injection: inventory messages wait until then
         self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
         self.readopted = self._readopt() if self.arena_file is not None and self.arena_file.reused else None
+        self.startup["readopted_s"] = time.time() - self.started_at
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
         for link in self._links:
@@ -404,6 +407,7 @@ class StoreNodeActor:
             mount_id, entries = link.inv.begin_mount()
         ray.get(master.mount.remote(self.info(link.shard), entries, mount_id), timeout=60)
         link.mounted.set()
+        self.startup.setdefault("mounted_s", time.time() - self.started_at)
         if self.readopted is not None and link.shard == 0 and not self.readopted.get("reported"):
             master.note_event.remote(self.readopted)
             self.readopted["reported"] = True
@@ -441,9 +445,9 @@ class StoreNodeActor:
 
     # ------------------------------------------------------------------- drain --
     def _drain_watch_loop(self) -> None:
-        """Watch Ray's drain of this node; drain the store node once it starts. A node
-        Ray stops draining (or a drain that was never followed by the node's end) mounts
-        again, empty."""
+        """Watch Ray's drain of this node; drain the store node once it starts (a drain that
+        failed, e.g. the master restarting, is tried again at the next look). A node Ray
+        no longer drains mounts again with what it still holds."""
         from mooncake_ray._private import elastic
 
         while not self._stop.wait(self.cfg.elastic.poll_s):
@@ -472,32 +476,60 @@ class StoreNodeActor:
         until = (deadline - el.drain_margin_s) if deadline > 0 else time.time() + el.drain_no_deadline_s
         started = time.monotonic()
         total = {"moved_keys": 0, "moved_bytes": 0, "failed_moves": 0, "lost_keys": 0, "lost_bytes": 0}
+        spent = {"connect_s": 0.0, "plan_s": 0.0, "copy_s": 0.0, "done_s": 0.0}
         masters = [self._master_handle(link) for link in self._links]
         ray.get([m.drain_begin.remote(self.node_id) for m in masters], timeout=60)
         for link, master in zip(self._links, masters):
-            self._drain_shard(master, until)
+            self._drain_shard(master, until, spent)
             link.left = True
-            report = ray.get(master.drain_end.remote(self.node_id), timeout=60)
+            try:
+                report = ray.get(master.drain_end.remote(self.node_id), timeout=60)
+            except BaseException:
+                link.left = False  # still mounted there: keep heartbeating, drain again later
+                raise
             link.mounted.clear()
             for k in total:
                 total[k] += report[k]
         self._left.set()
-        total.update(node_id=self.node_id, seconds=time.monotonic() - started, deadline=deadline)
+        total.update(node_id=self.node_id, seconds=time.monotonic() - started, deadline=deadline, **spent)
         self.drain_report = total
         log.warning("drained: %d keys (%d bytes) moved, %d keys (%d bytes) lost in %.1fs", total["moved_keys"],
                     total["moved_bytes"], total["lost_keys"], total["lost_bytes"], total["seconds"])
         return total
 
-    def _drain_shard(self, master, until: float) -> None:
+    def _drain_shard(self, master, until: float, spent: dict) -> None:
+        """Plan, copy and report batches of moves with one master shard, pipelined: the
+        next batch is planned while the last one's bytes are copied, and reports are sent
+        without waiting (all are waited for before the drain ends)."""
         regions: dict[str, object] = {}
         base, cap = self.arena.addr, self.arena.length
         timeout = self.cfg.transport.transfer_timeout_s
+        inflight, reports = None, []
+
+        def finish(batch) -> None:
+            plan, ok, handle, t_copy = batch
+            if handle is not None:
+                try:
+                    handle.wait(min(timeout, max(1.0, until - time.time())))
+                except MooncakeRayError as e:  # one bad target fails the batch: count it, go on
+                    log.warning("drain: a batch of %d moves failed (%s)", len(plan), e)
+                    ok = [False] * len(plan)
+            spent["copy_s"] += time.monotonic() - t_copy
+            reports.append(master.drain_done.remote(
+                self.node_id, [[k, g, dst, off, good] for (k, g, _s, _src, dst, off), good in zip(plan, ok)]))
+
         while time.time() < until:
-            plan, again = ray.get(master.drain_plan.remote(self.node_id, self.cfg.elastic.drain_batch_bytes),
-                                  timeout=60)
+            t0 = time.monotonic()
+            ref = master.drain_plan.remote(self.node_id, self.cfg.elastic.drain_batch_bytes)
+            if inflight is not None:
+                finish(inflight)
+                inflight = None
+            plan, again = ray.get(ref, timeout=60)
+            t1 = time.monotonic()
+            spent["plan_s"] += t1 - t0
             if not plan:
                 if not again:
-                    return
+                    break
                 time.sleep(0.05)  # puts into this node still in flight
                 continue
             if any(dst not in regions for *_x, dst, _o in plan):
@@ -505,21 +537,28 @@ class StoreNodeActor:
                     if info["node_id"] not in regions and info["node_id"] != self.node_id:
                         try:
                             peer = self.engine.connect(info["address"])
+                            # Not populated: a drain writes a part of each arena once.
                             regions[info["node_id"]] = self.engine.import_remote(
-                                peer, info["rkey"], info["base"], info["capacity"], *arena.local_mapping(info, self.engine.protocol))
+                                peer, info["rkey"], info["base"], info["capacity"],
+                                *arena.local_mapping(info, self.engine.protocol), populate=False)
                         except MooncakeRayError as e:
                             log.warning("drain: store node %s unreachable (%s)", info["node_id"], e)
+            t2 = time.monotonic()
+            spent["connect_s"] += t2 - t1
             ok = [dst in regions and _extent_ok(src, size, cap) for _k, _g, size, src, dst, _o in plan]
             ops = [(regions[dst], dst_off, base + src, size)
                    for (_k, _g, size, src, dst, dst_off), good in zip(plan, ok) if good and size]
             try:
-                self.engine.write(ops, timeout_s=min(timeout, max(1.0, until - time.time())))
-            except MooncakeRayError as e:  # one bad target fails the batch: count it, go on
-                log.warning("drain: a batch of %d moves failed (%s)", len(ops), e)
-                ok = [False] * len(plan)
-            ray.get(master.drain_done.remote(
-                self.node_id, [[k, g, dst, off, good] for (k, g, _s, _src, dst, off), good in zip(plan, ok)]),
-                timeout=60)
+                handle = self.engine.write_async(ops) if ops else None
+            except MooncakeRayError as e:
+                log.warning("drain: a batch of %d moves was refused (%s)", len(ops), e)
+                handle, ok = None, [False] * len(plan)
+            inflight = (plan, ok, handle, t2)
+        if inflight is not None:
+            finish(inflight)
+        t3 = time.monotonic()
+        ray.get(reports, timeout=60)
+        spent["done_s"] += time.monotonic() - t3
 
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:
         """Whether every master shard has mounted this node within ``timeout_s``."""
@@ -537,7 +576,7 @@ class StoreNodeActor:
         counts = {k: sum(p[k] for p in parts) for k in parts[0]}
         out = {"node_id": self.node_id, "capacity": self.arena.length, **counts,
                "left": self._left.is_set(), "drain": self.drain_report, "started_at": self.started_at,
-               "readopted": self.readopted}
+               "readopted": self.readopted, "startup": self.startup}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}

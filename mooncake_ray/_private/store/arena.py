@@ -129,6 +129,10 @@ class ArenaFile:
         self.length = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.addr = ctypes.addressof(self._anchor)
+        try:  # huge pages where the tmpfs allows them (mounted huge=advise, or shmem_enabled)
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
         if prefault:
             try:
                 self._mm.madvise(_MADV_POPULATE_WRITE)  # allocate and map every page now

@@ -363,18 +363,21 @@ class Engine:
         return self._native.connect(bytes(address), float(t))
 
     def import_remote(self, peer: Peer, rkey: bytes, base: int, length: int, map_path: str = "",
-                      map_offset: int = 0) -> RemoteRegion:
+                      map_offset: int = 0, populate: bool = True) -> RemoteRegion:
         """A remote region [base, base+length) under ``rkey`` (cached per peer).
 
         ``map_path``: the file on this host that holds the remote memory (a store node's
         arena kept in named shared memory, ``store/arena.py``; the caller checks it is the
         owner's), ``map_offset`` the file offset of ``base``. Used only where UCX cannot map
         the memory itself; reads and writes are then plain copies, as for UCX's own.
+        ``populate``: fill this process's page tables for a same-host mapping now (false:
+        at each page's first touch; for a few writes into a large region).
 
         Raises:
             NotRegisteredError: the key cannot be unpacked. NodeUnavailableError.
         """
-        return self._native.import_remote(peer, bytes(rkey), int(base), int(length), map_path, int(map_offset))
+        return self._native.import_remote(peer, bytes(rkey), int(base), int(length), map_path, int(map_offset),
+                                          bool(populate))
 
     # ---- transfers ------------------------------------------------------------------
     def write(self, ops: Iterable[TransferOp], timeout_s: float | None = None) -> None:

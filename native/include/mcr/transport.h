@@ -324,10 +324,13 @@ class Engine {
   // map_path: where UCX cannot map the remote memory itself (registered, not allocated by
   // it), the file holding it on this host, and ``map_offset`` the file offset of ``base``
   // (the caller checked it is the owner's file): mapped here for same-host memcpy.
+  // populate: fill this process's page tables for a same-host mapping now (reads and
+  // writes of the whole region to come); false leaves them to the first touch of each
+  // page (a few writes into a large region, e.g. a drain's).
   std::shared_ptr<RemoteRegion> import_remote(const std::shared_ptr<Peer>& peer,
                                               const std::string& rkey, uint64_t base,
                                               uint64_t length, const std::string& map_path = "",
-                                              uint64_t map_offset = 0);
+                                              uint64_t map_offset = 0, bool populate = true);
 
   std::shared_ptr<Op> submit(std::vector<IoOp>& ops, bool is_read);
 

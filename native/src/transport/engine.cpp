@@ -7,6 +7,7 @@
 // round trip of a few µs that avoids two thread wake-ups. Whoever stops progressing a
 // lane leaves its worker armed (Lane::arm_for_sleep), so the sleeping progress thread is
 // woken by the next event whichever thread consumed the previous one.
+#include <sys/mman.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -506,6 +507,8 @@ void EngineCore::close() {
         if (rk) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rk));
       rr->rkeys_.clear();
       rr->ptr_ = nullptr;
+      if (rr->file_map_) munmap(rr->file_map_, rr->file_map_len_);  // an owner's arena file
+      rr->file_map_ = nullptr;
     }
     rr_all.clear();
   }
@@ -584,8 +587,8 @@ std::shared_ptr<Peer> Engine::connect(const std::string& address, double timeout
 std::shared_ptr<RemoteRegion> Engine::import_remote(const std::shared_ptr<Peer>& peer,
                                                     const std::string& rkey, uint64_t base,
                                                     uint64_t length, const std::string& map_path,
-                                                    uint64_t map_offset) {
-  return core_->import_remote(peer, rkey, base, length, map_path, map_offset);
+                                                    uint64_t map_offset, bool populate) {
+  return core_->import_remote(peer, rkey, base, length, map_path, map_offset, populate);
 }
 std::shared_ptr<Op> Engine::submit(std::vector<IoOp>& ops, bool is_read) {
   return core_->submit(ops, is_read);

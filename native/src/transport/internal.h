@@ -278,7 +278,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   std::shared_ptr<RemoteRegion> import_remote(const std::shared_ptr<Peer>& peer,
                                               const std::string& rkey, uint64_t base,
                                               uint64_t len, const std::string& map_path,
-                                              uint64_t map_offset);
+                                              uint64_t map_offset, bool populate);
 
   // rma.cpp
   std::shared_ptr<Op> submit(std::vector<IoOp>& ops, bool is_read);

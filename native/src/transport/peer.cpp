@@ -459,7 +459,7 @@ RemoteRegion::~RemoteRegion() {
 std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Peer>& peer,
                                                         const std::string& rkey, uint64_t base,
                                                         uint64_t len, const std::string& map_path,
-                                                        uint64_t map_offset) {
+                                                        uint64_t map_offset, bool populate) {
   ActiveGuard guard(this);
   if (!peer) throw Error(Code::kInvalidArgument, "peer is None");
   if (peer->core_.get() != this) throw Error(Code::kInvalidArgument, "peer belongs to another engine");
@@ -513,7 +513,7 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     rr->ptr_ = static_cast<char*>(m) + skew;
     p0 = rr->ptr_;
   }
-  if (rr->ptr_) {
+  if (rr->ptr_ && populate) {
     // This process's mapping of the owner's memory starts with empty page tables: every
     // first touch of a 4 KiB page is a minor fault (~1024 per 4 MiB written, measured to
     // cost as much as the copy). Populate them once, now, not on the data path.
