@@ -109,3 +109,16 @@ def test_a_master_that_never_knew_the_node_takes_its_entries():
     m = MasterState(Policy(), clock=Clock(), wall_ns=lambda: 0, seed=1)
     m.mount(node("a"), [["k", 5, ALIGN, "dram", 0, ALIGN]])
     assert m.get("k")[1] == 5
+
+
+def test_files_of_another_host_or_pid_namespace_are_left_alone(shm):
+    import json
+
+    a = arena.ArenaFile(shm, "ns", "other", MB)
+    owner = a.stem + ".owner"
+    with open(owner) as f:
+        rec = json.load(f)
+    for field in ("boot_id", "pid_ns"):
+        with open(owner, "w") as f:
+            json.dump({**rec, field: "elsewhere"}, f)
+        assert arena.collect_garbage(shm) == 0 and os.path.exists(a.path)

@@ -52,6 +52,13 @@ def _name(namespace: str, node_id: str) -> str:
     return f"{PREFIX}{tag}.{node_id[:24]}"
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _raylet_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -62,7 +69,8 @@ def _raylet_alive(pid: int) -> bool:
 
 def collect_garbage(directory: str) -> int:
     """Remove arena files whose Ray node is gone (its raylet process no longer runs).
-    Returns how many arenas were removed."""
+    Only files made on this host in this PID namespace are judged (a process id means
+    nothing elsewhere). Returns how many arenas were removed."""
     n = 0
     try:
         names = os.listdir(directory)
@@ -77,7 +85,9 @@ def collect_garbage(directory: str) -> int:
                 owner = json.load(f)
         except (OSError, ValueError):
             owner = {}
-        if owner.get("boot_id") == boot_id() and _raylet_alive(int(owner.get("raylet_pid", 0))):
+        if owner and (owner.get("boot_id") != boot_id() or owner.get("pid_ns", "") != _pid_namespace()):
+            continue  # another host's or container's: not ours to judge
+        if owner and _raylet_alive(int(owner.get("raylet_pid", 0))):
             continue
         remove_files(stem)
         n += 1
@@ -143,7 +153,7 @@ class ArenaFile:
                 view.release()
         with open(self.stem + ".owner", "w") as f:
             json.dump({"namespace": namespace, "node_id": node_id, "raylet_pid": os.getppid(),
-                       "boot_id": boot_id(), "size": size}, f)
+                       "boot_id": boot_id(), "pid_ns": _pid_namespace(), "size": size}, f)
         if not self.reused:
             self.save_index([])
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
