@@ -314,3 +314,17 @@ def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_sto
     assert load.all_readable() == [], "acknowledged keys lost across the rolling restart"
     if replicas == 2:
         assert load.misses == [], "reads missed although another replica held the value"
+
+
+def test_stopping_the_store_removes_its_arena_files(ray_cluster):
+    import mooncake_ray
+    from tests.conftest import store_config
+
+    cfg = store_config(elastic=ELASTIC)
+    s = mooncake_ray.start(cfg)
+    master = master_of(s)
+    files = [n["arena_file"] for n in ray.get(master.nodes.remote())]
+    assert len(files) == 2 and all(os.path.exists(f) and f.startswith("/dev/shm/") for f in files)
+    s.close()
+    deploy.teardown(cfg["namespace"])
+    assert [f for f in files if os.path.exists(f)] == []

@@ -39,6 +39,7 @@ class _Drain:
     settled: bool = False  # the last rescan found nothing new
     moving: dict = field(default_factory=dict)  # (key, dst node, dst offset) -> (obj, replica)
     moving_keys: set = field(default_factory=set)
+    failed_keys: set = field(default_factory=set)  # a move failed: not tried again
     moved: int = 0
     moved_bytes: int = 0
     failed: int = 0
@@ -114,9 +115,9 @@ class Drains:
             src = None if obj is None else next(
                 (r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready
                  and not r.offloading), None)
-            if src is None or key in d.moving_keys or any(
+            if src is None or key in d.moving_keys or key in d.failed_keys or any(
                     r.node_id != node_id and r.tier is Tier.DRAM and r.ready for r in obj.replicas):
-                d.cursor += 1  # gone, on disk only, being moved, or readable elsewhere already
+                d.cursor += 1  # gone, on disk only, being moved, failed, or readable elsewhere
                 continue
             dst = self._place(obj, targets, now)
             if dst is None:
@@ -161,6 +162,7 @@ class Drains:
                 continue
             if not ok or dst_node not in self._nodes:
                 d.failed += 1
+                d.failed_keys.add(key)
                 self._reps.drop_replica(obj, rep, now)
                 continue
             rep.ready, rep.deadline = True, 0.0

@@ -180,11 +180,10 @@ class StoreNodeActor:
         value with the checksum of its bytes (under the lock: in the order applied; before
         the master hears it applied)."""
         adds, drops, _offloads = delta
-        out = []
+        out, sums, checksum = [], self._sums, self.arena_file.checksum
         for e in adds:
             if e[3] == DRAM:
-                crc = self.arena_file.checksum(e[4], e[2])
-                self._sums[(e[0], e[1], e[4])] = crc
+                crc = sums[(e[0], e[1], e[4])] = checksum(e[4], e[2])
                 out.append([e[0], e[1], e[2], e[4], e[5], e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "",
                             crc])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]

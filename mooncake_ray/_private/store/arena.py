@@ -135,6 +135,9 @@ class ArenaFile:
             st = os.fstat(fd)
         finally:
             os.close(fd)
+        from mooncake_ray._private.native import _native
+
+        self._crc = _native.spill_crc32c
         self.file_id = [st.st_dev, st.st_ino]
         self.length = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)
@@ -159,9 +162,8 @@ class ArenaFile:
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def checksum(self, offset: int, size: int) -> int:
-        from mooncake_ray._private.native import _native
-
-        return _native.spill_crc32c(self.addr + offset, size, 0) if size else 0
+        """CRC32C of ``size`` bytes at ``offset`` of the arena (hardware, GIL released)."""
+        return self._crc(self.addr + offset, size, 0) if size else 0
 
     def load_index(self) -> list[tuple]:
         """The entries the previous process saved (its snapshot, then its journal):
