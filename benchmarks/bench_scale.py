@@ -353,7 +353,7 @@ class Ours:
         self.client = mooncake_ray.start({
             "namespace": self.ns, "segment_size_bytes": self.a.arena, "transport": {"devices": ["lo"]},
             "master": {"shards": n}, "spill": {"enabled": False},
-            "client": {"local_buffer_size_bytes": self.local_buffer}})
+            "client": {"local_buffer_size_bytes": self.local_buffer}, **json.loads(self.a.store_json)})
         self.masters = [ray.get_actor(master_name(i), namespace=self.ns) for i in range(n)]
         nodes = list(self._stats(60)["nodes"])
         store = ray.get_actor(store_actor_name(nodes[0]), namespace=self.ns)
@@ -890,6 +890,7 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="runs per system, value size and "
                                                                        "(clients, shards)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
+    ap.add_argument("--store-json", default="{}", help='more of our StoreConfig, e.g. \'{"elastic": {"keep_arena": false}}\'')
     ap.add_argument("--min-free", default="2gb",
                     help="stop putting when the host's available memory falls below this")
     ap.add_argument("--phase-timeout-s", type=float, default=7200, help="longest wait for the clients' phase")

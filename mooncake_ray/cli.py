@@ -42,7 +42,7 @@ def format_status(stats: dict) -> str:
                  f"{stats.get('drain_moved_keys', 0)} keys ({_human(stats.get('drain_moved_bytes', 0))}) moved, "
                  f"{stats.get('drain_lost_keys', 0)} keys ({_human(stats.get('drain_lost_bytes', 0))}) lost | "
                  f"restarts re-adopted {stats.get('readoptions', 0)}: {stats.get('readopted_keys', 0)} keys kept, "
-                 f"{stats.get('readopt_dropped_keys', 0)} failed their checksum")
+                 f"{stats.get('readopt_dropped_keys', 0)} dropped (bad checksum)")
     shards = stats.get("shards")
     if isinstance(shards, list):
         down = [i for i, p in enumerate(shards) if "error" in p]
@@ -71,7 +71,7 @@ def format_status(stats: dict) -> str:
             what = (f"drained: {ev['moved_keys']} keys ({_human(ev['moved_bytes'])}) moved, "
                     f"{ev['lost_keys']} keys ({_human(ev['lost_bytes'])}) lost")
         elif ev["event"] == "readopted":
-            what = f"restarted, re-adopted its arena: {ev['keys']} keys kept, {ev['dropped']} failed their checksum"
+            what = f"restarted, re-adopted its arena: {ev['keys']} keys kept, {ev['dropped']} dropped (bad checksum)"
         else:
             what = ev["event"]
         lines.append(f"{when} {node:<14} {what}")

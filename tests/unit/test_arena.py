@@ -32,15 +32,30 @@ def test_a_reopened_arena_keeps_its_bytes_and_its_index(shm):
     assert b.reused and b.path == a.path
     assert bytes(b._mm[4096:4101]) == b"hello"
     assert b.load_index() == [("k", 7, 5, 4096, 4096, 0, "", a.checksum(4096, 5))]
-    b.save_index([list(e) for e in b.load_index()])  # compaction empties the journal
-    assert b.journal_bytes() == 0 and arena.ArenaFile(shm, "ns", "node1", MB).load_index()[0][0] == "k"
+    state = [list(e) for e in b.load_index()]
+    b.rotate_journal()  # compaction: the state taken, the journal rotated ...
+    b.journal([["late", 9, 1, 0, 4096, 0, "", 0]], [])  # ... appends go on ...
+    assert sorted(e[0] for e in arena.ArenaFile(shm, "ns", "node1", MB).load_index()) == ["k", "late"]
+    b.save_index(state)  # ... and the snapshot is written: the rotated journal goes
+    assert not os.path.exists(b.journal_path + ".old")
+    assert sorted(e[0] for e in arena.ArenaFile(shm, "ns", "node1", MB).load_index()) == ["k", "late"]
+
+
+def test_a_snapshot_never_written_keeps_both_journals(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    a.journal([["a", 1, 1, 0, 4096, 0, "", 0]], [])
+    a.rotate_journal()
+    a.journal([["b", 2, 1, 4096, 4096, 0, "", 0]], [])
+    a.rotate_journal()  # the first compaction died before its snapshot
+    a.journal([], [["a", 1]])
+    assert [e[0] for e in a.load_index()] == ["b"]
 
 
 def test_a_torn_journal_line_and_a_corrupt_snapshot_are_ignored(shm):
     a = arena.ArenaFile(shm, "ns", "n", MB)
     a.journal([["k", 1, 1, 0, 4096, 0, "", 0]], [])
     with open(a.journal_path, "ab") as f:
-        f.write(b"0badf00d [[[\"x\"")  # a write cut short by the crash
+        f.write(b"0badf00d [[[\"x\"\nzzzzzzzz not hex\n")  # a write cut short; garbage
     assert [e[0] for e in a.load_index()] == ["k"]
     with open(a.index_path, "r+b") as f:
         f.seek(10)

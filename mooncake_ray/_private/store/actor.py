@@ -168,10 +168,11 @@ class StoreNodeActor:
             self._sums[(key, gen, offset)] = crc
             good.append(list(rec))
             kept += 1
+        self.arena_file.rotate_journal()
         self.arena_file.save_index(good)
         report = {"event": "readopted", "node_id": self.node_id, "keys": kept, "dropped": dropped,
                   "seconds": time.monotonic() - started}
-        log.warning("re-adopted the arena of the previous process: %d values kept, %d failed their checksum",
+        log.warning("re-adopted the arena of the previous process: %d values kept, %d dropped (bad checksum)",
                     kept, dropped)
         return report
 
@@ -191,22 +192,25 @@ class StoreNodeActor:
             self.arena_file.journal(out, gone)
 
     def _index_loop(self) -> None:
-        """Compact the arena's journal into a snapshot now and then."""
-        last = time.monotonic()
+        """Compact the arena's journal into a snapshot once it has grown as large as the
+        last snapshot (at least 4 MiB; amortized, a value is written a bounded number of
+        times), or 30 s after its last change. The state is taken and the journal rotated
+        under the lock; the snapshot is written outside it."""
+        last, snapshot_bytes = time.monotonic(), 0
         while not self._stop.wait(1.0):
             try:
                 size = self.arena_file.journal_bytes()
-                if size < (4 << 20) and not (size and time.monotonic() - last > 30.0):
+                if size < max(4 << 20, snapshot_bytes) and not (size and time.monotonic() - last > 30.0):
                     continue
                 with self._lock:
-                    now = [e for link in self._links for e in link.inv.entries.values() if e[3] == DRAM]
                     sums = self._sums
-                    state = {(e[0], e[1], e[4]) for e in now}
-                    for stale in set(sums) - state:
+                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4]))]
+                           for link in self._links for e in link.inv.entries.values() if e[3] == DRAM]
+                    live = {(e[0], e[1], e[3]) for e in out}
+                    for stale in [k for k in sums if k not in live]:  # values dropped since
                         del sums[stale]
-                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums[(e[0], e[1], e[4])]]
-                           for e in now if (e[0], e[1], e[4]) in sums]
-                    self.arena_file.save_index(out)
+                    self.arena_file.rotate_journal()
+                snapshot_bytes = self.arena_file.save_index([e for e in out if e[7] is not None])
                 last = time.monotonic()
             except Exception:  # never stop: a later round compacts it
                 log.exception("compacting the arena index failed")

@@ -95,7 +95,7 @@ def collect_garbage(directory: str) -> int:
 
 
 def remove_files(stem: str) -> None:
-    for ext in (".arena", ".index", ".journal", ".owner", ".index.tmp"):
+    for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".index.tmp"):
         try:
             os.unlink(stem + ext)
         except FileNotFoundError:
@@ -181,13 +181,18 @@ class ArenaFile:
                     entries[e[0]] = tuple(e)
             else:
                 log.warning("arena index %s is corrupt: ignored", self.index_path)
-        try:
-            with open(self.journal_path, "rb") as f:
-                lines = f.read().split(b"\n")
-        except OSError:
-            lines = []
+        lines = []
+        for path in (self.journal_path + ".old", self.journal_path):  # rotated, then current
+            try:
+                with open(path, "rb") as f:
+                    lines += f.read().split(b"\n")
+            except OSError:
+                pass
         for line in lines:  # "<crc32 hex> [adds, drops]": a torn last line is skipped
-            if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
+            try:
+                if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
+                    continue
+            except ValueError:
                 continue
             adds, drops = json.loads(line[9:])
             for key, gen in drops:
@@ -207,16 +212,33 @@ class ArenaFile:
     def journal_bytes(self) -> int:
         return os.fstat(self._jfd).st_size
 
+    def rotate_journal(self) -> None:
+        """Start a new journal; the current one is kept (``.journal.old``, joined to one
+        still there) until ``save_index`` writes a snapshot of the state at this point.
+        The caller holds off appends meanwhile."""
+        os.close(self._jfd)
+        old = self.journal_path + ".old"
+        if os.path.exists(old):  # an earlier snapshot was never written: keep both
+            with open(self.journal_path, "rb") as src, open(old, "ab") as dst:
+                dst.write(src.read())
+            os.unlink(self.journal_path)
+        elif os.path.exists(self.journal_path):
+            os.replace(self.journal_path, old)
+        self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
     def save_index(self, entries: list) -> None:
-        """Replace the snapshot with ``entries`` (as ``load_index`` returns them),
-        atomically, and empty the journal (the caller holds off appends meanwhile)."""
+        """Replace the snapshot with ``entries`` (as ``load_index`` returns them: the state
+        when the journal was last rotated), atomically; the rotated journal goes."""
         body = json.dumps(entries, separators=(",", ":")).encode()
         tmp = self.index_path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(_INDEX_MAGIC + body + struct.pack("<I", zlib.crc32(body)))
         os.replace(tmp, self.index_path)
-        if getattr(self, "_jfd", None) is not None:
-            os.ftruncate(self._jfd, 0)
+        try:
+            os.unlink(self.journal_path + ".old")
+        except FileNotFoundError:
+            pass
+        return len(body)
 
     def remove(self) -> None:
         """Delete the files (the mapping stays valid until the process ends)."""
