@@ -107,8 +107,9 @@ class MasterState:
         self._restarted_at = 0.0
         self._alloc_gate_until = 0.0
         self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
-        # node id -> (when, {key: gen}) of the DRAM values an unmounted node held (mount).
-        self._gone: dict[str, tuple[float, dict[str, int]]] = {}
+        # node id -> (when, incarnation, {key: gen}) of the DRAM values an unmounted node's
+        # process held (mount).
+        self._gone: dict[str, tuple[float, str, dict[str, int]]] = {}
         # Replies the read index logged (held until durable, fence.py): (token, reply bytes,
         # the key of each item, [(key, gen, nodes), ...]); the actor takes them.
         self.held: list = []
@@ -170,9 +171,11 @@ class MasterState:
         # The DRAM values a restarted node re-adopted from its arena (store/arena.py) come
         # back only if they are what this master lost with its previous process: same key,
         # same generation, not removed since. (A master that never knew the node, e.g. one
-        # rebuilding after its own restart, takes what the nodes hold, as for disk.)
+        # rebuilding after its own restart, takes what the nodes hold, as for disk; the same
+        # process rejoining brings what the actor's plan_mount reconciled with what it was
+        # owed.)
         gone = self._gone.pop(node.node_id, None)
-        vouched = None if gone is None else gone[1]
+        vouched = None if gone is None or gone[1] == node.incarnation else gone[2]
         node.last_heartbeat = now
         self._nodes[node.node_id] = node
         self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
@@ -216,8 +219,8 @@ class MasterState:
         """Drop a node and every replica on it; keys with no replica left become misses.
         Returns the number of objects lost. Idempotent."""
         if node_id in self._nodes:  # what it held in DRAM, should it come back (mount)
-            self._gone[node_id] = (self._clock(), {e.key: e.gen for e in self.node_entries(node_id)
-                                                   if e.tier == "dram"})
+            self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation,
+                                   {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"})
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._replicas.effects.pop(node_id, None)
@@ -659,7 +662,7 @@ class MasterState:
             ObjectLeasedError: a reader holds a lease and ``force`` is false (retryable).
         """
         self._ready()
-        for _t, vouched in self._gone.values():  # a removed key never comes back with a node
+        for _t, _inc, vouched in self._gone.values():  # a removed key never comes back with a node
             vouched.pop(key, None)
         obj = self._objects.get(key)
         if obj is None:
@@ -676,7 +679,7 @@ class MasterState:
         """Remove every stored key starting with ``prefix``; leased ones are skipped
         unless ``force``. Returns how many were removed."""
         self._ready()
-        for _t, vouched in self._gone.values():
+        for _t, _inc, vouched in self._gone.values():
             for key in [k for k in vouched if k.startswith(prefix)]:
                 del vouched[key]
         now, n = self._clock(), 0
@@ -765,7 +768,7 @@ class MasterState:
         self._replicas.release_deferred(now)
         self._tier.expire_promotions(now)
         self._drains.expire(now)
-        for node_id in [n for n, (t, _v) in self._gone.items() if now - t > GONE_TTL_S]:
+        for node_id in [n for n, (t, _i, _v) in self._gone.items() if now - t > GONE_TTL_S]:
             del self._gone[node_id]
         slabs = self._slab_table.expire(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
