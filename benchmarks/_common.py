@@ -210,3 +210,17 @@ def git_state() -> dict:
         return {"head": head, "uncommitted_store_files": [d[3:] for d in dirty]}
     except Exception as e:  # noqa: BLE001
         return {"error": str(e)}
+
+
+def store_cluster(n_store_nodes: int = 2):
+    """A Ray cluster on this host (``ray.cluster_utils``): a head offering no store memory and
+    ``n_store_nodes`` nodes with the store resource; this process is its driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    for _ in range(n_store_nodes):
+        cluster.add_node(num_cpus=1, resources={"mooncake_store": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    return cluster

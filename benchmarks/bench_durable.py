@@ -28,22 +28,10 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import host_info, host_label, spread
+from _common import host_info, host_label, spread, store_cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KB = 1024
-
-
-def _cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"mooncake_store": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    return cluster
 
 
 def _store(**master):
@@ -135,7 +123,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"host": host_info(), "config": vars(args), "cost": [], "kill": []}
-    cluster = _cluster()
+    cluster = store_cluster(2)
     for rnd in range(args.repeats):
         for durable in ((True, False) if rnd % 2 == 0 else (False, True)):
             row = cost_round(durable, args.puts, rnd)

@@ -45,21 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import host_info, host_label, parse_size, spread
+from _common import host_info, host_label, parse_size, spread, store_cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"mooncake_store": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    return cluster
 
 
 def _store(segment: int, keep_arena: bool, arena_dir: str = "/dev/shm"):
@@ -255,7 +243,7 @@ def main() -> None:
     dirs = {"4 KiB pages (/dev/shm)": "/dev/shm"}
     if huge:
         dirs["2 MiB pages (tmpfs huge=always)"] = huge
-    cluster = _cluster()
+    cluster = store_cluster(2)
     results = {"host": host_info(), "args": vars(args), "arena_dirs": dirs, "drain": [], "restart": []}
     try:
         for _run in range(args.runs):

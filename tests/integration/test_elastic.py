@@ -208,7 +208,7 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
 
 def test_a_drain_deadline_too_short_loses_only_what_it_reports(make_store, extra_node):
     node = extra_node()
-    # A 1 s notice, and a drain that must stop 1 s before the deadline: no time to move.
+    # The deadline is 1 s away and a drain stops 1 s before it: the node moves nothing.
     s = make_store(elastic={**ELASTIC, "drain_margin_s": 1.0, "drain_batch_bytes": "1mb"}, master=PLACEMENT)
     master = master_of(s)
     keys = [f"s{i}" for i in range(400)]
@@ -238,17 +238,21 @@ def sigkill_and_wait(s, master, node_id) -> float:
     return t0
 
 
+def stored_on(s, master, prefix, n, size, victim):
+    """Put ``n`` values of ``size`` bytes; returns the keys and those held on ``victim``."""
+    keys = [f"{prefix}{i}" for i in range(n)]
+    assert s.batch_put(keys, [val(i, size) for i in range(n)]) == [None] * n
+    return keys, keys_on(master, keys, victim)
+
+
 def _arena_file(master, node_id):
     return next(n for n in ray.get(master.nodes.remote()) if n["node_id"] == node_id)["arena_file"]
 
 
 def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss(make_store, ray_cluster):
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
-    master = master_of(s)
-    keys = [f"r{i}" for i in range(200)]
-    assert s.batch_put(keys, [val(i, 32 * KB) for i in range(200)]) == [None] * 200
-    victim = ray_cluster.store_node_ids[0]
-    on_victim = keys_on(master, keys, victim)
+    master, victim = master_of(s), ray_cluster.store_node_ids[0]
+    keys, on_victim = stored_on(s, master, "r", 200, 32 * KB, victim)
     assert len(on_victim) > 20
     entries = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
     bad = on_victim[3]
@@ -274,11 +278,8 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
 
 def test_a_removed_value_does_not_come_back_with_its_restarted_node(make_store, ray_cluster):
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
-    master = master_of(s)
-    keys = [f"x{i}" for i in range(60)]
-    assert s.batch_put(keys, [val(i, 8 * KB) for i in range(60)]) == [None] * 60
-    victim = ray_cluster.store_node_ids[1]
-    on_victim = keys_on(master, keys, victim)
+    master, victim = master_of(s), ray_cluster.store_node_ids[1]
+    keys, on_victim = stored_on(s, master, "x", 60, 8 * KB, victim)
     gone = on_victim[:5]
     for k in gone:
         assert s.remove(k)
