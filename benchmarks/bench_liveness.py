@@ -35,21 +35,9 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import host_info, host_label, spread
+from _common import host_info, host_label, spread, store_cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _cluster(n_store_nodes: int):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    for _ in range(n_store_nodes):
-        cluster.add_node(num_cpus=1, resources={"mooncake_store": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    return cluster
 
 
 def _store(segment: str, protocol: str = "auto", **master):
@@ -188,7 +176,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.runs:
-        cluster = _cluster(1)
+        cluster = store_cluster(1)
         hogs = [subprocess.Popen(["nice", "-n", "15", sys.executable, "-c", "while True: pass"])
                 for _ in range(args.busy)]
         for run in range(args.runs):
@@ -206,7 +194,7 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     if args.kills:
-        cluster = _cluster(3)
+        cluster = store_cluster(3)
         for protocol in args.protocols.split(","):
             results["kill"] += kill_runs(args, protocol)
         ray.shutdown()
