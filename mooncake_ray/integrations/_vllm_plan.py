@@ -42,6 +42,7 @@ class BlockRun:
     direct: dict | None = None  # read from a prefill engine: {"engine", "req", "blocks"} (see _vllm_direct)
     parent: str = ""  # the chained hash of block ``first - 1`` (saves; "" for the first block)
     keep: tuple[str, float] | None = None  # (conversation id, seconds): soft-pin the run's last block
+    kind: str = ""  # a hybrid model's kind tag (_vllm_groups); "" for a one-group model
 
 
 @dataclass
@@ -197,3 +198,105 @@ class SchedulerPlan:
 
     def __len__(self) -> int:
         return len(self._reqs)
+
+
+@dataclass
+class _HybridReq(_Req):
+    saved: dict[str, int] = field(default_factory=dict)  # kind tag -> blocks below it stored or not due
+    loads: list[BlockRun] = field(default_factory=list)
+
+
+class HybridPlan(SchedulerPlan):
+    """The plan of a hybrid model (several KV cache groups, ``_vllm_groups``): per block
+    one value per kind, the hit every kind accepts, and for each kind only the blocks it
+    needs (a sliding window's last blocks, a state-space layer's last state).
+
+    ``BlockRun.kind`` names the kind; ``block_ids[i]`` is a tuple of vLLM block ids, one
+    per group of the kind. Saves are synchronous (vLLM frees a sliding window's old blocks
+    and a state-space layer's old states while the request runs, so a save cannot wait for
+    the request to finish); a prefill engine's direct handoff is not used."""
+
+    def __init__(self, block_size: int, kinds, *, load: bool = True, save: bool = True,
+                 save_decode: bool = True, null_block: int = 0):
+        super().__init__(block_size, load=load, save=save, save_decode=save_decode, sync_saves=True)
+        self.kinds = list(kinds)
+        self.null_block = null_block
+
+    def _req(self, req_id: str) -> _HybridReq:
+        return self._reqs.setdefault(req_id, _HybridReq())
+
+    def match(self, req_id: str, tokens: Sequence[int], num_computed: int,
+              present: Callable[[list[tuple[str, str]]], list[bool]]) -> int:
+        """Tokens beyond ``num_computed`` the store gives back whole. ``present`` takes
+        ``(kind tag, hash)`` pairs and returns whether each is stored (one batched call)."""
+        from mooncake_ray.integrations._vllm_groups import hit_blocks
+
+        r = self._req(req_id)
+        r.found = (0, 0)
+        if not self.load:
+            return 0
+        bs = self.block_size
+        first, last = num_computed // bs, (len(tokens) - 1) // bs
+        if num_computed % bs or first >= last:
+            return 0
+        hs = self.hashes(req_id, tokens, last)
+        ask = [(k.tag, hs[i]) for k in self.kinds for i in range(first, last)]
+        found = dict(zip(ask, present(ask)))
+        n = hit_blocks(self.kinds, first, last, lambda k, i: found[(k.tag, hs[i])])
+        r.found = (first, n - first)
+        return (n - first) * bs
+
+    def allocated(self, req_id: str, block_ids, num_external_tokens: int) -> None:
+        """``block_ids``: vLLM's block ids per group (all of the request's blocks)."""
+        r = self._req(req_id)
+        n_ext = num_external_tokens // self.block_size
+        first, found = r.found
+        n = first + min(n_ext, found)
+        if n <= first:
+            return
+        r.loads = []
+        for k in self.kinds:
+            idx = list(k.needs(first, n))
+            if idx:
+                r.loads.append(BlockRun(req_id, idx[0], [r.hashes[i] for i in idx],
+                                        [tuple(block_ids[g][i] for g in k.groups) for i in idx], kind=k.tag))
+
+    def step(self, scheduled, block_ids_of, preempted: bool = False) -> StepPlan:
+        from mooncake_ray.integrations._vllm_groups import STATE, state_block
+
+        plan = StepPlan(sync_saves=True, drain_saves=preempted)
+        for r in self._reqs.values():
+            if r.loads:
+                plan.loads.extend(r.loads)
+                r.loads = []
+        if not self.save:
+            return plan
+        bs = self.block_size
+        for req_id, tokens, prompt_len, computed, n_sched in scheduled:
+            r = self._req(req_id)
+            if r.saved_upto is None:
+                first, found = r.found
+                r.saved_upto = max(computed // bs, first + found)
+                r.saved = {k.tag: r.saved_upto for k in self.kinds}
+            limit = len(tokens) if self.save_decode else prompt_len
+            end = computed + n_sched
+            full = min(end, limit) // bs
+            if full <= min(r.saved.values()):
+                continue
+            ids = block_ids_of(req_id)
+            hs = self.hashes(req_id, tokens, full)
+            for k in self.kinds:
+                start = r.saved[k.tag]
+                if k.rule == STATE:
+                    b = state_block(end, bs) if end <= limit else None
+                    todo = [b] if b is not None and b >= start else []
+                else:
+                    todo = list(range(start, full))
+                todo = [i for i in todo if all(i < len(ids[g]) and ids[g][i] != self.null_block for g in k.groups)]
+                if todo:
+                    plan.saves.append(BlockRun(req_id, todo[0], [hs[i] for i in todo],
+                                               [tuple(ids[g][i] for g in k.groups) for i in todo],
+                                               keep=r.keep, kind=k.tag))
+                r.saved[k.tag] = max(start, full)
+            r.saved_upto = min(r.saved.values())
+        return plan

@@ -49,8 +49,16 @@ log = logging.getLogger(__name__)
 
 class KVTransfer:
     def __init__(self, client, prefix: str, layers: Sequence[LayerBlocks], *, layerwise: bool, metrics=None,
-                 tp_rank: int = 0, direct_timeout_s: float = 5.0, hold_s: float = 30.0):
+                 tp_rank: int = 0, direct_timeout_s: float = 5.0, hold_s: float = 30.0, kinds=None):
         self.client, self.prefix, self.layers, self.layerwise = client, prefix, list(layers), layerwise
+        # A hybrid model (_vllm_groups): per kind tag, its layers with the position of their
+        # group in a block's id tuple. Its loads succeed or fail per request.
+        by_name = {layer.name: layer for layer in self.layers}
+        self.kinds = {k.tag: [(p, by_name[n]) for p, names in enumerate(k.layers) for n in names]
+                      for k in kinds or ()}
+        self.kind_bytes = {tag: sum(layer.nbytes for _, layer in ls) for tag, ls in self.kinds.items()}
+        self._failed: set[str] = set()  # hybrid requests whose load failed, to report
+        self._failed_out: set[str] = set()
         self.metrics, self.tp_rank = metrics, tp_rank
         self.direct = DirectReader(client, self.layers, direct_timeout_s)
         self.holds = Holds(client, hold_s)
@@ -90,18 +98,26 @@ class KVTransfer:
             self.direct.enabled = False  # staged memory is not registered with UCX: no peer reads into it
 
     # ----------------------------------------------------------------- keys ----
-    def _block(self, b: int) -> list[tuple[int, int]]:
-        """vLLM block ``b`` as one value: every layer's parts, layer by layer."""
+    def _block(self, b, kind: str = "") -> list[tuple[int, int]]:
+        """vLLM block ``b`` as one value: every layer's parts, layer by layer. For a hybrid
+        model's kind, ``b`` holds one block id per group of the kind."""
+        if kind:
+            return [r for p, layer in self.kinds[kind] for r in layer.block(b[p])]
         return [r for layer in self.layers for r in layer.block(b)]
 
-    def _keys(self, runs: Sequence[BlockRun]) -> tuple[list[str], list[list], list[int]]:
-        """One key, one list of memory ranges and one vLLM block id per block of ``runs``."""
-        keys, bufs, owners = [], [], []
+    def _key(self, run: BlockRun, h: str) -> str:
+        return f"{self.prefix}{run.kind}/{h}" if run.kind else f"{self.prefix}{h}"
+
+    def _keys(self, runs: Sequence[BlockRun]) -> tuple[list[str], list[list], list, list[int]]:
+        """One key, one list of memory ranges, one vLLM block id (a tuple for a hybrid
+        kind) and one value size per block of ``runs``."""
+        keys, bufs, owners, sizes = [], [], [], []
         for run in runs:
-            keys += [f"{self.prefix}{h}" for h in run.hashes]
-            bufs += [self._block(b) for b in run.block_ids]
+            keys += [self._key(run, h) for h in run.hashes]
+            bufs += [self._block(b, run.kind) for b in run.block_ids]
             owners += run.block_ids
-        return keys, bufs, owners
+            sizes += [self.kind_bytes[run.kind] if run.kind else self.block_bytes] * len(run.hashes)
+        return keys, bufs, owners, sizes
 
     def _count(self, name: str, n) -> None:
         self.stats[name] += n
@@ -114,7 +130,7 @@ class KVTransfer:
         whole. With ``layer_futs`` (layerwise), layer ``i`` of every block is read before
         layer ``i + 1`` and ``layer_futs[i]`` is given the blocks whose layer ``i`` failed
         as soon as it has landed."""
-        keys, bufs, owners = self._keys(runs)
+        keys, bufs, owners, sizes = self._keys(runs)
         if not keys:
             for f in layer_futs or ():
                 f.set_result(set())
@@ -136,13 +152,14 @@ class KVTransfer:
                 if not f.done():
                     f.set_result(set(owners))
         dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        bad = {blk for blk, r in zip(owners, results) if r != self.block_bytes}
+        ok = [r == n for r, n in zip(results, sizes)]
+        bad = {blk for blk, good in zip(owners, ok) if not good}
         with self._lock:
             self.stats["load_s"] += dt
             self.stats["load_cpu_s"] += cpu
-            self._count("loaded_bytes", (len(owners) - len(bad)) * self.block_bytes)
-            self._count("load_failures", len(bad))
-            self.stats["loaded_blocks"] += len(owners) - len(bad)
+            self._count("loaded_bytes", sum(n for n, good in zip(sizes, ok) if good))
+            self._count("load_failures", ok.count(False))
+            self.stats["loaded_blocks"] += ok.count(True)
         if self.metrics is not None:
             self.metrics.observe("load", dt)
         return bad
@@ -180,8 +197,24 @@ class KVTransfer:
             self._bad_blocks |= bad
             self._recved.add(run.req_id)
 
+    def _load_whole(self, req_id: str, runs: Sequence[BlockRun]) -> None:
+        """A hybrid request's runs (one per kind) in one batched call: the request loads
+        whole or is reported failed (vLLM then recomputes all of it)."""
+        bad = self._load(runs)
+        with self._lock:
+            if bad:
+                self._failed.add(req_id)
+            self._recved.add(req_id)
+
     def start_loads(self, runs: Sequence[BlockRun]) -> None:
         if not runs:
+            return
+        if self.kinds:
+            by_req: dict[str, list[BlockRun]] = {}
+            for run in runs:
+                by_req.setdefault(run.req_id, []).append(run)
+            for req_id, rs in by_req.items():
+                self._loader.submit(self._load_whole, req_id, rs)
             return
         whole = [r for r in runs if r.direct or not self.layerwise]  # asynchronous to vLLM: one job each
         for run in whole:
@@ -210,10 +243,10 @@ class KVTransfer:
         """Store the runs' blocks that the store does not hold (one value per block, every
         layer in it), counted in vLLM blocks like loads: saved, skipped (there already)
         or failed."""
-        keys, bufs, owners = self._keys(runs)
+        keys, bufs, owners, sizes = self._keys(runs)
         # each block names the one before it (chain-aware eviction holds a prefix while
-        # its suffix is stored)
-        parents = [f"{self.prefix}{h}" if h else None
+        # its suffix is stored); a hybrid kind's blocks do not form such chains
+        parents = [self._key(run, h) if h and not run.kind else None
                    for run in runs for h in [run.parent, *run.hashes[:-1]]]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -230,7 +263,6 @@ class KVTransfer:
         failed = [owners[i] for i, r in zip(todo, res) if r is not None and not isinstance(r, ObjectExistsError)]
         if failed:
             log.warning("KV save: %d of %d blocks not stored", len(failed), len(keys))
-        stored = sum(r is None for r in res)
         for run in runs:
             if run.keep is not None and run.hashes:
                 self._keep(run)
@@ -238,7 +270,7 @@ class KVTransfer:
             self.stats["save_s"] += dt
             self.stats["save_cpu_s"] += cpu
             self.stats["skipped_blocks"] += len(keys) - len(todo)
-            self._count("saved_bytes", stored * self.block_bytes)
+            self._count("saved_bytes", sum(n for n, r in zip([sizes[i] for i in todo], res) if r is None))
             self._count("save_failures", len(failed))
             self.stats["saved_blocks"] += len(todo) - len(failed)
         if self.metrics is not None:
@@ -248,7 +280,7 @@ class KVTransfer:
         """A conversation hint: soft-pin the run's last block (kv.ConversationPins)."""
         conversation_id, keep_s = run.keep
         try:
-            self._pins.keep(conversation_id, f"{self.prefix}{run.hashes[-1]}", keep_s)
+            self._pins.keep(conversation_id, self._key(run, run.hashes[-1]), keep_s)
         except Exception as e:  # noqa: BLE001 - a pin is a hint: the save stands without it
             log.warning("KV save: pinning the conversation %s failed (%s)", conversation_id, e)
 
@@ -288,7 +320,15 @@ class KVTransfer:
                 if r not in self._finishing:
                     futs[:] = [f for f in futs if not f.done()]
             recved, self._recved = self._recved, set()
+            # taken with the same lock: a failed request is never reported received alone
+            self._failed_out, self._failed = self._failed, set()
         return (sent or None), (recved or None)
+
+    def failed_loads(self) -> set[str]:
+        """The hybrid requests whose load failed among those the last :meth:`finished`
+        reported received."""
+        failed, self._failed_out = self._failed_out, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         with self._lock:

@@ -49,7 +49,8 @@ from mooncake_ray.config import _explain
 from mooncake_ray.errors import ConfigError, InvalidArgumentError
 from mooncake_ray.integrations import _store
 from mooncake_ray.integrations._vllm_direct import publish
-from mooncake_ray.integrations._vllm_plan import SchedulerPlan, StepPlan
+from mooncake_ray.integrations._vllm_groups import FULL, Kind, is_plain, kinds_of
+from mooncake_ray.integrations._vllm_plan import HybridPlan, SchedulerPlan, StepPlan
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_worker import KVTransfer
 from mooncake_ray.kv import ConversationHint, KVGeometry, key_prefix
@@ -58,6 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -166,7 +169,7 @@ class MooncakeRayMetadata(KVConnectorMetadata):
 
 
 # ------------------------------------------------------------------- connector ----
-class MooncakeRayConnector(KVConnectorBase_V1):
+class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector onto a mooncake-ray store (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
@@ -179,6 +182,16 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         kvt.kv_load_failure_policy = self.cfg.load_failure_policy
         self.kv_role = kvt.kv_role
         self.block_size = vllm_config.cache_config.block_size
+        # vLLM's KV cache groups (several for hybrid models): refused here if the store
+        # cannot hold one of them completely
+        self.kinds: list[Kind] = []
+        if kv_cache_config is not None:
+            self.kinds, self.block_size = kinds_of(kv_cache_config)
+        self.hybrid = bool(self.kinds) and not is_plain(self.kinds)
+        if self.hybrid and self.cfg.load_mode == "layerwise":
+            raise ConfigError(
+                "MooncakeRayConnector: load_mode 'layerwise' is not supported for hybrid models (KV cache groups "
+                f"{', '.join(k.tag for k in self.kinds)}): their loads are reported whole per request; use 'async'")
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         dtype = vllm_config.cache_config.cache_dtype
         if dtype == "auto":
@@ -197,9 +210,13 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         self._stats: dict[str, int | float] = {}
         self._stats_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
-            self.plan = SchedulerPlan(self.block_size, save=self.kv_role != "kv_consumer",
-                                      save_decode=self.cfg.save_decode_cache and self.kv_role == "kv_both",
-                                      sync_saves=self.kv_role == "kv_producer")
+            save_decode = self.cfg.save_decode_cache and self.kv_role == "kv_both"
+            if self.hybrid:
+                self.plan = HybridPlan(self.block_size, self.kinds, save=self.kv_role != "kv_consumer",
+                                       save_decode=save_decode)
+            else:
+                self.plan = SchedulerPlan(self.block_size, save=self.kv_role != "kv_consumer",
+                                          save_decode=save_decode, sync_saves=self.kv_role == "kv_producer")
             self._reqs: dict[str, "Request"] = {}
             self._prefixes = [self._prefix(t, p) for t in range(self.tp_size) for p in range(self.pp_size)]
             self._local_hits: dict[str, int] = {}
@@ -214,8 +231,11 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         """What ``MooncakeKVRouter`` needs to look this engine's prompts up in the store."""
         from mooncake_ray.integrations.kv_router import put_record
 
+        prefixes = self._prefixes
+        if self.hybrid:  # the router estimates a hybrid model's hits by its full-attention blocks
+            prefixes = [f"{p}{k.tag}/" for p in prefixes for k in self.kinds[:1] if k.rule == FULL]
         put_record(self.cfg.router_key, "store", {
-            "namespace": self.cfg.namespace, "prefixes": self._prefixes, "block_size": self.block_size,
+            "namespace": self.cfg.namespace, "prefixes": prefixes, "block_size": self.block_size,
             "model_id": self.model_id})
 
     def _prefix(self, tp_rank: int, pp_rank: int) -> str:
@@ -229,14 +249,18 @@ class MooncakeRayConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+        for name, t in kv_caches.items():
+            if not hasattr(t, "data_ptr"):
+                raise ConfigError(f"MooncakeRayConnector: the KV cache of layer {name!r} is a "
+                                  f"{type(t).__name__} of tensors, a layout the connector does not store")
         layers = [LayerBlocks(name, t) for name, t in kv_caches.items()]
         tp_rank = get_tensor_model_parallel_rank()
         prefix = self._prefix(tp_rank, get_pp_group().rank_in_group)
         self.transfer = KVTransfer(self.client, prefix, layers, layerwise=self.cfg.load_mode == "layerwise",
                                    metrics=self.metrics, tp_rank=tp_rank, direct_timeout_s=self.cfg.store_wait_s,
-                                   hold_s=self.cfg.direct_hold_s)
+                                   hold_s=self.cfg.direct_hold_s, kinds=self.kinds if self.hybrid else None)
         direct = False
-        if self.kv_role == "kv_producer" and self.cfg.direct_handoff:
+        if self.kv_role == "kv_producer" and self.cfg.direct_handoff and not self.hybrid:
             direct = publish(self.client, self._kv_transfer_config.engine_id, tp_rank, self.transfer.regions, layers)
         log.info("MooncakeRayConnector: %d layers registered (%s, %s memory), blocks of %d bytes stored as one "
                  "value (%d part(s) per layer), keys %s%s", len(layers), layers[0].tensor.device if layers else "-",
@@ -280,6 +304,12 @@ class MooncakeRayConnector(KVConnectorBase_V1):
             return None, None
         return self.transfer.finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = super().get_transfer_results(finished_req_ids)
+        if self.transfer is not None:
+            out.failed_recving = self.transfer.failed_loads()  # hybrid: a request loads whole or not at all
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.transfer.load_errors() if self.transfer is not None else set()
 
@@ -301,6 +331,17 @@ class MooncakeRayConnector(KVConnectorBase_V1):
             self.transfer = None
 
     # ========================================================= scheduler side ==
+    def _present_kinds(self, pairs: list[tuple[str, str]]) -> list[bool]:
+        """Whether the store holds each ``(kind tag, hash)`` block of a hybrid model, on
+        every rank."""
+        n_per = len(self._prefixes)
+        try:
+            found = self.client.batch_exists([f"{p}{tag}/{h}" for tag, h in pairs for p in self._prefixes])
+        except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss
+            log.warning("KV lookup failed (%s): computing instead", e)
+            return [False] * len(pairs)
+        return [all(found[i * n_per:(i + 1) * n_per]) for i in range(len(pairs))]
+
     def _present(self, hashes: list[str]) -> int:
         """How many leading blocks the store holds whole (every layer, every rank)."""
         per = [f"{p}{h}" for h in hashes for p in self._prefixes]  # one value per block and rank
@@ -319,6 +360,10 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         self._reqs[request.request_id] = request
         self._local_hits[request.request_id] = num_computed_tokens
         self._note_hint(request)
+        if self.hybrid:
+            hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens,
+                                  self._present_kinds)
+            return hit, hit > 0
         direct = None
         if self.cfg.direct_handoff and self.kv_role != "kv_producer":
             direct = ((request.kv_transfer_params or {}).get("mooncake_ray") or {}).get("direct")
@@ -347,7 +392,8 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         if local:
             self.metrics.add("engine_hit_tokens", local)
         if num_external_tokens > 0:
-            self.plan.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            ids = blocks.get_block_ids()
+            self.plan.allocated(request.request_id, ids if self.hybrid else ids[0], num_external_tokens)
             self._add_stat("hit_tokens", num_external_tokens)
             self.metrics.add("hit_tokens", num_external_tokens)
 
@@ -372,8 +418,29 @@ class MooncakeRayConnector(KVConnectorBase_V1):
         self._add_stat("lookup_tokens", req.num_prompt_tokens)
         self.metrics.add("lookup_tokens", req.num_prompt_tokens)
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0]) if self._kv_cache_manager else []
+    def _block_ids(self, req_id: str):
+        if not self._kv_cache_manager:
+            return []
+        ids = self._kv_cache_manager.get_block_ids(req_id)
+        return ids if self.hybrid else list(ids[0])
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(self.plan, HybridPlan):
+            self.plan.null_block = gpu_block_pool.null_block.block_id
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if not self.hybrid:
+            return self.request_finished(request, block_ids[0])
+        self._reqs.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
+        self.plan.finished(request.request_id)  # saves are synchronous: nothing outlives the request
+        params = None
+        if self.kv_role == "kv_producer":
+            params = {"mooncake_ray": {"namespace": self.cfg.namespace, "direct": None,
+                                       "stored_tokens": request.num_prompt_tokens // self.block_size * self.block_size}}
+        return False, params
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)

@@ -37,6 +37,7 @@ def make_llm(spec: dict):
     kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni",
               block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
               enable_prefix_caching=True, seed=0)
+    kw.update(spec.get("llm", {}))  # e.g. a hybrid model's mamba_cache_mode
     if spec.get("kv_role"):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="MooncakeRayConnector", kv_connector_module_path="mooncake_ray.integrations.vllm",
@@ -76,6 +77,24 @@ def arm_master_kill(namespace: str) -> None:
     _vllm_worker.KVTransfer._load = load_after_kill
 
 
+def arm_remove(marker: str) -> None:
+    """Wrap the worker's batched load so that its next call first removes, from the store,
+    the keys it is about to read whose name holds ``marker`` (a value gone between the
+    lookup and the load)."""
+    from mooncake_ray.integrations import _vllm_worker
+
+    orig = _vllm_worker.KVTransfer._load
+
+    def load_after_remove(self, runs, layers=None):
+        _vllm_worker.KVTransfer._load = orig
+        keys = [k for k in self._keys(runs)[0] if marker in k]
+        for k in keys:
+            self.client.remove(k)
+        return orig(self, runs, layers)
+
+    _vllm_worker.KVTransfer._load = load_after_remove
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     sys.stdout = sys.stderr  # keep stdout for answers
@@ -94,12 +113,18 @@ def main() -> None:
             if op == "generate":
                 params = cmd.get("params") or [None] * len(cmd["prompts"])  # kv_transfer_params per prompt
                 sps = [SamplingParams(max_tokens=cmd.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
+                                      logprobs=0 if cmd.get("logprobs") else None,
                                       extra_args={"kv_transfer_params": p} if p else None) for p in params]
                 outs = llm.generate(cmd["prompts"], sps, use_tqdm=False)
                 reply([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
-                        "prompt_tokens": len(o.prompt_token_ids), "params": o.kv_transfer_params} for o in outs])
+                        "prompt_tokens": len(o.prompt_token_ids), "params": o.kv_transfer_params,
+                        "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]
+                        if cmd.get("logprobs") else None} for o in outs])
             elif op == "reset":
                 reply(reset_prefix_cache(llm))
+            elif op == "arm_remove":  # the next batched load first removes the stored keys holding this text
+                arm_remove(cmd["marker"])
+                reply(True)
             elif op == "arm_master_kill":
                 arm_master_kill(cmd["namespace"])
                 reply(True)

@@ -26,9 +26,9 @@ class Engine:
     (vLLM takes 10-70 s here), so several engines start side by side."""
 
     def __init__(self, name: str, kv_role: str | None, extra: dict | None = None, ray_address: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, model: str | None = None, llm: dict | None = None):
         self.name = name
-        spec = {"model": tiny_model(), "kv_role": kv_role, "extra": extra or {}}
+        spec = {"model": model or tiny_model(), "kv_role": kv_role, "extra": extra or {}, "llm": llm or {}}
         penv = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
         if ray_address:
             penv["RAY_ADDRESS"] = ray_address
@@ -73,12 +73,14 @@ class Engine:
             raise AssertionError(f"engine {self.name}: {res['error']}\n{res.get('trace', '')}")
         return res
 
-    def generate(self, prompts, max_tokens: int = 16, params: list | None = None, timeout_s: float = 180.0) -> list[dict]:
+    def generate(self, prompts, max_tokens: int = 16, params: list | None = None, timeout_s: float = 180.0,
+                 logprobs: bool = False) -> list[dict]:
         """Greedy outputs: per prompt ``tokens``, ``cached`` (vLLM's num_cached_tokens),
-        ``prompt_tokens`` and ``params`` (the kv_transfer_params the engine returned).
-        ``params``: kv_transfer_params to send with each prompt."""
+        ``prompt_tokens``, ``params`` (the kv_transfer_params the engine returned) and with
+        ``logprobs`` each generated token's log-probability. ``params``: kv_transfer_params
+        to send with each prompt."""
         return self.call(op="generate", prompts=list(prompts), max_tokens=max_tokens, params=params,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, logprobs=logprobs)
 
     def reset(self) -> None:
         self.call(op="reset")

