@@ -37,6 +37,10 @@ MODELS = {
     "gemma2": (TinyModelSpec(arch="gemma2", layers=4, sliding_window=64), {"block_size": 32}, 32, (142, 130, 128)),
     "qwen3_next": (TinyModelSpec(arch="qwen3_next", layers=4), {"mamba_cache_mode": "align"}, 160, (430, 360, 320)),
 }
+# the kind besides full attention (its tag in keys), and the hit left when the values the
+# first load reads of it are gone: gemma2 keeps its window's blocks 0-1 (a whole hit of 64
+# tokens), qwen3_next its only state
+OTHER_KIND = {"gemma2": ("swa64", 64), "qwen3_next": ("ssm", 0)}
 
 
 def model_dir(name: str) -> str:
@@ -79,6 +83,7 @@ def engines(request, store):
     es = start_engines({
         "base": engine_args(name, ns, addr, None),
         "writer": engine_args(name, ns, addr, "kv_both"),
+        "reader": engine_args(name, ns, addr, "kv_both"),  # loads only prompts it never computed
     })
     try:
         yield name, es, client
@@ -108,13 +113,57 @@ def test_new_engine_reuses_hybrid_prefix(engines, store):
     assert w["cached"] == 0
     stats = writer.call(op="connector_stats")
     assert stats["saved_blocks"] > 0 and stats["save_failures"] == 0
-    reader = Engine("reader", *engine_args(name, ns, addr, "kv_both"))
-    try:
-        assert reader.wait_ready(300).get("ready")
-        got = reader.generate([p2], logprobs=True)[0]
-        assert got["cached"] == hit
-        same_output(got, want)
-        rs = reader.call(op="connector_stats")
-        assert rs["loaded_blocks"] > 0 and rs["load_failures"] == 0
-    finally:
-        reader.close()
+    reader = es["reader"]
+    got = reader.generate([p2], logprobs=True)[0]
+    assert got["cached"] == hit
+    same_output(got, want)
+    rs = reader.call(op="connector_stats")
+    assert rs["loaded_blocks"] > 0 and rs["load_failures"] == 0
+
+
+def test_a_value_gone_before_the_load_recomputes_the_whole_request(engines):
+    """The lookup finds every kind's blocks, then the window's (or the state's) values
+    vanish before the load: the request is reported failed whole, and vLLM starts it again
+    (a new lookup: what is left whole, else nothing); the attention KV that did load is not
+    used."""
+    name, es, client = engines
+    n1, shared, hit = MODELS[name][3]
+    p1, p2 = text(21, n1, shared), text(22, shared + 40, shared, shared_tag=21)
+    es["writer"].generate([p1])
+    base = es["base"]
+    base.reset()
+    want = base.generate([p2], logprobs=True)[0]
+    assert want["cached"] == 0  # computed from scratch, as the reader must
+    reader = es["reader"]
+    before = reader.call(op="connector_stats")
+    tag, left = OTHER_KIND[name]
+    reader.call(op="arm_remove", marker=f"/{tag}/")
+    got = reader.generate([p2], logprobs=True)[0]
+    after = reader.call(op="connector_stats")
+    assert after["load_failures"] > before["load_failures"]
+    assert after["loaded_blocks"] > before["loaded_blocks"]  # the full-attention blocks did land
+    assert got["cached"] == left
+    same_output(got, want)
+
+
+def test_what_the_store_cannot_hold_completely_is_refused_at_start(store):
+    """A state-space model whose state vLLM keeps only for the running request (vLLM's
+    prefix caching off: ``mamba_cache_mode`` stays ``none``), and a layer-wise load of a
+    hybrid model: the engine does not start, and says why."""
+    client, ns, addr = store
+    cases = {
+        "ssm-none": (engine_args("qwen3_next", ns, addr, "kv_both"), {"enable_prefix_caching": False},
+                     ["ConfigError", "MambaSpec", "mamba_cache_mode='none'", "model.layers.0.linear_attn"]),
+        "layerwise": (engine_args("gemma2", ns, addr, "kv_both", load_mode="layerwise"), {},
+                      ["ConfigError", "layerwise", "swa64"]),
+    }
+    for name, (args, llm, words_) in cases.items():
+        role, cfg, a, env, model, llm0 = args
+        e = Engine(name, role, cfg, a, env, model, {**llm0, **llm})
+        try:
+            res = e.wait_ready(300)
+            assert "error" in res, f"{name}: the engine started"
+            for w in words_:
+                assert w in res["error"], (name, res["error"])
+        finally:
+            e.close()
