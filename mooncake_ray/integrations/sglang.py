@@ -45,9 +45,18 @@ never return None. A missing page, or one whose own transfer failed, is a False 
 page. ``batch_exists``/``exists`` report a store that does not answer as a miss, with a
 warning: a miss costs recomputation. Writes skip pages the store already holds.
 
-Hybrid models (Mamba, SWA, DSA indexer, draft pools) need SGLang's v2 interface, which is
-not implemented: ``register_mem_host_pool_v2`` refuses every pool but the KV pool, so such
-a model fails when the backend is attached, not while serving.
+Hybrid models (SGLang's v2 interface): besides the KV pool, SGLang registers the model's
+other host pools with ``register_mem_host_pool_v2`` (``mamba``: a Mamba/linear-attention
+layer's state per prefix; ``swa``: sliding-window KV; DSA ``indexer``, ``draft`` ...), and
+calls ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2`` with one ``PoolTransfer``
+per pool. A pool's page is one object, ``<prefix><page hash>/<pool>`` next to the page's KV
+objects, holding the bytes of the pool's flat data page (``get_data_page(flat=True)``,
+written back with ``set_from_flat_data_page``: one copy each way, through the staging
+buffer). ``batch_exists_v2`` counts a prefix of ``n`` pages as a hit only when every pool
+holds what its hit policy asks at ``n``: ``all_pages``, each of the ``n`` pages;
+``trailing_pages``, the last ``len(transfer.keys)`` pages before ``n`` (a state or a
+window ends there); a policy this backend does not know gives no hit at all. Pools without
+SGLang's flat-page methods are refused when registered.
 """
 
 from __future__ import annotations
@@ -260,6 +269,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         self._direct = False
         self._regions: list = []
         self._staging: dict[str, _Staging] = {}
+        self._extra: dict[str, tuple[Any, int]] = {}  # v2 pools besides KV: name -> (host pool, page bytes)
         self._metrics = StorageMetrics()
         self._metrics_lock = threading.Lock()
         self._staging_lock = threading.Lock()
@@ -311,17 +321,33 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
                  "zero-copy" if self._direct else "staged", self.page_bytes, self.prefix)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """Accept the KV pool again under its v2 name; refuse every other pool.
+        """Take one of a hybrid model's host pools (SGLang's v2 interface): the KV pool
+        again under its v2 name, or a pool of another kind (``mamba``, ``swa``, ...),
+        stored page by page through its flat data pages.
 
         Raises:
-            ConfigError: a pool other than the registered KV pool (hybrid models' sidecar
-                pools need the v2 interface, which this backend does not implement).
+            ConfigError: a second, different KV pool; a pool name that is not a plain
+                word; or a pool without SGLang's flat-page methods (named).
         """
-        if str(host_pool_name) == "kv" and (host_pool is self.mem_pool_host or self.mem_pool_host is None):
+        name = str(host_pool_name)
+        if name == "kv":
+            if host_pool is not self.mem_pool_host and self.mem_pool_host is not None:
+                raise ConfigError(f"{WHO}: a second KV host pool ({type(host_pool).__name__}) is not supported")
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
-        raise ConfigError(f"{WHO}: host pool {str(host_pool_name)!r} ({type(host_pool).__name__}) is not "
-                          "supported: only the KV pool of MHA and MLA models is stored")
+        if not name.replace("_", "").isalnum():
+            raise ConfigError(f"{WHO}: host pool name {name!r} is not a plain word")
+        missing = [m for m in ("get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page")
+                   if not callable(getattr(host_pool, m, None))]
+        if missing:
+            raise ConfigError(f"{WHO}: host pool {name!r} ({type(host_pool).__name__}) has no "
+                              f"{', '.join(missing)}: it cannot be stored")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        page = host_pool.get_dummy_flat_data_page()
+        with self._staging_lock:
+            self._extra[name] = (host_pool, page.numel() * page.element_size())
+        log.info("%s: host pool %r (%s), %d bytes a page", WHO, name, type(host_pool).__name__,
+                 self._extra[name][1])
 
     @property
     def page_bytes(self) -> int:
@@ -509,12 +535,111 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
             n += 1
         return n
 
+    # ==================================================== v2: hybrid pools ==
+    def _pool_keys(self, name: str, keys: Sequence[str]) -> list[str]:
+        return [f"{self.prefix}{k}/{name}" for k in keys]
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None):
+        """How many pages from the start are a hit in every pool (one batched lookup):
+        the KV pages from the start, and each pool's pages as its hit policy asks. A store
+        that does not answer counts as no hit (with a warning).
+
+        Raises:
+            MooncakeRayError: no host pool registered yet.
+        """
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransferResult
+
+        transfers = [t for t in pool_transfers or () if str(t.name) != "kv"]
+        names = self.object_keys(keys) + [k for t in transfers for k in self._pool_keys(str(t.name), keys)]
+        try:
+            found = self.client.batch_exists(names)
+        except MooncakeRayError as e:
+            self._warn.warning("lookup", "%s: lookup failed (%s): reporting a miss", WHO, e)
+            return PoolTransferResult(0, {}, [])
+        per, n_kv = len(self._parts), len(keys) * len(self._parts)
+        kv = 0
+        while kv < len(keys) and all(found[kv * per:(kv + 1) * per]):
+            kv += 1
+        hits = {"kv": kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        for j, t in enumerate(transfers):
+            has = found[n_kv + j * len(keys):n_kv + (j + 1) * len(keys)]
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                edge = next((i for i in range(kv) if not has[i]), kv)
+                ok = set(range(1, edge + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                back = max(1, len(t.keys or ()))
+                ok = {n for n in range(1, kv + 1) if all(has[max(0, n - back):n])}
+            else:  # a policy we do not know: load nothing rather than part of a prefix
+                self._warn.warning("policy", "%s: pool %s: hit policy %s not supported: no hit", WHO, t.name,
+                                   t.hit_policy)
+                ok = set()
+            if ok:
+                hits[str(t.name)] = max(ok)
+            restorable &= ok
+        pages = sorted(restorable)
+        return PoolTransferResult(pages[-1] if pages else 0, hits, pages)
+
+    def _pool_pages_of(self, t) -> tuple[Any, list[int], int]:
+        """(host pool, page index of each key, page bytes) of a v2 transfer."""
+        name = str(t.name)
+        if name not in self._extra:
+            raise InvalidArgumentError(f"{WHO}: pool {name!r} was not registered (register_mem_host_pool_v2)")
+        pool, nbytes = self._extra[name]
+        keys, ps = list(t.keys or ()), getattr(pool, "page_size", 1) or 1
+        idx = t.host_indices
+        if idx is None or idx.numel() != len(keys) * ps:
+            raise InvalidArgumentError(f"{WHO}: pool {name!r}: {len(keys)} keys need {len(keys) * ps} host "
+                                       f"indices (page size {ps}), got {0 if idx is None else idx.numel()}")
+        return pool, idx.reshape(-1)[::ps].tolist(), nbytes
+
+    def batch_get_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None) -> dict:
+        """Read each pool's pages into its host pool; a bool per page per pool name.
+        Raises as :meth:`batch_set_v2`."""
+        return {t.name: self._get_pool(t, extra_info) for t in transfers}
+
+    def batch_set_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None) -> dict:
+        """Store each pool's pages from its host pool, skipping pages already stored; a
+        bool per page per pool name (True: the store holds it now).
+
+        Raises:
+            MasterUnavailableError: the store did not answer within ``store_wait_s``.
+            InvalidArgumentError: a pool not registered, or host indices that do not hold
+                one page per key.
+        """
+        return {t.name: self._set_pool(t, extra_info) for t in transfers}
+
+    def _get_pool(self, t, extra_info) -> list[bool]:
+        name, keys = str(t.name), list(t.keys or ())
+        if name == "kv":
+            return self.batch_get_v1(keys, t.host_indices, extra_info)
+        pool, starts, _ = self._pool_pages_of(t)
+        pages = [pool.get_dummy_flat_data_page() for _ in keys]
+        ok = self._timed("prefetch", lambda: self._read(self._pool_keys(name, keys),
+                                                        [p.view(torch.uint8) for p in pages], False, per=1))
+        for start, page, good in zip(starts, pages, ok):
+            if good:
+                pool.set_from_flat_data_page(start, page)
+        return ok
+
+    def _set_pool(self, t, extra_info) -> list[bool]:
+        name, keys = str(t.name), list(t.keys or ())
+        if name == "kv":
+            return self.batch_set_v1(keys, t.host_indices, extra_info)
+        pool, starts, _ = self._pool_pages_of(t)
+        if not self.is_writer:
+            return [True] * len(keys)
+        pages = [pool.get_data_page(start, flat=True).contiguous().view(torch.uint8) for start in starts]
+        return self._timed("backup", lambda: self._write(self._pool_keys(name, keys), pages, False, per=1))
+
     # ========================================================== transfers ==
-    def _pages_ok(self, ok: list[bool]) -> list[bool]:
-        per = len(self._parts)
+    def _pages_ok(self, ok: list[bool], per: int | None = None) -> list[bool]:
+        per = per or len(self._parts)
         return [all(ok[i:i + per]) for i in range(0, len(ok), per)]
 
-    def _read(self, names: list[str], dsts: list[torch.Tensor], direct: bool) -> tuple[list[bool], int]:
+    def _read(self, names: list[str], dsts: list[torch.Tensor], direct: bool,
+              per: int | None = None) -> tuple[list[bool], int]:
         """Read each object into its view (directly when ``direct``: the views are
         contiguous pool memory). Returns a bool per page and the bytes read."""
         sizes = [v.numel() * v.element_size() for v in dsts]
@@ -535,7 +660,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
                         ok[i] = self._read_ok(r, sizes[i], names[i])
                         if ok[i]:
                             dsts[i].copy_(s)
-        return self._pages_ok(ok), sum(n for n, good in zip(sizes, ok) if good)
+        return self._pages_ok(ok, per), sum(n for n, good in zip(sizes, ok) if good)
 
     def _read_ok(self, result, size: int, name: str) -> bool:
         if isinstance(result, MasterUnavailableError):
@@ -551,7 +676,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         return True
 
     def _write(self, names: list[str], srcs: list[torch.Tensor], direct: bool,
-               parents: list[str | None] | None = None) -> tuple[list[bool], int]:
+               parents: list[str | None] | None = None, per: int | None = None) -> tuple[list[bool], int]:
         """Store each object not stored yet from its view (naming ``parents[i]`` as its
         parent). Returns a bool per page and the bytes stored (objects already held are
         not counted)."""
@@ -583,7 +708,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
                         results[j] = r
         for i, r in zip(missing, results):
             ok[i] = self._write_ok(r, names[i])
-        return self._pages_ok(ok), sum(n for n, r in zip(sizes, results) if r is None)
+        return self._pages_ok(ok, per), sum(n for n, r in zip(sizes, results) if r is None)
 
     def _write_ok(self, result, name: str) -> bool:
         if result is None or isinstance(result, (ObjectExistsError, ObjectPendingError)):

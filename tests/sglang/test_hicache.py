@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from mooncake_ray._private.naming import MASTER_NAME
-from mooncake_ray.errors import ConfigError, MooncakeRayError
+from mooncake_ray.errors import ConfigError, InvalidArgumentError, MooncakeRayError
 from mooncake_ray.integrations import _store
 from mooncake_ray.integrations.sglang import MooncakeRayHiCacheStorage
 from tests.conftest import store_config, wait_for
@@ -155,12 +155,9 @@ def test_the_abstract_methods_are_the_ones_implemented():
     assert HiCacheStorage.__abstractmethods__ == {"get", "batch_get", "set", "batch_set", "exists"}
     assert not MooncakeRayHiCacheStorage.__abstractmethods__
     for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "get_stats", "clear", "register_mem_pool_host",
-                 "register_mem_host_pool_v2", *HiCacheStorage.__abstractmethods__):
+                 "register_mem_host_pool_v2", "batch_exists_v2", "batch_get_v2", "batch_set_v2",
+                 *HiCacheStorage.__abstractmethods__):
         assert getattr(MooncakeRayHiCacheStorage, name) is not getattr(HiCacheStorage, name), name
-    # The v2 (hybrid pool) calls keep the base class's NotImplementedError: the backend
-    # refuses hybrid pools at registration instead (see test_hybrid_pools_are_refused...).
-    for name in ("batch_exists_v2", "batch_get_v2", "batch_set_v2"):
-        assert getattr(MooncakeRayHiCacheStorage, name) is getattr(HiCacheStorage, name), name
 
 
 @pytest.mark.parametrize("mla,layout", [(False, lay) for lay in MHA_LAYOUTS] + [(True, lay) for lay in MLA_LAYOUTS])
@@ -313,13 +310,121 @@ def test_bad_extra_config_keys_are_named(shared_store):
     make_backend(ns, pool, prefetch_threshold=256, enable_metadata_cache=True, hicache_storage_pass_prefix_keys=False)
 
 
-def test_hybrid_pools_are_refused_when_registered(shared_store):
+def mamba_pool(seed: int = 0, slots: int = 16):
+    """SGLang's host pool of Mamba state (``MambaPoolHost``, one slot per cached prefix
+    state: 3 layers of conv and temporal state), built from device buffers on the CPU and
+    filled with random bits."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    layers = 3
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots, 2, 8, 8, dtype=torch.float32),
+                                conv=(torch.zeros(layers, slots, 3, 24, dtype=torch.bfloat16),))
+    with host_memory_budget_scope(1 << 30):
+        pool = MambaPoolHost(info, host_to_device_ratio=2.0, host_size=0, device_capacity=slots, pin_memory=False,
+                             layout="page_first")
+    gen = torch.Generator().manual_seed(seed)
+    for buf in (pool.temporal_buffer, *pool.conv_buffer):
+        bits = buf.view(torch.int16)
+        bits.copy_(torch.randint(-2**15, 2**15, bits.shape, dtype=torch.int16, generator=gen))
+    return pool
+
+
+def hybrid_backend(ns: str, model: str, seed: int = 0):
+    """A backend with a hybrid model's pools, registered as SGLang's hybrid cache
+    controller does: the KV (anchor) pool, then every pool through the v2 call."""
+    kv, mamba = host_pool(False, "page_first", seed=seed), mamba_pool(seed=seed)
+    backend = make_backend(ns, kv, model=model)
+    backend.register_mem_host_pool_v2(kv, "kv")
+    backend.register_mem_host_pool_v2(mamba, "mamba")
+    backend.on_host_pools_registered()
+    return backend, kv, mamba
+
+
+def transfers(keys, kv_pages, mamba_slots, mamba_keys=None, policy="trailing_pages"):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    mk = keys[-len(mamba_slots):] if mamba_keys is None else mamba_keys
+    return [PoolTransfer(PoolName.KV, host_indices=slots(kv_pages), keys=list(keys)),
+            PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor(mamba_slots, dtype=torch.int64), keys=list(mk),
+                         hit_policy=PoolHitPolicy(policy))]
+
+
+def test_hybrid_pages_round_trip_every_pool_into_other_slots(shared_store, model):
+    """v2 writes and reads through SGLang's real host pools: the KV pages and the Mamba
+    state of the prefix's last page land byte-exact in other slots of another engine's
+    pools; a page counts as a hit only with its state."""
     _, ns = shared_store
-    pool = host_pool(False, "page_first")
-    backend = make_backend(ns, pool)
-    backend.register_mem_host_pool_v2(pool, "kv")  # the KV pool again: accepted
-    with pytest.raises(ConfigError, match="'mamba'"):
-        backend.register_mem_host_pool_v2(host_pool(False, "page_first", seed=1), "mamba")
+    w, wkv, wm = hybrid_backend(ns, model, seed=1)
+    keys = hashes(4, seed=21)
+    res = w.batch_set_v2(transfers(keys, [0, 1, 2, 3], [5]))
+    assert res == {"kv": [True] * 4, "mamba": [True]}
+    r, rkv, rm = hybrid_backend(ns, model, seed=2)
+    hit = r.batch_exists_v2(keys, transfers(keys, [0, 1, 2, 3], [0])[1:])
+    # the state is stored for page 4 only: a prefix of 4 pages is the only hit
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages, hit.extra_pool_hit_pages) == (4, [4], {"kv": 4, "mamba": 4})
+    got = r.batch_get_v2(transfers(keys, [7, 8, 9, 10], [2]))
+    assert got == {"kv": [True] * 4, "mamba": [True]}
+    for src, dst in zip([0, 1, 2, 3], [7, 8, 9, 10]):
+        assert torch.equal(page_bits(rkv, dst), page_bits(wkv, src))
+    assert torch.equal(rm.get_data_page(2), wm.get_data_page(5))
+
+
+def test_hybrid_hit_policies(shared_store, model):
+    """trailing_pages: the last len(keys) pages before the prefix end must hold the
+    pool's page (a state or a window ends there); all_pages: every page; a policy the
+    backend does not know: no hit rather than part of a prefix."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    _, ns = shared_store
+    b, _, _ = hybrid_backend(ns, model, seed=3)
+    keys = hashes(6, seed=22)
+    b.batch_set_v2(transfers(keys[:6], list(range(6)), [1, 2], mamba_keys=[keys[1], keys[3]]))  # states after 2, 4
+
+    def ask(n_back, policy="trailing_pages"):
+        t = PoolTransfer(PoolName.MAMBA, keys=list(keys[:n_back]), hit_policy=PoolHitPolicy(policy))
+        return b.batch_exists_v2(keys, [t])
+
+    one = ask(1)
+    assert one.kv_hit_pages == 4 and one.restorable_prefix_pages == [2, 4]
+    assert ask(2).kv_hit_pages == 0  # two pages in a row before the end: none
+    assert ask(1, "all_pages").kv_hit_pages == 0  # page 1 has no state
+    unknown = PoolTransfer(PoolName.MAMBA, keys=list(keys[:1]), hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    assert b.batch_exists_v2(keys, [unknown]).kv_hit_pages == 0
+    assert b.batch_exists_v2(keys, []).kv_hit_pages == 6  # the KV pages alone
+
+
+def test_hybrid_bad_calls_are_named_and_lose_nothing(shared_store, model):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    _, ns = shared_store
+    b, kv, _ = hybrid_backend(ns, model, seed=4)
+    keys = hashes(2, seed=23)
+    b.batch_set_v2(transfers(keys, [0, 1], [3]))
+    with pytest.raises(InvalidArgumentError, match="'mamba': 1 keys need 1 host indices"):
+        b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1, 2]), keys=keys[-1:])])
+    with pytest.raises(InvalidArgumentError, match="'swa' was not registered"):
+        b.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=torch.tensor([1]), keys=keys[-1:])])
+    with pytest.raises(ConfigError, match="'draft' .*has no get_data_page"):
+        b.register_mem_host_pool_v2(object(), "draft")
+    with pytest.raises(ConfigError, match="a second KV host pool"):
+        b.register_mem_host_pool_v2(host_pool(False, "page_first", seed=9), "kv")
+    assert b.batch_exists_v2(keys, transfers(keys, [0, 1], [3])[1:]).kv_hit_pages == 2  # still stored
+
+
+def test_a_missing_state_is_a_failed_page_not_a_partial_load(shared_store, model):
+    """The state vanished after the lookup: its read fails (False), the slot keeps what it
+    held, and SGLang discards the prefetch."""
+    _, ns = shared_store
+    w, _, _ = hybrid_backend(ns, model, seed=5)
+    keys = hashes(3, seed=24)
+    w.batch_set_v2(transfers(keys, [0, 1, 2], [4]))
+    r, _, rm = hybrid_backend(ns, model, seed=6)
+    before = rm.get_data_page(6).clone()
+    r.client.remove(f"{r.prefix}{keys[-1]}/mamba")
+    got = r.batch_get_v2(transfers(keys, [3, 4, 5], [6]))
+    assert got["kv"] == [True] * 3 and got["mamba"] == [False]
+    assert torch.equal(rm.get_data_page(6), before)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # zero-copy and staged
