@@ -153,12 +153,17 @@ def stop(namespace: str, address: str | None) -> None:
 @click.option("--heads", default=4, show_default=True)
 @click.option("--kv-heads", default=2, show_default=True)
 @click.option("--vocab", default=1024, show_default=True)
-def make_model(out_dir: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> None:
-    """Build a random-weight Llama model and tokenizer locally (no download), for vLLM."""
+@click.option("--arch", type=click.Choice(["llama", "gemma2", "gemma3", "qwen3_next"]), default="llama",
+              show_default=True, help="gemma2/gemma3: sliding-window layers; qwen3_next: linear-attention state")
+@click.option("--sliding-window", default=64, show_default=True, help="tokens a sliding-window layer sees")
+def make_model(out_dir: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, arch: str,
+               sliding_window: int) -> None:
+    """Build a random-weight model and tokenizer locally (no download), for vLLM."""
     from mooncake_ray.integrations.tiny_model import TinyModelSpec, build
 
     try:
-        spec = TinyModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
+        spec = TinyModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab, arch=arch,
+                             sliding_window=sliding_window)
         click.echo(build(out_dir, spec))
     except ValueError as e:
         click.echo(f"error: {e}", err=True)

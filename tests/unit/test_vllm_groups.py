@@ -231,3 +231,23 @@ def test_a_hybrid_request_loads_whole_or_is_reported_failed_whole():
     assert dst.load_errors() == set()  # no block-level errors: vLLM takes those for one group only
     src.close()
     dst.close()
+
+
+# ------------------------------------------------------------ tiny models ----
+def test_make_model_builds_the_hybrid_layouts_and_names_a_bad_one(tmp_path):
+    """``mooncake-ray make-model --arch``: the layer types vLLM groups by, and a layer count
+    with no full-attention layer refused by name."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mooncake_ray.cli import main
+
+    r = CliRunner().invoke(main, ["make-model", str(tmp_path / "g"), "--arch", "gemma2", "--layers", "4",
+                                  "--sliding-window", "32"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert cfg["model_type"] == "gemma2" and cfg["sliding_window"] == 32
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    r = CliRunner().invoke(main, ["make-model", str(tmp_path / "q"), "--arch", "qwen3_next", "--layers", "3"])
+    assert r.exit_code == 2 and "no full-attention layer" in r.output
