@@ -204,6 +204,7 @@ class SchedulerPlan:
 class _HybridReq(_Req):
     saved: dict[str, int] = field(default_factory=dict)  # kind tag -> blocks below it stored or not due
     loads: list[BlockRun] = field(default_factory=list)
+    no_loads: bool = False  # a load of it failed: computed whole from now on
 
 
 class HybridPlan(SchedulerPlan):
@@ -233,7 +234,7 @@ class HybridPlan(SchedulerPlan):
 
         r = self._req(req_id)
         r.found = (0, 0)
-        if not self.load:
+        if not self.load or r.no_loads:
             return 0
         bs = self.block_size
         first, last = num_computed // bs, (len(tokens) - 1) // bs
@@ -245,6 +246,10 @@ class HybridPlan(SchedulerPlan):
         n = hit_blocks(self.kinds, first, last, lambda k, i: found[(k.tag, hs[i])])
         r.found = (first, n - first)
         return (n - first) * bs
+
+    def no_loads(self, req_id: str) -> None:
+        """The request's load failed: it is not looked up again."""
+        self._req(req_id).no_loads = True
 
     def allocated(self, req_id: str, block_ids, num_external_tokens: int) -> None:
         """``block_ids``: vLLM's block ids per group (all of the request's blocks)."""

@@ -356,6 +356,13 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             n += 1
         return n
 
+    def update_connector_output(self, connector_output) -> None:
+        # A hybrid request whose load failed is computed whole when vLLM schedules it again:
+        # a value the lookup finds but the load cannot read would otherwise fail it forever.
+        if self.hybrid:
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                self.plan.no_loads(req_id)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._reqs[request.request_id] = request
         self._local_hits[request.request_id] = num_computed_tokens

@@ -251,3 +251,10 @@ def test_make_model_builds_the_hybrid_layouts_and_names_a_bad_one(tmp_path):
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
     r = CliRunner().invoke(main, ["make-model", str(tmp_path / "q"), "--arch", "qwen3_next", "--layers", "3"])
     assert r.exit_code == 2 and "no full-attention layer" in r.output
+
+
+def test_a_request_whose_load_failed_is_not_looked_up_again():
+    p = plan([F, S])
+    assert p.match("r", tokens(41), 0, lambda pairs: [True] * len(pairs)) == 40
+    p.no_loads("r")
+    assert p.match("r", tokens(41), 0, lambda pairs: [True] * len(pairs)) == 0

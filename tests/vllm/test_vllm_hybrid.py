@@ -37,10 +37,7 @@ MODELS = {
     "gemma2": (TinyModelSpec(arch="gemma2", layers=4, sliding_window=64), {"block_size": 32}, 32, (142, 130, 128)),
     "qwen3_next": (TinyModelSpec(arch="qwen3_next", layers=4), {"mamba_cache_mode": "align"}, 160, (430, 360, 320)),
 }
-# the kind besides full attention (its tag in keys), and the hit left when the values the
-# first load reads of it are gone: gemma2 keeps its window's blocks 0-1 (a whole hit of 64
-# tokens), qwen3_next its only state
-OTHER_KIND = {"gemma2": ("swa64", 64), "qwen3_next": ("ssm", 0)}
+OTHER_KIND = {"gemma2": "swa64", "qwen3_next": "ssm"}  # the kind besides full attention (its tag in keys)
 
 
 def model_dir(name: str) -> str:
@@ -123,9 +120,10 @@ def test_new_engine_reuses_hybrid_prefix(engines, store):
 
 def test_a_value_gone_before_the_load_recomputes_the_whole_request(engines):
     """The lookup finds every kind's blocks, then the window's (or the state's) values
-    vanish before the load: the request is reported failed whole, and vLLM starts it again
-    (a new lookup: what is left whole, else nothing); the attention KV that did load is not
-    used."""
+    vanish before the load: the request is reported failed whole and computed from its
+    first token (gemma2's window blocks 0-1 are still stored, a hit of 64 tokens, but a
+    request whose load failed is not looked up again); the attention KV that did load is
+    not used."""
     name, es, client = engines
     n1, shared, hit = MODELS[name][3]
     p1, p2 = text(21, n1, shared), text(22, shared + 40, shared, shared_tag=21)
@@ -136,14 +134,39 @@ def test_a_value_gone_before_the_load_recomputes_the_whole_request(engines):
     assert want["cached"] == 0  # computed from scratch, as the reader must
     reader = es["reader"]
     before = reader.call(op="connector_stats")
-    tag, left = OTHER_KIND[name]
-    reader.call(op="arm_remove", marker=f"/{tag}/")
+    reader.call(op="arm_remove", marker=f"/{OTHER_KIND[name]}/")
     got = reader.generate([p2], logprobs=True)[0]
     after = reader.call(op="connector_stats")
     assert after["load_failures"] > before["load_failures"]
     assert after["loaded_blocks"] > before["loaded_blocks"]  # the full-attention blocks did land
-    assert got["cached"] == left
+    assert got["cached"] == 0
     same_output(got, want)
+
+
+def test_prefill_engine_to_decode_engine_through_the_store(engines, store):
+    """A kv_producer computes the prompt (its saves finish within the step); a kv_consumer
+    in another process loads it and answers as the reference engine does from its own
+    prefix cache."""
+    name, es, _ = engines
+    _, ns, addr = store
+    n1, _, _ = MODELS[name][3]
+    p = text(31, n1)
+    base = es["base"]
+    base.generate([p], logprobs=True)
+    want = base.generate([p], logprobs=True)[0]
+    assert want["cached"] > 0
+    pd = start_engines({"prefill": engine_args(name, ns, addr, "kv_producer"),
+                        "decode": engine_args(name, ns, addr, "kv_consumer")})
+    try:
+        first = pd["prefill"].generate([p], max_tokens=1)[0]
+        assert first["params"]["mooncake_ray"]["direct"] is None  # hybrid: no direct handoff
+        got = pd["decode"].generate([p], logprobs=True, params=[first["params"]])[0]
+        assert got["cached"] == want["cached"]
+        same_output(got, want)
+        assert pd["decode"].call(op="connector_stats")["saved_blocks"] == 0  # a consumer only loads
+    finally:
+        for e in pd.values():
+            e.close()
 
 
 def test_what_the_store_cannot_hold_completely_is_refused_at_start(store):
