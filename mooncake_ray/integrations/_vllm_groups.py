@@ -113,7 +113,8 @@ def kinds_of(kv_cache_config) -> tuple[list[Kind], int]:
             raise ConfigError(
                 f"MooncakeRayConnector: {what}: {type(spec).__name__} layers are not supported (supported: "
                 "full attention, sliding-window attention, state-space layers with "
-                "mamba_cache_mode='align')")
+                "mamba_cache_mode='align'); for an attention-only model, --disable-hybrid-kv-cache-manager "
+                "makes vLLM keep one group the connector stores")
         sizes.add(spec.block_size)
         k = found.setdefault(tag, (rule, [], wb))
         k[1].append(i)
