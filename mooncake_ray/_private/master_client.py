@@ -127,6 +127,8 @@ class MasterChannel:
         delay, last = 0.01, None
         while True:
             peer = None
+            if not ray.is_initialized():  # asking Ray for the master would start a new Ray instance
+                raise MasterUnavailableError("Ray is not running in this process: the master cannot be reached")
             try:
                 peer = self._connect(deadline)
                 data = self._engine.call(peer, rpc.MASTER_RPC, payload,

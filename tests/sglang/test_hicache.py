@@ -44,9 +44,10 @@ MLA_LAYOUTS = ["page_first", "layer_first", "page_first_direct"]
 
 # ------------------------------------------------------------------ fixtures ----
 def _close_joined_client(ns: str) -> None:
-    shared = _store._clients.pop(ns, None)  # the process-wide client the backends joined with
-    if shared is not None:
-        shared.close()
+    """Close the process-wide clients the backends joined with (keyed by namespace and
+    device path)."""
+    for key in [k for k in _store._clients if k[0] == ns]:
+        _store._clients.pop(key).close()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 
-from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
 
 FLUSH_DELAY_S = 0.05  # how long a finished read's release waits for a GET to carry it
@@ -55,10 +54,13 @@ class Releases:
         if done and not self._closed:
             try:
                 self._master.call(rpc.RELEASE, done)
-            except MooncakeRayError:
-                pass  # the leases expire by themselves
+            except Exception:  # noqa: BLE001 - on a timer thread; the leases expire by themselves
+                pass
 
     def close(self) -> None:
         """Send what waits; later flushes send nothing."""
+        timer = self._timer
+        if timer is not None:
+            timer.cancel()
         self.flush()
         self._closed = True
