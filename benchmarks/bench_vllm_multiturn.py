@@ -39,6 +39,37 @@ venv (its wheel would change the venv's numpy, grpcio and protobuf and pull cupy
 
 Writes benchmarks/results/bench_vllm_multiturn.{json,png}.
 
+Hybrid models (``--arch gemma2`` or ``--arch qwen3_next``; default ``llama``): the same
+multi-turn workload on a model that vLLM runs with several KV cache groups, built by
+``tiny_model`` with the llama model's layers, hidden size and heads: ``gemma2``
+(sliding-window layers, a 128-token window shorter than every prompt, alternating with
+full-attention ones: a sliding-window group and a full-attention group, blocks of 32 tokens)
+and ``qwen3_next`` (Gated DeltaNet layers, whose recurrent state vLLM keeps per block with
+``mamba_cache_mode="align"``, and a full-attention layer every fourth: three state groups and
+a full-attention group). For qwen3_next vLLM chooses the block size itself (an attention page
+as large as a state page: 128 tokens for this model), asked of vLLM's engine configuration
+before the runs; vLLM's cache, the ideal hit rate and the overflow round are counted in those
+blocks. A block id serves one group at a time, so a conversation takes blocks in every group
+(``request_blocks``: full attention all of them, a sliding-window group the hit's window and
+the round's new tokens, a state group three per round), and ``--vllm-kv-blocks`` defaults to
+a size the conversations overflow in round 3 (round 1 with ``--quick``). That is an estimate:
+a hybrid model's hit needs every group's blocks, so a conversation loses all of it or none,
+depending on where it fell in two rounds' random order. On both models vLLM's own prefix cache
+stops one block short of the ideal (measured with a cache nothing overflows); the connector's
+hits reach it. Only ``vllm`` and ``mcr`` run (other configs are refused); the store arena is
+32 MiB (qwen3_next, whose attention KV is a quarter of llama's: 16 MiB). Per round, besides the
+above: the connector's hit tokens, blocks loaded and saved, failures. The JSON records the
+arch, the model spec, vLLM's arguments and block size, the KV cache groups vLLM built (asked
+of its worker) and the log lines about them; its summary (``summary.hybrid``): per config the
+median and range over repeats of the hit rate over rounds ``--from-round`` (default 2) to the
+end and of mean TTFT, the mcr/vllm TTFT ratio per repeat, both hit rates side by side (per
+round too, with the ideal), and checks (the connector served tokens in every mcr run, more than
+vLLM alone after the overflow, no failed load or save, no error in a child's log). Writes
+benchmarks/results/bench_vllm_hybrid_<arch>.{json,png}.
+
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--arch qwen3_next --quick"   # ~2 min
+    make bench B=benchmarks/bench_vllm_multiturn.py ARGS="--arch gemma2 --repeats 3"   # ~10 min
+
 Chain-eviction study (``--chains``; writes benchmarks/results/bench_vllm_chains.{json,png}
 instead): the same multi-turn workload, sized by default so that vLLM's own KV cache is
 small (``--vllm-kv-blocks 96``: two requests in flight) and the conversations' KV is the
@@ -142,6 +173,110 @@ def kv_bytes_per_token(g=GEOMETRY) -> int:
     return 2 * g["layers"] * g["kv_heads"] * (g["hidden"] // g["heads"]) * 2
 
 
+# --arch: the tiny model's architecture (GEOMETRY's layers, hidden size and heads) and the
+# arguments vLLM needs to run it. gemma2: sliding-window and full-attention layers alternate
+# (two KV cache groups), the window shorter than every prompt; qwen3_next: Gated DeltaNet
+# layers (a recurrent state, which vLLM keeps per block in "mamba" groups only with
+# mamba_cache_mode="align") and a full-attention layer every fourth. vLLM chooses qwen3_next's
+# block size itself (an attention page as large as a state page): asked of vLLM before the runs.
+ARCHS = {
+    "llama": {"model": {}, "vllm": {"block_size": BLOCK}},
+    "gemma2": {"model": {"arch": "gemma2", "sliding_window": 128}, "vllm": {"block_size": BLOCK}},
+    "qwen3_next": {"model": {"arch": "qwen3_next"}, "vllm": {"mamba_cache_mode": "align"}},
+}
+HYBRID_CONFIGS = ["vllm", "mcr"]  # what runs on a hybrid model (--arch other than llama)
+# per arch: store DRAM arena (smaller than the conversations' KV) and the same with --quick;
+# qwen3_next keeps attention KV for one layer in four, so its working set is a quarter
+HYBRID_DRAM = {"gemma2": ("32mb", "8mb"), "qwen3_next": ("16mb", "4mb")}
+
+
+def model_spec(arch: str) -> dict:
+    return {**GEOMETRY, **ARCHS[arch]["model"]}
+
+
+def arch_profile(arch: str, block_size: int) -> dict:
+    """vLLM's KV cache for the tiny model of ``arch`` at ``block_size`` tokens per block, as
+    vLLM lays it out: layers of one kind in groups of as many layers as the model has
+    full-attention layers (gemma2: one sliding-window group and one full-attention group;
+    qwen3_next: three state groups and one full-attention group), every group's block table
+    drawing on one pool in which a block id (serving one group at a time) takes one page per
+    layer of a group (state pages padded to attention pages). The runs record what vLLM
+    actually built (``kv_cache``) and refuse a block size other than this one."""
+    g, spec = GEOMETRY, model_spec(arch)
+    layers = g["layers"]
+    page_per_token = 2 * g["kv_heads"] * (g["hidden"] // g["heads"]) * 2  # K and V, bf16, one layer
+    if arch == "llama":
+        full, other, kind = layers, 0, None
+    elif arch == "gemma2":
+        full, kind = layers // 2, "sliding_window"
+        other = layers - full
+    else:
+        full, kind = layers // 4, "mamba"
+        other = layers - full
+    groups = [{"kind": "full_attention", "layers": full}] + [{"kind": kind, "layers": full}
+                                                             for _ in range(other // full)]
+    return {"arch": arch, "block_size": block_size, "vllm_args": dict(ARCHS[arch]["vllm"]),
+            "groups": groups, "sliding_window": spec.get("sliding_window") if arch == "gemma2" else None,
+            "block_bytes": block_size * page_per_token * full,
+            "attention_kv_bytes_per_token": page_per_token * (layers if arch != "qwen3_next" else full),
+            "model_spec": spec}
+
+
+def request_blocks(prof: dict, tokens: int, cached: int = 0) -> int:
+    """vLLM blocks one conversation needs in a round that leaves it at ``tokens`` tokens
+    (prompt and answer), ``cached`` of them found in a cache: the blocks kept from the last
+    round for the hit plus those the round allocates (freed or not, they come off the head of
+    vLLM's LRU queue), over every KV cache group. Full attention: every block (the last one
+    partial). Sliding window: the hit's window (and the block it starts in) plus the blocks of
+    the round's new tokens (a prefill chunk allocates them all; in round 0 every block).
+    State (mamba_cache_mode="align"): three, the state at the block boundary below the
+    prompt's end (kept for a later hit), the state at its end and the running state.
+    An estimate: vLLM evicts in LRU order, and on a hybrid model a conversation whose blocks
+    of one group went loses its whole hit, so where it fell in the random order of two rounds
+    matters. Measured with vLLM alone on the default workload (8 conversations, 8 rounds),
+    the first round with hits lost: qwen3_next 124 blocks round 2, 136 round 4; gemma2 289
+    blocks round 2, 305 round 3, 340 round 5."""
+    bs = prof["block_size"]
+    full = -(-tokens // bs)
+    n = full
+    for grp in prof["groups"][1:]:
+        if grp["kind"] == "sliding_window":
+            n += min(full, -(-(prof["sliding_window"] - 1) // bs) + 1 + full - cached // bs)
+        else:
+            n += 3
+    return n
+
+
+def round_blocks(a, prof: dict, rnd: int) -> int:
+    """``request_blocks`` of a conversation in round ``rnd``, its earlier blocks cached."""
+    cached = int(ideal_hit_rate(a, rnd, prof["block_size"]) * prompt_len(a, rnd))
+    return request_blocks(prof, prompt_len(a, rnd) + a.output_length, cached)
+
+
+def max_model_len(a, bs: int = BLOCK) -> int:
+    n = max(prompt_len(a, a.num_rounds - 1), a.unique_length) + a.output_length
+    return -(-n // bs) * bs + bs
+
+
+def default_kv_blocks(a, prof: dict, target_round: int) -> int:
+    """vLLM's own KV cache (blocks) for a hybrid arch: the conversations fit in it in every
+    round before ``target_round`` (counted as ``overflow_round`` does; where an earlier round
+    needs as much, they overflow later), and vLLM's start-up check passes (one request of the
+    longest length: full attention and sliding-window groups each hold every block of a
+    prefill chunk, a state group two blocks, plus the null block). vLLM's pool includes the
+    null block: one more than the conversations need."""
+    r = max(1, min(target_round, a.num_rounds - 1))
+    need = [a.num_clients * round_blocks(a, prof, i) for i in range(r + 1)]
+    fit = max(need[:r])
+    n = fit + max(0, need[r] - fit) * 3 // 4 + 1
+    if need[r] > fit:
+        n = min(n, need[r] - 1)
+    bs = prof["block_size"]
+    one = -(-max_model_len(a, bs) // bs)
+    start = one + sum(one + 1 if g["kind"] == "sliding_window" else 2 for g in prof["groups"][1:]) + 1
+    return max(n, start)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,20 +293,25 @@ def prompt_len(a, rnd: int) -> int:
     return a.request_length + rnd * (a.output_length + a.sub_question_length)
 
 
-def ideal_hit_rate(a, rnd: int) -> float:
-    """The most a cache can give in round ``rnd``: the full blocks of the previous prompt plus
-    the answer's KV (its last token is sampled, never fed back, so it has none)."""
+def ideal_hit_rate(a, rnd: int, bs: int = BLOCK) -> float:
+    """The most a cache can give in round ``rnd``: the full blocks (``bs`` tokens) of the
+    previous prompt plus the answer's KV (its last token is sampled, never fed back, so it has
+    none)."""
     if rnd == 0:
         return 0.0
     prev = prompt_len(a, rnd - 1) + a.output_length - 1
-    return (prev // BLOCK * BLOCK) / prompt_len(a, rnd)
+    return (prev // bs * bs) / prompt_len(a, rnd)
 
 
-def overflow_round(a) -> int:
+def overflow_round(a, prof: dict | None = None) -> int:
     """First round during which the conversations' KV (every client's prompt and answer)
-    no longer fits in vLLM's own cache of ``--vllm-kv-blocks`` blocks."""
+    no longer fits in vLLM's own cache of ``--vllm-kv-blocks`` blocks (``prof``: a hybrid
+    arch's, whose conversations hold blocks in every KV cache group, see ``request_blocks``)."""
     for r in range(a.num_rounds):
-        need = a.num_clients * -(-(prompt_len(a, r) + a.output_length) // BLOCK)
+        if prof is None:
+            need = a.num_clients * -(-(prompt_len(a, r) + a.output_length) // BLOCK)
+        else:
+            need = a.num_clients * round_blocks(a, prof, r)
         if need > a.vllm_kv_blocks:
             return r
     return a.num_rounds
@@ -349,6 +489,14 @@ def child(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     res: dict = {"config": name, "connector": conn, "loadavg_start": os.getloadavg(), "repeat": spec["repeat"],
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]}
+    # --arch: the block size and pool bytes per block the parent sized vLLM's cache with
+    prof = spec.get("profile") or arch_profile("llama", BLOCK)
+    hybrid = prof["arch"] != "llama"
+    if hybrid:
+        # lets the benchmark ask the worker for the KV cache layout vLLM built (collective_rpc
+        # with a function; local processes only)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        res["arch"] = prof["arch"]
     if chain:
         res.update(fraction=chain["fraction"], arena_bytes=chain["arena_bytes"], code=_code_version())
     procs: list[subprocess.Popen] = []  # helper servers this child started
@@ -414,18 +562,26 @@ def child(spec: dict) -> dict:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        block_bytes = kv_bytes_per_token() * BLOCK
-        max_len = max(prompt_len(a, a.num_rounds - 1), a.unique_length) + a.output_length
-        max_len = -(-max_len // BLOCK) * BLOCK + BLOCK
+        bs, block_bytes = prof["block_size"], prof["block_bytes"]  # llama: BLOCK, kv_bytes_per_token() * BLOCK
+        max_len = max_model_len(a, bs)
         eargs = AsyncEngineArgs(
             model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
-            block_size=BLOCK, max_model_len=max_len, seed=0, num_gpu_blocks_override=a.vllm_kv_blocks,
+            **prof["vllm_args"], max_model_len=max_len, seed=0, num_gpu_blocks_override=a.vllm_kv_blocks,
             kv_cache_memory_bytes=a.vllm_kv_blocks * block_bytes, kv_transfer_config=ktc,
             max_num_seqs=max(a.max_parallel, 8))
         sink: dict = {}
         t0 = time.perf_counter()
         engine = AsyncLLM.from_engine_args(eargs, stat_loggers=[_stat_logger_factory(sink)])
         res["engine_start_s"] = time.perf_counter() - t0
+        if hybrid:
+            cc = engine.vllm_config.cache_config
+            res.update(vllm_args={**prof["vllm_args"], "max_model_len": max_len,
+                                  "num_gpu_blocks_override": a.vllm_kv_blocks,
+                                  "kv_cache_memory_bytes": a.vllm_kv_blocks * block_bytes},
+                       vllm_block_size=cc.block_size, vllm_num_blocks=cc.num_gpu_blocks)
+            if cc.block_size != bs:
+                raise RuntimeError(f"vLLM runs {prof['arch']} with blocks of {cc.block_size} tokens, the benchmark "
+                                   f"sized its cache for {bs}")
         sp = SamplingParams(max_tokens=a.output_length, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
@@ -439,8 +595,13 @@ def child(spec: dict) -> dict:
             res["key_prefix"] = key_prefix(spec["model"], geo, "vllm-cpu")
         after_round = _chain_probe(conn, ray_ns, res, sink, store_client if conn == "mooncake-ray" else None) \
             if chain else None
+        if hybrid and conn == "mooncake-ray":
+            after_round = _connector_rounds(sink)
 
         async def work():
+            if hybrid:
+                res["kv_cache"] = (await engine.collective_rpc(_kv_cache_info))[0]
+                res["kv_cache"]["block_bytes_measured"] = _pool_block_bytes(res["kv_cache"])
             # warm-up (kernels and their shapes, allocator): the workload's batch shape twice,
             # with prompts no workload request shares a block with
             n = a.unique_length if name in UNIQUE else a.request_length
@@ -507,6 +668,50 @@ def child(spec: dict) -> dict:
         for d in tmpdirs:
             shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+def _kv_cache_info(worker) -> dict:
+    """Runs in vLLM's worker: the KV cache layout it built (groups, block size, pool)."""
+    c = worker.model_runner.kv_cache_config
+    return {"num_blocks": c.num_blocks,
+            "tensors": [{"bytes": t.size, "layers": list(t.layers), "offset": getattr(t, "offset", 0)}
+                        for t in c.kv_cache_tensors],
+            "groups": [{"spec": type(g.kv_cache_spec).__name__, "layers": list(g.layer_names),
+                        "block_size": g.kv_cache_spec.block_size, "page_size_bytes": g.kv_cache_spec.page_size_bytes,
+                        "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                        "mamba_cache_mode": getattr(g.kv_cache_spec, "mamba_cache_mode", None)}
+                       for g in c.kv_cache_groups]}
+
+
+def _pool_block_bytes(kv: dict) -> int:
+    """Bytes one block id takes in vLLM's pool: the groups overlay each other (a block id serves
+    one group at a time), so the largest group's pages per block."""
+    return max(g["page_size_bytes"] * len(g["layers"]) for g in kv["groups"])
+
+
+CONNECTOR_ROUND = ("hit_tokens", "lookup_tokens", "loaded_blocks", "loaded_bytes", "load_failures", "saved_blocks",
+                   "save_failures")
+
+
+def _connector_rounds(sink):
+    """``after_round`` for a hybrid arch with the connector: per round (after the barrier), what
+    the connector did in that round: its counters (hit, looked-up tokens, blocks loaded and
+    saved, failures) and vLLM's connector prefix-cache counters, differences from the last round."""
+    last: dict = {}
+
+    def probe(rnd, seqs):
+        conn = sink.get("connector", {})
+        cur = {**{k: conn.get(k, 0) for k in CONNECTOR_ROUND},
+               "vllm_connector_hits": sink.get("connector_prefix_hits", 0),
+               "vllm_connector_queries": sink.get("connector_prefix_queries", 0)}
+        out = {k: v - last.get(k, 0) for k, v in cur.items()}
+        last.update(cur)
+        print(f"    after round {rnd}: connector hit {out['hit_tokens']} of {out['lookup_tokens']} looked-up tok, "
+              f"loaded {out['loaded_blocks']} blocks, saved {out['saved_blocks']}, failures "
+              f"{out['load_failures']}/{out['save_failures']}", flush=True)
+        return {"connector_round": out}
+
+    return probe
 
 
 def _start_mooncake(a, res, procs, tmpdirs, chain=None):
@@ -710,9 +915,10 @@ def _size(s) -> int:
 
 # ========================================================================== parent ==
 
-def run_config(name: str, repeat: int, a, model: str, chain: dict | None = None) -> dict:
+def run_config(name: str, repeat: int, a, model: str, chain: dict | None = None, profile: dict | None = None) -> dict:
     """Run one configuration in a subprocess (its own process group); returns its result.
-    ``chain``: the chain study's ``{"fraction", "arena_bytes", "master"}``."""
+    ``chain``: the chain study's ``{"fraction", "arena_bytes", "master"}``; ``profile``: the
+    arch's (``arch_profile``; default llama)."""
     log_dir = Path(a.log_dir)
     tag = name + (f"@{chain['fraction']}" if chain else "")
     log_path = log_dir / f"{tag}-rep{repeat}.log"
@@ -721,6 +927,8 @@ def run_config(name: str, repeat: int, a, model: str, chain: dict | None = None)
     spec = {"name": name, "repeat": repeat, "model": model, "args": vars(a), "out": str(out_path)}
     if chain:
         spec["chain"] = chain
+    if profile:
+        spec["profile"] = profile
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=log,
@@ -743,7 +951,27 @@ def run_config(name: str, repeat: int, a, model: str, chain: dict | None = None)
     if not res.get("ok"):
         res["root_cause"] = _root_cause(log_path)
     res["log_errors"] = _log_errors(log_path)
+    if profile and profile["arch"] != "llama":
+        res["kv_cache_log"] = _log_lines(log_path, r"MooncakeRayConnector|kv cache group sizes|KV cache size|"
+                                                   r"num_gpu_blocks_override|[Pp]adding mamba page|[Bb]lock size")
     return res
+
+
+def _log_lines(log_path: Path, pattern: str, limit: int = 12) -> list[str]:
+    """Distinct lines of a child's log matching ``pattern`` (vLLM's KV cache layout, what the
+    connector logs about the groups)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out: list[str] = []
+    for ln in lines:
+        ln = re.sub(r"\x1b\[[0-9;]*m", "", ln).strip()
+        if re.search(pattern, ln) and ln[:400] not in out:
+            out.append(ln[:400])
+        if len(out) >= limit:
+            break
+    return out
 
 
 def _log_errors(log_path: Path, limit: int = 8) -> list[str]:
@@ -780,12 +1008,17 @@ def _root_cause(log_path: Path) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--block-size-of", help=argparse.SUPPRESS)
     ap.add_argument("--resummarize", metavar="JSON",
                     help="recompute the summary, table and PNG of an earlier run's JSON (no engine runs)")
     ap.add_argument("--quick", action="store_true", help="small workload, one repeat, main configs: a few minutes")
+    ap.add_argument("--arch", choices=list(ARCHS), default="llama",
+                    help="the tiny model: llama (full attention), or a hybrid model (several KV cache groups): gemma2 "
+                         "(sliding window + full attention), qwen3_next (state-space + full attention); a hybrid "
+                         "one runs the configs vllm and mcr only and writes results/bench_vllm_hybrid_<arch>.json")
     ap.add_argument("--configs", default="main",
                     help="comma list of " + ",".join(MULTITURN + UNIQUE) + "; 'main' = vllm,mcr,vllm-unique,"
-                         "mcr-unique; 'all' = main + peers")
+                         "mcr-unique (with a hybrid --arch: vllm,mcr); 'all' = main + peers")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=None, help="repeats of the peers' configs (default: --repeats)")
     ap.add_argument("--num-clients", type=int, default=8)
@@ -797,12 +1030,17 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=16.0)
     ap.add_argument("--ready-queue-policy", choices=["random", "fifo"], default="random")
     ap.add_argument("--barrier-s", type=float, default=1.0)
-    ap.add_argument("--vllm-kv-blocks", type=int, default=208, help="vLLM's own KV cache, in blocks of 32 tokens")
+    ap.add_argument("--vllm-kv-blocks", type=int, default=None,
+                    help="vLLM's own KV cache, in vLLM blocks (32 tokens; qwen3_next: the size vLLM chooses); "
+                         "default 208 for llama (48 with --quick), for a hybrid arch sized from the workload so that "
+                         "the conversations overflow it in round 3 (round 1 with --quick)")
     ap.add_argument("--unique-requests", type=int, default=32)
     ap.add_argument("--unique-length", type=int, default=1024)
     ap.add_argument("--unique-min-s", type=float, default=60.0,
                     help="the no-reuse workload repeats with new prompts until it has run this long")
-    ap.add_argument("--dram", default="32mb", help="store DRAM arena (smaller than the working set)")
+    ap.add_argument("--dram", default=None,
+                    help="store DRAM arena, smaller than the working set (default 32mb; qwen3_next 16mb; "
+                         "--quick: 8mb, qwen3_next 4mb)")
     ap.add_argument("--spill", default="2gb", help="store spill capacity")
     ap.add_argument("--spill-dir", default="/tmp")
     ap.add_argument("--lmcache-path", default="", help="extra sys.path entries holding LMCache (os.pathsep list)")
@@ -812,10 +1050,13 @@ def main() -> None:
     ap.add_argument("--workload-timeout-s", type=float, default=1200.0)
     ap.add_argument("--wait-quiet-s", type=float, default=0.0,
                     help="before starting, wait up to this long for the 1-minute load average to fall below 1.5")
-    ap.add_argument("--model-dir", default="/tmp/bench_vllm_mt-model")
-    ap.add_argument("--log-dir", default="/tmp/bench_vllm_mt-logs")
+    ap.add_argument("--model-dir", default=None, help="default /tmp/bench_vllm_mt-model (llama), "
+                    "/tmp/bench_vllm_mt-model-<arch> otherwise")
+    ap.add_argument("--log-dir", default=None, help="the children's logs and results (default "
+                    "/tmp/bench_vllm_mt-logs, /tmp/bench_vllm_mt-logs-<arch> with a hybrid arch)")
     ap.add_argument("--out", default=None,
-                    help="results JSON (default results/bench_vllm_multiturn.json, with --chains bench_vllm_chains.json)")
+                    help="results JSON (default results/bench_vllm_multiturn.json, with --chains "
+                         "bench_vllm_chains.json, with a hybrid --arch bench_vllm_hybrid_<arch>.json)")
     ap.add_argument("--chains", action="store_true",
                     help="the chain-eviction study instead (see the docstring): writes bench_vllm_chains.{json,png}")
     ap.add_argument("--chain-configs", default=",".join(CHAIN_CONFIGS), help="--chains: comma list of "
@@ -823,11 +1064,25 @@ def main() -> None:
     ap.add_argument("--store-fractions", default="0.25,0.5",
                     help="--chains: store DRAM arenas as fractions of the workload's KV working set")
     ap.add_argument("--from-round", type=int, default=None,
-                    help="--chains: the summary counts rounds from this one (default: num_rounds // 2)")
+                    help="--chains: the summary counts rounds from this one (default: num_rounds // 2); with a hybrid "
+                         "--arch: the summary's hit rate and TTFT over rounds from this one (default: 2)")
     a = ap.parse_args()
+    hybrid = a.arch != "llama"
     if a.out is None:
-        a.out = str(RESULTS / ("bench_vllm_chains.json" if a.chains else "bench_vllm_multiturn.json"))
+        a.out = str(RESULTS / ("bench_vllm_chains.json" if a.chains else f"bench_vllm_hybrid_{a.arch}.json" if hybrid
+                               else "bench_vllm_multiturn.json"))
+    sfx = f"-{a.arch}" if hybrid else ""
+    a.model_dir = a.model_dir or f"/tmp/bench_vllm_mt-model{sfx}"
+    a.log_dir = a.log_dir or f"/tmp/bench_vllm_mt-logs{sfx}"
+    if a.dram is None:
+        a.dram = HYBRID_DRAM[a.arch][bool(a.quick)] if hybrid else "32mb"
+    if not hybrid and a.vllm_kv_blocks is None:
+        a.vllm_kv_blocks = 208
 
+    if a.block_size_of:
+        _block_size_of(json.loads(a.block_size_of))
+        sys.stdout.flush()
+        os._exit(0)
     if a.child:
         spec = json.loads(a.child)
         res = child(spec)
@@ -850,28 +1105,43 @@ def main() -> None:
         plot(results, path.with_suffix(".png"))
         print_table(results)
         return
+    given = {act.dest for act in ap._actions
+             if any(arg == o or arg.startswith(o + "=") for o in act.option_strings for arg in sys.argv[1:])}
+    if a.chains and hybrid:
+        ap.error(f"--chains runs on the llama model only (not --arch {a.arch})")
     if a.chains:
-        given = {act.dest for act in ap._actions
-                 if any(arg == o or arg.startswith(o + "=") for o in act.option_strings for arg in sys.argv[1:])}
         for k, v in CHAIN_DEFAULTS.items():
             if k not in given:  # the study's workload, where the flag is not on the command line
                 setattr(a, k, v)
         main_chains(a, ap)
         return
-    if a.quick:
+    if a.quick and hybrid:  # the same workload as llama's --quick; vLLM's cache and the arena as given or per arch
+        a.repeats = 1 if a.repeats == 3 else a.repeats
+        a.num_clients, a.num_rounds, a.request_length, a.max_parallel = 4, 4, 256, 2
+        a.unique_requests, a.unique_length, a.unique_min_s = 8, 512, 0.0
+    elif a.quick:
         a.repeats = 1 if a.repeats == 3 else a.repeats
         a.num_clients, a.num_rounds, a.request_length, a.max_parallel = 4, 4, 256, 2
         a.vllm_kv_blocks, a.unique_requests, a.unique_length, a.dram = 48, 8, 512, "8mb"
         a.unique_min_s = 0.0
     if a.configs == "main":
-        configs = ["vllm", "mcr", "vllm-unique", "mcr-unique"]
+        configs = list(HYBRID_CONFIGS) if hybrid else ["vllm", "mcr", "vllm-unique", "mcr-unique"]
     elif a.configs == "all":
+        if hybrid:
+            ap.error(f"--arch {a.arch}: only the configs {','.join(HYBRID_CONFIGS)} run on a hybrid model "
+                     "(the peers and the no-reuse configs run with --arch llama)")
         configs = ["vllm", "mcr", "vllm-unique", "mcr-unique", "example", "mooncake-store", "mooncake-p2p", "lmcache"]
     else:
         configs = a.configs.split(",")
     bad = [c for c in configs if c not in CONNECTOR]
     if bad:
         ap.error(f"unknown configs {bad}")
+    if hybrid and set(configs) - set(HYBRID_CONFIGS):
+        ap.error(f"--arch {a.arch}: only the configs {','.join(HYBRID_CONFIGS)} run on a hybrid model, not "
+                 f"{','.join(c for c in configs if c not in HYBRID_CONFIGS)} (the peers and the no-reuse configs run "
+                 "with --arch llama)")
+    if hybrid and a.from_round is None:
+        a.from_round = 2
     peer_repeats = a.repeats if a.peer_repeats is None else a.peer_repeats
     Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -880,10 +1150,22 @@ def main() -> None:
     code_at_start = _code_version()
     from mooncake_ray.integrations.tiny_model import TinyModelSpec, build
 
-    model = build(a.model_dir, TinyModelSpec(**GEOMETRY))
-    r_over = overflow_round(a)
-    print(f"model {GEOMETRY} ({kv_bytes_per_token()} B of KV per token); vLLM KV cache {a.vllm_kv_blocks} blocks "
-          f"({a.vllm_kv_blocks * BLOCK} tokens); conversations overflow it from round {r_over}", flush=True)
+    model = build(a.model_dir, TinyModelSpec(**model_spec(a.arch)))
+    if hybrid:
+        prof = arch_profile(a.arch, _vllm_block_size(model, ARCHS[a.arch]["vllm"]))
+        if a.vllm_kv_blocks is None:
+            a.vllm_kv_blocks = default_kv_blocks(a, prof, 1 if a.quick else 3)
+        bs = prof["block_size"]
+        r_over = overflow_round(a, prof)
+        print(f"model {model_spec(a.arch)}; vLLM: {prof['vllm_args']}, blocks of {bs} tokens, KV cache groups "
+              f"{[g['kind'] for g in prof['groups']]}, {a.vllm_kv_blocks} blocks of {prof['block_bytes']} B "
+              f"(a block id serves one group); conversations overflow it from round {r_over}; store arena {a.dram}",
+              flush=True)
+    else:
+        prof, bs = None, BLOCK
+        r_over = overflow_round(a)
+        print(f"model {GEOMETRY} ({kv_bytes_per_token()} B of KV per token); vLLM KV cache {a.vllm_kv_blocks} blocks "
+              f"({a.vllm_kv_blocks * BLOCK} tokens); conversations overflow it from round {r_over}", flush=True)
     t_all = time.perf_counter()
     runs: list[dict] = []
     refused: dict[str, dict] = {}
@@ -895,12 +1177,16 @@ def main() -> None:
             if is_peer and (rep >= peer_repeats or name in refused):
                 continue
             print(f"[repeat {rep}] {name} ... (load {os.getloadavg()[0]:.2f})", flush=True)
-            res = run_config(name, rep, a, model)
+            res = run_config(name, rep, a, model, profile=prof)
             runs.append(res)
             if res.get("ok"):
+                hits = (res.get("engine_stats", {}).get("connector") or {}).get("hit_tokens")
                 print(f"[repeat {rep}] {name}: hit {res['cache_hit_rate']:.3f}, mean ttft {res['mean_ttft_s']:.3f}s, "
                       f"{res['input_throughput_tok_s']:.0f} tok/s (workload {res['workload_s']:.0f}s, "
-                      f"wall {res['wall_s']:.0f}s)", flush=True)
+                      f"wall {res['wall_s']:.0f}s)" + (f"; connector hit {hits} tok" if hits is not None else ""),
+                      flush=True)
+                if res.get("log_errors"):
+                    print(f"    errors in its log: {res['log_errors'][:3]}", flush=True)
             else:
                 print(f"[repeat {rep}] {name} FAILED: {res.get('error')}\n    root cause: {res.get('root_cause')}",
                       flush=True)
@@ -915,17 +1201,72 @@ def main() -> None:
                                                                       "loadavg_end": os.getloadavg()},
                "workload": {"overflow_round": r_over, "prompt_tokens_per_round": [
                    a.num_clients * prompt_len(a, r) for r in range(a.num_rounds)],
-                   "ideal_hit_rate_per_round": [ideal_hit_rate(a, r) for r in range(a.num_rounds)],
-                   "vllm_kv_cache_tokens": a.vllm_kv_blocks * BLOCK,
+                   "ideal_hit_rate_per_round": [ideal_hit_rate(a, r, bs) for r in range(a.num_rounds)],
+                   "vllm_kv_cache_tokens": a.vllm_kv_blocks * bs,
                    "store_working_set_bytes": a.num_clients * (prompt_len(a, a.num_rounds - 1) + a.output_length)
-                   * kv_bytes_per_token()},
+                   * (prof["attention_kv_bytes_per_token"] if prof else kv_bytes_per_token())},
                "host": host_info(), "total_run_s": total_s, "runs": runs}
+    if hybrid:
+        results["benchmark"] = "bench_vllm_hybrid"
+        results["arch"] = a.arch
+        results["model_spec"] = prof["model_spec"]
+        results["geometry"] = {**prof["model_spec"],
+                               "attention_kv_bytes_per_token": prof["attention_kv_bytes_per_token"]}
+        results["vllm_kv"] = _vllm_kv_record(prof, runs, a)
+        results["workload"]["store_working_set_note"] = (
+            "attention KV only (every conversation's last prompt and answer)" + (
+                "; the store also holds the state-space layers' state at block boundaries"
+                if a.arch == "qwen3_next" else "; the store holds the sliding-window layers' blocks too"))
     results["summary"] = summarize(results, a)
     out = Path(a.out)
     out.write_text(json.dumps(results, indent=1, default=str))
     plot(results, out.with_suffix(".png"))
     print_table(results)
     print(f"wrote {out} and {out.with_suffix('.png')} ({total_s / 60:.1f} min)")
+
+
+def _vllm_block_size(model: str, vllm_args: dict) -> int:
+    """The block size vLLM runs ``model`` with, given ``vllm_args``: its engine configuration,
+    built in a subprocess (no engine starts). qwen3_next: vLLM enlarges the block until an
+    attention page is as large as a state page."""
+    spec = json.dumps({"model": model, "vllm_args": vllm_args})
+    p = subprocess.run([sys.executable, __file__, "--block-size-of", spec], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    for ln in reversed(p.stdout.splitlines()):
+        if ln.startswith("BLOCK_SIZE "):
+            return int(ln.split()[1])
+    raise RuntimeError(f"vLLM's block size for {model} {vllm_args}: {p.stderr[-2000:]}")
+
+
+def _block_size_of(spec: dict) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    cfg = AsyncEngineArgs(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
+                          seed=0, **spec["vllm_args"]).create_engine_config()
+    print(f"BLOCK_SIZE {cfg.cache_config.block_size}", flush=True)
+
+
+def _vllm_kv_record(prof: dict, runs: list[dict], a) -> dict:
+    """What vLLM ran a hybrid arch with: the arguments, the block size, and the KV cache groups
+    (as sized here and as vLLM's worker built them, from the first run that recorded them),
+    and what the connector logged about them."""
+    ok = [r for r in runs if r.get("kv_cache")]
+    built = ok[0]["kv_cache"] if ok else None
+    sizes = sorted({r.get("vllm_block_size") for r in runs if r.get("vllm_block_size")})
+    return {"vllm_args": ok[0].get("vllm_args") if ok else {**prof["vllm_args"],
+                                                               "num_gpu_blocks_override": a.vllm_kv_blocks},
+            "block_size": prof["block_size"], "block_size_in_runs": sizes,
+            "num_blocks": a.vllm_kv_blocks, "block_bytes": prof["block_bytes"],
+            "block_bytes_built": built and built.get("block_bytes_measured"),
+            "groups_sized": prof["groups"],
+            "groups_built": built and [{k: g[k] for k in ("spec", "layers", "block_size", "page_size_bytes",
+                                                          "sliding_window", "mamba_cache_mode")}
+                                       for g in built["groups"]],
+            "blocks_per_conversation_per_round": [round_blocks(a, prof, r) for r in range(a.num_rounds)],
+            "log_mcr": next((r["kv_cache_log"] for r in runs
+                                   if r.get("config") == "mcr" and r.get("kv_cache_log")), None),
+            "log_vllm": next((r["kv_cache_log"] for r in runs
+                              if r.get("config") == "vllm" and r.get("kv_cache_log")), None)}
 
 
 GEOMETRY_WHY = ("prefill of the history must cost clearly more than loading its KV: ~3 ms of wall time per "
@@ -1019,7 +1360,8 @@ def summarize(results, a) -> dict:
         return _stat([f(r, d[r["repeat"]]) for r in by.get(num, []) if r["repeat"] in d])
 
     t = {}
-    if "mcr" in by and "vllm" in by:
+    hybrid = getattr(a, "arch", "llama") != "llama"
+    if "mcr" in by and "vllm" in by and not hybrid:  # the llama workload's targets
         hm, hv = s["configs"]["mcr"]["hit_rate_after_overflow"], s["configs"]["vllm"]["hit_rate_after_overflow"]
         t["hit_rate_after_overflow_with_connector>=0.80"] = {
             "measured": hm["median"], "range": [hm["min"], hm["max"]], "met": hm["median"] >= 0.80}
@@ -1047,6 +1389,10 @@ def summarize(results, a) -> dict:
     ld, sc = [], []
     for r in by.get("mcr", []) + by.get("mcr-unique", []):
         cs = r.get("engine_stats", {}).get("connector", {})
+        if hybrid:  # a hybrid arch's blocks hold states too: per token the connector served
+            if r.get("config") == "mcr" and cs.get("hit_tokens") and cs.get("load_s"):
+                ld.append(cs["load_s"] / cs["hit_tokens"])
+            continue
         if r.get("config") == "mcr" and cs.get("loaded_bytes") and cs.get("load_s"):
             ld.append(cs["load_s"] / (cs["loaded_bytes"] / kv_bytes_per_token()))
         if cs.get("saved_bytes") and cs.get("save_cpu_s"):
@@ -1057,7 +1403,11 @@ def summarize(results, a) -> dict:
                                 "save_cpu_s_per_token": statistics.median(sc) if sc else None,
                                 "note": "prefill: round-0 wall time per computed token under the workload's batching; "
                                         "load: connector load thread seconds per loaded token; save CPU: the save "
-                                        "thread's CPU seconds per saved token (off the engine's threads)"}
+                                        "thread's CPU seconds per saved token (off the engine's threads)"
+                                        + ("; hybrid arch: load per token the connector served (hit_tokens)"
+                                           if hybrid else "")}
+    if hybrid:
+        s["hybrid"] = summarize_hybrid(results, a)
     s["peers"] = {}
     for name in ("example", "mooncake-store", "mooncake-p2p", "lmcache"):
         rs = [r for r in results["runs"] if r.get("config") == name]
@@ -1077,6 +1427,98 @@ def summarize(results, a) -> dict:
                                 **({"mooncake_master_metrics": rs[0]["mooncake_master_metrics"]}
                                    if "mooncake_master_metrics" in rs[0] else {})}
     return s
+
+
+def summarize_hybrid(results, a) -> dict:
+    """A hybrid arch's summary: per config, median and range over repeats of the hit rate over
+    rounds ``from_round``..end and of mean TTFT (every round, and rounds ``from_round``..end);
+    mcr/vllm TTFT ratios (paired per repeat, and of the medians); both configs' hit rates side
+    by side, per round too, with the ideal; per run and round, hit rate and mean TTFT; and
+    checks: the connector served tokens in every mcr run, more than vLLM alone once vLLM's own
+    cache overflowed, with no failed load or save and no error in the child's log."""
+    fr = a.from_round if a.from_round is not None else 2
+    ok = [r for r in results["runs"] if r.get("ok")]
+    by: dict = {}
+    for r in ok:
+        by.setdefault(r["config"], []).append(r)
+
+    def hit(r, lo=fr, hi=None):
+        rs = [x for x in r["rounds"] if x["round"] >= lo and (hi is None or x["round"] < hi)]
+        return sum(x["cached_tokens"] for x in rs) / sum(x["prompt_tokens"] for x in rs) if rs else None
+
+    def ttft(r, lo=0):
+        recs = [x for rd in r["rounds"] if rd["round"] >= lo for x in rd["records"]]
+        return statistics.mean(x["ttft"] for x in recs) if recs else None
+
+    out: dict = {"from_round": fr, "overflow_round": results["workload"]["overflow_round"], "configs": {}}
+    for name in HYBRID_CONFIGS:
+        rs = by.get(name, [])
+        bad = [r for r in results["runs"] if r.get("config") == name and not r.get("ok")]
+        c: dict = {"runs": len(rs), "label": LABELS[name]}
+        if bad:
+            c["failed"] = [{"repeat": b.get("repeat"), "error": b.get("error"), "root_cause": b.get("root_cause"),
+                            "log": b.get("log")} for b in bad]
+        if rs:
+            conn = [r.get("engine_stats", {}).get("connector") or {} for r in rs]
+            c.update({
+                f"hit_rate_rounds_{fr}_on": _stat([hit(r) for r in rs]),
+                "hit_rate_all_rounds": _stat([r["cache_hit_rate"] for r in rs]),
+                "mean_ttft_s": _stat([ttft(r) for r in rs]),
+                f"mean_ttft_rounds_{fr}_on_s": _stat([ttft(r, fr) for r in rs]),
+                "input_throughput_tok_s": _stat([r["input_throughput_tok_s"] for r in rs]),
+                "preempted_reqs": [r.get("engine_stats", {}).get("preempted_reqs", 0) for r in rs],
+                "log_errors": sorted({e for r in rs for e in r.get("log_errors", [])}),
+                "per_run": [{"repeat": r["repeat"], "hit_rate": [x["cache_hit_rate"] for x in r["rounds"]],
+                             "mean_ttft_s": [x["mean_ttft_s"] for x in r["rounds"]],
+                             **({"connector_hit_tokens": [x["connector_round"]["hit_tokens"] for x in r["rounds"]]}
+                                if all("connector_round" in x for x in r["rounds"]) else {})}
+                            for r in sorted(rs, key=lambda r: r["repeat"])]})
+            if name == "mcr":
+                c["connector"] = {k: _stat([x.get(k, 0) for x in conn]) for k in CONNECTOR_ROUND + ("load_s",)}
+                c["store_stats_last_run"] = rs[-1].get("store_stats")
+        out["configs"][name] = c
+
+    def paired(f):
+        v = {r["repeat"]: r for r in by.get("vllm", [])}
+        return _stat([f(r) / f(v[r["repeat"]]) for r in by.get("mcr", []) if r["repeat"] in v and f(v[r["repeat"]])])
+
+    def of_medians(key):
+        m, v = out["configs"].get("mcr", {}).get(key), out["configs"].get("vllm", {}).get(key)
+        return m["median"] / v["median"] if m and v and v["median"] else None
+
+    out["ratios_mcr_over_vllm"] = {
+        "mean_ttft": {"paired": paired(ttft), "of_medians": of_medians("mean_ttft_s")},
+        f"mean_ttft_rounds_{fr}_on": {"paired": paired(lambda r: ttft(r, fr)),
+                                      "of_medians": of_medians(f"mean_ttft_rounds_{fr}_on_s")},
+        "input_throughput": {"paired": paired(lambda r: r["input_throughput_tok_s"]),
+                             "of_medians": of_medians("input_throughput_tok_s")}}
+    ideal = results["workload"]["ideal_hit_rate_per_round"]
+    pt = results["workload"]["prompt_tokens_per_round"]
+    n = len(ideal)
+    out["hit_rates_side_by_side"] = {
+        f"rounds_{fr}_on": {"vllm": (out["configs"]["vllm"].get(f"hit_rate_rounds_{fr}_on") or {}).get("median"),
+                            "mcr": (out["configs"]["mcr"].get(f"hit_rate_rounds_{fr}_on") or {}).get("median"),
+                            "ideal": sum(i * p for i, p in zip(ideal[fr:], pt[fr:])) / sum(pt[fr:])
+                            if pt[fr:] else None},
+        "per_round": [{"round": i, "ideal": ideal[i],
+                       **{name: _stat([r["rounds"][i]["cache_hit_rate"] for r in by.get(name, [])
+                                       if i < len(r["rounds"])]) for name in HYBRID_CONFIGS},
+                       **{f"{name}_mean_ttft_s": _stat([r["rounds"][i]["mean_ttft_s"] for r in by.get(name, [])
+                                                        if i < len(r["rounds"])]) for name in HYBRID_CONFIGS}}
+                      for i in range(n)]}
+    m_runs, v_runs = by.get("mcr", []), {r["repeat"]: r for r in by.get("vllm", [])}
+    ro = out["overflow_round"]
+    out["checks"] = {
+        "mcr connector hit tokens > 0 in every run": bool(m_runs) and all(
+            (r.get("engine_stats", {}).get("connector") or {}).get("hit_tokens", 0) > 0 for r in m_runs),
+        "mcr hit rate > vllm from the overflow round on, every repeat": bool(m_runs) and ro < n and all(
+            r["repeat"] in v_runs and hit(r, ro) > hit(v_runs[r["repeat"]], ro) for r in m_runs),
+        "no failed load or save": all(((r.get("engine_stats", {}).get("connector") or {}).get("load_failures", 0)
+                                       + (r.get("engine_stats", {}).get("connector") or {}).get("save_failures", 0))
+                                      == 0 for r in m_runs),
+        "no error in the children's logs": not any(r.get("log_errors") for r in results["runs"]),
+        "every run ok": all(r.get("ok") for r in results["runs"])}
+    return out
 
 
 def _agreement(by) -> dict:
@@ -1138,6 +1580,44 @@ def print_table(results) -> None:
         p = s["prefill_vs_load"]
         print(f"\nprefill {p['prefill_s_per_token'] * 1e3:.3f} ms/token vs load {p['load_s_per_token'] * 1e3:.4f} ms/token "
               f"(x{p['ratio']:.0f})")
+    if "hybrid" in s:
+        print_hybrid(results)
+
+
+def print_hybrid(results) -> None:
+    h, kv = results["summary"]["hybrid"], results.get("vllm_kv", {})
+    fr = h["from_round"]
+    print(f"\narch {results['arch']}: vLLM blocks of {kv.get('block_size')} tokens ({kv.get('block_bytes')} B per "
+          f"block id, {kv.get('num_blocks')} blocks), KV cache groups "
+          f"{[(g['spec'], len(g['layers'])) for g in kv.get('groups_built') or []] or kv.get('groups_sized')}; "
+          f"vLLM's cache overflows from round {h['overflow_round']}; median [min-max] over repeats")
+    print(f"  {'config':30s} {f'hit rounds {fr}+':>22s} {'mean TTFT s':>24s} {f'TTFT rounds {fr}+':>24s}")
+    for name, c in h["configs"].items():
+        hv, tv = c.get(f"hit_rate_rounds_{fr}_on"), c.get("mean_ttft_s")
+        if not hv and not c.get("failed"):
+            continue  # not run
+        if not hv:
+            print(f"  {c['label']:30s} FAILED: {(c.get('failed') or [{}])[0].get('root_cause')}"[:200])
+            continue
+        tl = c[f"mean_ttft_rounds_{fr}_on_s"]
+        print(f"  {c['label']:30s} {hv['median']:.3f} [{hv['min']:.3f}-{hv['max']:.3f}]   "
+              f"{tv['median']:.3f} [{tv['min']:.3f}-{tv['max']:.3f}]   "
+              f"{tl['median']:.3f} [{tl['min']:.3f}-{tl['max']:.3f}]  n={c['runs']}")
+    for k, r in h["ratios_mcr_over_vllm"].items():
+        p = r["paired"]
+        if p:
+            print(f"  mcr/vllm {k:28s} {p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}] paired per repeat; "
+                  f"of medians {r['of_medians']:.3f}")
+    print("  per round (median hit rate vllm / mcr / ideal):  " + "  ".join(
+        f"r{x['round']}: {x['vllm']['median'] if x['vllm'] else float('nan'):.2f}/"
+        f"{x['mcr']['median'] if x['mcr'] else float('nan'):.2f}/{x['ideal']:.2f}"
+        for x in h["hit_rates_side_by_side"]["per_round"]))
+    m = h["configs"].get("mcr", {}).get("connector")
+    if m and m.get("hit_tokens"):
+        print(f"  connector: hit tokens {m['hit_tokens']['values']}, loaded blocks {m['loaded_blocks']['values']}, "
+              f"load failures {m['load_failures']['values']}, save failures {m['save_failures']['values']}")
+    for k, v in h["checks"].items():
+        print(f"  check: {k}: {'yes' if v else 'NO'}")
 
 
 def plot(results, path) -> None:
@@ -1182,9 +1662,14 @@ def plot(results, path) -> None:
     a3.set_ylabel("input throughput (prompt tok/s)")
     a3.grid(alpha=0.3, axis="y")
     nrep = max((c["runs"] for c in s["configs"].values()), default=0)
-    fig.suptitle(f"real vLLM (cpu), multi-turn chat, {results['args']['num_clients']} clients x "
+    arch = ""
+    if results.get("arch"):
+        kv = results.get("vllm_kv", {})
+        arch = (f"{results['arch']} (hybrid: {', '.join(g['kind'] for g in kv.get('groups_sized', []))}; "
+                f"blocks of {kv.get('block_size')} tokens), ")
+    fig.suptitle(f"real vLLM (cpu), {arch}multi-turn chat, {results['args']['num_clients']} clients x "
                  f"{results['args']['num_rounds']} rounds; medians and min-max of {nrep} repeat(s); "
-                 f"{host_label(results.get('host'))}")
+                 f"{host_label(results.get('host'))}", fontsize=10 if arch else None)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
