@@ -294,8 +294,9 @@ def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_sto
                                                                          replicas):
     """Every acknowledged value reads back after each node in turn is SIGKILLed and
     restarted. With one replica a restarting node's values miss until it has re-adopted
-    them (about 2 s here); with two, reads are served by the other copy meanwhile: none
-    misses."""
+    them (about 2 s here); with two, reads of the values put while every node was up are
+    served by the other copy meanwhile: none misses. (A put takes up to ``replicas`` nodes:
+    one that lands while a node is down or not yet known dead may hold a single copy.)"""
     extra_node()
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
     master = master_of(s)
@@ -303,6 +304,7 @@ def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_sto
     assert len(nodes) == 3
     load = Load(s, "rr", replicas=replicas)
     wait_for(lambda: len(load.acked) > 50, what="puts before the restarts")
+    before = {f"rr{i}" for i in list(load.acked)}  # put while all three nodes were up
     windows = []
     for node_id in nodes:
         misses = len(load.misses)
@@ -315,7 +317,7 @@ def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_sto
     assert load.wrong == [] and load.read_errors == []
     assert load.all_readable() == [], "acknowledged keys lost across the rolling restart"
     if replicas == 2:
-        assert load.misses == [], "reads missed although another replica held the value"
+        assert [k for k in load.misses if k in before] == [], "reads missed although another replica held the value"
 
 
 def test_stopping_the_store_removes_its_arena_files(ray_cluster):
