@@ -337,7 +337,7 @@ def test_lmcache_storage_manager_stores_and_retrieves_through_the_plugin(make_st
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     client = make_store()
-    path = tmp_path / "lmcache.yaml"  # the configuration as a user writes it (README)
+    path = tmp_path / "lmcache.yaml"  # the configuration as a user writes it (docs/integrations.md)
     path.write_text(USER_YAML.format(namespace=client.config.namespace))
     config = LMCacheEngineConfig.from_file(str(path))
     sm = StorageManager(config, engine_metadata(), EventManager())
