@@ -581,18 +581,18 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         pages = sorted(restorable)
         return PoolTransferResult(pages[-1] if pages else 0, hits, pages)
 
-    def _pool_pages_of(self, t) -> tuple[Any, list[int], int]:
-        """(host pool, page index of each key, page bytes) of a v2 transfer."""
+    def _pool_pages_of(self, t) -> tuple[Any, list[int]]:
+        """(host pool, page index of each key) of a v2 transfer."""
         name = str(t.name)
         if name not in self._extra:
             raise InvalidArgumentError(f"{WHO}: pool {name!r} was not registered (register_mem_host_pool_v2)")
-        pool, nbytes = self._extra[name]
+        pool, _ = self._extra[name]
         keys, ps = list(t.keys or ()), getattr(pool, "page_size", 1) or 1
         idx = t.host_indices
         if idx is None or idx.numel() != len(keys) * ps:
             raise InvalidArgumentError(f"{WHO}: pool {name!r}: {len(keys)} keys need {len(keys) * ps} host "
                                        f"indices (page size {ps}), got {0 if idx is None else idx.numel()}")
-        return pool, idx.reshape(-1)[::ps].tolist(), nbytes
+        return pool, idx.reshape(-1)[::ps].tolist()
 
     def batch_get_v2(self, transfers: list, extra_info: HiCacheStorageExtraInfo | None = None) -> dict:
         """Read each pool's pages into its host pool; a bool per page per pool name.
@@ -614,7 +614,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         name, keys = str(t.name), list(t.keys or ())
         if name == "kv":
             return self.batch_get_v1(keys, t.host_indices, extra_info)
-        pool, starts, _ = self._pool_pages_of(t)
+        pool, starts = self._pool_pages_of(t)
         pages = [pool.get_dummy_flat_data_page() for _ in keys]
         ok = self._timed("prefetch", lambda: self._read(self._pool_keys(name, keys),
                                                         [p.view(torch.uint8) for p in pages], False, per=1))
@@ -627,7 +627,7 @@ class MooncakeRayHiCacheStorage(HiCacheStorage):
         name, keys = str(t.name), list(t.keys or ())
         if name == "kv":
             return self.batch_set_v1(keys, t.host_indices, extra_info)
-        pool, starts, _ = self._pool_pages_of(t)
+        pool, starts = self._pool_pages_of(t)
         if not self.is_writer:
             return [True] * len(keys)
         pages = [pool.get_data_page(start, flat=True).contiguous().view(torch.uint8) for start in starts]
