@@ -6,6 +6,14 @@ misses, evictions, puts, put bytes, offloads and promotions (count and bytes), K
 (orphaned pages, chain-tail evictions, lookups answered), membership (joins, drains with
 the keys and bytes moved and lost, re-adoptions of restarted nodes' arenas). Client
 side: put and get latency histograms (tags ``op`` and ``tier``), bytes moved.
+
+The master's totals (``mooncake_<name>_total``) are gauges set to its running count at
+every tick, not Ray counters. Ray 2.60 sends a counter to the node's metrics agent as the
+increase since its last export, and an export that fails (the agent is busy: its log says
+``Failed to export metrics to the metrics agent``) loses that increase for good; a gauge
+carries the whole count every time, so the next export repairs a lost one. ``rate()`` and
+``increase()`` work on them as on counters (a master that restarts and rebuilds its state
+reads as a counter reset).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class MasterMetrics:
         "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
         "chained": "Stored values linked to a parent (KV chains)",
     }
-    # ``mooncake_tier_hits`` (tag ``tier``): gets served from DRAM (the ``hits`` counter)
+    # ``mooncake_tier_hits_total`` (tag ``tier``): gets served from DRAM (the ``hits`` total)
     # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).
     TIER_HITS = {"dram": "hits", "disk": "disk_hits"}
 
@@ -64,11 +72,10 @@ class MasterMetrics:
         self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight", tag_keys=("shard",))
         self.gauges = {name: metrics.Gauge(f"mooncake_{name}", desc, tag_keys=("shard",))
                        for name, desc in self.GAUGES.items()}
-        self.counters = {name: metrics.Counter(f"mooncake_{name}", desc, tag_keys=("shard",))
-                         for name, desc in self.COUNTERS.items()}
-        self.tier_hits = metrics.Counter("mooncake_tier_hits", "Get hits per tier (disk: promoted into DRAM)",
-                                         tag_keys=("tier", "shard"))
-        self._last: dict[str, int] = {}
+        self.totals = {name: metrics.Gauge(f"mooncake_{name}_total", desc, tag_keys=("shard",))
+                       for name, desc in self.COUNTERS.items()}
+        self.tier_hits = metrics.Gauge("mooncake_tier_hits_total", "Get hits per tier (disk: promoted into DRAM)",
+                                       tag_keys=("tier", "shard"))
 
     def update(self, stats: dict) -> None:
         shard = self._shard
@@ -82,24 +89,10 @@ class MasterMetrics:
         self.pending.set(stats.get("pending", 0), tags=shard)
         for name, gauge in self.gauges.items():
             gauge.set(stats.get(name, 0), tags=shard)
-        for name, counter in self.counters.items():
-            delta = self._delta(stats, name)
-            if delta:
-                counter.inc(delta, tags=shard)
+        for name, gauge in self.totals.items():
+            gauge.set(stats.get(name, 0), tags=shard)
         for tier, name in self.TIER_HITS.items():
-            delta = self._delta(stats, "tier_hits:" + name, name)
-            if delta:
-                self.tier_hits.inc(delta, tags={"tier": tier, **shard})
-
-    def _delta(self, stats: dict, slot: str, name: str | None = None) -> int:
-        """How much counter ``name`` (default ``slot``) of ``stats`` grew since the last
-        update seen under ``slot``."""
-        now = stats.get(name or slot, 0)
-        delta = now - self._last.get(slot, 0)
-        if delta < 0:  # counters reset (state rebuilt): start again from here
-            delta = now
-        self._last[slot] = now
-        return delta
+            self.tier_hits.set(stats.get(name, 0), tags={"tier": tier, **shard})
 
 
 def _flush_every(owner, interval_s: float, name: str) -> threading.Thread:

@@ -54,6 +54,11 @@ def master_of(s):
     return ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
 
 
+def actor_node(handle) -> str:
+    """The Ray node an actor runs on (from the GCS)."""
+    return ray._private.state.actors(handle._actor_id.hex())["Address"]["NodeID"]
+
+
 def mounted(master) -> dict:
     return {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}
 
@@ -153,6 +158,8 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
     master = master_of(s)
     assert node.node_id in mounted(master)
+    # The master lives on the head, never on a node that can drain (the one drained here).
+    assert actor_node(master) == ray.get_runtime_context().get_node_id() != node.node_id
     keys = [f"d{i}" for i in range(300)]
     assert s.batch_put(keys, [val(i) for i in range(300)]) == [None] * 300
     on_node = keys_on(master, keys, node.node_id)
@@ -202,7 +209,10 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
         wait_for(lambda: sum(float(r["value"][1]) for r in query(prometheus, moved)) >= report["moved_keys"],
                  timeout_s=120, interval_s=1, what="the drain's moved keys in Prometheus")
     except AssertionError:
-        print("series:", query(prometheus, moved), "targets up:", query(prometheus, "up"))
+        names = sorted({r["metric"]["__name__"] for r in query(prometheus, '{__name__=~"ray_mooncake_.+"}')})
+        print("series:", query(prometheus, moved), "targets up:", query(prometheus, "up"),
+              "mooncake series:", names,
+              "nodes:", [(n["NodeID"][:12], n["Alive"], n["MetricsExportPort"]) for n in ray.nodes()])
         raise
 
 
