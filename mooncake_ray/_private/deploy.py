@@ -101,9 +101,10 @@ def _master_placement() -> dict:
     head restart). A soft node affinity to the head is not enough: Ray 2.60 places such
     a zero-CPU actor on another node about half the time, and a master on a node that
     drains or scales down dies with it. Without a head resource (a Ray that does not
-    offer one) the master goes back to the caller's node, softly."""
+    offer one) the master goes back to the caller's node, softly. Either way the master
+    stays out of a placement group the caller runs in (a Ray Serve LLM replica's)."""
     if any(n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}) for n in ray.nodes()):
-        return {"resources": {HEAD_RESOURCE: 0.001}}
+        return {"resources": {HEAD_RESOURCE: 0.001}, "scheduling_strategy": "DEFAULT"}
     here = ray.get_runtime_context().get_node_id()
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}
 
