@@ -74,7 +74,7 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         auth.ensure_secret(cfg.namespace)  # before any member's engine is made
     preflight.check_nodes(cfg, [n for n in nodes if not _exists(store_actor_name(n["NodeID"]), cfg.namespace)])
     masters = [master_actor_class().options(
-        name=master_name(shard), max_concurrency=4, **_master_placement(), **_OPTS, namespace=cfg.namespace,
+        name=master_name(shard), max_concurrency=4, **_MASTER_PLACEMENT, **_OPTS, namespace=cfg.namespace,
     ).remote(cfg.model_dump(), shard) for shard in range(cfg.master.shards)]
     actors = [spawn_store_node(cfg, n["NodeID"]) for n in nodes]
     deadline = time.monotonic() + timeout_s
@@ -91,22 +91,13 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
     return masters, actors
 
 
-# Every Ray head node offers this resource; the master shards ask for a sliver of it.
-HEAD_RESOURCE = "node:__internal_head__"
-
-
-def _master_placement() -> dict:
-    """The master shards live on the head node, which the autoscaler never removes and
-    no drain takes away; a restarted shard goes back there (to a new head too, after a
-    head restart). A soft node affinity to the head is not enough: Ray 2.60 places such
-    a zero-CPU actor on another node about half the time, and a master on a node that
-    drains or scales down dies with it. Without a head resource (a Ray that does not
-    offer one) the master goes back to the caller's node, softly. Either way the master
-    stays out of a placement group the caller runs in (a Ray Serve LLM replica's)."""
-    if any(n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}) for n in ray.nodes()):
-        return {"resources": {HEAD_RESOURCE: 0.001}, "scheduling_strategy": "DEFAULT"}
-    here = ray.get_runtime_context().get_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}
+# The master shards live on the head node, which the autoscaler never removes and no drain
+# takes away: each asks for a sliver of the resource every Ray head offers, and a restarted
+# shard goes back there (to a new head too, after a head restart). A soft node affinity is
+# not enough: Ray 2.60 places such a zero-CPU actor on another node about half the time,
+# and a master on a node that drains or scales down dies with it. "DEFAULT" keeps the
+# master out of a placement group the caller runs in (a Ray Serve LLM replica's).
+_MASTER_PLACEMENT = dict(resources={"node:__internal_head__": 0.001}, scheduling_strategy="DEFAULT")
 
 
 _OPTS = dict(lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1, max_task_retries=-1)

@@ -70,10 +70,11 @@ class MasterMetrics:
         self.used = metrics.Gauge("mooncake_used_bytes", "Store bytes in use", tag_keys=tags)
         self.keys = metrics.Gauge("mooncake_keys", "Objects held", tag_keys=tags)
         self.pending = metrics.Gauge("mooncake_pending_puts", "Puts in flight", tag_keys=("shard",))
+        # stats name -> its per-shard gauge (the totals named ``_total``)
         self.gauges = {name: metrics.Gauge(f"mooncake_{name}", desc, tag_keys=("shard",))
                        for name, desc in self.GAUGES.items()}
-        self.totals = {name: metrics.Gauge(f"mooncake_{name}_total", desc, tag_keys=("shard",))
-                       for name, desc in self.COUNTERS.items()}
+        self.gauges.update({name: metrics.Gauge(f"mooncake_{name}_total", desc, tag_keys=("shard",))
+                            for name, desc in self.COUNTERS.items()})
         self.tier_hits = metrics.Gauge("mooncake_tier_hits_total", "Get hits per tier (disk: promoted into DRAM)",
                                        tag_keys=("tier", "shard"))
 
@@ -88,8 +89,6 @@ class MasterMetrics:
                 self.keys.set(t.get("keys", 0), tags=tags)
         self.pending.set(stats.get("pending", 0), tags=shard)
         for name, gauge in self.gauges.items():
-            gauge.set(stats.get(name, 0), tags=shard)
-        for name, gauge in self.totals.items():
             gauge.set(stats.get(name, 0), tags=shard)
         for tier, name in self.TIER_HITS.items():
             self.tier_hits.set(stats.get(name, 0), tags={"tier": tier, **shard})
