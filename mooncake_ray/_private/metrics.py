@@ -5,7 +5,7 @@ Master side: capacity / used / keys per store node and tier, hits (in all and pe
 misses, evictions, puts, put bytes, offloads and promotions (count and bytes), KV chains
 (orphaned pages, chain-tail evictions, lookups answered), membership (joins, drains with
 the keys and bytes moved and lost, re-adoptions of restarted nodes' arenas). Client
-side: put and get latency histograms (tags ``op`` and ``tier``), bytes moved.
+side: put and get latency histograms (tags ``op`` and ``tier``), keys and bytes moved.
 
 The master's totals (``mooncake_<name>_total``) are gauges set to its running count at
 every tick, not Ray counters. Ray 2.60 sends a counter to the node's metrics agent as the
@@ -13,7 +13,8 @@ increase since its last export, and an export that fails (the agent is busy: its
 ``Failed to export metrics to the metrics agent``) loses that increase for good; a gauge
 carries the whole count every time, so the next export repairs a lost one. ``rate()`` and
 ``increase()`` work on them as on counters (a master that restarts and rebuilds its state
-reads as a counter reset).
+reads as a counter reset). The client's, the connector's and the KV router's totals are
+exported the same way (``RunningTotals``).
 """
 
 from __future__ import annotations
@@ -118,11 +119,62 @@ def _flush_every(owner, interval_s: float, name: str) -> threading.Thread:
     return t
 
 
+class RunningTotals:
+    """Totals counted in this process and exported as running totals: gauges named
+    ``mooncake_<name>_total`` set to the whole count at every export, as the master's
+    are. A Ray counter sends only its increase since the last export, and an export the
+    node's metrics agent does not take (``Failed to export metrics to the metrics
+    agent``) loses that increase for good; a running total is repaired by the next
+    export. Ray keeps a gauge only while it is refreshed (two export intervals), so every
+    total is set again at each export, changed or not.
+
+    Every series carries the process it comes from (tag ``pid``): two processes on one
+    node exporting the same tags would otherwise overwrite each other. Sum over ``pid``
+    (Grafana's ``sum(rate(...))`` does); a process that restarts reads as a counter reset.
+
+    Args:
+        specs: name -> (description, tag keys).
+    """
+
+    def __init__(self, specs: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+        import os
+
+        self._specs = specs
+        self._pid = str(os.getpid())
+        self._lock = threading.Lock()
+        self._totals: dict[tuple[str, tuple], float] = {}
+        self._gauges = None
+
+    def add(self, name: str, n: float = 1, tags: dict | None = None) -> None:
+        """Adds ``n`` to the total of ``name`` with ``tags`` (the hot path: a dict update)."""
+        key = (name, tuple(sorted(tags.items())) if tags else ())
+        with self._lock:
+            self._totals[key] = self._totals.get(key, 0) + n
+
+    def totals(self) -> dict[tuple[str, tuple], float]:
+        """A copy of every running total: (name, sorted tag items) -> total."""
+        with self._lock:
+            return dict(self._totals)
+
+    def export(self) -> None:
+        """Sets every gauge to its running total (from a metrics thread, never per call)."""
+        totals = self.totals()
+        if not totals:
+            return
+        if self._gauges is None:
+            self._gauges = {name: metrics.Gauge(f"mooncake_{name}_total", desc, tag_keys=(*keys, "pid"))
+                            for name, (desc, keys) in self._specs.items()}
+        for (name, tags), value in totals.items():
+            self._gauges[name].set(value, tags={**dict(tags), "pid": self._pid})
+
+
 class ClientMetrics:
     """Client-side metrics, aggregated in-process and exported once a second by a
     background thread, so the hot path only appends to a list: a Ray metric call per
     operation would cost more than a 4 KiB get itself. Latencies are sampled (at most
-    ``MAX_SAMPLES`` per op, tier and interval) for the histogram; counters are exact.
+    ``MAX_SAMPLES`` per op, tier and interval) for the histogram; the totals
+    (``mooncake_client_ops_total``, ``mooncake_client_bytes_total``) are exact running
+    totals (``RunningTotals``).
 
     The latency histogram's ``tier`` tag says where a call's values came from: ``dram``,
     or ``disk`` when the call promoted at least one value from the disk tier (puts:
@@ -130,13 +182,16 @@ class ClientMetrics:
 
     MAX_SAMPLES = 256
     INTERVAL_S = 1.0
+    TOTALS = {
+        "client_ops": ("Client calls (keys)", ("op",)),
+        "client_bytes": ("Bytes moved by clients", ("direction",)),
+    }
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lat: dict[tuple[str, str], list[float]] = {}
-        self._ops: dict[str, int] = {}
-        self._bytes: dict[str, int] = {"read": 0, "write": 0}
-        self._exported = None
+        self.totals = RunningTotals(self.TOTALS)
+        self._hist = None
         self._thread = _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-client-metrics")
 
     def observe(self, op: str, seconds: float, keys: int = 1, nbytes: int = 0, tier: str = "dram") -> None:
@@ -144,45 +199,32 @@ class ClientMetrics:
             lat = self._lat.setdefault((op, tier), [])
             if len(lat) < self.MAX_SAMPLES:
                 lat.append(seconds)
-            self._ops[op] = self._ops.get(op, 0) + keys
-            if nbytes:
-                self._bytes["write" if op in ("put", "batch_put") else "read"] += nbytes
+        self.totals.add("client_ops", keys, {"op": op})
+        if nbytes:
+            self.totals.add("client_bytes", nbytes, {"direction": "write" if op in ("put", "batch_put") else "read"})
 
     def flush(self) -> None:
         with self._lock:
             lat, self._lat = self._lat, {}
-            ops, self._ops = self._ops, {}
-            nbytes, self._bytes = self._bytes, {"read": 0, "write": 0}
-        if not (lat or ops or any(nbytes.values())):
-            return
-        if self._exported is None:
-            self._exported = (
-                metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
-                                  boundaries=_LAT_BOUNDS_S, tag_keys=("op", "tier")),
-                metrics.Counter("mooncake_client_ops", "Client calls (keys)", tag_keys=("op",)),
-                metrics.Counter("mooncake_client_bytes", "Bytes moved by clients", tag_keys=("direction",)),
-            )
-        hist, ops_c, bytes_c = self._exported
+        if lat and self._hist is None:
+            self._hist = metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
+                                           boundaries=_LAT_BOUNDS_S, tag_keys=("op", "tier"))
         for (op, tier), values in lat.items():
             tags = {"op": op, "tier": tier}
             for v in values:
-                hist.observe(v, tags=tags)
-        for op, n in ops.items():
-            ops_c.inc(n, tags={"op": op})
-        for direction, n in nbytes.items():
-            if n:
-                bytes_c.inc(n, tags={"direction": direction})
+                self._hist.observe(v, tags=tags)
+        self.totals.export()
 
 
 class ConnectorMetrics:
     """An engine connector's figures (vLLM's), exported like the client's: counted in
-    process, flushed to Ray's metrics once a second by a background thread.
+    process, exported once a second by a background thread.
 
-    Counters ``mooncake_connector_<name>`` (tag ``role``): lookup_tokens (prompt tokens
-    looked up), hit_tokens (of those, found in the store), engine_hit_tokens (in the
-    engine's own cache), loaded_bytes, saved_bytes,
-    load_failures, save_failures; histogram ``mooncake_connector_transfer_seconds``
-    (tags ``role``, ``op`` = load | save)."""
+    Running totals ``mooncake_connector_<name>_total`` (tags ``role``, ``pid``;
+    ``RunningTotals``): lookup_tokens (prompt tokens looked up), hit_tokens (of those,
+    found in the store), engine_hit_tokens (in the engine's own cache), loaded_bytes,
+    saved_bytes, load_failures, save_failures; histogram
+    ``mooncake_connector_transfer_seconds`` (tags ``role``, ``op`` = load | save)."""
 
     NAMES = {
         "lookup_tokens": "Prompt tokens the connector looked up in the store",
@@ -196,15 +238,16 @@ class ConnectorMetrics:
 
     def __init__(self, role: str) -> None:
         self.role = role
+        self._tags = {"role": role}
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
         self._lat: dict[str, list[float]] = {}
-        self._exported = None
+        self.totals = RunningTotals({f"connector_{n}": (d, ("role",)) for n, d in self.NAMES.items()})
+        self._hist = None
         _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-connector-metrics")
 
     def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + n
+        if name in self.NAMES:
+            self.totals.add(f"connector_{name}", n, self._tags)
 
     def observe(self, op: str, seconds: float) -> None:
         with self._lock:
@@ -214,20 +257,11 @@ class ConnectorMetrics:
 
     def flush(self) -> None:
         with self._lock:
-            counts, self._counts = self._counts, {}
             lat, self._lat = self._lat, {}
-        if not (counts or lat):
-            return
-        if self._exported is None:
-            self._exported = (
-                {n: metrics.Counter(f"mooncake_connector_{n}", d, tag_keys=("role",)) for n, d in self.NAMES.items()},
-                metrics.Histogram("mooncake_connector_transfer_seconds", "Connector load/save time per batch",
-                                  boundaries=_LAT_BOUNDS_S, tag_keys=("role", "op")),
-            )
-        counters, hist = self._exported
-        for name, n in counts.items():
-            if n and name in counters:
-                counters[name].inc(n, tags={"role": self.role})
+        if lat and self._hist is None:
+            self._hist = metrics.Histogram("mooncake_connector_transfer_seconds", "Connector load/save time per batch",
+                                           boundaries=_LAT_BOUNDS_S, tag_keys=("role", "op"))
         for op, values in lat.items():
             for v in values:
-                hist.observe(v, tags={"role": self.role, "op": op})
+                self._hist.observe(v, tags={"role": self.role, "op": op})
+        self.totals.export()

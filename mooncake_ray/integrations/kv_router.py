@@ -364,44 +364,66 @@ class EventFeed:
 
 # ----------------------------------------------------------------- metrics ----
 class _Metrics:
+    """The router's figures: totals counted in process and exported as running totals
+    (``mooncake_router_<name>_total``, see ``RunningTotals``) once a second by a
+    background thread, with the per-replica index size and the decision-time histogram.
+    A decision only updates a dict: no Ray metric call on the request path."""
+
+    TOTALS = {
+        "router_decisions": ("Routing decisions by reason", ("reason",)),
+        "router_prompt_tokens": ("Prompt tokens routed", ()),
+        "router_expected_cached_tokens": ("Prompt tokens the router expected the chosen replica not to compute",
+                                          ("source",)),
+        "router_event_batches": ("KV event batches applied", ()),
+        "router_event_gaps": ("Gaps in KV event streams", ("outcome",)),
+    }
+
     def __init__(self):
         from ray.util import metrics
 
-        self.decisions = metrics.Counter("mooncake_router_decisions", "Routing decisions by reason",
-                                         tag_keys=("reason",))
-        self.prompt = metrics.Counter("mooncake_router_prompt_tokens", "Prompt tokens routed")
-        self.expected = metrics.Counter("mooncake_router_expected_cached_tokens",
-                                        "Prompt tokens the router expected the chosen replica not to compute",
-                                        tag_keys=("source",))
-        self.batches = metrics.Counter("mooncake_router_event_batches", "KV event batches applied")
-        self.gaps = metrics.Counter("mooncake_router_event_gaps", "Gaps in KV event streams",
-                                    tag_keys=("outcome",))
+        from mooncake_ray._private.metrics import RunningTotals, _flush_every
+
+        self.totals = RunningTotals(self.TOTALS)
         self.blocks = metrics.Gauge("mooncake_router_index_blocks", "Blocks indexed per replica",
                                     tag_keys=("replica",))
         self.seconds = metrics.Histogram("mooncake_router_decision_seconds",
                                          "Time to choose a replica (tokenize, hash, store lookup, cost)",
                                          boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0])
-        self._last_gauge = 0.0
+        self._lock = threading.Lock()
+        self._seconds: list[float] = []
+        self._blocks: dict[str, int] = {}
+        _flush_every(self, 1.0, "mooncake-router-metrics")
 
     def decided(self, reason: str, prompt: int, engine: int, store: int, seconds: float) -> None:
-        self.decisions.inc(1, tags={"reason": reason})
+        t = self.totals
+        t.add("router_decisions", 1, {"reason": reason})
         if prompt:
-            self.prompt.inc(prompt)
+            t.add("router_prompt_tokens", prompt)
         if engine:
-            self.expected.inc(engine, tags={"source": "engine"})
+            t.add("router_expected_cached_tokens", engine, {"source": "engine"})
         if store:
-            self.expected.inc(store, tags={"source": "store"})
-        self.seconds.observe(seconds)
+            t.add("router_expected_cached_tokens", store, {"source": "store"})
+        with self._lock:
+            if len(self._seconds) < 1024:
+                self._seconds.append(seconds)
 
     def batch(self, rid: str, blocks: int) -> None:
-        self.batches.inc(1)
-        now = time.monotonic()
-        if now - self._last_gauge > 1.0:
-            self._last_gauge = now
-            self.blocks.set(blocks, tags={"replica": rid})
+        self.totals.add("router_event_batches", 1)
+        with self._lock:
+            self._blocks[rid] = blocks
 
     def gap(self, outcome: str) -> None:
-        self.gaps.inc(1, tags={"outcome": outcome})
+        self.totals.add("router_event_gaps", 1, {"outcome": outcome})
+
+    def flush(self) -> None:
+        with self._lock:
+            seconds, self._seconds = self._seconds, []
+            blocks = dict(self._blocks)
+        for v in seconds:
+            self.seconds.observe(v)
+        for rid, n in blocks.items():
+            self.blocks.set(n, tags={"replica": rid})
+        self.totals.export()
 
 
 # --------------------------------------------------------------- tokenizer ----
