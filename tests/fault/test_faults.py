@@ -122,7 +122,7 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
     with its bytes."""
     s = make_store(master={"put_slab_bytes": "256kb"})
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
-    acked, stop = {}, threading.Event()
+    acked, stop, errors = {}, threading.Event(), {}
     sizes = [2 * KB, 8 * KB, 160 * KB]  # the last takes PUT_START / PUT_END (over half a slab)
     room = s.stats()["capacity"] // 2  # nothing is evicted: a lost key is lost to the kill
 
@@ -134,8 +134,12 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
             vals = [val(i * 10 + j, sizes[(i + j) % 3]) for j in range(len(keys))]
             try:
                 res = s.batch_put(keys, vals)
-            except mooncake_ray.MooncakeRayError:
+            except mooncake_ray.MooncakeRayError as e:
+                errors[repr(e)[:120]] = errors.get(repr(e)[:120], 0) + 1
                 continue
+            for r in res:
+                if r is not None:
+                    errors[repr(r)[:120]] = errors.get(repr(r)[:120], 0) + 1
             acked.update({k: (i * 10 + j, len(v)) for j, (k, v, r) in enumerate(zip(keys, vals, res)) if r is None})
             time.sleep(0.005)  # a steady stream, not a flood: the arena must not fill before the last kill
 
@@ -144,7 +148,12 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
     rng = np.random.default_rng(7)
     try:
         for _ in range(3):
-            wait_for(lambda n=len(acked): len(acked) > n + 10, timeout_s=60, what="puts to go on")
+            n = len(acked)
+            try:
+                wait_for(lambda: len(acked) > n + 10, timeout_s=60, what="puts to go on")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: writer alive {t.is_alive()}, {sum(b for _, b in acked.values())} "
+                                     f"bytes acked of {room}, errors {errors}") from None
             time.sleep(float(rng.uniform(0.0, 0.3)))
             inc, pid = ray.get(master.ping.remote()), ray.get(master.pid.remote())
             os.kill(pid, 9)

@@ -249,3 +249,42 @@ def test_slabs_of_many_clients_share_a_budget_and_eviction_follows_the_values():
         put(m, f"more{j}", M)
     assert m.stats()["evictions"] > 0
     m.check_invariants()
+
+
+def test_a_retried_commit_whose_slab_is_gone_answers_with_its_generation():
+    """A commit whose reply was lost or late is sent again; meanwhile the call that carried
+    it gave the slab back (clients return slabs with their commits), or the slab expired,
+    or the master restarted. The retry answers with the value's generation: never
+    LeaseExpiredError (the client would put the value again and meet its own commit as
+    ObjectExistsError). Anything else into a gone slab is still refused."""
+    from mooncake_ray._private.store.inventory import StoreInventory
+
+    clock, wall = Clock(), iter(range(1, 10_000))
+    policy = Policy(put_slab_ttl_s=2.0, put_slab_bytes=16 * K, put_timeout_s=30.0, durable_acks=True)
+    m = MasterState(policy, clock=clock, wall_ns=lambda: next(wall))
+    m.mount(node(0, 256 * K))
+    sid, nid, off, _ = grant(m)
+    gen = commit(m, "a", sid, off, 3 * K)
+    gen_b = commit(m, "b", sid, off + 3 * K, K)
+    m.slab_return(sid)
+    assert commit(m, "a", sid, off, 3 * K) == gen  # the retry
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "a", sid, off, 3 * K, owner="c2")  # not the owner's
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "a", sid, off + 4 * K, 3 * K)  # not where "a" is
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "c", sid, off + 4 * K, K)  # a new value into a returned slab
+    m.remove("a")
+    with pytest.raises(LeaseExpiredError):
+        commit(m, "a", sid, off, 3 * K)  # removed since: not a retry any more
+    m.check_invariants()
+
+    inv = StoreInventory()  # a restarted master, rebuilt from the node's inventory
+    inv.apply(0, 1, m.drain_effects()[nid].to_wire())
+    new = MasterState(policy, clock=clock, wall_ns=lambda: next(wall))
+    new.begin_recovery({nid})
+    new.mount(node(0, 256 * K), inv.snapshot())
+    assert commit(new, "b", sid, off + 3 * K, K) == gen_b
+    with pytest.raises(LeaseExpiredError):
+        commit(new, "b", sid, off + 5 * K, K)
+    new.check_invariants()

@@ -47,6 +47,7 @@ take the two-call path, where the extra round trip is small next to the copy.
 from __future__ import annotations
 
 import bisect
+import collections
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.replicas import ReplicaTable
 
 
+RETIRED_SLABS = 4096  # slabs given back that a retried commit is still recognised in
 SLAB_MIN = 1 << 20  # the shortest slab granted out of a fragmented arena rather than evicting
 
 
@@ -118,6 +120,11 @@ class SlabTable:
         self._rng = rng
         self._wall_ns = wall_ns
         self._next_id = 0
+        # slab id -> (node, owner) of the slabs given back lately, oldest first: a commit
+        # retried after its reply was lost may arrive after the call that carried it gave
+        # the slab back (a client returns slabs with its commits) or after it expired.
+        self._retired: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+        self._first_id = self._wall_ns()  # ids below: slabs of a previous master incarnation
 
     # ------------------------------------------------------------------ grant ----
     def grant(self, owner: str, client_node: str | None, need: int, now: float) -> SlabGrant:
@@ -196,6 +203,9 @@ class SlabTable:
             raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}")
         slab = self.slabs.get(slab_id)
         if slab is None or slab.node_id not in self._nodes or slab.owner != owner:
+            gen = self._committed_before(key, slab_id, offset, size, owner)
+            if gen is not None:
+                return gen
             raise LeaseExpiredError(f"put slab {slab_id} is gone (expired, returned or its node left); "
                                     f"put {key!r} again")
         length = extent_length(size)
@@ -220,6 +230,35 @@ class SlabTable:
         # before its adds, so the new value must not be a victim of this same delta.
         self._publish(slab, key, size, gen, offset, now, parent)
         return gen
+
+    def _committed_before(self, key: str, slab_id: int, offset: int, size: int, owner: str) -> int | None:
+        """The generation of ``key`` when it is stored exactly where this commit of a slab
+        that is gone put it: the commit went through and this is its retry (its reply was
+        lost or late, and the slab was given back, expired, or granted by a previous master
+        incarnation meanwhile). None otherwise.
+
+        A slab given back lately is known by its node and owner. One of a previous master
+        incarnation is not known at all: the value's extent (offset and length) and size
+        must match; on another node that would take another put of the same key landing at
+        the same offset with the same length (a KV page's key names its bytes)."""
+        done = self._objects.get(key)
+        if done is None or done.size != size:
+            return None
+        length = extent_length(size)
+        retired = self._retired.get(slab_id)
+        if retired is not None:
+            node, granted_to = retired
+            if granted_to != owner:
+                return None
+        elif slab_id < self._first_id:
+            node = None  # a previous incarnation's slab: its node is not known here
+        else:
+            return None
+        if any(r.tier is Tier.DRAM and r.offset == offset and r.length == length and node in (None, r.node_id)
+               for r in done.replicas):
+            self._replicas.settled(done)
+            return done.gen
+        return None
 
     def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float,
                      parent: str = "") -> str:
@@ -246,6 +285,9 @@ class SlabTable:
         slab = self.slabs.pop(slab_id, None)
         if slab is None:
             return 0
+        self._retired[slab_id] = (slab.node_id, slab.owner)
+        if len(self._retired) > RETIRED_SLABS:
+            self._retired.popitem(last=False)
         self._mirror.slab(slab_id, None)
         self._replicas.note_unreserved(slab.node_id, slab_key(slab_id), slab_id)
         alloc = self._alloc.get(slab.node_id)
