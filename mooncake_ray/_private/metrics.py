@@ -53,10 +53,15 @@ class MasterMetrics:
         "readopted_keys": "Values a restarted store node kept from its arena",
         "readopt_dropped_keys": "Values a restarted store node dropped: checksum mismatch",
         "readopt_refused": "Re-adopted values the master refused (removed or replaced meanwhile)",
+        "repairs": "Copies made to restore values short of copies (a node lost, a put placed short)",
+        "repair_bytes": "Value bytes copied by repairs",
+        "repair_failures": "Repair copies that failed (planned again)",
     }
     GAUGES = {
         "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
         "chained": "Stored values linked to a parent (KV chains)",
+        "under_replicated_keys": "Values with fewer copies than they had or asked for, waiting for a repair",
+        "under_replicated_bytes": "Value bytes of the under-replicated values",
     }
     # ``mooncake_tier_hits_total`` (tag ``tier``): gets served from DRAM (the ``hits`` total)
     # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).

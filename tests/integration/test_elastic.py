@@ -299,35 +299,71 @@ def test_a_removed_value_does_not_come_back_with_its_restarted_node(make_store, 
     assert [k for k in on_victim[5:] if got[k] != val(keys.index(k), 8 * KB)] == []
 
 
+def copies_short(master) -> int:
+    return ray.get(master.stats.remote())["under_replicated_keys"]
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_rolling_restart_of_every_store_node_under_load_loses_nothing(make_store, ray_cluster, extra_node,
                                                                          replicas):
     """Every acknowledged value reads back after each node in turn is SIGKILLed and
     restarted. With one replica a restarting node's values miss until it has re-adopted
-    them (about 2 s here); with two, reads of the values put while every node was up are
-    served by the other copy meanwhile: none misses. (A put takes up to ``replicas`` nodes:
-    one that lands while a node is down or not yet known dead may hold a single copy.)"""
+    them (about 2 s here). With two, no read misses: a put that lands while a node is
+    down, or not yet known dead, may be acknowledged with one copy, and the master copies
+    it to another node (repairs) before the next node goes; the test waits for no value to
+    be short of copies before each kill."""
     extra_node()
-    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    s = make_store(elastic=ELASTIC, master={**PLACEMENT, "repair_delay_s": 1.0})
     master = master_of(s)
     nodes = sorted(mounted(master))
     assert len(nodes) == 3
     load = Load(s, "rr", replicas=replicas)
     wait_for(lambda: len(load.acked) > 50, what="puts before the restarts")
-    before = {f"rr{i}" for i in list(load.acked)}  # put while all three nodes were up
     windows = []
     for node_id in nodes:
+        if replicas == 2:
+            wait_for(lambda: copies_short(master) == 0, timeout_s=30, what="every value back to two copies")
         misses = len(load.misses)
         t0 = sigkill_and_wait(s, master, node_id)
         wait_for(lambda: event(master, "readopted", node_id, after=t0), timeout_s=30, what="re-adoption")
         windows.append((node_id[:8], round(time.time() - t0, 2), len(load.misses) - misses))
     load.stop()
+    st = ray.get(master.stats.remote())
     print("restarts (node, seconds until mounted again, reads that missed meanwhile):", windows,
-          "acked puts:", len(load.acked), "put errors:", load.put_errors, "reads:", load.reads)
+          "acked puts:", len(load.acked), "put errors:", load.put_errors, "reads:", load.reads,
+          "repairs:", st["repairs"])
     assert load.wrong == [] and load.read_errors == []
     assert load.all_readable() == [], "acknowledged keys lost across the rolling restart"
     if replicas == 2:
-        assert [k for k in load.misses if k in before] == [], "reads missed although another replica held the value"
+        assert load.misses == [], f"{len(load.misses)} reads missed although two copies were asked for"
+
+
+def test_a_node_lost_for_good_leaves_every_value_with_two_copies_again(make_store, ray_cluster, extra_node):
+    """A store node SIGKILLed and back empty (no kept arena) while ``replicas=2`` puts and
+    gets run: every value it held is copied again from its other copy, no read misses,
+    no byte is wrong, and ``mooncake-ray status`` shows the repairs."""
+    extra_node()
+    s = make_store(elastic={**ELASTIC, "keep_arena": False}, master={**PLACEMENT, "repair_delay_s": 0.5})
+    master = master_of(s)
+    nodes = sorted(mounted(master))
+    keys = [f"two{i}" for i in range(300)]
+    assert s.batch_put(keys, [val(i, 32 * KB) for i in range(300)], replicas=2) == [None] * 300
+    load = Load(s, "lg", replicas=2)
+    wait_for(lambda: len(load.acked) > 50, what="puts before the kill")
+    victim = nodes[0]
+    on_victim = keys_on(master, keys, victim)
+    assert len(on_victim) > 50
+    sigkill_and_wait(s, master, victim)
+    wait_for(lambda: copies_short(master) == 0, timeout_s=60, what="every value back to two copies")
+    load.stop()
+    where = ray.get(master.where.remote(keys + [f"lg{i}" for i in load.acked]))
+    counts = sorted({len({n for n, _t, ready in reps if ready}) for reps in where})
+    assert counts == [2], f"copies per value: {counts}"
+    st = ray.get(master.stats.remote())
+    assert st["repairs"] >= len(on_victim) and st["repair_failures"] == 0
+    assert load.wrong == [] and load.read_errors == [] and load.misses == []
+    assert s.batch_get(keys) == [val(i, 32 * KB) for i in range(300)]
+    assert f"repairs {st['repairs']}" in format_status(s.stats())
 
 
 def test_stopping_the_store_removes_its_arena_files(ray_cluster):

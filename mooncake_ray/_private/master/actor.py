@@ -575,6 +575,20 @@ class MasterActor:
         with self._lock:
             self.state.drain_done(node_id, items)
 
+    # ------------------------------------------------------------------ repairs --
+    def repair_plan(self, node_id: str, max_bytes: int) -> list:
+        """Copies a store node is to make for values short of copies (``repairs.py``);
+        asked every few hundred milliseconds by each node, answered without the lock while
+        nothing is due."""
+        if not self.state.repairs.due():
+            return []
+        with self._lock:
+            return self.state.repair_plan(node_id, int(max_bytes))
+
+    def repair_done(self, items: list) -> None:
+        with self._lock:
+            self.state.repair_done(items)
+
     def drain_end(self, node_id: str) -> dict:
         """Finish a drain: unmount the node; returns what was moved and what was lost."""
         with self._lock:

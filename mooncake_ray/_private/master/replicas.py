@@ -81,6 +81,9 @@ class ReplicaTable:
         # While the actor collects them for its fence (fence.py): (key, gen, nodes) of each
         # value a call published or answered for again.
         self.fenced: list | None = None
+        # Told (key, gen, copies it had, size) of each value a lost node leaves short of copies
+        # (repairs.py; set by the state machine).
+        self.on_short: Callable[[str, int, int, int], None] | None = None
 
     def publish(self, obj: Obj, now: float) -> None:
         """Make a written value visible, replacing the key's old value if any."""
@@ -511,12 +514,15 @@ class ReplicaTable:
         for key, obj in self._objects.hot_items():
             if not any(r.node_id == node_id for r in obj.replicas):
                 continue
+            had = len({r.node_id for r in obj.replicas if r.ready})
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
                 del self._objects[key]
                 lost += 1
             else:
                 self._mirror.key(key)
+                if self.on_short is not None:
+                    self.on_short(key, obj.gen, had, obj.size)
         for obj in self._pending.values():
             if any(r.node_id == node_id for r in obj.replicas):
                 obj.replicas = [r for r in obj.replicas if r.node_id != node_id]

@@ -55,6 +55,7 @@ from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirro
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.pyindex import PyIndex
+from mooncake_ray._private.master.repairs import Repairs
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
 from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
@@ -133,6 +134,9 @@ class MasterState:
                               new_placement=reps.new_placement)
         self._drains = Drains(self.policy, clock, self._nodes, self._alloc, self._objects, reps, self.counters,
                               self._mirror, self._writes_into)
+        self.repairs = Repairs(self.policy, clock, self._nodes, self._alloc, self._objects, reps, self.counters,
+                               self._mirror)
+        reps.on_short = self.repairs.note
 
     @property
     def _next_gen(self) -> int:
@@ -261,6 +265,17 @@ class MasterState:
     def draining(self) -> list[str]:
         return sorted(self._drains.active)
 
+    # ---------------------------------------------------------------- repairs --
+    def repair_plan(self, node_id: str, max_bytes: int) -> list[list]:
+        """Copies ``node_id`` is to make for values short of copies (``Repairs.plan``)."""
+        if node_id not in self._nodes or not self.repairs.due():
+            return []
+        return self.repairs.plan(node_id, max_bytes)
+
+    def repair_done(self, items) -> None:
+        """Copies made (``Repairs.done``)."""
+        self.repairs.done(items)
+
     # --------------------------------------------------------------- recovery --
     def begin_recovery(self, expected_nodes: set[str]) -> None:
         """A restarted master: refuse calls until these nodes remount or the timeout."""
@@ -379,6 +394,8 @@ class MasterState:
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")
         obj = Obj(key, size, self._gens.new(), placed, put_deadline=now + self.policy.put_timeout_s, owner=owner,
                   parent=parent)
+        if len(placed) < want:
+            self.repairs.note(key, obj.gen, want, size)  # fewer usable nodes than copies asked for
         self._pending[key] = obj
         self._mirror.pending(key)
         for r in placed:
@@ -768,6 +785,8 @@ class MasterState:
         self._replicas.release_deferred(now)
         self._tier.expire_promotions(now)
         self._drains.expire(now)
+        self.repairs.expire(now)
+        self.repairs.prune()
         for node_id in [n for n, (t, _i, _v) in self._gone.items() if now - t > GONE_TTL_S]:
             del self._gone[node_id]
         slabs = self._slab_table.expire(now)
@@ -810,6 +829,8 @@ class MasterState:
             "soft_pinned": soft,
             "recovering": self.recovering,
             "draining": self.draining(),
+            "under_replicated_keys": len(self.repairs.short),
+            "under_replicated_bytes": self.repairs.short_bytes,
             "native_calls": self.index.served(),
             "nodes": nodes,
             **self.counters,
@@ -821,6 +842,7 @@ class MasterState:
         lock meanwhile; a scan of a million keys every second would stall every client)."""
         nodes = {node_id: node.usage(self._alloc[node_id], detail=False) for node_id, node in self._nodes.items()}
         return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters,
+                "under_replicated_keys": len(self.repairs.short), "under_replicated_bytes": self.repairs.short_bytes,
                 **self._chain_stats()}
 
     def _chain_stats(self) -> dict:

@@ -311,6 +311,9 @@ class Policy:
     """Leaves first among values put with a parent (chains.py); False: plain LRU."""
     chain_insert: str = "recent"
     """"old": a new value put with a parent enters at the old end of the eviction order."""
+    repair_delay_s: float = 10.0
+    """How long a value short of copies waits before it is copied again (repairs.py): a
+    restarted store node re-adopts its arena sooner."""
     evict_in_background: bool = False
     """Past the high watermark, only note the node (``MasterState.evict_due`` then evicts
     in small chunks, each its own section of the actor's lock) instead of evicting a whole

@@ -54,22 +54,22 @@ from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
+from mooncake_ray._private.store.copies import PeerCopier, extent_ok
 from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory
 from mooncake_ray._private.naming import master_name
 
 log = logging.getLogger(__name__)
 
 _OFFLOAD_BATCH = 64
+REPAIR_POLL_S = 0.5  # how often a node asks the master shards for repairs to make
+REPAIR_BATCH_BYTES = 16 << 20  # bytes of copies per master call
 
 
-def _extent_ok(offset, size, capacity: int) -> bool:
-    """``[offset, offset + size)`` is inside an arena of ``capacity`` bytes."""
-    return type(offset) is int and type(size) is int and 0 <= offset and 0 <= size <= capacity - offset
 
 
 def _promote_item_ok(item, capacity: int) -> bool:
     return (isinstance(item, list) and len(item) == 4 and type(item[0]) is str and type(item[1]) is int
-            and _extent_ok(item[2], item[3], capacity))
+            and extent_ok(item[2], item[3], capacity))
 
 
 class _ShardLink:
@@ -123,6 +123,8 @@ class StoreNodeActor:
         self._threads.append(threading.Thread(target=self._worker_loop, name="store-offload", daemon=True))
         if self.cfg.elastic.drain:
             self._threads.append(threading.Thread(target=self._drain_watch_loop, name="store-drain", daemon=True))
+        if self.cfg.master.repair_bytes_per_s > 0:
+            self._threads.append(threading.Thread(target=self._repair_loop, name="store-repair", daemon=True))
         if self.arena_file is not None:
             self._threads.append(threading.Thread(target=self._index_loop, name="store-arena-index", daemon=True))
         for th in self._threads:
@@ -160,7 +162,7 @@ class StoreNodeActor:
         cap, kept, dropped, good = self.arena.length, 0, 0, []
         for rec in self.arena_file.load_index():
             key, gen, size, offset, length, pin, parent, crc = rec
-            if not (_extent_ok(offset, length, cap) and 0 <= size <= length) or self.arena_file.checksum(
+            if not (extent_ok(offset, length, cap) and 0 <= size <= length) or self.arena_file.checksum(
                     offset, size) != crc:
                 dropped += 1
                 continue
@@ -330,7 +332,7 @@ class StoreNodeActor:
         base, cap = self.arena.addr, self.arena.length
         results: list = [MooncakeRayError("this node has no spill tier")] * len(offloads)
         if self.tier is not None:
-            good = [i for i, (_k, _g, size, off, _ln) in enumerate(offloads) if _extent_ok(off, size, cap)]
+            good = [i for i, (_k, _g, size, off, _ln) in enumerate(offloads) if extent_ok(off, size, cap)]
             for i in set(range(len(offloads))) - set(good):
                 results[i] = InvalidArgumentError(f"offload extent at {offloads[i][3]!r} of {offloads[i][2]!r} "
                                                   f"bytes is outside the arena of {cap} bytes")
@@ -504,22 +506,15 @@ class StoreNodeActor:
         """Plan, copy and report batches of moves with one master shard, pipelined: the
         next batch is planned while the last one's bytes are copied, and reports are sent
         without waiting (all are waited for before the drain ends)."""
-        regions: dict[str, object] = {}
-        base, cap = self.arena.addr, self.arena.length
+        copier = PeerCopier(self.engine, self.node_id, self.arena.addr, self.arena.length, "drain")
         timeout = self.cfg.transport.transfer_timeout_s
         inflight, reports = None, []
 
         def finish(batch) -> None:
             plan, ok, handle, t_copy = batch
-            if handle is not None:
-                try:
-                    handle.wait(min(timeout, max(1.0, until - time.time())))
-                except MooncakeRayError as e:  # one bad target fails the batch: count it, go on
-                    log.warning("drain: a batch of %d moves failed (%s)", len(plan), e)
-                    ok = [False] * len(plan)
+            report = copier.finish(plan, ok, handle, min(timeout, max(1.0, until - time.time())))
             spent["copy_s"] += time.monotonic() - t_copy
-            reports.append(master.drain_done.remote(
-                self.node_id, [[k, g, dst, off, good] for (k, g, _s, _src, dst, off), good in zip(plan, ok)]))
+            reports.append(master.drain_done.remote(self.node_id, report))
 
         while time.time() < until:
             t0 = time.monotonic()
@@ -535,33 +530,43 @@ class StoreNodeActor:
                     break
                 time.sleep(0.05)  # puts into this node still in flight
                 continue
-            if any(dst not in regions for *_x, dst, _o in plan):
-                for info in ray.get(master.nodes.remote(), timeout=60):
-                    if info["node_id"] not in regions and info["node_id"] != self.node_id:
-                        try:
-                            peer = self.engine.connect(info["address"])
-                            # Not populated: a drain writes a part of each arena once.
-                            regions[info["node_id"]] = self.engine.import_remote(
-                                peer, info["rkey"], info["base"], info["capacity"],
-                                *arena.local_mapping(info, self.engine.protocol), populate=False)
-                        except MooncakeRayError as e:
-                            log.warning("drain: store node %s unreachable (%s)", info["node_id"], e)
+            copier.connect(master, plan)
             t2 = time.monotonic()
             spent["connect_s"] += t2 - t1
-            ok = [dst in regions and _extent_ok(src, size, cap) for _k, _g, size, src, dst, _o in plan]
-            ops = [(regions[dst], dst_off, base + src, size)
-                   for (_k, _g, size, src, dst, dst_off), good in zip(plan, ok) if good and size]
-            try:
-                handle = self.engine.write_async(ops) if ops else None
-            except MooncakeRayError as e:
-                log.warning("drain: a batch of %d moves was refused (%s)", len(ops), e)
-                handle, ok = None, [False] * len(plan)
+            ok, handle = copier.start(plan)
             inflight = (plan, ok, handle, t2)
         if inflight is not None:
             finish(inflight)
         t3 = time.monotonic()
         ray.get(reports, timeout=60)
         spent["done_s"] += time.monotonic() - t3
+
+    # ----------------------------------------------------------------- repairs --
+    def _repair_loop(self) -> None:
+        """Make the copies the master shards plan from this node's values for values short
+        of copies (``master/repairs.py``), at most ``master.repair_bytes_per_s``."""
+        rate = self.cfg.master.repair_bytes_per_s
+        batch = max(1 << 20, min(REPAIR_BATCH_BYTES, rate // 4))
+        timeout = self.cfg.transport.transfer_timeout_s
+        copier = PeerCopier(self.engine, self.node_id, self.arena.addr, self.arena.length, "repair")
+        while not self._stop.wait(REPAIR_POLL_S):
+            for link in self._links:
+                if link.left or not link.mounted.is_set():
+                    continue
+                try:
+                    master = self._master_handle(link)
+                    while not self._stop.is_set():
+                        plan = ray.get(master.repair_plan.remote(self.node_id, batch), timeout=60)
+                        if not plan:
+                            break
+                        t0 = time.monotonic()
+                        copier.connect(master, plan)
+                        report = copier.finish(plan, *copier.start(plan), timeout)
+                        ray.get(master.repair_done.remote(report), timeout=60)
+                        # pace: this batch's bytes at the configured rate
+                        self._stop.wait(max(0.0, sum(p[2] for p in plan) / rate - (time.monotonic() - t0)))
+                except Exception as e:  # master restarting or unreachable: next round
+                    log.info("repairs with master shard %d paused (%s)", link.shard, e)
 
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:
         """Whether every master shard has mounted this node within ``timeout_s``."""

@@ -1,0 +1,190 @@
+"""Copies that come back: values with fewer live copies than they had, copied node to
+node until they have them again (pure, no Ray).
+
+A value falls short of its copies in two ways: a node holding one of them is lost
+(unmounted: its process died, it went silent, it restarted as a new incarnation), or a
+put is placed on fewer nodes than it asked for (fewer usable nodes at that moment). A
+put acknowledged while one of its nodes died is the first kind: the fence answers once
+the surviving node has recorded it (fence.py), and the lost copy is noted here.
+
+``short`` keeps, per key, the generation and the copies wanted; it is checked lazily
+(a value removed, replaced, or whose node came back and re-adopted it, simply drops out
+when it is next looked at). Repairs wait ``repair_delay_s`` after the loss: a store node
+that Ray restarts re-adopts its arena within seconds (store/arena.py), and copying all
+it held meanwhile would only double the work.
+
+The copy itself is the drain's (drain.py): ``plan`` reserves an extent on a node without
+a copy (where it fits, else evicting there) as a replica that is not readable yet, the
+store node holding a readable DRAM copy writes the bytes into it (a memcpy into the
+peer's mapped arena on one host, a UCX put across hosts) and reports each copy
+(``done``): the new replica becomes readable and is recorded in its node's inventory.
+Never two copies on one node. Each store node asks for the repairs it is the source of,
+in bounded batches (``StoreNodeActor``'s repair loop paces them, so puts and gets keep
+their rate); oldest loss first.
+
+What is not repaired: a value whose only copies are on disk (it is read back through a
+promotion first), and, after a master restart, values that were short before it (the
+nodes' inventories do not say how many copies a value had).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from mooncake_ray._private.master.types import NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
+
+if TYPE_CHECKING:
+    from mooncake_ray._private.master.replicas import ReplicaTable
+    from mooncake_ray._private.master.table import ObjectTable
+
+
+PRUNE_PER_TICK = 8192  # records checked per tick (a lost node can leave millions short)
+PLAN_SCAN = 65536  # records one plan looks at, at most
+
+
+@dataclass
+class _Short:
+    gen: int
+    want: int
+    size: int
+    since: float  # when it fell short (repairs wait repair_delay_s from here)
+
+
+def copies(obj: Obj) -> int:
+    """Distinct nodes holding a readable copy of ``obj``."""
+    return len({r.node_id for r in obj.replicas if r.ready})
+
+
+class Repairs:
+    """The values short of copies and the copies in flight (see the module docstring)."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float], nodes: dict[str, NodeInfo], alloc: dict,
+                 objects: ObjectTable, reps: ReplicaTable, counters: dict, mirror) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._nodes = nodes
+        self._alloc = alloc
+        self._objects = objects
+        self._reps = reps
+        self._counters = counters
+        self._mirror = mirror
+        self.short: dict[str, _Short] = {}  # oldest loss first
+        self.copying: dict[tuple[str, str, int], tuple[Obj, Replica]] = {}  # (key, dst, offset) ->
+        self._copying_keys: set[str] = set()
+        self.short_bytes = 0  # value bytes of the records in ``short``
+        self._to_prune: list[str] = []
+        counters.update(repairs=0, repair_bytes=0, repair_failures=0)
+
+    # ------------------------------------------------------------------ noting ----
+    def note(self, key: str, gen: int, want: int, size: int) -> None:
+        """``key`` (generation ``gen``, ``size`` bytes) wants ``want`` copies and may have fewer."""
+        if want > 1 and key not in self.short:
+            self.short[key] = _Short(gen, want, size, self._clock())
+            self.short_bytes += size
+
+    def _drop(self, key: str) -> None:
+        self.short_bytes -= self.short.pop(key).size
+
+    def _still_short(self, key: str) -> bool:
+        """Whether ``key``'s record still stands; drops it otherwise (removed, replaced, or
+        whole again: repaired, or its node came back and re-adopted it)."""
+        s = self.short.get(key)
+        if s is None:
+            return False
+        obj = self._objects.peek(key)
+        if obj is None or obj.gen != s.gen or (copies(obj) >= s.want and key not in self._copying_keys):
+            self._drop(key)
+            return False
+        return True
+
+    def prune(self, limit: int = PRUNE_PER_TICK) -> int:
+        """Check up to ``limit`` records (the next ones of a pass over all of them); returns
+        how many are left."""
+        if not self._to_prune:
+            self._to_prune = list(self.short)
+        chunk, self._to_prune = self._to_prune[-limit:], self._to_prune[:-limit]
+        for key in chunk:
+            self._still_short(key)
+        return len(self.short)
+
+    # ------------------------------------------------------------------- copies ----
+    def due(self) -> bool:
+        """Whether a repair may be planned now: the oldest loss is ``repair_delay_s`` old."""
+        first = next(iter(self.short.values()), None)
+        return first is not None and first.since <= self._clock() - self.policy.repair_delay_s
+
+    def plan(self, node_id: str, max_bytes: int) -> list[list]:
+        """The next copies ``node_id`` is to make: ``[key, gen, size, src_offset, dst_node,
+        dst_offset]`` each, about ``max_bytes`` in all (at least one when one is due)."""
+        now = self._clock()
+        horizon = now - self.policy.repair_delay_s
+        out, total = [], 0
+        for key in list(itertools.islice(self.short, PLAN_SCAN)):
+            if total >= max_bytes:
+                break
+            if self.short[key].since > horizon:
+                break  # the rest are younger still
+            if key in self._copying_keys or not self._still_short(key):
+                continue
+            obj = self._objects.get(key)
+            src = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready
+                        and not r.offloading), None)
+            if src is None:
+                continue  # another node's copy is the source (or only disk holds it)
+            held = {r.node_id for r in obj.replicas}
+            dst = self._place(obj, [n for n in self._nodes.values()
+                                    if n.node_id not in held and not n.suspect and not n.draining], now)
+            if dst is None:
+                continue  # no room on a node without a copy (tried again at the next plan)
+            obj.replicas.append(dst)
+            self.copying[(key, dst.node_id, dst.offset)] = (obj, dst)
+            self._copying_keys.add(key)
+            out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
+            total += obj.size
+        return out
+
+    def _place(self, obj: Obj, targets: list[NodeInfo], now: float) -> Replica | None:
+        targets = sorted(targets, key=lambda n: -self._alloc[n.node_id].free)
+        for evict in (False, True):
+            for node in targets:
+                got = (self._reps.allocate(node.node_id, obj.size, now) if evict
+                       else self._alloc[node.node_id].allocate(obj.size))
+                if got is not None:
+                    return Replica(node.node_id, Tier.DRAM, got[0], got[1], ready=False,
+                                   deadline=now + self.policy.put_timeout_s, placed=self._reps.new_placement())
+        return None
+
+    def done(self, items) -> None:
+        """Copies a store node made: ``[key, gen, dst_node, dst_offset, ok]`` each."""
+        now = self._clock()
+        for key, gen, dst_node, dst_offset, ok in items:
+            got = self.copying.pop((key, dst_node, dst_offset), None)
+            if got is None:
+                continue
+            self._copying_keys.discard(key)
+            obj, rep = got
+            if self._objects.get(key) is not obj or obj.gen != gen:
+                continue  # removed or replaced meanwhile: its extents went with it
+            if not any(r is rep for r in obj.replicas):
+                continue  # the target left meanwhile: still short, planned again
+            if not ok or dst_node not in self._nodes:
+                self._counters["repair_failures"] += 1
+                self._reps.drop_replica(obj, rep, now)
+                continue
+            rep.ready, rep.deadline = True, 0.0
+            self._nodes[dst_node].tier_keys["dram"] += 1
+            self._reps.delta(dst_node).add(inventory_entry(obj, rep))
+            self._mirror.key(key)
+            self._counters["repairs"] += 1
+            self._counters["repair_bytes"] += obj.size
+
+    def expire(self, now: float) -> None:
+        """Drop the reserved extents of copies not reported by their deadline."""
+        for k, (obj, rep) in list(self.copying.items()):
+            if rep.deadline <= now:
+                del self.copying[k]
+                self._copying_keys.discard(k[0])
+                if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
+                    self._reps.drop_replica(obj, rep, now)
