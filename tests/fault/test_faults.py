@@ -250,3 +250,32 @@ def test_put_acknowledged_right_after_a_node_sigkill_is_kept(make_store, ray_clu
              timeout_s=60, what="the master to drop the killed node")
     got = s.batch_get([f"right-after{i}" for i in acked])
     assert [i for i, v in zip(acked, got) if v != val(i, 8 * KB)] == [], f"acknowledged puts lost, of {acked}"
+
+
+def test_puts_whose_replies_come_after_the_client_timeout_succeed_once(make_store, ray_cluster):
+    """Every store node holds its inventory messages for 3 s, past the client's 2 s RPC
+    timeout: the master holds each put's reply until the nodes record the value (durable
+    acknowledgements), so the client sends the call again. One-call puts into a slab (the
+    slab given back with the first attempt), two-call puts and batches of both: each is
+    answered with its success once, stored once, never ObjectExistsError."""
+    s = make_store(master={"put_slab_bytes": "256kb", "allocation_strategy": "free_ratio_first"})
+    ns = s.config.namespace
+    nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    assert s.put("warm", b"x") is None  # the client's slab and connections exist
+    small = [f"small{i}" for i in range(20)]  # one call each (into the slab)
+    large = [f"large{i}" for i in range(3)]  # over half a slab: PUT_START / PUT_END
+    before = ray.get(master.stats.remote())
+    ray.get([n.debug_stall_inventory.remote(3.0) for n in nodes])
+    t0 = time.monotonic()
+    res = s.batch_put(small[:10] + large[:2], [val(i, 2 * KB) for i in range(10)] + [val(50 + i, 160 * KB)
+                                                                                     for i in range(2)])
+    waited = time.monotonic() - t0
+    assert res == [None] * 12
+    ray.get([n.debug_stall_inventory.remote(3.0) for n in nodes])
+    assert s.put(small[10], val(10, 2 * KB)) is None and s.put(large[2], val(52, 160 * KB)) is None
+    assert waited > 2.0, f"the replies came after {waited:.1f}s: not past the client's timeout"
+    after = ray.get(master.stats.remote())
+    assert after["puts"] - before["puts"] == 14  # each value published once
+    got = s.batch_get(small[:11] + large)
+    assert got == [val(i, 2 * KB) for i in range(11)] + [val(50 + i, 160 * KB) for i in range(3)]
