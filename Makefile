@@ -82,7 +82,7 @@ test: build
 	$(NS) '$(NS_PRE) exec $(MAKE) --no-print-directory test-inner'
 
 test-inner:
-	$(PY) -m pytest -x -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	$(PY) -m pytest -x -q -p no:cacheprovider --durations=25 tests $(PYTEST_ARGS)
 
 # Quick iteration: unit, simulation and native tests (no Ray cluster), under a minute.
 test-fast: build

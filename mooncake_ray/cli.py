@@ -43,9 +43,10 @@ def format_status(stats: dict) -> str:
                  f"{stats.get('drain_lost_keys', 0)} keys ({_human(stats.get('drain_lost_bytes', 0))}) lost | "
                  f"restarts re-adopted {stats.get('readoptions', 0)}: {stats.get('readopted_keys', 0)} keys kept, "
                  f"{stats.get('readopt_dropped_keys', 0)} dropped (bad checksum)")
+    undone = stats.get("repair_failures", 0)
     lines.append(f"Copies: under-replicated {stats.get('under_replicated_keys', 0)} keys "
                  f"({_human(stats.get('under_replicated_bytes', 0))}) | repairs {stats.get('repairs', 0)} "
-                 f"({_human(stats.get('repair_bytes', 0))}), {stats.get('repair_failures', 0)} failed")
+                 f"({_human(stats.get('repair_bytes', 0))})" + (f", {undone} copies to redo" if undone else ""))
     shards = stats.get("shards")
     if isinstance(shards, list):
         down = [i for i, p in enumerate(shards) if "error" in p]

@@ -58,7 +58,11 @@ def test_conversations_over_a_small_arena_leave_no_unreachable_page(make_store):
             chat.turn(c)
     st = s.stats()
     assert st["evictions"] > 100 and st["chained"] > 50
-    assert chat.gaps() == 0 and st["orphaned_pages"] == 0
+    # A parent whose children all live on the other node is taken when its node's eviction
+    # finds no leaf there (a forced eviction, chains.py); its tail is dropped as orphans at
+    # the next eviction or master tick, so pages may be cut off until then.
+    wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
+    assert chat.gaps() == 0
     assert sum(chat.served.values()) > 0
 
 
