@@ -1,7 +1,7 @@
 """A busy store node is not a dead one: liveness comes from the heartbeat alone, an
 inventory update that is late is delivered later (never a reason to unmount), and a node
 unmounted for silence rejoins with its keys. Faults injected on a real 3-node Ray cluster:
-a stalled inventory applier, SIGSTOP for less and for more than ``node_ttl_s``, a minute
+a stalled inventory applier, SIGSTOP for less and for more than ``node_ttl_s``, 15 s
 of puts with eviction."""
 
 import os
@@ -132,10 +132,11 @@ def test_paused_longer_than_ttl_is_unmounted_and_rejoins_with_its_keys(make_stor
     assert_inventories_agree(master, nodes)
 
 
-def test_a_minute_of_puts_and_eviction_loses_nothing(make_store, ray_cluster):
-    """Two writers keep a 16 MiB arena per node evicting for a minute; every put succeeds,
-    no node is unmounted, every key still indexed reads back right, and each node's
-    inventory ends equal to the master's view of it."""
+def test_puts_under_constant_eviction_lose_nothing(make_store, ray_cluster):
+    """Two writers keep a 16 MiB arena per node evicting for 15 s (turning it over many
+    times); every put succeeds, no node is unmounted, every key still indexed reads back
+    right, and each node's inventory ends equal to the master's view of it. The longer
+    soak, with CPU hogs beside it, is ``benchmarks/bench_liveness.py``."""
     s = make_store(segment_size_bytes="16mb", master={"node_ttl_s": TTL_S})
     master, nodes = handles(s, ray_cluster)
     stop = threading.Event()
@@ -154,7 +155,7 @@ def test_a_minute_of_puts_and_eviction_loses_nothing(make_store, ray_cluster):
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
     for t in threads:
         t.start()
-    time.sleep(60)
+    time.sleep(15)
     stop.set()
     for t in threads:
         t.join()
