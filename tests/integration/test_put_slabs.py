@@ -188,31 +188,42 @@ def test_small_values_are_packed_and_evicted_ones_make_room(make_store):
 
 @ray.remote(num_cpus=0)
 class SlabWriter:
-    """A client process of its own, as each engine worker of a fleet is."""
+    """Client processes, as the engine workers of a fleet are; ``clients`` clients in this
+    one (each has its own put slab, as a process of its own would)."""
 
-    def __init__(self, namespace):
-        self.s = mooncake_ray.connect(namespace=namespace)
+    def __init__(self, namespace, clients=1):
+        self.clients = [mooncake_ray.connect(namespace=namespace) for _ in range(clients)]
+        self.s = self.clients[0]
 
     def put(self, prefix, n, size):
         value = b"w" * size
         return self.s.batch_put([f"{prefix}/{i}" for i in range(n)], [value] * n)
 
+    def put_each(self, prefix, n, size):
+        """``put`` from every client of this process, one after the other."""
+        value = b"w" * size
+        return [c.batch_put([f"{prefix}/c{j}/{i}" for i in range(n)], [value] * n)
+                for j, c in enumerate(self.clients)]
+
 
 def test_thirty_two_clients_the_store_evicts_only_once_values_fill_it(make_store):
-    """32 client processes put small values (the one-call slab path) in rounds. Their put
-    slabs share a budget (half the headroom above the watermark: 5% of the arena), and
-    eviction counts the bytes values hold, so nothing is evicted while the values fill
-    less than the arena's watermark; evictions start past it."""
-    s = make_store(segment_size_bytes="32mb")
+    """32 clients (8 in each of 4 processes: each has its own put slab) put small values
+    (the one-call slab path) in rounds. Their put slabs share a budget (half the headroom
+    above the watermark: 5% of the arena), and eviction counts the bytes values hold, so
+    nothing is evicted while the values fill less than the arena's watermark; evictions
+    start past it. Slabs go to the node with the most room (``free_ratio_first``): with
+    ``local_first`` a process on a store node fills that node first, and the store evicts
+    there while the arenas as a whole are less full."""
+    s = make_store(segment_size_bytes="32mb", master={"allocation_strategy": "free_ratio_first"})
     ns = s.config.namespace
-    writers = [SlabWriter.remote(ns) for _ in range(32)]
+    writers = [SlabWriter.remote(ns, clients=8) for _ in range(4)]
     ray.get([w.__ray_ready__.remote() for w in writers])
     capacity = s.stats()["capacity"]
     size, per_round = 32 * KB, 8  # 32 x 8 x 32 KiB = 8 MiB a round
     rounds, first_eviction, slab_share = 0, None, []
     while rounds < 16 and first_eviction is None:
-        res = ray.get([w.put.remote(f"r{rounds}/w{j}", per_round, size) for j, w in enumerate(writers)])
-        assert all(r == [None] * per_round for r in res)
+        res = ray.get([w.put_each.remote(f"r{rounds}/w{j}", per_round, size) for j, w in enumerate(writers)])
+        assert all(r == [None] * per_round for per_process in res for r in per_process)
         rounds += 1
         st = s.stats()
         slab_share.append(st["slab_bytes"] / capacity)
