@@ -1,53 +1,100 @@
-"""The shipped Ray Serve LLM configs (serve_configs/vllm-aggregated.yaml and
-vllm-disaggregated.yaml) serving real vLLM engines (CPU) with the mooncake-ray KV
+"""The shipped Ray Serve LLM configs serving real vLLM engines (CPU) with the mooncake-ray KV
 connector, deployed as a user does: ``ray start --head``, ``serve run <file>``, OpenAI
-requests over HTTP, Ctrl-C, ``mooncake-ray stop``.
+requests over HTTP, Ctrl-C, ``mooncake-ray stop``. One Ray head (with a real Prometheus
+scraping it) serves, one after the other:
 
-The aggregated app (one engine, kv_both) and the prefill/decode app (kv_producer ->
-kv_consumer) are run one after the other, each with a store its engines deploy themselves
-(``deploy_store``, removed by ``mooncake-ray stop`` in between), and both serve the same
-two-turn chat (greedy). The P/D app must answer exactly as the aggregated one, report
-cached tokens on turn 2, and its decode engine must have read the prefill's KV from the
-prefill engine's memory.
+1. ``serve_configs/vllm-aggregated.yaml`` at two replicas (two engines, kv_both, one store
+   the engines deploy themselves), behind its ``MooncakeKVRouter``:
+
+   - a two-turn chat (greedy) reuses turn one's KV on turn two;
+   - the test watches the engines as the router does, with its own :class:`EventFeed` on
+     both engines' KV events (their endpoints from the records the replicas publish), so
+     which engine served a request is a fact, not a guess: the one whose cache gained the
+     prompt's blocks. First turns sent at once are spread over both engines, every later
+     turn of a conversation goes to the engine that holds its earlier turns, and the
+     router's expected cached tokens match what the engines report;
+   - events lost (a subscription closed while the engines publish) are replayed from the
+     engine's replay socket, to the same index as a feed that lost nothing;
+   - a replica killed: the next turn of its conversations is served by the survivor, from
+     the store (cached tokens reported), and no request fails;
+   - the router's metrics (decisions by reason, expected cached tokens against what the
+     engines reported) through Prometheus, and the dashboard's router panels;
+   - Ctrl-C stops ``serve run``, and ``mooncake-ray stop`` removes the store.
+
+2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store):
+   the same two-turn chat answers exactly as the aggregated app did, reports cached tokens
+   on turn two, and its decode engine read the prefill's KV from the prefill engine's
+   memory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
+from tests.conftest import running_prometheus
 from tests.integration.serve_cli import CONFIGS, RayHead, ServeRun
 
-# two vLLM apps start one after the other (engine start-up 20-70 s each here)
-pytestmark = pytest.mark.timeout(900)
+# two vLLM apps, one after the other (engine start-up 20-70 s each here)
+pytestmark = pytest.mark.timeout(1500)
 
 MODEL_ID = "tiny-llama"
 # Logical CPUs for Serve LLM: a {CPU: 2} placement group per engine replica, {CPU: 1} for
-# the ingress (P/D: 5), as the configs' comments tell users.
+# the ingress (two replicas: 5; P/D: 5), as the configs' comments tell users.
 HEAD_CPUS = 8
-TURN1 = 100  # words (= tokens) of the first user message: three full 32-token blocks
+TURN1 = 100  # words (= tokens) of the two-turn chat's first message: three full 32-token blocks
 TURN2 = 40
-MAX_TOKENS = 16
+CHAT_TOKENS = 16
 STOP_LIMIT_S = 30.0
+# the router's conversations (their words never overlap the two-turn chat's)
+CONVS = 4
+TURNS = 3
+FIRST = 120
+NEXT = 40
+MAX_TOKENS = 8
+
+PY_RECORDS = ("import json, ray; ray.init(logging_level='ERROR', log_to_driver=False); "
+              "from mooncake_ray.integrations.kv_router import list_records; print(json.dumps(list_records()))")
+PY_RUNNING = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
+              "d = serve.status().applications['vllm-agg'].deployments['LLMServer:" + MODEL_ID + "']; "
+              "print(d.replica_states.get('RUNNING', 0))")
+PY_KILL = ("import sys, ray; ray.init(logging_level='ERROR', log_to_driver=False); "
+           "ray.kill(ray.get_actor(sys.argv[1], namespace='serve'))")
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    h = RayHead(str(tmp_path_factory.mktemp("vllm-head")), num_cpus=HEAD_CPUS)
-    yield h
-    h.stop()
+def py(head, code: str, *args: str) -> str:
+    r = head.run(os.path.basename(sys.executable), "-c", code, *args, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
 
 
-def chat(url: str, messages: list) -> tuple[str, dict]:
-    body = {"model": MODEL_ID, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+def wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def chat(url: str, messages: list, rid: str, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300, headers={"x-request-id": rid})
     assert r.status_code == 200, r.text
-    out = r.json()
-    return out["choices"][0]["message"]["content"], out["usage"]
+    return r.json()
+
+
+def cached(u: dict) -> int:
+    return (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def master_stats(head) -> dict:
@@ -56,68 +103,277 @@ def master_stats(head) -> dict:
     return json.loads(r.stdout)
 
 
-def run_conversation(url: str, head) -> dict:
-    """Two turns of a chat; the store's stats after each."""
+def two_turn_chat(url: str, head, tag: str) -> dict:
+    """Two turns of a chat (greedy); the store's stats after each."""
     from mooncake_ray.integrations.tiny_model import words
 
     messages = [{"role": "user", "content": words(range(TURN1))}]
-    t = time.monotonic()
-    text1, usage1 = chat(url, messages)
-    ttft1 = time.monotonic() - t
+    out1 = chat(url, messages, f"{tag}-1", CHAT_TOKENS)
+    text1, usage1 = out1["choices"][0]["message"]["content"], out1["usage"]
     stats1 = master_stats(head)
     messages += [{"role": "assistant", "content": text1},
                  {"role": "user", "content": words(range(500, 500 + TURN2))}]
-    t = time.monotonic()
-    text2, usage2 = chat(url, messages)
-    ttft2 = time.monotonic() - t
+    out2 = chat(url, messages, f"{tag}-2", CHAT_TOKENS)
     stats2 = master_stats(head)
-    return {"texts": [text1, text2], "usage": [usage1, usage2], "stats": [stats1, stats2],
-            "seconds": [ttft1, ttft2]}
+    return {"texts": [text1, out2["choices"][0]["message"]["content"]], "usage": [usage1, out2["usage"]],
+            "stats": [stats1, stats2]}
 
 
-def deploy_and_chat(head, config: str, tmp: str) -> dict:
-    t = time.monotonic()
-    s = ServeRun(head, os.path.join(CONFIGS, config), tmp)
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("vllm-head"))
+    h = RayHead(tmp, num_cpus=HEAD_CPUS)
     try:
-        models = s.wait_ready("/v1/models", timeout_s=600)
-        assert MODEL_ID in [m["id"] for m in models["data"]], models
-        ready_s = time.monotonic() - t
-        out = run_conversation(s.url, head)
-        out["ready_s"] = ready_s
-        out["stopped_in"] = s.interrupt()
-        out["returncode"], out["stop_output"] = s.proc.returncode, s.stop_output
-        print(f"\n{config}: ready in {ready_s:.0f} s, turns {out['seconds']} s, usage {out['usage']}, "
-              f"texts {out['texts']}, store hits/keys {[(st['hits'], st['keys']) for st in out['stats']]}, "
-              f"stopped in {out['stopped_in']:.1f} s")
-        return out
+        with running_prometheus([f"127.0.0.1:{h.metrics_port}"], tmp_path_factory.mktemp("prometheus")) as prom:
+            yield h, prom
     finally:
-        s.close()
-        head.run("mooncake-ray", "stop")
+        h.stop()
+
+
+class App:
+    """A ``serve run`` of the app; ``stop`` is Ctrl-C (once), then ``mooncake-ray stop``."""
+
+    def __init__(self, head, s, recs=None):
+        self.head, self.s, self.recs, self.stopped = head, s, recs, None
+
+    def stop(self) -> dict:
+        if self.stopped is None:
+            try:
+                took = self.s.interrupt()
+                self.stopped = {"stopped_in": took, "returncode": self.s.proc.returncode,
+                                "stop_output": self.s.stop_output}
+            finally:
+                self.s.close()
+                self.head.run("mooncake-ray", "stop")
+        return self.stopped
 
 
 @pytest.fixture(scope="module")
-def aggregated(head, tmp_path_factory):
-    return deploy_and_chat(head, "vllm-aggregated.yaml", str(tmp_path_factory.mktemp("vllm-agg")))
+def app(head, tmp_path_factory):
+    """vllm-aggregated.yaml at two replicas, both running and publishing their records."""
+    head, _prom = head
+    tmp = str(tmp_path_factory.mktemp("vllm-agg"))
+    with open(os.path.join(CONFIGS, "vllm-aggregated.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    llm = cfg["applications"][0]["args"]["llm_configs"][0]
+    rrc = llm["deployment_config"]["request_router_config"]
+    assert rrc["request_router_class"] == "mooncake_ray.integrations.kv_router:MooncakeKVRouter", rrc
+    llm["deployment_config"]["num_replicas"] = 2
+    path = os.path.join(tmp, "two-replicas.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    s = ServeRun(head, path, tmp)
+    run = App(head, s)
+    try:
+        models = s.wait_ready("/v1/models", timeout_s=900)
+        assert MODEL_ID in [m["id"] for m in models["data"]], models
+        # /v1/models answers once one replica runs: wait for the second engine too
+        wait_for(lambda: py(head, PY_RUNNING) == "2", 600, "two running replicas")
+        seen = []
+
+        def records():
+            seen.append(json.loads(py(head, PY_RECORDS)))
+            r = seen[-1]
+            return r if len(r) == 2 and all("prefixes" in v and "endpoint" in v for v in r.values()) else None
+
+        try:
+            run.recs = wait_for(records, 120, "both replicas' records")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; last seen: {seen[-1:]}") from None
+        yield run
+    finally:
+        run.stop()
 
 
 @pytest.fixture(scope="module")
-def disaggregated(head, tmp_path_factory, aggregated):  # after the aggregated app is gone
-    return deploy_and_chat(head, "vllm-disaggregated.yaml", str(tmp_path_factory.mktemp("vllm-pd")))
+def aggregated(app):
+    """The two-turn chat on the aggregated app (first: nothing else was asked before it)."""
+    out = two_turn_chat(app.s.url, app.head, "agg")
+    print(f"\naggregated: usage {out['usage']}, texts {out['texts']}")
+    return out
 
 
-def cached(usage: dict) -> int:
-    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+@pytest.fixture(scope="module")
+def watched(app):
+    """The test's own feed on both engines, and the model's tokenizer as the router loads it."""
+    from mooncake_ray.integrations.kv_router import EventFeed, Tokenizer
+
+    feed = EventFeed(stale_s=2.0)
+    bs = {rid: int(r["block_size"]) for rid, r in app.recs.items()}
+    for rid, r in app.recs.items():
+        feed.add(rid, r, bs[rid])
+    tok = Tokenizer(next(iter(app.recs.values()))["model_source"])
+    yield feed, tok, next(iter(bs.values()))
+    feed.close()
 
 
-def test_serve_run_stops_on_ctrl_c(aggregated, disaggregated):
-    for run in (aggregated, disaggregated):
-        assert run["returncode"] == 0 and run["stopped_in"] < STOP_LIMIT_S, run["stop_output"]
+def served_by(feed, hashes: list[str], timeout_s: float = 20.0) -> str:
+    """The replica whose engine holds every full block of the prompt."""
+    return wait_for(lambda: next((rid for rid in feed.indexes if feed.match(rid, hashes) == len(hashes)), None),
+                    timeout_s, "an engine to cache the prompt's blocks")
+
+
+@pytest.fixture(scope="module")
+def conversations(app, watched, aggregated):  # after the two-turn chat: its turn one must find nothing cached
+    from mooncake_ray.integrations.tiny_model import words
+    from mooncake_ray.kv import page_hashes
+
+    s = app.s
+    feed, tok, bs = watched
+    convs = [[{"role": "user", "content": words(range(1000 * c + 1000, 1000 * c + 1000 + FIRST))}]
+             for c in range(CONVS)]
+    where: list[list[str]] = [[] for _ in range(CONVS)]
+    usage: list[list[dict]] = [[] for _ in range(CONVS)]
+    for turn in range(TURNS):
+        if turn == 0:  # first turns at once: nothing cached anywhere, the router spreads them
+            with ThreadPoolExecutor(CONVS) as pool:
+                outs = list(pool.map(lambda c: chat(s.url, convs[c], f"conv{c}-turn0"), range(CONVS)))
+        for c in range(CONVS):
+            out = outs[c] if turn == 0 else chat(s.url, convs[c], f"conv{c}-turn{turn}")
+            prompt = tok("messages", convs[c])
+            assert out["usage"]["prompt_tokens"] == len(prompt), (out["usage"], len(prompt))
+            where[c].append(served_by(feed, page_hashes(prompt, bs)))
+            usage[c].append(out["usage"])
+            convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": words(range(1000 * c + 1500 + NEXT * turn,
+                                                                 1000 * c + 1500 + NEXT * (turn + 1)))}]
+    return {"convs": convs, "where": where, "usage": usage}
 
 
 def test_aggregated_chat_reuses_turn_one(aggregated):
     u1, u2 = aggregated["usage"]
     assert u1["prompt_tokens"] >= TURN1 and u1["completion_tokens"] > 0
+    assert cached(u1) == 0, u1
     assert cached(u2) >= 96, u2  # turn 1's three full blocks, at least
+
+
+def test_later_turns_go_to_the_engine_holding_the_conversation(conversations):
+    where, usage = conversations["where"], conversations["usage"]
+    print("\nserved by:", [[w.rsplit("#", 1)[1] for w in ws] for ws in where])
+    assert len({ws[0] for ws in where}) == 2, where  # the first turns were spread over both engines
+    for c in range(CONVS):
+        assert len(set(where[c])) == 1, (c, where[c])  # every later turn on the first turn's engine
+        for t in range(1, TURNS):
+            # the engine reused the whole previous prompt's full blocks (at least)
+            assert cached(usage[c][t]) >= usage[c][t - 1]["prompt_tokens"] // 32 * 32, usage[c]
+
+
+def test_lost_events_are_replayed_from_a_real_engine(app, watched, conversations):
+    from mooncake_ray.integrations.kv_router import EventFeed
+    from mooncake_ray.integrations.tiny_model import words
+
+    s, recs = app.s, app.recs
+    feed, tok, bs = watched
+    lossy = EventFeed(stale_s=2.0)
+    try:
+        for rid, r in recs.items():
+            lossy.add(rid, r, bs)
+        wait_for(lambda: all(lossy.indexes[r].blocks == feed.indexes[r].blocks for r in recs), 30,
+                 "a new feed to catch up by replay")
+        for rid in recs:
+            lossy.disconnect(rid)
+        time.sleep(0.5)
+        for i in range(3):  # both engines publish while the subscriptions are closed
+            chat(s.url, [{"role": "user", "content": words(range(20000 + 100 * i, 20000 + 100 * i + 96))}],
+                 f"lossy-{i}")
+        time.sleep(0.5)
+        for rid in recs:
+            lossy.reconnect(rid)
+        wait_for(lambda: all(lossy.indexes[r].blocks == feed.indexes[r].blocks for r in recs), 30,
+                 "the replayed index to equal the reference")
+        assert lossy.gaps["lost"] == 0 and lossy.gaps["replayed"] >= 1, lossy.gaps
+    finally:
+        lossy.close()
+
+
+def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(app, watched, conversations):
+    from mooncake_ray.kv import page_hashes
+
+    head, s, recs = app.head, app.s, app.recs
+    feed, tok, bs = watched
+    convs, where = conversations["convs"], conversations["where"]
+    victim = where[0][0]
+    survivor = next(r for r in recs if r != victim)
+    py(head, PY_KILL, victim)
+    mine = [c for c in range(CONVS) if where[c][0] == victim]
+    errors, outs = [], []
+    t = time.monotonic()
+    for c in mine:  # their engine is gone: the store still has their blocks
+        try:
+            out = chat(s.url, convs[c], f"conv{c}-after-kill")
+        except AssertionError as e:
+            errors.append(str(e)[:300])
+            continue
+        outs.append(out)
+        assert served_by(feed, page_hashes(tok("messages", convs[c]), bs)) == survivor
+        prev = conversations["usage"][c][-1]["prompt_tokens"]
+        assert cached(out["usage"]) >= prev // 32 * 32, out["usage"]  # loaded from the store
+    print(f"\nafter the kill: {len(outs)} served in {time.monotonic() - t:.1f} s, errors {errors}")
+    assert not errors
+    assert re.search(r"SERVE_REPLICA::", victim)
+
+
+def test_router_metrics_and_dashboard_panels_in_prometheus(head, app, conversations):
+    """Runs after the aggregated app's other tests: every request to it went through the router. Its decisions, the
+    tokens it expected the engines not to compute, and what the engines (the connector's
+    counts) reported, through a real Prometheus; every router panel of the dashboard has data."""
+    from tests.conftest import query
+    from tests.integration.test_metrics import ROUTER_EXPRS
+
+    prom = head[1]
+    n_later = CONVS * (TURNS - 1)
+    reported = sum(cached(u) for us in conversations["usage"] for u in us)  # the conversations' turns
+
+    def total(expr: str) -> float:
+        return sum(float(r["value"][1]) for r in query(prom, expr))
+
+    def settled():
+        eng = total('ray_mooncake_router_decisions_total{reason="engine"}')
+        n = total("ray_mooncake_router_decisions_total")
+        exp = total("ray_mooncake_router_expected_cached_tokens_total")
+        engine_hits = total("ray_mooncake_connector_engine_hit_tokens_total")
+        store_hits = total("ray_mooncake_connector_hit_tokens_total")  # the kill test's loads
+        last[:] = [eng, n, exp, engine_hits, store_hits]
+        # every request's expected hit is what its engine then reported, give or take a block
+        return eng >= n_later and exp >= reported and store_hits > 0 and \
+            abs(exp - (engine_hits + store_hits)) <= 32 * n * 0.25
+
+    last: list = []
+    try:
+        wait_for(settled, 120, "the router's and the engines' counts in Prometheus")
+    finally:
+        print(f"\nengine decisions, decisions, expected cached tokens, reported by the engines (own cache, "
+              f"store): {last}")
+    assert total("ray_mooncake_router_event_batches_total") > 0
+    wait_for(lambda: not [e for e in ROUTER_EXPRS if not query(prom, e)], 60, "data in every router panel")
+
+
+@pytest.fixture(scope="module")
+def aggregated_stopped(app, aggregated, conversations):
+    """Ctrl-C to the aggregated app's ``serve run`` (after its tests), then ``mooncake-ray stop``."""
+    return app.stop()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(head, tmp_path_factory, aggregated_stopped):  # after the aggregated app is gone
+    head, _prom = head
+    tmp = str(tmp_path_factory.mktemp("vllm-pd"))
+    s = ServeRun(head, os.path.join(CONFIGS, "vllm-disaggregated.yaml"), tmp)
+    run = App(head, s)
+    try:
+        models = s.wait_ready("/v1/models", timeout_s=600)
+        assert MODEL_ID in [m["id"] for m in models["data"]], models
+        out = two_turn_chat(s.url, head, "pd")
+    finally:
+        out_stop = run.stop()
+    print(f"\ndisaggregated: usage {out['usage']}, texts {out['texts']}, store hits/keys "
+          f"{[(st['hits'], st['keys']) for st in out['stats']]}, stopped in {out_stop['stopped_in']:.1f} s")
+    return {**out, **out_stop}
+
+
+def test_serve_run_stops_on_ctrl_c(aggregated_stopped, disaggregated):
+    for run in (aggregated_stopped, disaggregated):
+        assert run["returncode"] == 0 and run["stopped_in"] < STOP_LIMIT_S, run["stop_output"]
 
 
 def test_pd_answers_as_aggregated(aggregated, disaggregated):

@@ -301,9 +301,17 @@ def fill_with_pins(client, prefix: str) -> int:
 
 
 def test_store_full_requests_still_served(env):
+    import mooncake_ray
+
     engines, client, ns = env
     base, writer = engines["base"], engines["writer"]
-    n = fill_with_pins(client, "junk/full/")
+    # A put refused for room retries for client.backpressure_timeout_s (30 s) before it
+    # raises: filling takes a client that gives up within a second (the loop waits itself).
+    filler = mooncake_ray.connect(namespace=ns, config={"client": {"backpressure_timeout_s": 1.0}})
+    try:
+        n = fill_with_pins(filler, "junk/full/")
+    finally:
+        filler.close()
     f = prompt(6, 300)
     expect = base.generate([f])[0]
     failures = writer.call(op="connector_stats")["save_failures"]
