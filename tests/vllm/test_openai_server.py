@@ -1,7 +1,8 @@
 """The README's OpenAI-server command with the connector: two servers
-(``python -m vllm.entrypoints.openai.api_server --kv-transfer-config '{...}'``), one after the
-other, on a real Ray cluster and store; the second, which never saw the prompt, loads the
-first's KV through the store and answers with the same tokens."""
+(``python -m vllm.entrypoints.openai.api_server --kv-transfer-config '{...}'``), started side
+by side on a real Ray cluster and store; the first answers a prompt and is stopped, then the
+second, which never saw the prompt, loads the first's KV through the store and answers with
+the same tokens."""
 
 from __future__ import annotations
 
@@ -89,16 +90,16 @@ def test_second_server_loads_the_first_servers_kv(ray_cluster, tmp_path):
     try:
         first = Server("first", model, ray_cluster.address, cfg["namespace"], tmp_path)
         servers.append(first)
+        second = Server("second", model, ray_cluster.address, cfg["namespace"], tmp_path)
+        servers.append(second)
         first.wait_ready()
+        second.wait_ready()
         keys0 = client.stats()["keys"]
         a = first.complete(ids)
         assert a["cached"] == 0
         wait_for(lambda: client.stats()["keys"] >= keys0 + 300 // BLOCK,
                  what="the first server's saves")
         first.stop()
-        second = Server("second", model, ray_cluster.address, cfg["namespace"], tmp_path)
-        servers.append(second)
-        second.wait_ready()
         b = second.complete(ids)
         assert b["cached"] == (300 - 1) // BLOCK * BLOCK  # every full block but the last token's, from the store
         assert b["tokens"] == a["tokens"]

@@ -325,7 +325,10 @@ def test_router_metrics_and_dashboard_panels_in_prometheus(head, app, conversati
     reported = sum(cached(u) for us in conversations["usage"] for u in us)  # the conversations' turns
 
     def total(expr: str) -> float:
-        return sum(float(r["value"][1]) for r in query(prom, expr))
+        """The sum over processes of a running total, the killed replica's included: its
+        series ends with its process (a gauge Ray stops exporting), so each series' last
+        value is taken over the module's run."""
+        return sum(float(r["value"][1]) for r in query(prom, f"max_over_time({expr}[15m])"))
 
     def settled():
         eng = total('ray_mooncake_router_decisions_total{reason="engine"}')

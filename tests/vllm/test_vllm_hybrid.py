@@ -77,10 +77,12 @@ def store(ray_cluster, tmp_path_factory):
 def engines(request, store):
     client, ns, addr = store
     name = request.param
-    es = start_engines({
+    es = start_engines({  # side by side: each start is mostly imports, on either core
         "base": engine_args(name, ns, addr, None),
         "writer": engine_args(name, ns, addr, "kv_both"),
         "reader": engine_args(name, ns, addr, "kv_both"),  # loads only prompts it never computed
+        "prefill": engine_args(name, ns, addr, "kv_producer"),  # used by the P/D test only
+        "decode": engine_args(name, ns, addr, "kv_consumer"),
     })
     try:
         yield name, es, client
@@ -143,30 +145,23 @@ def test_a_value_gone_before_the_load_recomputes_the_whole_request(engines):
     same_output(got, want)
 
 
-def test_prefill_engine_to_decode_engine_through_the_store(engines, store):
+def test_prefill_engine_to_decode_engine_through_the_store(engines):
     """A kv_producer computes the prompt (its saves finish within the step); a kv_consumer
     in another process loads it and answers as the reference engine does from its own
     prefix cache."""
     name, es, _ = engines
-    _, ns, addr = store
     n1, _, _ = MODELS[name][3]
     p = text(31, n1)
     base = es["base"]
     base.generate([p], logprobs=True)
     want = base.generate([p], logprobs=True)[0]
     assert want["cached"] > 0
-    pd = start_engines({"prefill": engine_args(name, ns, addr, "kv_producer"),
-                        "decode": engine_args(name, ns, addr, "kv_consumer")})
-    try:
-        first = pd["prefill"].generate([p], max_tokens=1)[0]
-        assert first["params"]["mooncake_ray"]["direct"] is None  # hybrid: no direct handoff
-        got = pd["decode"].generate([p], logprobs=True, params=[first["params"]])[0]
-        assert got["cached"] == want["cached"]
-        same_output(got, want)
-        assert pd["decode"].call(op="connector_stats")["saved_blocks"] == 0  # a consumer only loads
-    finally:
-        for e in pd.values():
-            e.close()
+    first = es["prefill"].generate([p], max_tokens=1)[0]
+    assert first["params"]["mooncake_ray"]["direct"] is None  # hybrid: no direct handoff
+    got = es["decode"].generate([p], logprobs=True, params=[first["params"]])[0]
+    assert got["cached"] == want["cached"]
+    same_output(got, want)
+    assert es["decode"].call(op="connector_stats")["saved_blocks"] == 0  # a consumer only loads
 
 
 def test_what_the_store_cannot_hold_completely_is_refused_at_start(store):
@@ -180,13 +175,16 @@ def test_what_the_store_cannot_hold_completely_is_refused_at_start(store):
         "layerwise": (engine_args("gemma2", ns, addr, "kv_both", load_mode="layerwise"), {},
                       ["ConfigError", "layerwise", "swa64"]),
     }
-    for name, (args, llm, words_) in cases.items():
-        role, cfg, a, env, model, llm0 = args
-        e = Engine(name, role, cfg, a, env, model, {**llm0, **llm})
-        try:
-            res = e.wait_ready(300)
+    started = {}
+    try:
+        for name, (args, llm, _words) in cases.items():  # side by side
+            role, cfg, a, env, model, llm0 = args
+            started[name] = Engine(name, role, cfg, a, env, model, {**llm0, **llm})
+        for name, (_args, _llm, words_) in cases.items():
+            res = started[name].wait_ready(300)
             assert "error" in res, f"{name}: the engine started"
             for w in words_:
                 assert w in res["error"], (name, res["error"])
-        finally:
+    finally:
+        for e in started.values():
             e.close()
