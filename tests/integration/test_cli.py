@@ -33,9 +33,10 @@ def test_start_status_stop(ray_cluster, tmp_path):
     out = subprocess.run([CLI, "status", "--namespace", ns, "--address", ray_cluster.address],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    first, membership, header, _rule, *rows = out.stdout.strip().splitlines()
+    first, membership, copies, header, _rule, *rows = out.stdout.strip().splitlines()
     assert re.match(r"Storage: 0\.00 / 0\.12 GB \| Keys: 5 \(soft-pinned: 1, pinned: 1\)", first), first
     assert membership.startswith("Membership: joins 0 | drains 0: 0 keys (0 B) moved"), membership
+    assert copies == "Copies: under-replicated 0 keys (0 B) | repairs 0 (0 B)", copies
     assert header.split() == ["node", "tier", "used", "capacity", "use%", "keys", "memory", "state"]
     dram = [r.split() for r in rows if " dram " in r]
     assert len(dram) == 2
