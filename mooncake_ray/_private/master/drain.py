@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from mooncake_ray._private.master.types import NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
+from mooncake_ray._private.master.types import NodeInfo, Policy, Tier
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.replicas import ReplicaTable
@@ -119,7 +119,7 @@ class Drains:
                     r.node_id != node_id and r.tier is Tier.DRAM and r.ready for r in obj.replicas):
                 d.cursor += 1  # gone, on disk only, being moved, failed, or readable elsewhere
                 continue
-            dst = self._place(obj, targets, now)
+            dst = self._reps.reserve(obj.size, targets, now)
             if dst is None:
                 break  # no room anywhere for this value: the rest is counted at the end
             d.cursor += 1
@@ -130,17 +130,6 @@ class Drains:
             out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
             total += obj.size
         return out, False
-
-    def _place(self, obj: Obj, targets: list[NodeInfo], now: float) -> Replica | None:
-        got = None
-        for evict in (False, True):
-            for node in targets:
-                got = (self._reps.allocate(node.node_id, obj.size, now) if evict
-                       else self._alloc[node.node_id].allocate(obj.size))
-                if got is not None:
-                    return Replica(node.node_id, Tier.DRAM, got[0], got[1], ready=False,
-                                   deadline=now + self.policy.put_timeout_s, placed=self._reps.new_placement())
-        return None
 
     def done(self, node_id: str, items) -> None:
         """Moves the store node made: ``[key, gen, dst_node, dst_offset, ok]`` each."""
@@ -154,20 +143,15 @@ class Drains:
                 continue
             d.moving_keys.discard(key)
             obj, rep = got
-            if self._objects.get(key) is not obj or obj.gen != gen:
-                continue  # removed or replaced meanwhile: its extents went with it
-            if not any(r is rep for r in obj.replicas):
-                d.order.append(key)  # the target left meanwhile: try another
+            outcome = self._reps.settle_copy(key, gen, obj, rep, ok, now)
+            if outcome == "left":  # try another target
+                d.order.append(key)
                 d.settled = False
-                continue
-            if not ok or dst_node not in self._nodes:
+            elif outcome == "failed":
                 d.failed += 1
                 d.failed_keys.add(key)
-                self._reps.drop_replica(obj, rep, now)
+            if outcome != "done":
                 continue
-            rep.ready, rep.deadline = True, 0.0
-            self._nodes[dst_node].tier_keys["dram"] += 1
-            self._reps.delta(dst_node).add(inventory_entry(obj, rep))
             src = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM), None)
             if src is not None:
                 self._reps.drop_replica(obj, src, now)

@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from mooncake_ray._private.master.types import NodeInfo, Obj, Policy, Replica, Tier, inventory_entry
+from mooncake_ray._private.master.types import NodeInfo, Obj, Policy, Replica, Tier
 
 if TYPE_CHECKING:
     from mooncake_ray._private.master.replicas import ReplicaTable
@@ -134,8 +134,10 @@ class Repairs:
             if src is None:
                 continue  # another node's copy is the source (or only disk holds it)
             held = {r.node_id for r in obj.replicas}
-            dst = self._place(obj, [n for n in self._nodes.values()
-                                    if n.node_id not in held and not n.suspect and not n.draining], now)
+            targets = sorted((n for n in self._nodes.values()
+                              if n.node_id not in held and not n.suspect and not n.draining),
+                             key=lambda n: -self._alloc[n.node_id].free)
+            dst = self._reps.reserve(obj.size, targets, now)
             if dst is None:
                 continue  # no room on a node without a copy (tried again at the next plan)
             obj.replicas.append(dst)
@@ -144,17 +146,6 @@ class Repairs:
             out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
             total += obj.size
         return out
-
-    def _place(self, obj: Obj, targets: list[NodeInfo], now: float) -> Replica | None:
-        targets = sorted(targets, key=lambda n: -self._alloc[n.node_id].free)
-        for evict in (False, True):
-            for node in targets:
-                got = (self._reps.allocate(node.node_id, obj.size, now) if evict
-                       else self._alloc[node.node_id].allocate(obj.size))
-                if got is not None:
-                    return Replica(node.node_id, Tier.DRAM, got[0], got[1], ready=False,
-                                   deadline=now + self.policy.put_timeout_s, placed=self._reps.new_placement())
-        return None
 
     def done(self, items) -> None:
         """Copies a store node made: ``[key, gen, dst_node, dst_offset, ok]`` each."""
@@ -165,17 +156,11 @@ class Repairs:
                 continue
             self._copying_keys.discard(key)
             obj, rep = got
-            if self._objects.get(key) is not obj or obj.gen != gen:
-                continue  # removed or replaced meanwhile: its extents went with it
-            if not any(r is rep for r in obj.replicas):
-                continue  # the target left meanwhile: still short, planned again
-            if not ok or dst_node not in self._nodes:
+            outcome = self._reps.settle_copy(key, gen, obj, rep, ok, now)  # "left": still short, planned again
+            if outcome == "failed":
                 self._counters["repair_failures"] += 1
-                self._reps.drop_replica(obj, rep, now)
+            if outcome != "done":
                 continue
-            rep.ready, rep.deadline = True, 0.0
-            self._nodes[dst_node].tier_keys["dram"] += 1
-            self._reps.delta(dst_node).add(inventory_entry(obj, rep))
             self._mirror.key(key)
             self._counters["repairs"] += 1
             self._counters["repair_bytes"] += obj.size

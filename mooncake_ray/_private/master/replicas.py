@@ -444,6 +444,35 @@ class ReplicaTable:
             self.watermark(node_id, now)
         return got
 
+    def reserve(self, size: int, targets: list[NodeInfo], now: float) -> Replica | None:
+        """An extent of ``size`` bytes for a copy made node to node (a drain's move, a
+        repair): on the first of ``targets`` where it fits, else where eviction makes room;
+        a replica not readable yet, dropped at ``put_timeout_s`` unless reported."""
+        for evict in (False, True):
+            for node in targets:
+                got = self.allocate(node.node_id, size, now) if evict else self._alloc[node.node_id].allocate(size)
+                if got is not None:
+                    return Replica(node.node_id, Tier.DRAM, got[0], got[1], ready=False,
+                                   deadline=now + self.policy.put_timeout_s, placed=self.new_placement())
+        return None
+
+    def settle_copy(self, key: str, gen: int, obj: Obj, rep: Replica, ok: bool, now: float) -> str:
+        """The report of a copy into ``rep`` (``reserve``): "gone" (the value was removed
+        or replaced meanwhile: its extents went with it), "left" (the target node left
+        meanwhile), "failed" (the extent is freed), or "done" (the replica is readable and
+        in its node's inventory; the caller updates the read mirror)."""
+        if self._objects.get(key) is not obj or obj.gen != gen:
+            return "gone"
+        if not any(r is rep for r in obj.replicas):
+            return "left"
+        if not ok or rep.node_id not in self._nodes:
+            self.drop_replica(obj, rep, now)
+            return "failed"
+        rep.ready, rep.deadline = True, 0.0
+        self._nodes[rep.node_id].tier_keys["dram"] += 1
+        self.delta(rep.node_id).add(inventory_entry(obj, rep))
+        return "done"
+
     def place(self, size: int, want: int, ordered: list[NodeInfo], now: float) -> list[Replica]:
         """DRAM extents of ``size`` bytes on up to ``want`` distinct nodes, in the order
         given: first where they fit, then evicting."""
