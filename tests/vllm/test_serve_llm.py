@@ -15,10 +15,10 @@ scraping it) serves, one after the other:
      router's expected cached tokens match what the engines report;
    - events lost (a subscription closed while the engines publish) are replayed from the
      engine's replay socket, to the same index as a feed that lost nothing;
-   - a replica killed: the next turn of its conversations is served by the survivor, from
-     the store (cached tokens reported), and no request fails;
    - the router's metrics (decisions by reason, expected cached tokens against what the
      engines reported) through Prometheus, and the dashboard's router panels;
+   - a replica killed: the next turn of its conversations is served by the survivor, from
+     the store (cached tokens reported, and counted in Prometheus), and no request fails;
    - Ctrl-C stops ``serve run``, and ``mooncake-ray stop`` removes the store.
 
 2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store):
@@ -286,7 +286,53 @@ def test_lost_events_are_replayed_from_a_real_engine(app, watched, conversations
         lossy.close()
 
 
-def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(app, watched, conversations):
+def test_router_metrics_and_dashboard_panels_in_prometheus(head, app, conversations):
+    """Every request to the aggregated app went through the router. Its decisions, the
+    tokens it expected the engines not to compute, and what the engines (the connector's
+    counts) reported, through a real Prometheus; every router panel of the dashboard has
+    data. Checked while both engines run: a process exports its totals every
+    ``metrics_report_interval_ms`` (10 s on a ``ray start`` head), so a process killed
+    within that time of its last request takes what it counted since with it."""
+    from tests.conftest import query
+    from tests.integration.test_metrics import ROUTER_EXPRS
+
+    prom = head[1]
+    n_later = CONVS * (TURNS - 1)
+    reported = sum(cached(u) for us in conversations["usage"] for u in us)  # the conversations' turns
+
+    def total(expr: str) -> float:
+        return prom_total(prom, expr)
+
+    def settled():
+        eng = total('ray_mooncake_router_decisions_total{reason="engine"}')
+        n = total("ray_mooncake_router_decisions_total")
+        exp = total("ray_mooncake_router_expected_cached_tokens_total")
+        engine_hits = total("ray_mooncake_connector_engine_hit_tokens_total")
+        store_hits = total("ray_mooncake_connector_hit_tokens_total")
+        last[:] = [eng, n, exp, engine_hits, store_hits]
+        # every request's expected hit is what its engine then reported, give or take a block
+        return eng >= n_later and exp >= reported and \
+            abs(exp - (engine_hits + store_hits)) <= 32 * n * 0.25
+
+    last: list = []
+    try:
+        wait_for(settled, 120, "the router's and the engines' counts in Prometheus")
+    finally:
+        print(f"\nengine decisions, decisions, expected cached tokens, reported by the engines (own cache, "
+              f"store): {last}")
+    assert total("ray_mooncake_router_event_batches_total") > 0
+    wait_for(lambda: not [e for e in ROUTER_EXPRS if not query(prom, e)], 60, "data in every router panel")
+
+
+def prom_total(prom: str, expr: str) -> float:
+    """A running total summed over the processes that export it, each at its last value in
+    the module's run (a process's series ends with it)."""
+    from tests.conftest import query
+
+    return sum(float(r["value"][1]) for r in query(prom, f"max_over_time({expr}[15m])"))
+
+
+def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(head, app, watched, conversations):
     from mooncake_ray.kv import page_hashes
 
     head, s, recs = app.head, app.s, app.recs
@@ -311,44 +357,10 @@ def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(app, watc
     print(f"\nafter the kill: {len(outs)} served in {time.monotonic() - t:.1f} s, errors {errors}")
     assert not errors
     assert re.search(r"SERVE_REPLICA::", victim)
-
-
-def test_router_metrics_and_dashboard_panels_in_prometheus(head, app, conversations):
-    """Runs after the aggregated app's other tests: every request to it went through the router. Its decisions, the
-    tokens it expected the engines not to compute, and what the engines (the connector's
-    counts) reported, through a real Prometheus; every router panel of the dashboard has data."""
-    from tests.conftest import query
-    from tests.integration.test_metrics import ROUTER_EXPRS
-
-    prom = head[1]
-    n_later = CONVS * (TURNS - 1)
-    reported = sum(cached(u) for us in conversations["usage"] for u in us)  # the conversations' turns
-
-    def total(expr: str) -> float:
-        """The sum over processes of a running total, the killed replica's included: its
-        series ends with its process (a gauge Ray stops exporting), so each series' last
-        value is taken over the module's run."""
-        return sum(float(r["value"][1]) for r in query(prom, f"max_over_time({expr}[15m])"))
-
-    def settled():
-        eng = total('ray_mooncake_router_decisions_total{reason="engine"}')
-        n = total("ray_mooncake_router_decisions_total")
-        exp = total("ray_mooncake_router_expected_cached_tokens_total")
-        engine_hits = total("ray_mooncake_connector_engine_hit_tokens_total")
-        store_hits = total("ray_mooncake_connector_hit_tokens_total")  # the kill test's loads
-        last[:] = [eng, n, exp, engine_hits, store_hits]
-        # every request's expected hit is what its engine then reported, give or take a block
-        return eng >= n_later and exp >= reported and store_hits > 0 and \
-            abs(exp - (engine_hits + store_hits)) <= 32 * n * 0.25
-
-    last: list = []
-    try:
-        wait_for(settled, 120, "the router's and the engines' counts in Prometheus")
-    finally:
-        print(f"\nengine decisions, decisions, expected cached tokens, reported by the engines (own cache, "
-              f"store): {last}")
-    assert total("ray_mooncake_router_event_batches_total") > 0
-    wait_for(lambda: not [e for e in ROUTER_EXPRS if not query(prom, e)], 60, "data in every router panel")
+    # the survivor's connector counts those loads as store hits (Prometheus)
+    loaded = sum(cached(o["usage"]) for o in outs)
+    wait_for(lambda: prom_total(head[1], "ray_mooncake_connector_hit_tokens_total") >= loaded, 60,
+             "the survivor's store hits in Prometheus")
 
 
 @pytest.fixture(scope="module")
