@@ -506,7 +506,9 @@ class MooncakeKVRouter(_router_base()):
         self._client = None
         self._load: dict[str, kvi.Load] = {}
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
-        self._pending: dict[str, tuple[kvi.Decision, float]] = {}  # internal request id -> decision
+        # internal request id -> (decision, seconds it took, the load it holds on its best
+        # replica until routed: (replica, tokens) or None)
+        self._pending: dict[str, tuple[kvi.Decision, float, tuple | None]] = {}
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ replicas ----
@@ -587,8 +589,13 @@ class MooncakeKVRouter(_router_base()):
             dec = self._by_load(candidate_replicas, "error")
         if pending_request is not None:
             if len(self._pending) >= 10_000:  # requests cancelled before they were routed
-                self._pending.pop(next(iter(self._pending)))
-            self._pending[pending_request.metadata.internal_request_id] = (dec, time.perf_counter() - t0)
+                self._release(self._pending.pop(next(iter(self._pending)))[2])
+            # Decisions made side by side (each awaits its store lookup) must see each
+            # other: the best replica holds this request's work from now, not only once Serve
+            # reports it routed, or requests sent together all go to the same replica.
+            best = dec.ranked[0] if dec.ranked else None
+            held = None if best is None else self._hold(best.key, dec.prompt_tokens - best.hit_tokens)
+            self._pending[pending_request.metadata.internal_request_id] = (dec, time.perf_counter() - t0, held)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         return [[by_id[o.key]] for o in dec.ranked if o.key in by_id]
 
@@ -661,16 +668,14 @@ class MooncakeKVRouter(_router_base()):
     def on_request_routed(self, pending_request, replica_id, result):
         rid = replica_id.to_full_id_str()
         key = pending_request.metadata.internal_request_id
-        dec, seconds = self._pending.pop(key, (None, 0.0))
+        dec, seconds, held = self._pending.pop(key, (None, 0.0, None))
+        self._release(held)
         if dec is None:
             return
         opt = next((o for o in dec.ranked if o.key == rid), None)
         reason = dec.reason if opt is dec.best else "load"
         compute = dec.prompt_tokens - (opt.hit_tokens if opt else 0)
-        ld = self._load.setdefault(rid, kvi.Load())
-        ld.tokens += compute
-        ld.requests += 1
-        self._inflight[key] = (rid, compute)
+        self._inflight[key] = self._hold(rid, compute)
         if self._metrics is not None and opt is not None:
             engine = min(opt.engine_blocks * (self._block_size or 0), opt.hit_tokens)
             self._metrics.decided(reason, dec.prompt_tokens, engine, opt.hit_tokens - engine, seconds)
@@ -678,12 +683,23 @@ class MooncakeKVRouter(_router_base()):
             self._metrics.decided(reason, dec.prompt_tokens, 0, 0, seconds)
 
     def on_request_completed(self, replica_id, internal_request_id):
-        got = self._inflight.pop(internal_request_id, None)
-        self._pending.pop(internal_request_id, None)
-        if got is None:
+        self._release(self._inflight.pop(internal_request_id, None))
+        pending = self._pending.pop(internal_request_id, None)
+        if pending is not None:
+            self._release(pending[2])
+
+    def _hold(self, rid: str, tokens: int) -> tuple[str, int]:
+        """Count a request's work on replica ``rid``; returns what ``_release`` takes back."""
+        ld = self._load.setdefault(rid, kvi.Load())
+        ld.tokens += tokens
+        ld.requests += 1
+        return rid, tokens
+
+    def _release(self, held: tuple[str, int] | None) -> None:
+        if held is None:
             return
-        rid, compute = got
+        rid, tokens = held
         ld = self._load.get(rid)
         if ld is not None:
-            ld.tokens = max(ld.tokens - compute, 0)
+            ld.tokens = max(ld.tokens - tokens, 0)
             ld.requests = max(ld.requests - 1, 0)
