@@ -333,6 +333,7 @@ def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(head, app
     store, counted as its store hits in Prometheus; then every router panel has data."""
     from mooncake_ray.kv import page_hashes
 
+    prom = head[1]
     head, s, recs = app.head, app.s, app.recs
     feed, tok, bs = watched
     convs, where = conversations["convs"], conversations["where"]
@@ -357,13 +358,13 @@ def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(head, app
     assert re.search(r"SERVE_REPLICA::", victim)
     # the survivor's connector counts those loads as store hits (Prometheus)
     loaded = sum(cached(o["usage"]) for o in outs)
-    wait_for(lambda: prom_total(head[1], "ray_mooncake_connector_hit_tokens_total") >= loaded, 60,
+    wait_for(lambda: prom_total(prom, "ray_mooncake_connector_hit_tokens_total") >= loaded, 60,
              "the survivor's store hits in Prometheus")
     # every router panel of the dashboard has data (store hits now among them)
     from tests.conftest import query
     from tests.integration.test_metrics import ROUTER_EXPRS
 
-    wait_for(lambda: not [e for e in ROUTER_EXPRS if not query(head[1], e)], 60, "data in every router panel")
+    wait_for(lambda: not [e for e in ROUTER_EXPRS if not query(prom, e)], 60, "data in every router panel")
 
 
 @pytest.fixture(scope="module")
