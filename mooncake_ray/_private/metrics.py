@@ -195,6 +195,8 @@ class ClientMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lat: dict[tuple[str, str], list[float]] = {}
+        self._ops: dict[str, int] = {}  # since the last flush, folded into ``totals`` there
+        self._bytes: dict[str, int] = {"read": 0, "write": 0}
         self.totals = RunningTotals(self.TOTALS)
         self._hist = None
         self._thread = _flush_every(self, ClientMetrics.INTERVAL_S, "mooncake-client-metrics")
@@ -204,13 +206,26 @@ class ClientMetrics:
             lat = self._lat.setdefault((op, tier), [])
             if len(lat) < self.MAX_SAMPLES:
                 lat.append(seconds)
-        self.totals.add("client_ops", keys, {"op": op})
-        if nbytes:
-            self.totals.add("client_bytes", nbytes, {"direction": "write" if op in ("put", "batch_put") else "read"})
+            self._ops[op] = self._ops.get(op, 0) + keys
+            if nbytes:
+                self._bytes["write" if op in ("put", "batch_put") else "read"] += nbytes
 
-    def flush(self) -> None:
+    def fold(self) -> dict[tuple[str, str], list[float]]:
+        """Move what was counted since the last call into the running totals; returns the
+        latency samples taken meanwhile."""
         with self._lock:
             lat, self._lat = self._lat, {}
+            ops, self._ops = self._ops, {}
+            nbytes, self._bytes = self._bytes, {"read": 0, "write": 0}
+        for op, n in ops.items():
+            self.totals.add("client_ops", n, {"op": op})
+        for direction, n in nbytes.items():
+            if n:
+                self.totals.add("client_bytes", n, {"direction": direction})
+        return lat
+
+    def flush(self) -> None:
+        lat = self.fold()
         if lat and self._hist is None:
             self._hist = metrics.Histogram("mooncake_client_latency_seconds", "Client call latency",
                                            boundaries=_LAT_BOUNDS_S, tag_keys=("op", "tier"))

@@ -40,6 +40,7 @@ def test_bytes_by_direction_for_single_and_batch_calls():
     c.observe("batch_put", 0.001, 4, 100)
     c.observe("get", 0.001, 1, 1000)
     c.observe("batch_get", 0.001, 4, 10000, tier="disk")
+    c.fold()
     totals = c.totals.totals()
     assert totals[("client_bytes", (("direction", "write"),))] == 110
     assert totals[("client_bytes", (("direction", "read"),))] == 11000
