@@ -24,7 +24,7 @@ scraping it) serves, one after the other:
 2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store):
    the same two-turn chat answers exactly as the aggregated app did, reports cached tokens
    on turn two, and its decode engine read the prefill's KV from the prefill engine's
-   memory.
+   memory. It runs first (each app is stopped, with its store, before the next starts).
 """
 
 from __future__ import annotations
@@ -149,8 +149,10 @@ class App:
 
 
 @pytest.fixture(scope="module")
-def app(head, tmp_path_factory):
-    """vllm-aggregated.yaml at two replicas, both running and publishing their records."""
+def app(head, tmp_path_factory, disaggregated):
+    """vllm-aggregated.yaml at two replicas, both running and publishing their records. It
+    runs after the P/D app: the kill test leaves the killed replica's engine processes to
+    wind down, busy, while later engines would start."""
     head, _prom = head
     tmp = str(tmp_path_factory.mktemp("vllm-agg"))
     with open(os.path.join(CONFIGS, "vllm-aggregated.yaml")) as f:
@@ -173,7 +175,8 @@ def app(head, tmp_path_factory):
 
         def records():
             seen.append(json.loads(py(head, PY_RECORDS)))
-            r = seen[-1]
+            # this app's replicas (the P/D app's records outlive its replicas in the GCS)
+            r = {k: v for k, v in seen[-1].items() if k.startswith("SERVE_REPLICA::vllm-agg#")}
             return r if len(r) == 2 and all("prefixes" in v and "endpoint" in v for v in r.values()) else None
 
         try:
@@ -374,7 +377,7 @@ def aggregated_stopped(app, aggregated, conversations):
 
 
 @pytest.fixture(scope="module")
-def disaggregated(head, tmp_path_factory, aggregated_stopped):  # after the aggregated app is gone
+def disaggregated(head, tmp_path_factory):  # first, on a head with nothing else running
     head, _prom = head
     tmp = str(tmp_path_factory.mktemp("vllm-pd"))
     s = ServeRun(head, os.path.join(CONFIGS, "vllm-disaggregated.yaml"), tmp)
