@@ -130,11 +130,19 @@ def head(tmp_path_factory):
         h.stop()
 
 
+# the running totals the router test compares (summed over processes by ``prom_total``)
+ROUTER_TOTALS = ('ray_mooncake_router_decisions_total{reason="engine"}', "ray_mooncake_router_decisions_total",
+                 "ray_mooncake_router_expected_cached_tokens_total",
+                 "ray_mooncake_connector_engine_hit_tokens_total", "ray_mooncake_connector_hit_tokens_total")
+
+
 class App:
-    """A ``serve run`` of the app; ``stop`` is Ctrl-C (once), then ``mooncake-ray stop``."""
+    """A ``serve run`` of the app; ``stop`` is Ctrl-C (once), then ``mooncake-ray stop``.
+    ``base``: ``ROUTER_TOTALS`` in Prometheus before it served (what the P/D app counted)."""
 
     def __init__(self, head, s, recs=None):
         self.head, self.s, self.recs, self.stopped = head, s, recs, None
+        self.base: dict[str, float] = {}
 
     def stop(self) -> dict:
         if self.stopped is None:
@@ -153,7 +161,7 @@ def app(head, tmp_path_factory, disaggregated):
     """vllm-aggregated.yaml at two replicas, both running and publishing their records. It
     runs after the P/D app: the kill test leaves the killed replica's engine processes to
     wind down, busy, while later engines would start."""
-    head, _prom = head
+    head, prom = head
     tmp = str(tmp_path_factory.mktemp("vllm-agg"))
     with open(os.path.join(CONFIGS, "vllm-aggregated.yaml")) as f:
         cfg = yaml.safe_load(f)
@@ -183,6 +191,7 @@ def app(head, tmp_path_factory, disaggregated):
             run.recs = wait_for(records, 120, "both replicas' records")
         except AssertionError as e:
             raise AssertionError(f"{e}; last seen: {seen[-1:]}") from None
+        run.base = {expr: prom_total(prom, expr) for expr in ROUTER_TOTALS}  # the P/D app's processes are gone
         yield run
     finally:
         run.stop()
@@ -301,7 +310,7 @@ def test_router_metrics_in_prometheus_match_what_the_engines_reported(head, app,
     reported = sum(cached(u) for us in conversations["usage"] for u in us)  # the conversations' turns
 
     def total(expr: str) -> float:
-        return prom_total(prom, expr)
+        return prom_total(prom, expr) - app.base.get(expr, 0.0)
 
     def settled():
         eng = total('ray_mooncake_router_decisions_total{reason="engine"}')
@@ -328,7 +337,7 @@ def prom_total(prom: str, expr: str) -> float:
     the module's run (a process's series ends with it)."""
     from tests.conftest import query
 
-    return sum(float(r["value"][1]) for r in query(prom, f"max_over_time({expr}[15m])"))
+    return sum(float(r["value"][1]) for r in query(prom, f"max_over_time({expr}[1h])"))
 
 
 def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(head, app, watched, conversations):
@@ -361,7 +370,8 @@ def test_a_killed_replica_leaves_routing_to_the_survivor_and_the_store(head, app
     assert re.search(r"SERVE_REPLICA::", victim)
     # the survivor's connector counts those loads as store hits (Prometheus)
     loaded = sum(cached(o["usage"]) for o in outs)
-    wait_for(lambda: prom_total(prom, "ray_mooncake_connector_hit_tokens_total") >= loaded, 60,
+    hits = "ray_mooncake_connector_hit_tokens_total"
+    wait_for(lambda: prom_total(prom, hits) - app.base.get(hits, 0.0) >= loaded, 60,
              "the survivor's store hits in Prometheus")
     # every router panel of the dashboard has data (store hits now among them)
     from tests.conftest import query
