@@ -32,6 +32,7 @@ class Peer:
         self.address = bytes.fromhex(info["address"])
         self.memory_types = info["memory_types"]
         self.cuda_error = info["cuda_error"]
+        self.arena_file, self.arena_kind = info["arena_file"], info["arena_kind"]
         self.regions = {k: (bytes.fromhex(v["rkey"]), v["addr"], v["length"]) for k, v in info["regions"].items()}
 
     def _read(self) -> None:
@@ -63,10 +64,13 @@ class Peer:
         return self.cmd("stats")["stats"]
 
     def import_into(self, eng, region: str = "arena"):
-        """(peer handle, RemoteRegion) of one of the peer's regions, seen from ``eng``."""
+        """(peer handle, RemoteRegion) of one of the peer's regions, seen from ``eng``; a
+        file arena is mapped from its file, as a client maps a store node's
+        (``arena.local_mapping``), where ``eng`` may use shared memory."""
         conn = eng.connect(self.address, 10.0)
         rkey, addr, length = self.regions[region]
-        return conn, eng.import_remote(conn, rkey, addr, length)
+        path = self.arena_file if region == "arena" and eng.config.protocol in ("auto", "shm") else ""
+        return conn, eng.import_remote(conn, rkey, addr, length, path, 0)
 
     def close(self) -> None:
         if self.proc.poll() is None:

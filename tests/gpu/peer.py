@@ -3,13 +3,19 @@ stdin, answering on stdout in lines prefixed "@@" (UCX may log to stdout too).
 
 Started by the tests (``gpu_util.Peer``) with its settings as argv[1] (JSON):
   engine: name, protocol, devices, num_lanes, ucx_options, read_mode, write_mode;
-  arena_bytes  a host arena (``alloc_arena``: UCX-allocated, mapped by peers on this host),
-               filled with seeded random bytes (seed);
+  arena_bytes  a host arena filled with seeded random bytes (seed), made as a store node
+               makes it (arena):
+    arena "file"  (default; elastic.keep_arena) a file in /dev/shm mapped shared
+                  (``ArenaFile``) and registered; peers on this host map the file itself
+                  (its path is in "info": arena_file);
+          "ucx"   (keep_arena false) ``alloc_arena``: UCX allocates it, and peers on this
+                  host map it through UCX;
   cuda_bytes   if > 0, a torch CUDA tensor of that many bytes, random (cuda_seed), registered
                directly (``register_memory(ptr, n, cuda=True)``).
 Commands (one JSON object a line):
   {"op": "info"}                          address (hex), memory types, regions (rkey hex,
-                                          addr, length), cuda_error if registration failed
+                                          addr, length), arena_file ("" for "ucx"),
+                                          cuda_error if registration failed
   {"op": "sha", "region": "arena"|"cuda", "ranges": [[off, len], ...]}
                                           sha256 of the ranges' bytes, concatenated
   {"op": "stats"}                         the engine's counters
@@ -38,10 +44,28 @@ def main() -> None:
     seed = int(cfg.pop("seed", 1))
     cuda_bytes = int(cfg.pop("cuda_bytes", 0))
     cuda_seed = int(cfg.pop("cuda_seed", 2))
+    kind = cfg.pop("arena", "file")
     eng = gpu_env.native_engine(_native, **cfg)
 
-    arena = eng.alloc_arena(arena_bytes)
-    av = np.frombuffer(arena.view(), dtype=np.uint8)
+    arena_file = None
+    if kind == "file":
+        from mooncake_ray._private.store.arena import ArenaFile
+        from mooncake_ray.errors import ConfigError
+
+        try:
+            arena_file = ArenaFile(os.environ.get("MCR_GPU_ARENA_DIR", "/dev/shm"), "gpu-check",
+                                   f"{cfg.get('name', 'peer')}-{os.getpid()}", arena_bytes)
+        except (OSError, ConfigError) as e:  # as a store node does: UCX's arena instead
+            sys.stderr.write(f"[peer] no file arena ({e}): UCX allocates it\n")
+            kind = "ucx"
+    if arena_file is not None:
+        arena = eng.register_memory(arena_file.addr, arena_bytes, False)
+        av = np.frombuffer(arena_file._mm, dtype=np.uint8)
+    elif kind == "ucx":
+        arena = eng.alloc_arena(arena_bytes)
+        av = np.frombuffer(arena.view(), dtype=np.uint8)
+    else:
+        raise ValueError(f"arena={kind!r}: 'file' or 'ucx'")
     rng = np.random.default_rng(seed)
     for off in range(0, arena_bytes, CHUNK):  # in chunks: bounded memory
         n = min(CHUNK, arena_bytes - off)
@@ -85,6 +109,8 @@ def main() -> None:
                     "memory_types": list(eng.memory_types),
                     "regions": {k: {"rkey": bytes(r.rkey).hex(), "addr": r.addr, "length": r.length}
                                 for k, r in regions.items()},
+                    "arena_file": arena_file.path if arena_file is not None else "",
+                    "arena_kind": kind,
                     "cuda_error": cuda_error,
                 }
             elif op == "sha":
@@ -93,6 +119,8 @@ def main() -> None:
                 res = {"stats": dict(eng.stats())}
             elif op == "exit":
                 eng.close()
+                if arena_file is not None:
+                    arena_file.remove()
                 out.write("@@" + json.dumps({"ok": True}) + "\n")
                 out.flush()
                 return

@@ -6,8 +6,11 @@ Each figure is the median of 5 runs after a warm-up, in GB/s (1e9 bytes/s, bytes
 counted once):
   h2d_pinned, d2h_pinned  torch copy_ of 576 MiB between pinned host memory and the GPU
   d2d                     torch copy_ of 576 MiB on the GPU
-  load                    arena (peer process, same host) -> GPU blocks: one transfer of
-                          18432 ops into direct-registered CUDA memory
+  load                    arena (peer process, same host; a file in /dev/shm as a store
+                          node keeps it by default, mapped here from its file as a
+                          client maps it) -> GPU blocks: one transfer of 18432 ops into
+                          direct-registered CUDA memory; each block is one value of 72
+                          ranges, contiguous in the arena, as the vLLM connector stores it
   save                    GPU blocks -> arena, likewise
   staged_gather           CudaCopyStream: the 18432 ranges -> a pinned host buffer
   staged_scatter          CudaCopyStream: pinned host buffer -> the 18432 ranges
@@ -98,7 +101,7 @@ def test_bandwidth(gpu, engines, spawn_peer):
                 h.update(chunk.view(torch.uint8).reshape(-1).cpu().numpy())
             return h.hexdigest()
 
-        peer = spawn_peer(name="bench-peer", protocol="auto", arena_bytes=TOTAL, seed=31,
+        peer = spawn_peer(name="bench-peer", protocol="auto", arena="file", arena_bytes=TOTAL, seed=31,
                           cuda_bytes=TOTAL, cuda_seed=32, timeout_s=120)
         eng = engines("bench", protocol="auto")
         res["memory_types"] = list(eng.memory_types)
@@ -108,7 +111,8 @@ def test_bandwidth(gpu, engines, spawn_peer):
         if direct:
             regs = [eng.register_memory(t.data_ptr(), t.numel() * t.element_size(), True) for t in layers]
             _, rr = peer.import_into(eng)
-            paths["arena"] = {"mapped": rr.mapped, "read_path": rr.read_path, "write_path": rr.write_path}
+            paths["arena"] = {"kind": peer.arena_kind, "map_path": peer.arena_file, "mapped": rr.mapped,
+                              "read_path": rr.read_path, "write_path": rr.write_path}
             ops = [(rr, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
             # what one call costs before anything moves: its last op is out of bounds, so the
             # engine converts and checks all 18432 and then refuses the call
@@ -132,6 +136,7 @@ def test_bandwidth(gpu, engines, spawn_peer):
                              "write_put_bytes": delta(s2, s1, "write_put_bytes")}
             gpu_sha = sha_blocks()
             verified["save"] = peer.sha("arena", [(0, TOTAL)]) == gpu_sha
+            paths["arena"]["cuda_pin_refused"] = delta(s2, s0, "cuda_pin_refused")
         else:
             notes.append(f"direct path not measured: memory_types {res['memory_types']} has no cuda")
             gpu_sha = sha_blocks()

@@ -1,7 +1,9 @@
 """The direct device path: CUDA memory registered with the engine (``register_memory(...,
 cuda=True)``) moved by ``transfer`` to and from a peer process's memory, byte for byte.
 
-- GPU <-> host arena (torch and cupy buffers), per transport variant:
+- GPU <-> host arena (torch and cupy buffers), the arena made either way a store node makes
+  it: "file" (the default, elastic.keep_arena: a file in /dev/shm the client maps itself,
+  pinned for the CUDA driver on first use) or "ucx" (allocated by UCX); per transport variant:
     auto            same host: the arena is mapped, the C++ copies with the CUDA driver
                     (stats read_cuda_bytes / write_cuda_bytes);
     auto-ucx        the same engines with read_mode=get, write_mode=put: UCX moves device
@@ -57,19 +59,21 @@ def _need_cuda(eng, variant: str):
 
 
 @pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("arena", ["file", "ucx"], ids=["file-arena", "ucx-arena"])
 @pytest.mark.parametrize("variant", ["auto", "auto-ucx"])
-def test_transport_gpu_to_host_arena(gpu, engines, spawn_peer, variant, lib):
-    _arena_roundtrip(gpu, engines, spawn_peer, variant, lib)
+def test_transport_gpu_to_host_arena(gpu, engines, spawn_peer, variant, arena, lib):
+    _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena)
 
 
-def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib):
+def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena="file"):
     kw = VARIANTS[variant]
-    eng = engines(f"gpu-{variant}-{lib}", **kw)
+    eng = engines(f"gpu-{variant}-{arena}-{lib}", **kw)
     _need_cuda(eng, variant)
-    peer = spawn_peer(name=f"arena-{variant}", arena_bytes=ARENA, seed=11, **kw)
+    peer = spawn_peer(name=f"arena-{variant}-{arena}", arena_bytes=ARENA, seed=11, arena=arena, **kw)
     buf, addr, sha_local = _cuda_buffer(gpu, lib, LOCAL, seed=12)
     region = eng.register_memory(addr, LOCAL, True)
     assert region.length == LOCAL
+    assert peer.arena_kind == arena, f"the peer could not make a {arena} arena (see its log)"
     _, rr = peer.import_into(eng)
     rng = np.random.default_rng(13)
 
@@ -109,7 +113,8 @@ def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib):
     total = sum(SIZES)
     cuda_r, cuda_w = delta(s1, s0, "read_cuda_bytes"), delta(s2, s1, "write_cuda_bytes")
     ucx_r, ucx_w = delta(s1, s0, "read_get_bytes"), delta(s2, s1, "write_put_bytes")
-    say(f"arena {variant}/{lib}: mapped={rr.mapped} read_path={rr.read_path} write_path={rr.write_path}; "
+    pin_refused = delta(s2, s0, "cuda_pin_refused")
+    say(f"arena {variant}/{arena}/{lib}: mapped={rr.mapped} pin_refused={pin_refused} read_path={rr.read_path} write_path={rr.write_path}; "
         f"read {total} B (cuda {cuda_r}, ucx get {ucx_r}), wrote {total} B (cuda {cuda_w}, ucx put {ucx_w}): "
         f"exact; memory_types {list(eng.memory_types)}")
     if variant == "auto":
@@ -121,6 +126,8 @@ def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib):
     driver = rr.mapped and kw.get("read_mode") != "get"
     if driver:
         assert cuda_r == total and cuda_w == total, (cuda_r, cuda_w, total)
+        # the mapped arena is pinned for the driver (else every copy is a pageable one)
+        assert pin_refused == 0 or gpu.fake, f"the driver refused to pin the mapped {arena} arena"
     else:
         assert ucx_r == total and ucx_w == total and cuda_r == 0 and cuda_w == 0, (ucx_r, ucx_w, cuda_r, cuda_w)
     region.close()
