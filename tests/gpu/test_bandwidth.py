@@ -17,6 +17,7 @@ counted once):
   host_memcpy             numpy copy of 576 MiB (host memory, one thread)
   gpu_to_gpu              the peer's 576 MiB CUDA tensor -> ours, one op (cuda_ipc)
   gpu_to_gpu_blocks       the same as 18432 ops of 32 KiB into the KV blocks
+  gpu_to_gpu_write        ours -> the peer's CUDA tensor, one op
 Targets: load >= 0.8 h2d, save >= 0.8 d2h, staged >= host memcpy,
 GPU->GPU >= 0.5 d2d. Misses are reported, not failed, unless MCR_GPU_STRICT=1; wrong bytes
 always fail. Writes $OUT/gpu_bench.json (/tmp/gpu_bench.json without $OUT).
@@ -45,10 +46,11 @@ TOTAL = N_RANGES * PART  # 576 MiB
 REPS = 5
 T = 60.0  # seconds one transfer of 576 MiB may take
 TARGETS = {"load/h2d": 0.8, "save/d2h": 0.8, "staged/host_memcpy": 1.0, "gpu_to_gpu/d2d": 0.5,
-           "gpu_to_gpu_blocks/d2d": 0.5}
+           "gpu_to_gpu_blocks/d2d": 0.5, "gpu_to_gpu_write/d2d": 0.5}
 RATIO_OF = {"load/h2d": ("load", "h2d_pinned"), "save/d2h": ("save", "d2h_pinned"),
             "staged/host_memcpy": ("staged_gather", "host_memcpy"), "gpu_to_gpu/d2d": ("gpu_to_gpu", "d2d"),
-            "gpu_to_gpu_blocks/d2d": ("gpu_to_gpu_blocks", "d2d")}
+            "gpu_to_gpu_blocks/d2d": ("gpu_to_gpu_blocks", "d2d"),
+            "gpu_to_gpu_write/d2d": ("gpu_to_gpu_write", "d2d")}
 
 
 def _out_path() -> Path:
@@ -64,6 +66,8 @@ def test_bandwidth(gpu, engines, spawn_peer):
                  "shape": {"layers": LAYERS, "blocks": BLOCKS, "block_size": BS, "kv_heads": H, "head_size": D,
                            "dtype": "bfloat16", "layout": "flash_attn (2, blocks, block_size, kv_heads, head)"},
                  "bytes": TOTAL, "ranges": N_RANGES, "range_bytes": PART, "repeats": REPS,
+                 "copy_streams": os.environ.get("MCR_CUDA_COPY_STREAMS", "default"),
+                 "cuda_batch_copy": os.environ.get("MCR_CUDA_BATCH_COPY", "default"),
                  "gbps": {}, "seconds": {}, "paths": {}, "verified": {}, "notes": []}
     gbps, secs, paths, verified, notes = res["gbps"], res["seconds"], res["paths"], res["verified"], res["notes"]
 
@@ -174,6 +178,12 @@ def test_bandwidth(gpu, engines, spawn_peer):
             ops_g = [(rrc, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
             record("gpu_to_gpu_blocks", timed(lambda: eng.transfer(ops_g, True, T), sync, REPS))
             verified["gpu_to_gpu_blocks"] = sha_blocks() == peer_sha
+            flat.random_(0, 256)
+            sync()
+            record("gpu_to_gpu_write", timed(lambda: eng.transfer([(rrc, 0, flat.data_ptr(), TOTAL)], False, T),
+                                             sync, REPS))
+            paths["gpu_to_gpu"]["write_path"] = rrc.write_path
+            verified["gpu_to_gpu_write"] = peer.sha("cuda", [(0, TOTAL)]) == sha_torch(flat)
             reg_flat.close()
         elif direct:
             notes.append(f"GPU->GPU not measured: the peer could not register CUDA memory ({peer.cuda_error})")

@@ -4,8 +4,9 @@
 // copies on a stream of our own, and events to order them against an engine's streams.
 //
 // Copy streams come in two kinds with one interface:
-//   CudaCopyStream  cuMemcpyAsync on a non-blocking CUDA stream of the device's primary
-//                   context (one DMA per copy; pinned host memory makes it full speed).
+//   CudaCopyStream  cuMemcpyBatchAsync (or cuMemcpyAsync) on non-blocking CUDA streams of
+//                   the device's primary context (one DMA per copy; pinned host memory
+//                   makes it full speed), a call spread over several streams.
 //   HostCopyStream  memcpy on a worker thread, in order: the same asynchronous contract
 //                   with host memory on both sides. It is what CPU machines (and CI) run
 //                   when staging is forced, standing in for the CUDA stream.
@@ -82,18 +83,28 @@ class CopyStream {
   uint64_t copies_ = 0, bytes_ = 0;
 };
 
+// A call's copies are spread over `lanes` CUDA streams (MCR_CUDA_COPY_STREAMS, default
+// kDefaultCopyLanes) so that the device's copy engines overlap their per-copy costs, in
+// slices of about equal bytes: a fork from the main stream and a join back into it keep
+// every call after everything queued before it, as one stream would.
+constexpr int kDefaultCopyLanes = 4;
+int copy_lanes();
+
 class CudaCopyStream : public CopyStream {
  public:
-  explicit CudaCopyStream(int device);
+  explicit CudaCopyStream(int device, int lanes = 0);  // 0: copy_lanes()
   ~CudaCopyStream() override;
   void copy_many(std::vector<Copy> copies) override;
   void wait_marker(const Marker& m) override;
   void synchronize() override;
   const char* kind() const override { return "cuda"; }
+  int lanes() const { return int(streams_.size()); }
 
  private:
+  void issue(void* stream, const Copy* c, size_t n);
   int device_;
-  void* stream_ = nullptr;
+  std::vector<void*> streams_;  // [0]: the main stream
+  std::vector<void*> forks_;    // an event per side stream: [0] the fork, [i] lane i's join
 };
 
 class HostCopyStream : public CopyStream {

@@ -219,17 +219,47 @@ void Marker::synchronize() {
 
 // ---- CudaCopyStream ---------------------------------------------------------------------
 
-CudaCopyStream::CudaCopyStream(int device) : device_(device) {
+int copy_lanes() {
+  static const int n = [] {
+    const char* v = getenv("MCR_CUDA_COPY_STREAMS");
+    int k = v && *v ? atoi(v) : kDefaultCopyLanes;
+    return k < 1 ? 1 : (k > 16 ? 16 : k);
+  }();
+  return n;
+}
+
+CudaCopyStream::CudaCopyStream(int device, int lanes) : device_(device) {
   use_device(device);
-  check("cuStreamCreate", api().StreamCreate(&stream_, kStreamNonBlocking));
+  Api& a = api();
+  const int n = lanes > 0 ? lanes : copy_lanes();
+  try {
+    for (int i = 0; i < n; ++i) {
+      void* st = nullptr;
+      check("cuStreamCreate", a.StreamCreate(&st, kStreamNonBlocking));
+      streams_.push_back(st);
+      if (i == 0) continue;
+      void* ev = nullptr;
+      check("cuEventCreate", a.EventCreate(&ev, kEventDisableTiming));
+      forks_.push_back(ev);
+    }
+    if (n > 1) {  // forks_[0] is the fork event; forks_[i] (i >= 1) lane i's join
+      void* ev = nullptr;
+      check("cuEventCreate", a.EventCreate(&ev, kEventDisableTiming));
+      forks_.insert(forks_.begin(), ev);
+    }
+  } catch (...) {
+    for (void* e : forks_) a.EventDestroy(e);
+    for (void* st : streams_) a.StreamDestroy(st);
+    throw;
+  }
 }
 
 CudaCopyStream::~CudaCopyStream() {
-  if (!stream_) return;
   try {
     use_device(device_);
-    api().StreamSynchronize(stream_);
-    api().StreamDestroy(stream_);
+    for (void* st : streams_) api().StreamSynchronize(st);
+    for (void* e : forks_) api().EventDestroy(e);
+    for (void* st : streams_) api().StreamDestroy(st);
   } catch (const Error&) {
   }
 }
@@ -242,44 +272,78 @@ struct BatchAttrs {
   unsigned flags;
 };
 constexpr int kSrcAccessOrderStream = 1;  // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+// Below this many bytes a call stays on one stream: the fork and join cost more than the
+// overlap wins.
+constexpr uint64_t kSpreadMinBytes = 4ull << 20;
 
-void CudaCopyStream::copy_many(std::vector<Copy> copies) {
-  coalesce(copies);
-  use_device(device_);
+void CudaCopyStream::issue(void* stream, const Copy* c, size_t n) {
   Api& a = api();
-  if (a.MemcpyBatchAsync && copies.size() > 1) {
+  if (a.MemcpyBatchAsync && n > 1) {
     // One call for the batch: thousands of block-sized copies cost one launch, not one each.
-    std::vector<CUdeviceptr> dst(copies.size()), src(copies.size());
-    std::vector<size_t> len(copies.size());
-    for (size_t i = 0; i < copies.size(); ++i) {
-      dst[i] = copies[i].dst;
-      src[i] = copies[i].src;
-      len[i] = copies[i].len;
+    std::vector<CUdeviceptr> dst(n), src(n);
+    std::vector<size_t> len(n);
+    for (size_t i = 0; i < n; ++i) {
+      dst[i] = c[i].dst;
+      src[i] = c[i].src;
+      len[i] = c[i].len;
     }
     BatchAttrs attrs{kSrcAccessOrderStream, {0, 0}, {0, 0}, 0};
     size_t first = 0;
-    if (a.MemcpyBatchAsync(dst.data(), src.data(), len.data(), copies.size(), &attrs, &first, 1, stream_) == 0) {
-      copies_ += copies.size();
-      for (auto& c : copies) bytes_ += c.len;
-      return;
-    }
+    if (a.MemcpyBatchAsync(dst.data(), src.data(), len.data(), n, &attrs, &first, 1, stream) == 0) return;
     // Refused (an older driver's rules, a pointer kind it does not take): one copy each.
   }
-  for (auto& c : copies) {
-    check("cuMemcpyAsync", a.MemcpyAsync(CUdeviceptr(c.dst), CUdeviceptr(c.src), c.len, stream_));
-    ++copies_;
-    bytes_ += c.len;
+  for (size_t i = 0; i < n; ++i)
+    check("cuMemcpyAsync", a.MemcpyAsync(CUdeviceptr(c[i].dst), CUdeviceptr(c[i].src), c[i].len, stream));
+}
+
+void CudaCopyStream::copy_many(std::vector<Copy> copies) {
+  coalesce(copies);
+  if (copies.empty()) return;
+  use_device(device_);
+  Api& a = api();
+  uint64_t total = 0;
+  for (auto& c : copies) total += c.len;
+  size_t lanes = streams_.size();
+  if (lanes > copies.size()) lanes = copies.size();
+  if (lanes <= 1 || total < kSpreadMinBytes) {
+    issue(streams_[0], copies.data(), copies.size());
+  } else {
+    // Fork: each side lane starts after what the main stream holds (markers included).
+    check("cuEventRecord", a.EventRecord(forks_[0], streams_[0]));
+    size_t begin = 0;
+    uint64_t done = 0;
+    for (size_t l = 0; l < lanes; ++l) {
+      // slice l ends where the bytes so far reach (l + 1) / lanes of the total
+      const uint64_t goal = total * (l + 1) / lanes;
+      size_t end = begin;
+      while (end < copies.size() && (done < goal || end == begin)) done += copies[end++].len;
+      if (l + 1 == lanes) {
+        for (; end < copies.size(); ++end) done += copies[end].len;
+      }
+      if (end == begin) continue;
+      if (l > 0) check("cuStreamWaitEvent", a.StreamWaitEvent(streams_[l], forks_[0], 0));
+      issue(streams_[l], copies.data() + begin, end - begin);
+      if (l > 0) {  // join: the main stream waits for this lane
+        check("cuEventRecord", a.EventRecord(forks_[l], streams_[l]));
+        check("cuStreamWaitEvent", a.StreamWaitEvent(streams_[0], forks_[l], 0));
+      }
+      begin = end;
+    }
   }
+  copies_ += copies.size();
+  bytes_ += total;
 }
 
 void CudaCopyStream::wait_marker(const Marker& m) {
   use_device(device_);
-  check("cuStreamWaitEvent", api().StreamWaitEvent(stream_, m.event(), 0));
+  // the main stream: every side lane forks from it after this
+  check("cuStreamWaitEvent", api().StreamWaitEvent(streams_[0], m.event(), 0));
 }
 
 void CudaCopyStream::synchronize() {
   use_device(device_);
-  check("cuStreamSynchronize", api().StreamSynchronize(stream_));
+  // the main stream has joined every lane's copies
+  check("cuStreamSynchronize", api().StreamSynchronize(streams_[0]));
 }
 
 // ---- HostCopyStream ---------------------------------------------------------------------
