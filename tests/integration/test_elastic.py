@@ -1,9 +1,9 @@
 """The store follows the Ray cluster's size, on the shared multi-node cluster: a Ray node
 that joins gets a store node and takes puts; a node Ray drains moves its values to the
-others before it goes (none lost with room elsewhere, reads never failing meanwhile; with
-a deadline too short, only what it reports is lost); a store node SIGKILLed and restarted
-by Ray re-adopts its arena (a value corrupted on purpose is a miss); a rolling restart of
-every store node under load loses nothing."""
+others before it goes (none lost with room elsewhere, those on its disk too, reads never
+failing meanwhile; with a deadline too short, only what it reports is lost); a store node
+SIGKILLed and restarted by Ray re-adopts its arena (a value corrupted on purpose is a
+miss); a rolling restart of every store node under load loses nothing."""
 
 import os
 import subprocess
@@ -68,6 +68,12 @@ def mounted(master) -> dict:
 def keys_on(master, keys, node_id) -> list:
     where = ray.get(master.where.remote(keys))
     return [k for k, reps in zip(keys, where) if any(r[0] == node_id for r in reps)]
+
+
+def disk_only(master, keys, node_id) -> list:
+    """The keys whose only copy is on ``node_id``'s disk."""
+    where = ray.get(master.where.remote(keys))
+    return [k for k, reps in zip(keys, where) if reps and all(r[0] == node_id and r[1] == "disk" for r in reps)]
 
 
 def event(master, kind, node_id, after=0.0):
@@ -155,9 +161,12 @@ def test_a_joined_node_gets_a_store_node_and_takes_puts(make_store, extra_node):
 
 
 def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(make_store, ray_cluster, extra_node,
-                                                                                 prometheus):
+                                                                                 prometheus, tmp_path):
     node = extra_node()
-    s = make_store(elastic=ELASTIC, master=PLACEMENT)
+    # Arenas of 4 MiB with a spill tier: about half of what each node holds is on its disk,
+    # and the drain moves those values too (read from the leaving node's disk).
+    s = make_store(elastic=ELASTIC, master=PLACEMENT, segment_size_bytes="4mb",
+                   spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "256mb"})
     master = master_of(s)
     assert node.node_id in mounted(master)
     # The master lives on the head, never on a node that can drain (the one drained here).
@@ -166,18 +175,23 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
     assert s.batch_put(keys, [val(i) for i in range(300)]) == [None] * 300
     on_node = keys_on(master, keys, node.node_id)
     assert len(on_node) > 50
+    wait_for(lambda: len(disk_only(master, keys, node.node_id)) >= len(on_node) // 3, timeout_s=30,
+             what="a third or more of the node's values on its disk only")
+    on_disk = disk_only(master, keys, node.node_id)
     load = Load(s, "dl")
     stop, wrong, misses, errors, rounds = threading.Event(), [], [], [], [0]
 
-    def reader():
+    def reader():  # in batches of 16 values (1 MiB): what the 4 MiB arenas can promote at once
         while not stop.is_set():
-            try:
-                got = s.batch_get(keys)
-            except Exception as e:  # noqa: BLE001
-                errors.append(repr(e))
-                continue
-            misses.extend(k for k, v in zip(keys, got) if v is None)
-            wrong.extend(k for i, (k, v) in enumerate(zip(keys, got)) if v is not None and v != val(i))
+            for j in range(0, len(keys), 16):
+                try:
+                    got = s.batch_get(keys[j:j + 16])
+                except Exception as e:  # noqa: BLE001
+                    errors.append(repr(e))
+                    continue
+                misses.extend(k for k, v in zip(keys[j:j + 16], got) if v is None)
+                wrong.extend(k for i, (k, v) in enumerate(zip(keys[j:j + 16], got), j)
+                             if v is not None and v != val(i))
             rounds[0] += 1
 
     t = threading.Thread(target=reader)
@@ -195,7 +209,8 @@ def test_a_drained_node_with_room_elsewhere_loses_nothing_and_reads_never_fail(m
     stop.set()
     t.join()
     load.stop()
-    print("drain:", report, f"in {report['time'] - started:.1f}s")
+    print("drain:", report, f"in {report['time'] - started:.1f}s;", len(on_disk), "of", len(on_node),
+          "values were on its disk only")
     assert report["lost_keys"] == 0 and report["lost_bytes"] == 0
     assert report["moved_keys"] >= len(on_node)
     assert node.node_id not in mounted(master)

@@ -368,7 +368,12 @@ class Reader:
                     errors[i] = ObjectNotFoundError(f"{key!r} was lost with its store node ({e})")
                 continue
             for (i, key, *_), err in zip(its, errs):
-                if err:
+                if err == InvalidArgumentError.__name__:
+                    # the master no longer reserves that extent for it: another reader's
+                    # promotion of the same value filled it first, or the value moved
+                    # (a drain): a fresh lookup finds where it is now
+                    errors[i] = OffloadPendingError(f"{key!r} is no longer promoted there; looked up again")
+                elif err:
                     errors[i] = ObjectNotFoundError(f"{key!r}'s copy on disk is unreadable ({err}): a miss")
         return errors
 

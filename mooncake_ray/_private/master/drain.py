@@ -5,16 +5,18 @@ termination, a preemption notice with a deadline), its store node asks the maste
 drain it (``begin``): the node takes no new values (placement and put slabs skip it), and
 its values are moved, most recently used first, in batches:
 
-- ``plan``: for the next values with a readable DRAM copy on the node, reserve an extent
-  on another node (where one fits without evicting; else where eviction, or an offload
-  to that node's spill tier, makes room), as a replica that is not readable yet (as a
-  promotion from disk reserves one, ``tiering.py``).
-- the store node writes the bytes from its arena into the reserved extents (one batched
-  transfer) and reports each move (``done``): a moved value's new replica becomes
-  readable and its copy on the leaving node is dropped. A failed move frees the extent.
-- ``end``: what was not moved (no room left anywhere, the deadline came first, values
-  only on the node's disk) is counted by keys and bytes; the actor then unmounts the
-  node, and those values become misses.
+- ``plan``: for the next values with a readable copy on the node (in its arena, else on
+  its disk) and none elsewhere, reserve an extent on another node (where one fits without
+  evicting; else where eviction, or an offload to that node's spill tier, makes room), as
+  a replica that is not readable yet (as a promotion from disk reserves one,
+  ``tiering.py``).
+- the store node writes the bytes into the reserved extents (one batched transfer: from
+  its arena, or, for a value only on its disk, first read through its spill tier into a
+  buffer of its own; ``FROM_DISK`` as the source offset says which) and reports each move
+  (``done``): a moved value's new replica becomes readable and its copy on the leaving
+  node is dropped. A failed move frees the extent.
+- ``end``: what was not moved (no room left anywhere, the deadline came first) is counted
+  by keys and bytes; the actor then unmounts the node, and those values become misses.
 
 Reads keep being served from the leaving node's copy until its value is moved (then from
 the new one), so a drain never fails a read. ``MasterState`` holds one ``Drains``.
@@ -32,12 +34,32 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.table import ObjectTable
 
 
+FROM_DISK = -1  # a move's source offset when the value is read from the node's spill tier
+NO_ROOM_WAIT_S = 5.0  # how long a drain asks again for room that is not there
+
+
+def _source(obj, node_id: str):
+    """The copy of ``obj`` on ``node_id`` a move reads: a readable one in the arena, else a
+    readable one on disk; None if neither."""
+    disk = None
+    for r in obj.replicas:
+        if r.node_id != node_id or not r.ready:
+            continue
+        if r.tier is Tier.DRAM and not r.offloading:
+            return r
+        if r.tier is Tier.DISK:
+            disk = r
+    return disk
+
+
 @dataclass
 class _Drain:
     order: list[str]  # keys with a copy on the node, most recently used first
     cursor: int = 0
     settled: bool = False  # the last rescan found nothing new
-    moving: dict = field(default_factory=dict)  # (key, dst node, dst offset) -> (obj, replica)
+    transient: bool = False  # this pass skipped a value only here that was between tiers
+    no_room_since: float = 0.0  # when a value last found no room anywhere (0: it did)
+    moving: dict = field(default_factory=dict)  # (key, dst node, dst offset) -> (obj, replica, lease)
     moving_keys: set = field(default_factory=set)
     failed_keys: set = field(default_factory=set)  # a move failed: not tried again
     moved: int = 0
@@ -92,8 +114,10 @@ class Drains:
     def plan(self, node_id: str, max_bytes: int) -> tuple[list[list], bool]:
         """The next moves of a drain: ``[key, gen, size, src_offset, dst_node, dst_offset]``
         each, about ``max_bytes`` in all (at least one move when one is possible), and
-        whether to ask again later with none now (puts into the node still in flight).
-        No moves and no wait: nothing left to move, or no room for the next value."""
+        whether to ask again later with none now (puts into the node still in flight,
+        values here between tiers, or no room on the targets yet: their offloads to disk
+        in flight, or for ``NO_ROOM_WAIT_S``). No moves and no wait: nothing left to move,
+        or no room for the next value for that long."""
         d = self.active.get(node_id)
         if d is None:
             return [], False
@@ -105,29 +129,49 @@ class Drains:
                 if self._busy(node_id):  # puts started before the drain: moved once done
                     return out, True
                 if d.settled:
+                    if d.transient:  # values between tiers here: looked at again shortly
+                        d.settled = False
+                        return out, True
                     break
                 # Values the node took after the drain began (put slabs granted before it).
                 d.order = [k for k in self._on_node(node_id) if k not in d.moving_keys]
-                d.cursor, d.settled = 0, True
+                d.cursor, d.settled, d.transient = 0, True, False
                 continue
             key = d.order[d.cursor]
             obj = self._objects.get(key)
-            src = None if obj is None else next(
-                (r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready
-                 and not r.offloading), None)
+            src = None if obj is None else _source(obj, node_id)
             if src is None or key in d.moving_keys or key in d.failed_keys or any(
                     r.node_id != node_id and r.tier is Tier.DRAM and r.ready for r in obj.replicas):
-                d.cursor += 1  # gone, on disk only, being moved, failed, or readable elsewhere
+                # gone, not readable here, being moved, failed, or readable elsewhere; a value
+                # only here that is between tiers (being offloaded to disk, or promoted from
+                # it) is readable again once that ends, and is then moved
+                if src is None and obj is not None and any(
+                        r.node_id == node_id and (r.offloading or not r.ready) for r in obj.replicas) and \
+                        not any(r.node_id != node_id and r.ready for r in obj.replicas):
+                    d.transient = True
+                d.cursor += 1
                 continue
             dst = self._reps.reserve(obj.size, targets, now)
             if dst is None:
-                break  # no room anywhere for this value: the rest is counted at the end
+                # No room for it now. Room comes when the targets' offloads to disk finish,
+                # or readers' leases on their values end: asked again, for a while; then
+                # what is left is counted at the end.
+                if out:
+                    break
+                if not d.no_room_since:
+                    d.no_room_since = now
+                if any(n.offload_inflight for n in targets) or now - d.no_room_since < NO_ROOM_WAIT_S:
+                    return out, True
+                break
+            d.no_room_since = 0.0
             d.cursor += 1
             d.settled = False
             obj.replicas.append(dst)
-            d.moving[(key, dst.node_id, dst.offset)] = (obj, dst)
+            lease = self._reps.hold_for_copy(obj, dst.deadline, now)  # both extents stay put meanwhile
+            d.moving[(key, dst.node_id, dst.offset)] = (obj, dst, lease)
             d.moving_keys.add(key)
-            out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
+            out.append([key, obj.gen, obj.size, src.offset if src.tier is Tier.DRAM else FROM_DISK,
+                        dst.node_id, dst.offset])
             total += obj.size
         return out, False
 
@@ -142,7 +186,8 @@ class Drains:
             if got is None:
                 continue
             d.moving_keys.discard(key)
-            obj, rep = got
+            obj, rep, lease = got
+            self._reps.release_copy(key, obj.gen, obj, lease, now)  # the copy is over, whatever came of it
             outcome = self._reps.settle_copy(key, gen, obj, rep, ok, now)
             if outcome == "left":  # try another target
                 d.order.append(key)
@@ -152,7 +197,13 @@ class Drains:
                 d.failed_keys.add(key)
             if outcome != "done":
                 continue
-            src = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM), None)
+            # the copy moved from: a readable one in the arena, else the one on disk (never
+            # a DRAM copy a promotion is still writing: its reader reads that extent next)
+            src = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready),
+                       None) or next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DISK), None)
+            if src is not None and src.tier is Tier.DISK and any(
+                    r.node_id == node_id and r.tier is Tier.DRAM and not r.ready for r in obj.replicas):
+                src = None  # a promotion reads it now (its reader would miss): it goes with the node
             if src is not None:
                 self._reps.drop_replica(obj, src, now)
             else:
@@ -165,10 +216,11 @@ class Drains:
     def expire(self, now: float) -> None:
         """Drop the reserved extents of moves not reported by their deadline."""
         for d in self.active.values():
-            for k, (obj, rep) in list(d.moving.items()):
+            for k, (obj, rep, lease) in list(d.moving.items()):
                 if rep.deadline <= now:
                     del d.moving[k]
                     d.moving_keys.discard(k[0])
+                    self._reps.release_copy(obj.key, obj.gen, obj, lease, now)
                     if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
                         self._reps.drop_replica(obj, rep, now)
 
@@ -178,7 +230,8 @@ class Drains:
         d = self.active.pop(node_id, None)
         now = self._clock()
         if d is not None:
-            for obj, rep in d.moving.values():
+            for obj, rep, lease in d.moving.values():
+                self._reps.release_copy(obj.key, obj.gen, obj, lease, now)
                 if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
                     self._reps.drop_replica(obj, rep, now)
         lost = lost_bytes = 0

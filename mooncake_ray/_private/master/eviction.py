@@ -40,11 +40,13 @@ EVICT, SOFT = 1, 2
 def judge(obj, node_id: str, now: float, tier: Tier = Tier.DRAM):
     """Whether a hot object's replica on ``node_id`` in ``tier`` may go: ``(EVICT, rep)``,
     ``(SOFT, rep)`` (only if nothing unpinned is left), or None (leased, pending, being
-    offloaded, hard-pinned, or no such replica)."""
+    offloaded, being written (a promotion, a drain's move or a repair copies into it: its
+    extent freed now would be handed out while those bytes are still on their way),
+    hard-pinned, or no such replica)."""
     if obj is None or not obj.complete or obj.leased(now):
         return None
     rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is tier), None)
-    if rep is None or rep.offloading:
+    if rep is None or rep.offloading or not rep.ready:
         return None
     pin = obj.effective_pin(now)
     if pin is Pin.HARD:

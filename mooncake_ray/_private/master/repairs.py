@@ -71,7 +71,8 @@ class Repairs:
         self._counters = counters
         self._mirror = mirror
         self.short: dict[str, _Short] = {}  # oldest loss first
-        self.copying: dict[tuple[str, str, int], tuple[Obj, Replica]] = {}  # (key, dst, offset) ->
+        # (key, dst, offset) -> (obj, the replica written, the copy's lease on obj)
+        self.copying: dict[tuple[str, str, int], tuple[Obj, Replica, int]] = {}
         self._copying_keys: set[str] = set()
         self.short_bytes = 0  # value bytes of the records in ``short``
         self._to_prune: list[str] = []
@@ -141,7 +142,8 @@ class Repairs:
             if dst is None:
                 continue  # no room on a node without a copy (tried again at the next plan)
             obj.replicas.append(dst)
-            self.copying[(key, dst.node_id, dst.offset)] = (obj, dst)
+            lease = self._reps.hold_for_copy(obj, dst.deadline, now)  # both extents stay put meanwhile
+            self.copying[(key, dst.node_id, dst.offset)] = (obj, dst, lease)
             self._copying_keys.add(key)
             out.append([key, obj.gen, obj.size, src.offset, dst.node_id, dst.offset])
             total += obj.size
@@ -155,7 +157,8 @@ class Repairs:
             if got is None:
                 continue
             self._copying_keys.discard(key)
-            obj, rep = got
+            obj, rep, lease = got
+            self._reps.release_copy(key, obj.gen, obj, lease, now)
             outcome = self._reps.settle_copy(key, gen, obj, rep, ok, now)  # "left": still short, planned again
             if outcome == "failed":
                 self._counters["repair_failures"] += 1
@@ -167,9 +170,10 @@ class Repairs:
 
     def expire(self, now: float) -> None:
         """Drop the reserved extents of copies not reported by their deadline."""
-        for k, (obj, rep) in list(self.copying.items()):
+        for k, (obj, rep, lease) in list(self.copying.items()):
             if rep.deadline <= now:
                 del self.copying[k]
                 self._copying_keys.discard(k[0])
+                self._reps.release_copy(obj.key, obj.gen, obj, lease, now)
                 if self._objects.get(obj.key) is obj and any(r is rep for r in obj.replicas):
                     self._reps.drop_replica(obj, rep, now)

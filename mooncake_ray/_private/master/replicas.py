@@ -29,6 +29,8 @@ from mooncake_ray._private.master.types import (
     inventory_entry,
 )
 
+COPY_LEASE_BASE = 1 << 50  # lease ids of copies node to node (the readers' stay far below)
+
 if TYPE_CHECKING:
     from mooncake_ray._private.master.fastpath import ReadMirror
     from mooncake_ray._private.master.table import ObjectTable
@@ -52,6 +54,7 @@ class ReplicaTable:
         self._clock = clock
         self._wall_ns = wall_ns
         self._last_placed = 0
+        self._copy_lease = COPY_LEASE_BASE
         self._nodes = nodes
         self._alloc = alloc
         self._objects = objects
@@ -202,6 +205,24 @@ class ReplicaTable:
         else:
             return
         obj.lease_until = min(obj.lease_until, now) if until is None else until
+
+    def hold_for_copy(self, obj: Obj, until: float, now: float) -> int:
+        """A lease on ``obj`` for a copy node to node (a drain's move, a repair) until
+        ``until``: its copies' extents stay where they are meanwhile, the one read and the
+        one written (eviction passes a leased value over; a value removed or replaced
+        keeps its extents until the lease ends). Returns the lease, for ``release_copy``."""
+        self._copy_lease += 1
+        self.grant_lease(obj, self._copy_lease, now, touch=False)
+        obj.lease_until = max(obj.lease_until, until)
+        return self._copy_lease
+
+    def release_copy(self, key: str, gen: int, obj: Obj, lease: int, now: float) -> None:
+        """The copy that held ``lease`` ended (reported, failed or given up)."""
+        cur = self._objects.get(key)
+        if cur is not None and cur.gen == gen:  # (a new instance if it went cold meanwhile)
+            self.end_lease(cur, lease, now)
+        else:  # removed or replaced meanwhile: its extents were waiting for this lease
+            self.end_dropped_lease(key, gen, lease)
 
     def new_placement(self) -> int:
         """A ``Replica.placed`` id no replica of this master (or an earlier one) has had."""
@@ -461,8 +482,11 @@ class ReplicaTable:
         or replaced meanwhile: its extents went with it), "left" (the target node left
         meanwhile), "failed" (the extent is freed), or "done" (the replica is readable and
         in its node's inventory; the caller updates the read mirror)."""
-        if self._objects.get(key) is not obj or obj.gen != gen:
-            return "gone"
+        cur = self._objects.get(key)
+        if cur is not obj or obj.gen != gen:
+            # the same value again (it went cold and back meanwhile, so its copy being
+            # written had been dropped): planned again; else removed or replaced
+            return "left" if cur is not None and cur.gen == gen == obj.gen else "gone"
         if not any(r is rep for r in obj.replicas):
             return "left"
         if not ok or rep.node_id not in self._nodes:

@@ -167,7 +167,10 @@ class DiskTier:
     # -------------------------------------------------------------- promote ----
     def promotion(self, obj: Obj, client_node: str | None, now: float) -> Replica | None:
         """The DRAM extent a disk-only object is being promoted into (reserving one)."""
-        prom = next((r for r in obj.replicas if r.tier is Tier.DRAM and not r.ready), None)
+        # (only a promotion's own extent: a DRAM copy a drain or a repair is writing is not
+        # readable yet either, and its node has no disk copy to read it from)
+        prom = next((r for r in obj.replicas if r.tier is Tier.DRAM and not r.ready and id(r) in self._promoting),
+                    None)
         if prom is None:
             disks = [r for r in obj.replicas if r.tier is Tier.DISK]
             if not disks:
@@ -194,7 +197,7 @@ class DiskTier:
         if obj is None or obj.gen != gen or obj.size != size:
             return False
         return any(r.node_id == node_id and r.tier is Tier.DRAM and not r.ready and r.offset == offset
-                   for r in obj.replicas)
+                   and id(r) in self._promoting for r in obj.replicas)
 
     def promote_done(self, node_id: str, items, now: float) -> None:
         """A node finished promotions: ``items`` of ``(key, gen, offset, error_name)``
@@ -204,7 +207,7 @@ class DiskTier:
             if obj is None or obj.gen != gen:
                 continue
             rep = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM
-                        and r.offset == offset and not r.ready), None)
+                        and r.offset == offset and not r.ready and id(r) in self._promoting), None)
             if not error:
                 if rep is not None:
                     rep.ready = True

@@ -51,6 +51,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private import auth, gcyoung, preflight, rpc, shards
 from mooncake_ray._private.store import arena
 from mooncake_ray._private.auth import role_engine
+from mooncake_ray._private.master.drain import FROM_DISK
 from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
@@ -118,6 +119,7 @@ class StoreNodeActor:
         self._stop = threading.Event()
         self._left = threading.Event()  # drained: not mounted until Ray stops draining the node
         self.drain_report: dict | None = None
+        self._drain_staging = None  # where a drain reads values from disk before moving them
         self._threads = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
                                           name=f"store-heartbeat-{link.shard}") for link in self._links]
         self._threads.append(threading.Thread(target=self._worker_loop, name="store-offload", daemon=True))
@@ -481,7 +483,7 @@ class StoreNodeActor:
         until = (deadline - el.drain_margin_s) if deadline > 0 else time.time() + el.drain_no_deadline_s
         started = time.monotonic()
         total = {"moved_keys": 0, "moved_bytes": 0, "failed_moves": 0, "lost_keys": 0, "lost_bytes": 0}
-        spent = {"connect_s": 0.0, "plan_s": 0.0, "copy_s": 0.0, "done_s": 0.0}
+        spent = {"connect_s": 0.0, "plan_s": 0.0, "copy_s": 0.0, "done_s": 0.0, "disk_s": 0.0}
         masters = [self._master_handle(link) for link in self._links]
         ray.get([m.drain_begin.remote(self.node_id) for m in masters], timeout=60)
         for link, master in zip(self._links, masters):
@@ -533,13 +535,41 @@ class StoreNodeActor:
             copier.connect(master, plan)
             t2 = time.monotonic()
             spent["connect_s"] += t2 - t1
-            ok, handle = copier.start(plan)
+            # (the batch before is finished: its staged bytes are no longer read)
+            ok, handle = copier.start(plan, self._read_for_drain(plan))
+            spent["disk_s"] += time.monotonic() - t2
             inflight = (plan, ok, handle, t2)
         if inflight is not None:
             finish(inflight)
         t3 = time.monotonic()
         ray.get(reports, timeout=60)
         spent["done_s"] += time.monotonic() - t3
+
+    def _read_for_drain(self, plan: list) -> dict[int, int]:
+        """Read the moves of ``plan`` whose value is only on this node's disk (source
+        ``FROM_DISK``) through the spill tier into a staging buffer of this engine's;
+        returns, by position in ``plan``, where each one that read back whole (its
+        checksum checked, its generation the planned one) now is."""
+        disk = [i for i, it in enumerate(plan) if it[3] == FROM_DISK]
+        if not disk or self.tier is None:
+            return {}
+        offs, need = [], 0
+        for i in disk:
+            offs.append(need)
+            need += -(-plan[i][2] // 4096) * 4096
+        if self._drain_staging is None or self._drain_staging.length < need:
+            if self._drain_staging is not None:
+                self._drain_staging.close()
+            self._drain_staging = self.engine.alloc_arena(max(need, self.cfg.elastic.drain_batch_bytes))
+        base = self._drain_staging.addr
+        results = self.tier.read_many([(plan[i][0], base + off, plan[i][2]) for i, off in zip(disk, offs)])
+        out = {}
+        for i, off, res in zip(disk, offs, results):
+            if res == plan[i][1]:
+                out[i] = base + off
+            else:
+                log.warning("drain: %s not read from disk (%s)", plan[i][0], res)
+        return out
 
     # ----------------------------------------------------------------- repairs --
     def _repair_loop(self) -> None:

@@ -2,7 +2,8 @@
 the repairs of values short of copies (master/drain.py, master/repairs.py) go this way.
 
 The master plans each copy as ``[key, gen, size, src_offset, dst_node, dst_offset]``: the
-bytes at ``src_offset`` of this arena go to an extent it reserved on ``dst_node``. The
+bytes at ``src_offset`` of this arena (``FROM_DISK``: of a buffer the value was read into
+from this node's disk first) go to an extent it reserved on ``dst_node``. The
 writes of a batch go out as one transfer: a memcpy into the peer's arena where this host
 maps it (shared memory), a UCX put elsewhere. A peer is connected the first time a plan
 names it, with what the master knows of it (address, remote key, arena file)."""
@@ -14,6 +15,7 @@ import logging
 import ray
 
 from mooncake_ray.errors import MooncakeRayError
+from mooncake_ray._private.master.drain import FROM_DISK
 from mooncake_ray._private.store import arena
 
 log = logging.getLogger(__name__)
@@ -51,12 +53,16 @@ class PeerCopier:
             except MooncakeRayError as e:
                 log.warning("%s: store node %s unreachable (%s)", self._what, info["node_id"], e)
 
-    def start(self, plan: list) -> tuple[list[bool], object]:
+    def start(self, plan: list, staged: dict[int, int] | None = None) -> tuple[list[bool], object]:
         """Start the writes of ``plan``; returns which copies were started and the
-        transfer's handle (None: nothing to wait for)."""
-        ok = [dst in self.regions and extent_ok(src, size, self._cap) for _k, _g, size, src, dst, _o in plan]
-        ops = [(self.regions[dst], dst_off, self._base + src, size)
-               for (_k, _g, size, src, dst, dst_off), good in zip(plan, ok) if good and size]
+        transfer's handle (None: nothing to wait for). ``staged``: for the copies whose
+        bytes are not in the arena (a drain's values read from disk), the address they
+        were read to, by position in ``plan`` (a copy from disk missing there fails)."""
+        staged = staged or {}
+        ok = [dst in self.regions and (i in staged if src == FROM_DISK else extent_ok(src, size, self._cap))
+              for i, (_k, _g, size, src, dst, _o) in enumerate(plan)]
+        ops = [(self.regions[dst], dst_off, staged[i] if src == FROM_DISK else self._base + src, size)
+               for i, ((_k, _g, size, src, dst, dst_off), good) in enumerate(zip(plan, ok)) if good and size]
         try:
             return ok, (self._engine.write_async(ops) if ops else None)
         except MooncakeRayError as e:
