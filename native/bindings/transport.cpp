@@ -168,6 +168,7 @@ void bind_transport(nb::module_& m) {
       .def_prop_ro("length", &mcr::RemoteRegion::length)
       .def_prop_ro("peer", &mcr::RemoteRegion::peer)
       .def_prop_ro("mapped", &mcr::RemoteRegion::mapped)
+      .def_prop_ro("device_mapped", &mcr::RemoteRegion::device_mapped)
       .def_prop_ro("rkey", [](mcr::RemoteRegion& r) { return nb::bytes(r.rkey().data(), r.rkey().size()); })
       .def_prop_ro("read_path", [](mcr::RemoteRegion& r) { return mcr::read_path_name(r.read_path()); })
       .def_prop_ro("write_path", [](mcr::RemoteRegion& r) { return mcr::write_path_name(r.write_path()); })

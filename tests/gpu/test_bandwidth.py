@@ -168,16 +168,21 @@ def test_bandwidth(gpu, engines, spawn_peer):
         # --- GPU -> GPU across two processes -------------------------------------------------
         if direct and "cuda" in peer.regions:
             _, rrc = peer.import_into(eng, "cuda")
-            paths["gpu_to_gpu"] = {"mapped": rrc.mapped, "read_path": rrc.read_path}
+            paths["gpu_to_gpu"] = {"mapped": rrc.mapped, "device_mapped": rrc.device_mapped,
+                                   "read_path": rrc.read_path}
             flat = torch.empty(TOTAL, dtype=torch.uint8, device=dev)
             reg_flat = eng.register_memory(flat.data_ptr(), TOTAL, True)
             peer_sha = peer.sha("cuda", [(0, TOTAL)])
             record("gpu_to_gpu", timed(lambda: eng.transfer([(rrc, 0, flat.data_ptr(), TOTAL)], True, T),
                                        sync, REPS))
             verified["gpu_to_gpu"] = sha_torch(flat) == peer_sha
+            g0 = eng.stats()
             ops_g = [(rrc, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
             record("gpu_to_gpu_blocks", timed(lambda: eng.transfer(ops_g, True, T), sync, REPS))
             verified["gpu_to_gpu_blocks"] = sha_blocks() == peer_sha
+            g1 = eng.stats()
+            paths["gpu_to_gpu"].update(read_cuda_bytes=delta(g1, g0, "read_cuda_bytes"),
+                                       read_get_bytes=delta(g1, g0, "read_get_bytes"))
             flat.random_(0, 256)
             sync()
             record("gpu_to_gpu_write", timed(lambda: eng.transfer([(rrc, 0, flat.data_ptr(), TOTAL)], False, T),

@@ -10,7 +10,8 @@ cuda=True)``) moved by ``transfer`` to and from a peer process's memory, byte fo
                     memory (shared memory + cuda_copy);
     tcp             protocol tcp on lo (UCX_TLS=tcp): UCX moves device memory, if it can;
     tcp+cuda_copy   protocol tcp with UCX_TLS=tcp,cuda_copy.
-- GPU -> GPU across two processes (cuda_ipc on one host), and back.
+- GPU -> GPU across two processes, and back: the peer's tensor opened here through CUDA
+  IPC (protocol auto), or UCX's transports (tcp + cuda_copy).
 - host memory <-> another process's GPU memory (a staged reader of a direct writer's
   blocks), last: were the peer's device memory ever "mapped", a memcpy from it would crash.
 """
@@ -170,10 +171,16 @@ def _gpu_to_gpu(gpu, engines, spawn_peer, variant):
     eng.transfer([(rr, 0, base, n)], False, T)
     assert peer.sha("cuda", [(0, n)]) == sha_torch(mine), f"{variant}: GPU->GPU write differs"
     moved = delta(s1, s0, "read_get_bytes") + delta(s1, s0, "read_cuda_bytes")
-    say(f"gpu->gpu {variant}: mapped={rr.mapped} read_path={rr.read_path}; read {n} B "
+    say(f"gpu->gpu {variant}: mapped={rr.mapped} device_mapped={rr.device_mapped} read_path={rr.read_path}; read {n} B "
         f"(ucx get {delta(s1, s0, 'read_get_bytes')}, cuda {delta(s1, s0, 'read_cuda_bytes')}), "
         f"256 blocks, write {n} B: exact")
     assert moved == n
+    if not gpu.fake:
+        # same host, shared memory allowed: the peer's tensor is opened through CUDA IPC and
+        # the driver copies; over tcp, UCX moves it
+        assert rr.device_mapped == (variant == "auto"), (variant, rr.device_mapped)
+        if rr.device_mapped:
+            assert delta(s1, s0, "read_cuda_bytes") == n
     region.close()
 
 

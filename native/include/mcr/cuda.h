@@ -41,6 +41,17 @@ void host_unregister(void* p);
 // A synchronous copy in any direction (unified addressing), in the context of `device`.
 void copy_sync(int device, void* dst, const void* src, size_t n);
 
+// CUDA IPC: another process's device memory on this host, mapped here. A device region's
+// remote key carries a trailer (ipc_export: the allocation's IPC handle, the region's offset
+// in it, the allocation's size; "" where the driver gives none, e.g. memory from the VMM
+// API); an importer on the same host opens it (ipc_open: the device address of the
+// region's first byte, 0 on any failure, which leaves the region to UCX) and copies with
+// the driver. Opened handles are shared per allocation and closed with their last region.
+std::string ipc_export(uintptr_t addr, uint64_t len);
+std::string ipc_split(std::string* rkey);  // strips the trailer off rkey; returns it ("" if none)
+uintptr_t ipc_open(const std::string& trailer, uint64_t len, uintptr_t* base);
+void ipc_close(uintptr_t base);
+
 struct Copy {
   uintptr_t dst;
   uintptr_t src;

@@ -236,6 +236,7 @@ class RemoteRegion {
   ReadPath read_path() const { return read_path_; }
   WritePath write_path() const { return write_path_; }
   bool mapped() const { return ptr_ != nullptr; }
+  bool device_mapped() const { return cuda_ptr_ != 0; }  // another process's GPU memory (CUDA IPC)
 
   // internal
   RemoteRegion(std::shared_ptr<Peer> peer, std::string rkey, uint64_t base, uint64_t len);
@@ -248,6 +249,9 @@ class RemoteRegion {
   // file in shared memory that UCX cannot map itself): unmapped when the region goes.
   void* file_map_ = nullptr;
   size_t file_map_len_ = 0;
+  // Or the owner's device memory, opened here through CUDA IPC (same host; the driver
+  // copies to and from it): cuda_ptr_ is base_'s byte, cuda_base_ what ipc_close takes.
+  uintptr_t cuda_ptr_ = 0, cuda_base_ = 0;
   ReadPath read_path_ = ReadPath::kGet;
   WritePath write_path_ = WritePath::kPut;
   std::shared_mutex mu_;      // shared: using rkeys/ptr; exclusive: destroying them

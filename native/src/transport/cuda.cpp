@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "mcr/status.h"
 
@@ -28,6 +29,13 @@ constexpr unsigned kHostRegisterPortable = 1;
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventDisableTiming = 2;
 constexpr int kMaxDevices = 64;
+
+struct IpcHandle {  // CUipcMemHandle
+  char reserved[64];
+};
+constexpr unsigned kIpcLazyPeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+constexpr char kIpcMagic[9] = "MCRCUIPC";
+constexpr size_t kIpcTrailer = sizeof(IpcHandle) + 8 + 8 + 8;
 
 struct Api {
   void* lib = nullptr;
@@ -52,6 +60,11 @@ struct Api {
   CUresult (*EventSynchronize)(CUevent);
   CUresult (*EventDestroy)(CUevent);
   CUresult (*GetErrorString)(CUresult, const char**);
+  // IPC (optional: a driver without them leaves device memory of other processes to UCX).
+  CUresult (*MemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
+  CUresult (*IpcGetMemHandle)(IpcHandle*, CUdeviceptr) = nullptr;
+  CUresult (*IpcOpenMemHandle)(CUdeviceptr*, IpcHandle, unsigned) = nullptr;
+  CUresult (*IpcCloseMemHandle)(CUdeviceptr) = nullptr;
   // CUDA 13's batched copy (optional: older drivers lack it, MCR_CUDA_BATCH_COPY=0 turns it off).
   CUresult (*MemcpyBatchAsync)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, void*, size_t*, size_t, CUstream) = nullptr;
   std::mutex mu;
@@ -91,6 +104,12 @@ Api& api() {
               sym(*p, p->EventDestroy, "cuEventDestroy_v2") &&
               sym(*p, p->GetErrorString, "cuGetErrorString");
     if (!ok) return p;
+    p->MemGetAddressRange = reinterpret_cast<decltype(p->MemGetAddressRange)>(dlsym(p->lib, "cuMemGetAddressRange_v2"));
+    p->IpcGetMemHandle = reinterpret_cast<decltype(p->IpcGetMemHandle)>(dlsym(p->lib, "cuIpcGetMemHandle"));
+    p->IpcOpenMemHandle = reinterpret_cast<decltype(p->IpcOpenMemHandle)>(dlsym(p->lib, "cuIpcOpenMemHandle_v2"));
+    p->IpcCloseMemHandle = reinterpret_cast<decltype(p->IpcCloseMemHandle)>(dlsym(p->lib, "cuIpcCloseMemHandle"));
+    const char* ipc = getenv("MCR_CUDA_IPC");
+    if (ipc && strcmp(ipc, "0") == 0) p->IpcOpenMemHandle = nullptr;  // importers leave it to UCX
     const char* batch = getenv("MCR_CUDA_BATCH_COPY");
     if (!batch || strcmp(batch, "0") != 0)
       p->MemcpyBatchAsync = reinterpret_cast<decltype(p->MemcpyBatchAsync)>(dlsym(p->lib, "cuMemcpyBatchAsync_v2"));
@@ -178,6 +197,102 @@ void host_unregister(void* p) {
 void copy_sync(int device, void* dst, const void* src, size_t n) {
   use_device(device);
   check("cuMemcpy", api().Memcpy(CUdeviceptr(dst), CUdeviceptr(src), n));
+}
+
+// ---- IPC --------------------------------------------------------------------------------
+
+namespace {
+void put64(std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); }
+uint64_t get64(const char* p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+struct Opened {
+  uintptr_t base;
+  int refs;
+};
+std::mutex ipc_mu;
+std::map<std::string, Opened>& ipc_opened() {  // handle bytes -> this process's mapping
+  static auto* m = new std::map<std::string, Opened>;
+  return *m;
+}
+}  // namespace
+
+std::string ipc_export(uintptr_t addr, uint64_t len) {
+  Api& a = api();
+  if (a.ndev == 0 || !a.MemGetAddressRange || !a.IpcGetMemHandle) return "";
+  const int dev = device_of(addr);
+  if (dev < 0) return "";
+  try {
+    use_device(dev);
+  } catch (const Error&) {
+    return "";
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (a.MemGetAddressRange(&base, &size, CUdeviceptr(addr)) != 0) return "";
+  if (addr < base || addr + len > base + size) return "";  // spans allocations
+  IpcHandle h;
+  if (a.IpcGetMemHandle(&h, base) != 0) return "";  // not IPC-capable (VMM, managed)
+  std::string out(h.reserved, sizeof h.reserved);
+  put64(&out, addr - base);
+  put64(&out, size);
+  out.append(kIpcMagic, 8);
+  return out;
+}
+
+std::string ipc_split(std::string* rkey) {
+  if (rkey->size() <= kIpcTrailer || rkey->compare(rkey->size() - 8, 8, kIpcMagic, 8) != 0) return "";
+  std::string t = rkey->substr(rkey->size() - kIpcTrailer);
+  rkey->resize(rkey->size() - kIpcTrailer);
+  return t;
+}
+
+uintptr_t ipc_open(const std::string& t, uint64_t len, uintptr_t* base_out) {
+  Api& a = api();
+  if (t.size() != kIpcTrailer || a.ndev == 0 || !a.IpcOpenMemHandle || !a.IpcCloseMemHandle) return 0;
+  const uint64_t off = get64(t.data() + sizeof(IpcHandle)), size = get64(t.data() + sizeof(IpcHandle) + 8);
+  if (off > size || len > size - off) return 0;
+  std::string key = t.substr(0, sizeof(IpcHandle));
+  std::lock_guard<std::mutex> g(ipc_mu);
+  auto& m = ipc_opened();
+  auto it = m.find(key);
+  if (it == m.end()) {
+    try {
+      use_device(0);  // any context: peers reach the memory through unified addressing
+    } catch (const Error&) {
+      return 0;
+    }
+    IpcHandle h;
+    memcpy(h.reserved, key.data(), sizeof h.reserved);
+    CUdeviceptr p = 0;
+    // Fails for this process's own memory, memory of a GPU this one cannot reach, a
+    // handle whose owner is gone: the region stays UCX's.
+    if (a.IpcOpenMemHandle(&p, h, kIpcLazyPeerAccess) != 0) return 0;
+    it = m.emplace(key, Opened{uintptr_t(p), 0}).first;
+  }
+  it->second.refs++;
+  *base_out = it->second.base;
+  return it->second.base + off;
+}
+
+void ipc_close(uintptr_t base) {
+  Api& a = api();
+  std::lock_guard<std::mutex> g(ipc_mu);
+  auto& m = ipc_opened();
+  for (auto it = m.begin(); it != m.end(); ++it) {
+    if (it->second.base != base) continue;
+    if (--it->second.refs == 0) {
+      try {
+        use_device(0);
+        a.IpcCloseMemHandle(CUdeviceptr(base));
+      } catch (const Error&) {
+      }
+      m.erase(it);
+    }
+    return;
+  }
 }
 
 size_t coalesce(std::vector<Copy>& v) {

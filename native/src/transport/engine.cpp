@@ -517,6 +517,8 @@ void EngineCore::close() {
       rr->ptr_ = nullptr;
       if (rr->file_map_) munmap(rr->file_map_, rr->file_map_len_);  // an owner's arena file
       rr->file_map_ = nullptr;
+      if (rr->cuda_base_) cuda::ipc_close(rr->cuda_base_);  // an owner's device memory
+      rr->cuda_ptr_ = rr->cuda_base_ = 0;
     }
     rr_all.clear();
   }

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "internal.h"
+#include "mcr/cuda.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -115,7 +116,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   p.length = len;
   p.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
   if (mt == MemType::kCuda) {
-    // CUDA device memory (torch/cupy pointers). Untested here: this machine has no GPU.
+    // CUDA device memory (torch/cupy pointers). CI has no GPU: tests/gpu runs it on one.
     p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
@@ -143,6 +144,9 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   }
   std::string rkey(static_cast<char*>(rbuf), rsize);
   ucp_rkey_buffer_release(rbuf);
+  // Same-host importers map device memory themselves (CUDA IPC): UCX's cuda_ipc costs
+  // about 7 us a copy, which block-sized reads feel.
+  if (mt == MemType::kCuda) rkey += cuda::ipc_export(addr, len);
   auto r = std::make_shared<Region>(shared_from_this(), next_id.fetch_add(1), addr, len,
                                     allocate, mt, memh, std::move(rkey));
   if (track) {

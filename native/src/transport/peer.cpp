@@ -447,6 +447,10 @@ RemoteRegion::~RemoteRegion() {
     file_map_ = nullptr;
     ptr_ = nullptr;
   }
+  if (cuda_base_) {
+    cuda::ipc_close(cuda_base_);
+    cuda_ptr_ = cuda_base_ = 0;
+  }
   auto core = peer_ ? peer_->core_ : nullptr;
   if (!core) return;
   for (size_t i = 0; i < rkeys_.size() && i < core->lanes.size(); ++i) {
@@ -466,6 +470,8 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
   if (peer->dead_.load()) throw Error(Code::kUnreachable, peer->death_msg_);
   if (rkey.empty()) throw Error(Code::kNotRegistered, "empty remote key");
   if (base + len < base) throw Error(Code::kOutOfBounds, "remote range wraps around");
+  std::string ucx_rkey = rkey;
+  const std::string ipc = cuda::ipc_split(&ucx_rkey);  // a device region's CUDA IPC handle
   std::string key = rkey;
   key.append(reinterpret_cast<const char*>(&base), 8);
   key.append(reinterpret_cast<const char*>(&len), 8);
@@ -481,7 +487,7 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     void* ep = peer->eps_[l->idx];
     if (!ep) throw Error(Code::kUnreachable, "peer '" + peer->name_ + "' is not connected");
     ucp_rkey_h rk = nullptr;
-    ucs_status_t s = ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep), rkey.data(), &rk);
+    ucs_status_t s = ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep), ucx_rkey.data(), &rk);
     if (s != UCS_OK) throw Error(Code::kNotRegistered, ucs_msg("ucp_ep_rkey_unpack", s));
     rr->rkeys_[l->idx] = rk;
   }
@@ -512,6 +518,14 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     rr->file_map_len_ = len + skew;
     rr->ptr_ = static_cast<char*>(m) + skew;
     p0 = rr->ptr_;
+  }
+  if (!ipc.empty() && !rr->ptr_ && len > 0 && peer->same_host_ && cfg.protocol != "tcp" &&
+      cuda::available()) {
+    // The owner's device memory on this host: mapped here, copied by the driver (a
+    // batched call for a whole transfer, where UCX's cuda_ipc pays about 7 us a copy).
+    uintptr_t b = 0;
+    uintptr_t p = cuda::ipc_open(ipc, len, &b);
+    if (p) rr->cuda_ptr_ = p, rr->cuda_base_ = b;
   }
   if (rr->ptr_ && populate) {
     // This process's mapping of the owner's memory starts with empty page tables: every

@@ -323,7 +323,8 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       // Device memory: with the remote arena mapped (same host) the CUDA driver copies
       // between it and the device (one DMA: the mapping is pinned at first use); else UCX
       // moves it (cuda_copy / cuda_ipc / GPUDirect RDMA, as its build allows).
-      const bool mapped = rr.ptr_ && cfg.read_mode != ReadPath::kGet && cfg.write_mode != WritePath::kPut;
+      const bool mapped = (rr.ptr_ || rr.cuda_ptr_) && cfg.read_mode != ReadPath::kGet &&
+                          cfg.write_mode != WritePath::kPut;
       if (mapped && cuda::available())
         path = is_read ? int(ReadPath::kMemcpy) : int(WritePath::kMemcpy);
       else
@@ -427,8 +428,14 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
     if ((is_read && it.path == int(ReadPath::kMemcpy)) ||
         (!is_read && it.path == int(WritePath::kMemcpy))) {
       std::shared_lock<std::shared_mutex> rl(rr.mu_);
-      if (rr.destroyed_ || !rr.ptr_) {
+      if (rr.destroyed_ || (!rr.ptr_ && !rr.cuda_ptr_)) {
         op->record_error(Code::kUnreachable, "remote mapping is gone");
+        continue;
+      }
+      if (rr.cuda_ptr_) {  // the owner's device memory, mapped here (CUDA IPC): device to device
+        const uintptr_t remote = rr.cuda_ptr_ + io.remote_offset;
+        cuda_copies.push_back(cuda::Copy{is_read ? uintptr_t(laddr) : remote, is_read ? remote : uintptr_t(laddr), len});
+        (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
         continue;
       }
       char* remote = rr.ptr_ + io.remote_offset;
