@@ -149,6 +149,20 @@ def versions(packages) -> dict:
     return out
 
 
+def wait_for(pred, timeout_s: float = 120.0, interval_s: float = 0.01, what: str = "condition"):
+    """``pred()``'s first truthy value, polled every ``interval_s``; TimeoutError after
+    ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
 def wait_port(port: int, timeout_s: float = 30.0, proc=None, log=None) -> None:
     """Wait until something listens on 127.0.0.1:``port``; fail at once if ``proc`` (the
     process expected to listen) exits, quoting the end of its ``log``."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import host_info, host_label, parse_size, spread, store_cluster
+from _common import host_info, host_label, parse_size, spread, store_cluster, wait_for as _wait
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -78,16 +78,6 @@ def _handles(ns):
 
     return ray.get_actor(MASTER_NAME, namespace=ns), lambda node_id: ray.get_actor(store_actor_name(node_id),
                                                                                      namespace=ns)
-
-
-def _wait(pred, timeout_s=120.0, interval_s=0.01, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def _fill(s, prefix: str, total: int, size: int, buf: np.ndarray) -> tuple[list[str], float]:

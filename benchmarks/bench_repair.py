@@ -1,0 +1,262 @@
+"""Re-replication after a store node's loss: how soon every value it held has two copies
+again, and what clients' puts and gets keep of their rate meanwhile.
+
+A Ray cluster of a head (no store) and three store nodes, on this machine. Per run:
+
+- a store (puts with ``replicas=2``, an arena of ``--segment`` per node, ``keep_arena``
+  off so that a killed node comes back empty, as a replaced host would) is filled with
+  ``--fill`` bytes of ``--value-bytes`` values, two copies each: each node holds about
+  two thirds of ``--fill``;
+- a load actor on the head (a client of its own) runs a closed loop of ``replicas=2``
+  puts and gets of 64 KiB values, counting completed operations per 100 ms;
+- after ``--before`` seconds one store node is SIGKILLed; Ray restarts it, empty;
+- noticed: the first time the master counts values short of copies
+  (``under_replicated_keys`` > 0, polled every 20 ms); repaired: the first time after
+  that it counts none. The repair's bytes are ``repair_bytes`` of the master's counters;
+- the load's rate between noticed and repaired, over its rate in the ``--before`` seconds
+  before the kill;
+- afterwards every value of the fill reads back with its bytes, and every one has two
+  ready copies.
+
+``master.repair_delay_s`` (``--delay``, 0 here) is how long repairs wait after a loss for
+a restarting node to re-adopt its arena (10 s by default): with the default, add it to the
+time to repair. ``master.repair_bytes_per_s`` is the default (256 MiB/s).
+
+    make bench B=benchmarks/bench_repair.py ARGS="--runs 3"
+
+Writes benchmarks/results/bench_repair.json and bench_repair.png. Every Ray process runs
+inside the make target's private network namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from _common import host_info, host_label, parse_size, spread, store_cluster, wait_for as _wait
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LOAD_BYTES = 64 << 10
+
+
+def _load_actor():
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Load:
+        """Puts (two copies) and gets of 64 KiB values in a closed loop until stopped."""
+
+        def __init__(self, ns: str):
+            import mooncake_ray
+
+            self.s = mooncake_ray.connect(namespace=ns)
+            self.stopped = False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+        def run(self, seconds: float) -> dict:
+            import numpy as np
+
+            val = np.random.default_rng(7).integers(0, 256, LOAD_BYTES, dtype=np.uint8).tobytes()
+            end = time.time() + seconds
+            puts, gets, errors, done = [], [], [], 0
+            i = 0
+            while time.time() < end and not self.stopped:
+                key = f"load{uuid.uuid4().hex[:6]}-{i}"
+                try:
+                    self.s.put(key, val, replicas=2)
+                    puts.append(time.time())
+                    done = i
+                    got = self.s.get(f"load-seed{i % 64}")
+                    if got != val:
+                        errors.append(f"get load-seed{i % 64}: {None if got is None else len(got)}")
+                    gets.append(time.time())
+                except Exception as e:  # noqa: BLE001 - counted: the rate is what is measured
+                    errors.append(repr(e))
+                i += 1
+            return {"puts": puts, "gets": gets, "errors": errors[:20], "n_errors": len(errors), "ops": done}
+
+        def seed(self) -> None:
+            import numpy as np
+
+            val = np.random.default_rng(7).integers(0, 256, LOAD_BYTES, dtype=np.uint8).tobytes()
+            for i in range(64):
+                self.s.put(f"load-seed{i}", val, replicas=2)
+
+    head = ray.get_runtime_context().get_node_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return Load.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
+
+
+def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: float, buf) -> dict:
+    import ray
+
+    import mooncake_ray
+    from mooncake_ray._private import deploy
+    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+
+    ns = f"rp{uuid.uuid4().hex[:8]}"
+    s = mooncake_ray.start({
+        "namespace": ns, "segment_size_bytes": segment, "transport": {"devices": ["lo"]},
+        "master": {"allocation_strategy": "free_ratio_first", "repair_delay_s": delay},
+        "elastic": {"keep_arena": False}})
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    try:
+        s.register_buffer(buf)
+        per = max(1, min(64, (64 << 20) // size))
+        n = fill // size
+        keys = [f"v{i}" for i in range(n)]
+        views = [buf[(i % per) * size:(i % per + 1) * size] for i in range(n)]
+        t0 = time.perf_counter()
+        for i in range(0, n, per):
+            errs = s.batch_put_from(keys[i:i + per], views[i:i + per], replicas=2)
+            bad = [e for e in errs if e is not None]
+            if bad:
+                raise RuntimeError(f"fill failed: {bad[0]!r}")
+        fill_s = time.perf_counter() - t0
+        nodes = sorted(n_["node_id"] for n_ in ray.get(master.nodes.remote()))
+        victim = nodes[0]
+        where = ray.get(master.where.remote(keys))
+        on_victim = sum(1 for reps in where if any(r[0] == victim for r in reps))
+        load = _load_actor().remote(ns)
+        ray.get(load.seed.remote())
+        st0 = ray.get(master.stats.remote())
+        total = before + 60.0
+        ref = load.run.remote(total)
+        time.sleep(before)
+        old = {n_["node_id"]: n_["incarnation"] for n_ in ray.get(master.nodes.remote())}[victim]
+        pid = ray.get(ray.get_actor(store_actor_name(victim), namespace=ns).pid.remote())
+        t_kill = time.time()
+        os.kill(pid, 9)
+        peak = {"keys": 0, "bytes": 0}
+
+        def short() -> int:
+            st = ray.get(master.stats.remote())
+            peak["keys"] = max(peak["keys"], st["under_replicated_keys"])
+            peak["bytes"] = max(peak["bytes"], st["under_replicated_bytes"])
+            return st["under_replicated_keys"]
+
+        _wait(lambda: short() > 0, timeout_s=60, what="the loss to be noticed")
+        t_noticed = time.time()
+        _wait(lambda: short() == 0, timeout_s=120, what="every value back to two copies")
+        t_repaired = time.time()
+        st1 = ray.get(master.stats.remote())
+        remounted = {n_["node_id"]: n_["incarnation"] for n_ in ray.get(master.nodes.remote())}.get(victim)
+        ray.get(load.stop.remote())
+        got = ray.get(ref, timeout=60)
+        ray.kill(load)
+        sample = keys[:: max(1, n // 2000)]
+        vals = s.batch_get(sample)
+        wrong = sum(1 for k, v in zip(sample, vals) if v is None or v != views[keys.index(k)].tobytes())
+        where = ray.get(master.where.remote(keys))
+        copies = sorted({len({nd for nd, _t, ready in reps if ready}) for reps in where})
+
+        def rate(ts, a, b):
+            return sum(1 for t in ts if a <= t < b) / max(b - a, 1e-9)
+
+        window = (t_noticed, max(t_repaired, t_noticed + 0.5))  # at least half a second counted
+        return {
+            "value_bytes": size, "fill_bytes": n * size, "keys": n, "victim_keys": on_victim,
+            "victim_bytes": on_victim * size, "fill_gbs": 2 * n * size / fill_s / 1e9,
+            "noticed_after_kill_s": t_noticed - t_kill, "repair_s": t_repaired - t_noticed,
+            "repaired_after_kill_s": t_repaired - t_kill, "peak_short_keys": peak["keys"],
+            "peak_short_bytes": peak["bytes"],
+            "repairs": st1["repairs"] - st0["repairs"], "repair_bytes": st1["repair_bytes"] - st0["repair_bytes"],
+            "repair_failures": st1["repair_failures"] - st0["repair_failures"],
+            "repair_gbs": (st1["repair_bytes"] - st0["repair_bytes"]) / max(t_repaired - t_noticed, 1e-9) / 1e9,
+            "put_rate_before": rate(got["puts"], t_kill - before, t_kill),
+            "put_rate_during": rate(got["puts"], *window),
+            "get_rate_before": rate(got["gets"], t_kill - before, t_kill),
+            "get_rate_during": rate(got["gets"], *window),
+            "load_errors": got["n_errors"], "load_error_sample": got["errors"][:5],
+            "sample_wrong_or_missing": wrong, "sample": len(sample), "copies_per_value": copies,
+            "victim_remounted": remounted not in (None, old), "delay_s": delay,
+        }
+    finally:
+        s.close()
+        deploy.teardown(ns)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    x = range(len(runs))
+    a.bar([i - 0.2 for i in x], [r["noticed_after_kill_s"] for r in runs], 0.4, label="kill -> noticed")
+    a.bar([i + 0.2 for i in x], [r["repair_s"] for r in runs], 0.4, label="noticed -> two copies again")
+    a.axhline(10, color="k", ls="--", lw=1, label="target (from noticed)")
+    a.set_xticks(list(x), [f"run {i + 1}\n{r['victim_bytes'] / 1e9:.2f} GB" for i, r in enumerate(runs)])
+    a.set_ylabel("seconds")
+    a.legend(fontsize=8)
+    a.set_title("Re-replication of a lost node's values")
+    for key, lab, off in (("put", "puts", -0.2), ("get", "gets", 0.2)):
+        b.bar([i + off for i in x], [r[f"{key}_rate_during"] / max(r[f"{key}_rate_before"], 1e-9) for r in runs],
+              0.4, label=lab)
+    b.axhline(0.8, color="k", ls="--", lw=1, label="target")
+    b.set_xticks(list(x), [f"run {i + 1}" for i in x])
+    b.set_ylabel("rate during repair / before the loss")
+    b.legend(fontsize=8)
+    b.set_title("Client puts and gets meanwhile")
+    fig.suptitle(host_label(results["host"]), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--fill", default="1536m", help="bytes of values (two copies each) over the three nodes")
+    ap.add_argument("--value-bytes", default="256k")
+    ap.add_argument("--segment", default="1280m", help="arena of each store node")
+    ap.add_argument("--delay", type=float, default=0.0, help="master.repair_delay_s")
+    ap.add_argument("--before", type=float, default=5.0, help="seconds of load measured before the kill")
+    args = ap.parse_args()
+    import mooncake_ray  # noqa: F401 - the whole package first (parse_size alone loads a stub of it)
+
+    fill, size, segment = parse_size(args.fill), parse_size(args.value_bytes), parse_size(args.segment)
+    buf = np.random.default_rng(0).integers(0, 256, 64 * size, dtype=np.uint8)
+    cluster = store_cluster(3)
+    results = {"host": host_info(), "args": vars(args), "runs": []}
+    try:
+        for _ in range(args.runs):
+            r = run_once(cluster, fill, size, segment, args.delay, args.before, buf)
+            print(json.dumps(r), flush=True)
+            results["runs"].append(r)
+    finally:
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+    runs = results["runs"]
+    results["summary"] = {
+        "victim_gb": spread([r["victim_bytes"] / 1e9 for r in runs]),
+        "noticed_after_kill_s": spread([r["noticed_after_kill_s"] for r in runs]),
+        "repair_s": spread([r["repair_s"] for r in runs]),
+        "repair_gbs": spread([r["repair_gbs"] for r in runs]),
+        "put_during_over_before": spread([r["put_rate_during"] / max(r["put_rate_before"], 1e-9) for r in runs]),
+        "get_during_over_before": spread([r["get_rate_during"] / max(r["get_rate_before"], 1e-9) for r in runs]),
+        "wrong_or_missing": sum(r["sample_wrong_or_missing"] for r in runs),
+        "copies_per_value": sorted({c for r in runs for c in r["copies_per_value"]}),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "bench_repair.json"
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / "bench_repair.png")
+    print(json.dumps(results["summary"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
