@@ -11,7 +11,7 @@ cuda=True)``) moved by ``transfer`` to and from a peer process's memory, byte fo
     tcp             protocol tcp on lo (UCX_TLS=tcp): UCX moves device memory, if it can;
     tcp+cuda_copy   protocol tcp with UCX_TLS=tcp,cuda_copy.
 - GPU -> GPU across two processes, and back: the peer's tensor opened here through CUDA
-  IPC (protocol auto), or UCX's transports (tcp + cuda_copy).
+  IPC (protocol auto with MCR_CUDA_IPC=1), else UCX's transports (cuda_ipc; tcp + cuda_copy).
 - host memory <-> another process's GPU memory (a staged reader of a direct writer's
   blocks), last: were the peer's device memory ever "mapped", a memcpy from it would crash.
 """
@@ -19,6 +19,7 @@ cuda=True)``) moved by ``transfer`` to and from a peer process's memory, byte fo
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -178,7 +179,8 @@ def _gpu_to_gpu(gpu, engines, spawn_peer, variant):
     if not gpu.fake:
         # same host, shared memory allowed: the peer's tensor is opened through CUDA IPC and
         # the driver copies; over tcp, UCX moves it
-        assert rr.device_mapped == (variant == "auto"), (variant, rr.device_mapped)
+        want = variant == "auto" and os.environ.get("MCR_CUDA_IPC") == "1"
+        assert rr.device_mapped == want, (variant, rr.device_mapped)
         if rr.device_mapped:
             assert delta(s1, s0, "read_cuda_bytes") == n
     region.close()

@@ -108,8 +108,12 @@ Api& api() {
     p->IpcGetMemHandle = reinterpret_cast<decltype(p->IpcGetMemHandle)>(dlsym(p->lib, "cuIpcGetMemHandle"));
     p->IpcOpenMemHandle = reinterpret_cast<decltype(p->IpcOpenMemHandle)>(dlsym(p->lib, "cuIpcOpenMemHandle_v2"));
     p->IpcCloseMemHandle = reinterpret_cast<decltype(p->IpcCloseMemHandle)>(dlsym(p->lib, "cuIpcCloseMemHandle"));
+    // Off unless MCR_CUDA_IPC=1: not yet run on a GPU (tests/gpu checks it where one is).
     const char* ipc = getenv("MCR_CUDA_IPC");
-    if (ipc && strcmp(ipc, "0") == 0) p->IpcOpenMemHandle = nullptr;  // importers leave it to UCX
+    if (!ipc || strcmp(ipc, "1") != 0) {
+      p->IpcGetMemHandle = nullptr;
+      p->IpcOpenMemHandle = nullptr;
+    }
     const char* batch = getenv("MCR_CUDA_BATCH_COPY");
     if (!batch || strcmp(batch, "0") != 0)
       p->MemcpyBatchAsync = reinterpret_cast<decltype(p->MemcpyBatchAsync)>(dlsym(p->lib, "cuMemcpyBatchAsync_v2"));
