@@ -8,7 +8,7 @@ A Ray cluster of a head (no store) and three store nodes, on this machine. Per r
   ``--fill`` bytes of ``--value-bytes`` values, two copies each: each node holds about
   two thirds of ``--fill``;
 - a load actor on the head (a client of its own) runs a closed loop of ``replicas=2``
-  puts and gets of 64 KiB values, counting completed operations per 100 ms;
+  upserts (1024 keys in turn) and gets of 64 KiB values, timing each completed operation;
 - after ``--before`` seconds one store node is SIGKILLed; Ray restarts it, empty;
 - noticed: the first time the master counts values short of copies
   (``under_replicated_keys`` > 0, polled every 20 ms); repaired: the first time after
@@ -69,9 +69,9 @@ def _load_actor():
             puts, gets, errors, done = [], [], [], 0
             i = 0
             while time.time() < end and not self.stopped:
-                key = f"load{uuid.uuid4().hex[:6]}-{i}"
+                key = f"load{i % 1024}"  # 64 MiB of load values, replaced in turn
                 try:
-                    self.s.put(key, val, replicas=2)
+                    self.s.upsert(key, val, replicas=2)
                     puts.append(time.time())
                     done = i
                     got = self.s.get(f"load-seed{i % 64}")
@@ -155,7 +155,9 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
         ray.kill(load)
         sample = keys[:: max(1, n // 2000)]
         vals = s.batch_get(sample)
-        wrong = sum(1 for k, v in zip(sample, vals) if v is None or v != views[keys.index(k)].tobytes())
+        missing = sum(1 for v in vals if v is None)
+        wrong = sum(1 for k, v in zip(sample, vals) if v is not None and v != views[keys.index(k)].tobytes())
+        st2 = ray.get(master.stats.remote())
         where = ray.get(master.where.remote(keys))
         copies = sorted({len({nd for nd, _t, ready in reps if ready}) for reps in where})
 
@@ -177,7 +179,9 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
             "get_rate_before": rate(got["gets"], t_kill - before, t_kill),
             "get_rate_during": rate(got["gets"], *window),
             "load_errors": got["n_errors"], "load_error_sample": got["errors"][:5],
-            "sample_wrong_or_missing": wrong, "sample": len(sample), "copies_per_value": copies,
+            "sample_wrong_or_missing": wrong + missing, "sample_missing": missing, "sample_wrong": wrong,
+            "sample": len(sample), "evictions": st2.get("evictions", 0) - st0.get("evictions", 0),
+            "lost_keys": st2.get("lost_keys", 0) - st0.get("lost_keys", 0), "copies_per_value": copies,
             "victim_remounted": remounted not in (None, old), "delay_s": delay,
         }
     finally:
@@ -219,7 +223,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fill", default="1536m", help="bytes of values (two copies each) over the three nodes")
     ap.add_argument("--value-bytes", default="256k")
-    ap.add_argument("--segment", default="1280m", help="arena of each store node")
+    ap.add_argument("--segment", default="1792m", help="arena of each store node (room for the fill, the repairs and the load under the eviction watermark)")
     ap.add_argument("--delay", type=float, default=0.0, help="master.repair_delay_s")
     ap.add_argument("--before", type=float, default=5.0, help="seconds of load measured before the kill")
     args = ap.parse_args()
