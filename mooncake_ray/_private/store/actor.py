@@ -498,6 +498,9 @@ class StoreNodeActor:
             for k in total:
                 total[k] += report[k]
         self._left.set()
+        if self._drain_staging is not None:  # only a drain reads values from disk into it
+            self._drain_staging.close()
+            self._drain_staging = None
         total.update(node_id=self.node_id, seconds=time.monotonic() - started, deadline=deadline, **spent)
         self.drain_report = total
         log.warning("drained: %d keys (%d bytes) moved, %d keys (%d bytes) lost in %.1fs", total["moved_keys"],
@@ -536,8 +539,9 @@ class StoreNodeActor:
             t2 = time.monotonic()
             spent["connect_s"] += t2 - t1
             # (the batch before is finished: its staged bytes are no longer read)
-            ok, handle = copier.start(plan, self._read_for_drain(plan))
+            staged = self._read_for_drain(plan)
             spent["disk_s"] += time.monotonic() - t2
+            ok, handle = copier.start(plan, staged)
             inflight = (plan, ok, handle, t2)
         if inflight is not None:
             finish(inflight)
