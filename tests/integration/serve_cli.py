@@ -67,6 +67,10 @@ class RayHead:
         self.env = {**os.environ, "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
                     "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
         self.env.pop("RAY_DASHBOARD_ADDRESS", None)
+        # A test's head goes when its test is done: no traffic to move elsewhere first, so
+        # SIGTERM stops it at once (Ray otherwise drains the node for up to 30 s, and a
+        # replica's engine processes still winding down take all of it)
+        self.env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
         # this head's own token (Ray's token auth is on): the CLIs and drivers given
         # ``env`` find it; nothing depends on a ~/.ray/auth_token left by an earlier run
         token = os.path.join(tmp_dir, "ray-auth-token")

@@ -219,3 +219,28 @@ def test_picker_goes_up_a_chain_by_rounds_within_the_need():
     pick.finish()
     assert pick.chosen == ["d", "c", "b"] and pick.done() and list(pick.held) == ["a"]
     assert not Picker(c, 1).blocks("b", last_copy=False)  # another copy stays: no hold
+
+
+def test_a_pinned_conversation_stays_while_loads_lease_the_others():
+    """Nine conversations take turns over two nodes, each turn's load leasing its earlier
+    pages, so a round finds few leaves to take; the rounds (each aiming at evict_ratio of
+    the arena, and the ones past the high watermark) must not take the soft-pinned leaf of
+    a tenth conversation: its pin holds the chain, and a pin yields only to the room a put
+    cannot do without. (Taking the leaf left the chain's pages unpinned leaves: all 12 went.)"""
+    m, clock = make(n_nodes=2, cap=64 * K, high_watermark=0.9, evict_ratio=0.05, chain_eviction=True)
+    vip = [f"v{i}" for i in range(12)]
+    chain(m, vip, clock)
+    m.pin(vip[-1])
+    convs: dict[int, list[str]] = {c: [] for c in range(9)}
+    for turn in range(10):
+        for c, pages in convs.items():
+            for k in pages:
+                if m.exists(k):
+                    m.get(k)  # the turn's load leases what it reads
+            for j in range(6):  # 10 ms a page: the leases (10 s) outlive the turn
+                put(m, f"c{c}/{turn}/{j}", parent=pages[-1] if pages else "")
+                pages.append(f"c{c}/{turn}/{j}")
+                clock.t += 0.01
+            assert stored(m, vip) == "".join(vip), (turn, c)
+    assert m.stats()["evictions"] > 100
+    m.check_invariants()

@@ -244,6 +244,36 @@ def test_soft_pinned_evicted_only_after_unpinned():
     m.check_invariants()
 
 
+def test_soft_pins_yield_to_what_a_put_needs_not_to_a_rounds_target():
+    """A round aims past the put's need (``evict_ratio``): the unpinned values go up to
+    that target, the soft-pinned ones only for the room the put cannot do without."""
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.5)
+    for k in "abcdefgh":
+        put(m, k)
+        clock.t += 1
+    for k in "abcdef":
+        m.pin(k)
+    put(m, "i")
+    put(m, "j")
+    put(m, "x")  # one slot needed, five aimed at: the four unpinned go, no pinned one
+    assert [k for k in "abcdefghijx" if m.exists(k)] == list("abcdefx")
+    m.check_invariants()
+
+
+def test_a_round_past_the_high_watermark_leaves_soft_pins():
+    """The watermark's round frees ahead of puts to come: it never takes a soft pin."""
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=0.5, evict_ratio=0.3)
+    for k in "abcd":
+        put(m, k)
+        m.pin(k)
+        clock.t += 1
+    put(m, "e")
+    clock.t += 1
+    put(m, "f")  # past the watermark: e goes, the pinned stay though the round wanted more
+    assert [k for k in "abcdef" if m.exists(k)] == list("abcdf")
+    m.check_invariants()
+
+
 def test_literal_victim_sequence():
     m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=1 / 6)
     for k in "uvwxyz":

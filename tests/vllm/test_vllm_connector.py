@@ -152,8 +152,12 @@ def test_blocks_spilled_to_disk_come_back_byte_exact(env):
     # both nodes have turned over (which node takes each value depends on timing)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
 
+    last: dict = {}
+
     def on_disk():
-        return all(w and all(t == "disk" for _, t, _ in w) for w in ray.get(master.where.remote(keys)))
+        where = ray.get(master.where.remote(keys))
+        last["not on disk only"] = {k: w for k, w in zip(keys, where) if not w or any(t != "disk" for _, t, _ in w)}
+        return not last["not on disk only"]
 
     for i in range(96):
         client.put(f"junk/spill/{i}", np.full(1 << 20, i, dtype=np.uint8))
@@ -163,7 +167,10 @@ def test_blocks_spilled_to_disk_come_back_byte_exact(env):
         i += 1
         if i % 32 == 0:
             time.sleep(0.5)  # offloads land
-    wait_for(on_disk, what="the blocks to be on disk only")
+    try:
+        wait_for(on_disk, what="the blocks to be on disk only")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {last} after {i} junk values; store: {client.stats()}") from None
     promotions = client.stats()["promotions"]
     reader.reset()
     r = reader.generate([p])[0]

@@ -147,11 +147,17 @@ class Picker:
     stored becomes a candidate of the next round once its children were chosen
     (``finish``). Items are whatever the caller evicts (``(obj, rep)`` or a cold record's
     tuple); lengths count toward the need.
+
+    ``need``: what the pass aims to free (a round frees ahead of the allocations to come);
+    ``must``: what the allocation it serves cannot do without (default ``need``; 0 for a
+    round that only frees ahead). Unpinned leaves go up to ``need``; soft-pinned values and
+    forced evictions only up to ``must``, so a pin never yields to room freed in advance.
     """
 
-    def __init__(self, chains: Chains | None, need: int) -> None:
+    def __init__(self, chains: Chains | None, need: int, must: int | None = None) -> None:
         self.chains = chains
         self.need = need
+        self.must = need if must is None else min(must, need)
         self.freed = 0
         self.chosen: list = []
         self.held: dict[str, tuple] = {}  # key -> (item, length), in the order met (LRU)
@@ -178,17 +184,17 @@ class Picker:
             self.take(obj.key, (obj, rep), rep.length)
 
     def close(self, soft: list, protected: Callable[[str], bool] | None = None) -> int:
-        """The end of a pass: the next rounds of leaves (``finish``), then the soft-pinned
-        candidates (``(obj, rep)``) if still needed (and the values they held), and if
-        nothing at all was freed, the held values (``force``). Returns how many were
-        forced."""
+        """The end of a pass: the next rounds of leaves (``finish``), then, only while less
+        than ``must`` was freed, the soft-pinned candidates (``(obj, rep)``) and the values
+        they held, and if nothing at all was freed, the held values (``force``). Returns
+        how many were forced."""
         self.finish()
         for obj, rep in soft:
-            if self.done():
+            if self.freed >= self.must:
                 break
             self.offer(obj, rep)
-        self.finish()
-        if self.freed or self.chains is None:
+        self.finish(self.must)
+        if self.freed or self.chains is None or not self.must:
             return 0
         return self.force(protected)
 
@@ -202,17 +208,18 @@ class Picker:
         if parent is not None:
             self._taken[parent] = self._taken.get(parent, 0) + 1
 
-    def finish(self) -> None:
-        """The scan is over and the need not met: the next round of leaves, the held
-        values left with no child (least recent first), and so on."""
+    def finish(self, upto: int | None = None) -> None:
+        """The scan is over and the need (or ``upto``) not met: the next round of leaves,
+        the held values left with no child (least recent first), and so on."""
         c = self.chains
         if c is None:
             return
+        upto = self.need if upto is None else upto
         progress = True
-        while progress and not self.done():
+        while progress and self.freed < upto:
             progress = False
             for key in list(self.held):
-                if self.done():
+                if self.freed >= upto:
                     return
                 if c.kid_count(key) <= self._taken.get(key, 0):
                     self.take(key, *self.held.pop(key))
@@ -226,7 +233,7 @@ class Picker:
         n = 0
         for last in (False, True):
             for key in list(self.held):
-                if self.done():
+                if self.freed >= self.must:
                     return n
                 if not last and protected is not None and protected(key):
                     continue

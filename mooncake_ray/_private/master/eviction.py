@@ -11,7 +11,8 @@ Victims for one node are picked oldest first in two passes:
 1. objects with a replica on that node in the tier being freed that are complete, not
    leased (a reader may be copying their bytes), not being offloaded, and not pinned (a
    soft pin whose TTL passed counts as unpinned);
-2. only if pass 1 did not free enough: soft-pinned objects, oldest first.
+2. only if pass 1 did not free what the allocation needs (never for a round that only
+   frees ahead, such as the one past the high watermark): soft-pinned objects, oldest first.
 
 With chain-aware eviction (``chains.py``), orphans go first and a value whose children are
 stored waits for them (rounds of leaves).
@@ -55,15 +56,17 @@ def judge(obj, node_id: str, now: float, tier: Tier = Tier.DRAM):
 
 
 def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, tier: Tier = Tier.DRAM,
-                 chains: Chains | None = None) -> list:
+                 chains: Chains | None = None, must: int | None = None) -> list:
     """Replicas on ``node_id`` (in ``tier``) to evict, in eviction order, until at least
     ``need_bytes`` are freed or nothing evictable is left. Each is ``(obj, rep)`` for a
-    hot object, or ``(key, gen, size, offset, length)`` for a cold record.
+    hot object, or ``(key, gen, size, offset, length)`` for a cold record. Soft-pinned
+    values go only while less than ``must`` (default ``need_bytes``) is freed: the bytes
+    the allocation cannot do without, not what the round frees in advance.
 
     With ``chains`` (chain-aware eviction, chains.py), orphans go first, then leaves: a
     value whose children are stored waits for them, and a pass that frees nothing else
     takes such values (least recent first)."""
-    pick = Picker(chains, need_bytes)
+    pick = Picker(chains, need_bytes, must)
     soft: list = []
     if chains is not None:
         take_orphans(table, chains, node_id, now, tier, pick)

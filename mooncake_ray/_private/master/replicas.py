@@ -330,8 +330,10 @@ class ReplicaTable:
         """Make room on one node's DRAM; returns the bytes freed now (offloads started
         free their bytes later and count toward ``need`` meanwhile). ``whole_round``: at
         least ``evict_ratio`` of the arena (else just ``need``: a chunk of background
-        eviction)."""
+        eviction). Soft-pinned values yield only to what an allocation needs (``need`` of a
+        whole round, less the offloads in flight), never to room freed in advance."""
         node, alloc = self._nodes[node_id], self._alloc[node_id]
+        must = max(0, need - node.offload_inflight) if whole_round else 0
         if whole_round:
             if need and node.spill_usable():
                 # Offloads free their room only when the disk write is done: start enough
@@ -350,9 +352,9 @@ class ReplicaTable:
         tier_keys = node.tier_keys
         try:
             if spill:
-                victims = pick_victims(objects, node_id, need, now)
+                victims = pick_victims(objects, node_id, need, now, must=must)
             else:  # the index drops the cold victims itself; the hot ones come back here
-                got, n, victims = self._evict_cold(node_id, need, now, delta, batch)
+                got, n, victims = self._evict_cold(node_id, need, now, delta, batch, must)
                 freed += got
                 evicted += n
             for v in victims:
@@ -417,18 +419,20 @@ class ReplicaTable:
         self.counters["chain_tail_evictions"] += n
         return n
 
-    def _evict_cold(self, node_id: str, need: int, now: float, delta: NodeDelta, batch: list) -> tuple:
+    def _evict_cold(self, node_id: str, need: int, now: float, delta: NodeDelta, batch: list,
+                    must: int | None = None) -> tuple:
         """Eviction on a node without a spill tier: the index drops the cold victims, least
         recent first (``evict_cold``), stopping at each hot object met, which is judged here
         as ``pick_victims`` would. Returns the bytes and count dropped, and the hot victims
-        (``(obj, rep)``, soft-pinned ones last and only if still needed) to drop next.
+        (``(obj, rep)``, soft-pinned ones last and only while less than ``must`` was freed)
+        to drop next.
 
         With chain-aware eviction, a value with stored children is always hot (table.py),
         so the index stops at it; it waits for its children as in ``pick_victims``."""
         index, table = self._objects.index, self._objects
         node = self._nodes[node_id]
         chains = table.chains if self.policy.chain_eviction else None
-        pick = Picker(chains, need)  # pick.freed: cold dropped + hot chosen
+        pick = Picker(chains, need, must)  # pick.freed: cold dropped + hot chosen
         if chains is not None and chains.orphans:
             take_orphans(table, chains, node_id, now, Tier.DRAM, pick)
         taken = {obj.key for obj, _rep in pick.chosen}

@@ -102,7 +102,8 @@ class DiskTier:
         if node.disk_used + length > limit:
             need = node.disk_used + length - limit + self.policy.evict_ratio * node.spill_capacity
             chains = self._objects.chains if self.policy.chain_eviction else None
-            for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK, chains):
+            must = max(0, node.disk_used + length - node.spill_capacity)  # without it, no fit at all
+            for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK, chains, must):
                 if type(v[0]) is str:  # a cold record (only on this disk): the object, to drop it
                     obj = self._objects.get(v[0])
                     v = (obj, obj.replicas[0])
