@@ -111,16 +111,66 @@ def uses_router(deployment_config: dict | None) -> bool:
     return isinstance(cls, type) and issubclass(cls, MooncakeKVRouter)
 
 
-def events_config(node_ip: str) -> tuple[dict, dict]:
-    """(vLLM ``kv_events_config``, the record the router reads) on two free ports of this
-    node. vLLM binds its publisher only to a wildcard address (it connects out to any
-    other), so the live socket listens on every interface of the node, as vLLM's default
-    does; the replay socket binds the node's address."""
-    ports = []
-    for _ in range(2):
+# Ray's worker processes listen on ports in [min_worker_port, max_worker_port] (Ray's
+# defaults); the publishers' ports are chosen outside them.
+RAY_WORKER_PORTS = (10002, 19999)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if
+    it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def publisher_ports(node_ip: str, n: int, rng: random.Random | None = None) -> list[int]:
+    """``n`` ports free on ``node_ip`` now, for a process that binds them later (vLLM's
+    engine core binds its KV event sockets a minute after they are chosen, once it has
+    loaded). Drawn at random from outside the kernel's ephemeral range and Ray's worker
+    ports: a port the kernel handed out (``bind(0)``) goes back to the pool it takes the
+    local ports of outgoing connections from, and under Ray's many connections one of them
+    took it before vLLM bound it (``Address already in use``, the replica failed)."""
+    rng = rng or random.Random()
+    lo, hi = _ephemeral_ports()
+    spans = [(a, b) for a, b in ((1024, lo - 1), (hi + 1, 65535)) if b - a >= 256]
+    pool = [(a, b) for a, b in (p for span in spans for p in _minus(span, RAY_WORKER_PORTS)) if b - a >= 256]
+    ports: list[int] = []
+    for _ in range(200 * n):
+        if len(ports) == n or not pool:
+            break
+        a, b = rng.choice(pool)
+        port = rng.randint(a, b)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((node_ip, port))
+            except OSError:
+                continue
+        ports.append(port)
+    while len(ports) < n:  # no room outside those ranges: the kernel's choice
         with socket.socket() as s:
             s.bind((node_ip, 0))
             ports.append(s.getsockname()[1])
+    return ports
+
+
+def _minus(span: tuple[int, int], cut: tuple[int, int]) -> list[tuple[int, int]]:
+    """``span`` without ``cut`` (inclusive ranges)."""
+    (a, b), (c, d) = span, cut
+    return [r for r in ((a, min(b, c - 1)), (max(a, d + 1), b)) if r[0] <= r[1]]
+
+
+def events_config(node_ip: str) -> tuple[dict, dict]:
+    """(vLLM ``kv_events_config``, the record the router reads) on two free ports of this
+    node (``publisher_ports``). vLLM binds its publisher only to a wildcard address (it
+    connects out to any other), so the live socket listens on every interface of the node,
+    as vLLM's default does; the replay socket binds the node's address."""
+    ports = publisher_ports(node_ip, 2)
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[0]}",
            "replay_endpoint": f"tcp://{node_ip}:{ports[1]}"}
     return cfg, {"endpoint": f"tcp://{node_ip}:{ports[0]}", "replay_endpoint": cfg["replay_endpoint"]}

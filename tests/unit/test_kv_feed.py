@@ -109,3 +109,25 @@ def test_an_engine_that_is_not_there_only_empties_its_index(feed):
     assert feed.match("gone", H) == 0
     feed.remove("gone")
     assert "gone" not in feed.indexes and feed.match("gone", H) == 0
+
+
+def test_publisher_ports_avoid_the_kernels_and_rays_ranges_and_ports_in_use():
+    """The engine binds its event ports a minute after they are chosen: they come from
+    outside the range the kernel takes outgoing connections' local ports from (a port it
+    handed out was taken meanwhile, and the replica failed to start) and Ray's workers'."""
+    import random
+    import socket
+
+    from mooncake_ray.integrations.kv_router import RAY_WORKER_PORTS, _ephemeral_ports, publisher_ports
+
+    lo, hi = _ephemeral_ports()
+    ports = publisher_ports("127.0.0.1", 50, random.Random(1))
+    assert len(set(ports)) == 50
+    for p in ports:
+        assert not lo <= p <= hi and not RAY_WORKER_PORTS[0] <= p <= RAY_WORKER_PORTS[1] and p >= 1024, p
+    # a port in use is passed over: the same draw with its first port taken
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        again = publisher_ports("127.0.0.1", 2, random.Random(1))
+    assert ports[0] not in again and again[0] == ports[1]
