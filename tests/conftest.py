@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -99,9 +98,9 @@ def make_store(ray_cluster):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.serve_cli import free_port
+
+    return free_port()
 
 
 @pytest.fixture

@@ -112,7 +112,8 @@ def uses_router(deployment_config: dict | None) -> bool:
 
 
 # Ray's worker processes listen on ports in [min_worker_port, max_worker_port] (Ray's
-# defaults); the publishers' ports are chosen outside them.
+# defaults), and below them sit the well-known ones (Ray's 6379, 8265, Serve's 8000): the
+# publishers' ports are chosen above them.
 RAY_WORKER_PORTS = (10002, 19999)
 
 
@@ -130,14 +131,14 @@ def _ephemeral_ports() -> tuple[int, int]:
 def publisher_ports(node_ip: str, n: int, rng: random.Random | None = None) -> list[int]:
     """``n`` ports free on ``node_ip`` now, for a process that binds them later (vLLM's
     engine core binds its KV event sockets a minute after they are chosen, once it has
-    loaded). Drawn at random from outside the kernel's ephemeral range and Ray's worker
-    ports: a port the kernel handed out (``bind(0)``) goes back to the pool it takes the
-    local ports of outgoing connections from, and under Ray's many connections one of them
-    took it before vLLM bound it (``Address already in use``, the replica failed)."""
+    loaded). Drawn at random from above Ray's worker ports and outside the kernel's
+    ephemeral range: a port the kernel handed out (``bind(0)``) goes back to the pool it
+    takes the local ports of outgoing connections from, and under Ray's many connections
+    one of them took it before vLLM bound it (``Address already in use``, the replica
+    failed)."""
     rng = rng or random.Random()
     lo, hi = _ephemeral_ports()
-    spans = [(a, b) for a, b in ((1024, lo - 1), (hi + 1, 65535)) if b - a >= 256]
-    pool = [(a, b) for a, b in (p for span in spans for p in _minus(span, RAY_WORKER_PORTS)) if b - a >= 256]
+    pool = [(a, b) for a, b in ((RAY_WORKER_PORTS[1] + 1, lo - 1), (hi + 1, 65535)) if b - a >= 256]
     ports: list[int] = []
     for _ in range(200 * n):
         if len(ports) == n or not pool:
@@ -157,12 +158,6 @@ def publisher_ports(node_ip: str, n: int, rng: random.Random | None = None) -> l
             s.bind((node_ip, 0))
             ports.append(s.getsockname()[1])
     return ports
-
-
-def _minus(span: tuple[int, int], cut: tuple[int, int]) -> list[tuple[int, int]]:
-    """``span`` without ``cut`` (inclusive ranges)."""
-    (a, b), (c, d) = span, cut
-    return [r for r in ((a, min(b, c - 1)), (max(a, d + 1), b)) if r[0] <= r[1]]
 
 
 def events_config(node_ip: str) -> tuple[dict, dict]:

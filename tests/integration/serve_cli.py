@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +28,12 @@ ERROR_PATTERNS = re.compile(r"Traceback|\bERROR\b|\bError:|failed|killed by `?ra
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for a process that binds it later (seconds for ``ray start``'s
+    agents, a minute for a vLLM server): from outside the kernel's ephemeral range, where
+    an outgoing connection could take it meanwhile (``kv_router.publisher_ports``)."""
+    from mooncake_ray.integrations.kv_router import publisher_ports
+
+    return publisher_ports("127.0.0.1", 1)[0]
 
 
 # Ray 2.60's own line on every ``serve run`` Ctrl-C, whatever the app (a two-replica app of a
