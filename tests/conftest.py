@@ -37,6 +37,17 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05, what:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last error: {last_exc!r}")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_event_feed_left():
+    """A KV event feed a module leaves running in the test process keeps a thread (a router
+    made in a unit test once left one spinning through every later module)."""
+    import threading
+
+    yield
+    left = [t.name for t in threading.enumerate() if t.name == "mooncake-kv-events"]
+    assert not left, f"{len(left)} KV event feed thread(s) left running by this module"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Three Ray nodes: a head that offers no store memory (client-only) and two workers

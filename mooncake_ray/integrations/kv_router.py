@@ -212,6 +212,7 @@ class EventFeed:
         self._metrics = metrics
         self.gaps = {"replayed": 0, "lost": 0}
         self._stop = threading.Event()
+        self.rounds = 0  # turns of the thread's loop (each waits up to 50 ms for something to do)
         self._thread = threading.Thread(target=self._run, name="mooncake-kv-events", daemon=True)
         self._thread.start()
 
@@ -252,11 +253,9 @@ class EventFeed:
         parked: dict[str, tuple[dict, kvi.ReplicaIndex]] = {}
         try:
             while not self._stop.is_set():
-                while True:
-                    try:
-                        op, rid, rec = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
+                self.rounds += 1
+                # with nothing subscribed, zmq's poll returns at once: wait on the commands
+                for op, rid, rec in self._commands(wait=not self._subs):
                     old = self._subs.pop(rid, None)
                     if old is not None:
                         for s in (old.sub, old.dealer):
@@ -288,7 +287,7 @@ class EventFeed:
                     # the engine published before we connected: ask for everything it keeps
                     start = 0 if index.next_seq is None else index.next_seq
                     self._ask_replay(ctx, poller, sub, start)
-                events = dict(poller.poll(50))
+                events = dict(poller.poll(50)) if self._subs else {}
                 now = time.monotonic()
                 for sub in list(self._subs.values()):
                     if sub.dealer is not None and sub.dealer in events:
@@ -313,6 +312,19 @@ class EventFeed:
             for sub in self._subs.values():
                 sub.close()
             ctx.destroy(linger=0)
+
+    def _commands(self, wait: bool):
+        """The commands queued (``add``, ``remove``, ...), the first waited for up to 50 ms
+        if ``wait``."""
+        try:
+            yield self._cmds.get(timeout=0.05) if wait else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                yield self._cmds.get_nowait()
+            except queue.Empty:
+                return
 
     def _ask_replay(self, ctx, poller, sub: _Sub, start: int) -> None:
         import zmq

@@ -111,6 +111,25 @@ def test_an_engine_that_is_not_there_only_empties_its_index(feed):
     assert "gone" not in feed.indexes and feed.match("gone", H) == 0
 
 
+def test_a_feed_with_no_engine_waits_instead_of_spinning(feed):
+    """With nothing subscribed (a router before its replicas' records, or after the last
+    went) zmq's poll returns at once: the feed's thread waits on its commands instead, so
+    its loop turns at most every 50 ms. (It spun: a whole core, and the GIL, in every
+    process holding such a router.)"""
+    time.sleep(0.2)
+    before = feed.rounds
+    time.sleep(1.0)
+    assert feed.rounds - before <= 25, feed.rounds - before
+    rec = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    feed.add("gone", rec, BS)  # a command still wakes it at once
+    assert wait_for(lambda: feed.gaps["lost"] == 1)
+    feed.remove("gone")
+    time.sleep(0.2)
+    before = feed.rounds
+    time.sleep(1.0)
+    assert feed.rounds - before <= 25, feed.rounds - before
+
+
 def test_publisher_ports_avoid_the_kernels_and_rays_ranges_and_ports_in_use():
     """The engine binds its event ports a minute after they are chosen: they come from
     outside the range the kernel takes outgoing connections' local ports from (a port it

@@ -5,6 +5,8 @@ own methods on fake replicas)."""
 import asyncio
 import types
 
+import pytest
+
 from mooncake_ray.integrations import _kv_index as kvi
 from mooncake_ray.integrations.kv_router import MooncakeKVRouter
 
@@ -17,6 +19,7 @@ def fake_request(i):
     return types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=f"req{i}"), args=[])
 
 
+@pytest.fixture
 def router():
     r = MooncakeKVRouter.__new__(MooncakeKVRouter)  # Serve's base needs a running controller
     r.initialize_state()
@@ -29,11 +32,12 @@ def router():
         return kvi.choose(100, 32, zero, None, r._loads(candidates), r._model, r._ties(candidates))
 
     r._decide = decide
-    return r
+    yield r
+    r._feed.close()  # its thread would outlive the test in this process
 
 
-def test_requests_decided_together_are_spread_and_the_hold_moves_to_where_serve_routed_them():
-    r = router()
+def test_requests_decided_together_are_spread_and_the_hold_moves_to_where_serve_routed_them(router):
+    r = router
     reps = [fake_replica("a"), fake_replica("b")]
 
     async def four():
