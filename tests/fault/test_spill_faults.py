@@ -119,3 +119,29 @@ def test_restarted_store_node_finds_its_spilled_keys(make_store, ray_cluster, tm
     idx = {k: i for i, k in enumerate(keys)}
     assert [k for k, g in zip(on_disk, got) if g is None] == []
     assert all(g == val(idx[k]) for k, g in zip(on_disk, got))
+
+
+def test_lost_offload_reports_are_resent_and_the_dram_copies_go(make_store, ray_cluster, tmp_path):
+    """An offload whose report to the master fails (the master unreachable or timed out for
+    a moment) is reported again: the master learns of the disk copy, drops the DRAM copy it
+    kept meanwhile and frees the disk reservation, instead of holding both for ever."""
+    s = make_store(segment_size_bytes="16mb",
+                   spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "256mb"})
+    ns = s.config.namespace
+    actors = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
+    ray.get([a.debug_fail_offload_reports.remote(3) for a in actors])
+    keys = [f"o/{i}" for i in range(60)]
+    for i, k in enumerate(keys):
+        s.put(k, val(i))
+
+    def settled():
+        nodes = s.stats()["nodes"].values()
+        inflight = sum(n["dram"]["offloading_bytes"] for n in nodes)
+        return not inflight and len(disk_only(s, keys)) >= 10
+
+    wait_for(settled, timeout_s=60, what="every offload reported and its DRAM copy dropped")
+    # the injected failures happened on the node(s) that offloaded
+    left = ray.get([a.debug_fail_offload_reports.remote(0) for a in actors])
+    assert 0 in left, left
+    got = s.batch_get(keys)
+    assert [k for k, g in zip(keys, got) if g != val(keys.index(k))] == []

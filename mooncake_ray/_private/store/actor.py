@@ -62,6 +62,8 @@ from mooncake_ray._private.naming import master_name
 log = logging.getLogger(__name__)
 
 _OFFLOAD_BATCH = 64
+_REPORT_RETRY_S = 0.25  # first wait before resending an unacknowledged offload report
+_REPORT_RETRY_MAX_S = 5.0
 REPAIR_POLL_S = 0.5  # how often a node asks the master shards for repairs to make
 REPAIR_BATCH_BYTES = 16 << 20  # bytes of copies per master call
 
@@ -107,6 +109,13 @@ class StoreNodeActor:
                                                 rpc_timeout_s=t.rpc_timeout_s, name=master_name(i)))
                        for i in range(n)]
         self._stall_until = 0.0  # fault injection: inventory messages wait until then
+        self._fail_reports = 0  # fault injection: this many OFFLOAD_DONE reports fail first
+        # Offload outcomes the master has not acknowledged yet: resent (with the next batch,
+        # or alone when the worker is idle) until a report goes through. The master keeps the
+        # DRAM copy and the disk reservation of an offload until it hears of it.
+        self._unreported: list = []
+        self._report_retry_at = 0.0
+        self._report_delay = _REPORT_RETRY_S
         self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
         self.readopted = self._readopt() if self.arena_file is not None and self.arena_file.reused else None
         self.startup["readopted_s"] = time.time() - self.started_at
@@ -303,8 +312,10 @@ class StoreNodeActor:
         """Offloads and disk deletions, in the order the master asked for them."""
         while not self._stop.is_set():
             try:
-                first = self._work.get(timeout=0.5)
+                first = self._work.get(timeout=self._report_delay if self._unreported else 0.5)
             except queue.Empty:
+                if self._unreported and time.monotonic() >= self._report_retry_at:
+                    self._send_reports()
                 continue
             batch = [first]
             while len(batch) < _OFFLOAD_BATCH:
@@ -338,8 +349,12 @@ class StoreNodeActor:
             for i in set(range(len(offloads))) - set(good):
                 results[i] = InvalidArgumentError(f"offload extent at {offloads[i][3]!r} of {offloads[i][2]!r} "
                                                   f"bytes is outside the arena of {cap} bytes")
-            written = self.tier.write_many([(k, g, base + off, size) for k, g, size, off, _ln in
-                                            (offloads[i] for i in good)])
+            try:
+                written = self.tier.write_many([(k, g, base + off, size) for k, g, size, off, _ln in
+                                                (offloads[i] for i in good)])
+            except Exception as e:  # the whole batch failed: each item is reported as failed
+                log.exception("offload batch write failed")
+                written = [e] * len(good)
             for i, res in zip(good, written):
                 results[i] = res
         report = []
@@ -350,7 +365,27 @@ class StoreNodeActor:
                     self._link(key).inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
             report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
-        self._call_master(rpc.OFFLOAD_DONE, report)
+        self._unreported.extend(report)
+        self._send_reports()
+
+    def _send_reports(self) -> bool:
+        """Sends every offload outcome not yet acknowledged (``offload_done`` is idempotent,
+        so one that arrived but whose reply was lost may go twice). On failure they stay,
+        and the worker tries again after a growing wait."""
+        items = list(self._unreported)
+        try:
+            if self._fail_reports > 0:
+                self._fail_reports -= 1
+                raise MooncakeRayError("offload report failed (fault injection)")
+            self._call_master(rpc.OFFLOAD_DONE, items)
+        except Exception as e:
+            log.warning("offload report of %d item(s) not delivered, will resend: %s", len(items), e)
+            self._report_retry_at = time.monotonic() + self._report_delay
+            self._report_delay = min(_REPORT_RETRY_MAX_S, self._report_delay * 2)
+            return False
+        del self._unreported[:len(items)]
+        self._report_delay = _REPORT_RETRY_S
+        return True
 
     # ---------------------------------------------------------------- inventory --
     def _on_inventory(self, link: _ShardLink, data: bytes) -> bytes:
@@ -374,6 +409,12 @@ class StoreNodeActor:
     def debug_stall_inventory(self, seconds: float) -> None:
         """Fault injection: hold inventory messages for ``seconds`` before applying them."""
         self._stall_until = time.monotonic() + seconds
+
+    def debug_fail_offload_reports(self, count: int) -> int:
+        """Fault injection: the next ``count`` offload reports to the master fail. Returns
+        how many of the previous injection had not been used up yet."""
+        left, self._fail_reports = self._fail_reports, count
+        return left
 
     def info(self, shard: int = 0) -> dict:
         """What master shard ``shard`` knows of this node: its transport address and arena,
