@@ -132,6 +132,46 @@ void bind_master(nb::module_& m) {
         ix.set_slab(id, std::move(s));
       }, "slab_id"_a, "owner"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "free"_a)
       .def("drop_slab", &mcr::MasterIndex::drop_slab, "slab_id"_a)
+      // A store node's commit ring mapped at ``addr`` (``nbytes``, the whole file) in this
+      // process; ``fd``: an open descriptor of the file, kept open by the caller until
+      // drop_ring, as ``proc_fd`` (the node process's /proc/<pid>/stat, or -1); ``epoch``:
+      // the number the node drew for this mount, which the ring must show.
+      .def("set_ring", [](mcr::MasterIndex& ix, const std::string& node_id, const std::string& incarnation,
+                          uintptr_t addr, uint64_t nbytes, int fd, uint64_t epoch, int proc_fd) {
+        if (addr == 0 || addr % 8 != 0 || nbytes < mcr::MasterIndex::kRingHeader + 4096 || nbytes % 8 != 0 || fd < 0)
+          throw nb::value_error("a commit ring needs an 8-aligned mapping of at least 64 + 4096 bytes and an fd");
+        mcr::CommitRing r;
+        r.base = reinterpret_cast<uint8_t*>(addr);
+        r.bytes = nbytes;
+        r.fd = fd;
+        r.proc_fd = proc_fd;
+        r.epoch = epoch;
+        r.incarnation = incarnation;
+        ix.set_ring(node_id, std::move(r));
+      }, "node_id"_a, "incarnation"_a, "addr"_a, "nbytes"_a, "fd"_a, "epoch"_a, "proc_fd"_a = -1)
+      .def("drop_ring", &mcr::MasterIndex::drop_ring, "node_id"_a)
+      // [(node_id, incarnation, reserved?, key, gen, size, offset, length, parent), ...]:
+      // see MasterIndex::ring_publish.
+      .def("ring_publish", [](mcr::MasterIndex& ix, nb::list items) {
+        std::vector<mcr::MasterIndex::RingRecord> recs;
+        recs.reserve(items.size());
+        for (nb::handle h : items) {
+          nb::tuple t = nb::cast<nb::tuple>(h);
+          mcr::MasterIndex::RingRecord r;
+          r.node_id = nb::cast<std::string>(t[0]);
+          r.incarnation = nb::cast<std::string>(t[1]);
+          r.kind = nb::cast<bool>(t[2]) ? mcr::MasterIndex::kRingReserved : mcr::MasterIndex::kRingCommit;
+          r.key = nb::cast<std::string>(t[3]);
+          r.gen = nb::cast<uint64_t>(t[4]);
+          r.size = nb::cast<uint64_t>(t[5]);
+          r.offset = nb::cast<uint64_t>(t[6]);
+          r.length = nb::cast<uint64_t>(t[7]);
+          r.parent = nb::cast<std::string>(t[8]);
+          recs.push_back(std::move(r));
+        }
+        return ix.ring_publish(recs);
+      }, "records"_a)
+      .def("ring_acks", &mcr::MasterIndex::ring_acks)
       // -> (owner, node_id, ray_node_id, incarnation, [(offset, length), ...] sorted) or None
       .def("lookup_slab", [](mcr::MasterIndex& ix, uint64_t id) -> nb::object {
         mcr::IndexSlab s;
@@ -163,14 +203,18 @@ void bind_master(nb::module_& m) {
         return nb::make_tuple(e.size, e.gen, reps);
       }, "key"_a)
       // What the RPC handler would answer natively: the reply bytes, or None (Python's turn).
-      .def("serve", [](mcr::MasterIndex& ix, nb::bytes req) -> nb::object {
+      // ``hold``: as the master's handler with durable acknowledgements serves it; a commit
+      // whose reply is logged (kHeld) instead of given back answers b"".
+      .def("serve", [](mcr::MasterIndex& ix, nb::bytes req, bool hold) -> nb::object {
         std::string out;
-        bool ok;
+        bool ok, held = false;
+        mcr::HeldReply to{0, 0, 0};
         {
           nb::gil_scoped_release nogil;  // may wait for a thread holding lock()
-          ok = ix.serve(req.c_str(), req.size(), &out);
+          ok = ix.serve(req.c_str(), req.size(), &out, hold ? &to : nullptr, &held);
         }
         if (!ok) return nb::none();
+        if (held) return nb::bytes("", 0);
         return nb::bytes(out.data(), out.size());
-      }, "request"_a);
+      }, "request"_a, "hold"_a = false);
 }

@@ -257,8 +257,10 @@ def test_puts_whose_replies_come_after_the_client_timeout_succeed_once(make_stor
     timeout: the master holds each put's reply until the nodes record the value (durable
     acknowledgements), so the client sends the call again. One-call puts into a slab (the
     slab given back with the first attempt), two-call puts and batches of both: each is
-    answered with its success once, stored once, never ObjectExistsError."""
-    s = make_store(master={"put_slab_bytes": "256kb", "allocation_strategy": "free_ratio_first"})
+    answered with its success once, stored once, never ObjectExistsError. (The arena is not
+    kept, so the nodes have no commit ring: every reply waits for the stalled nodes.)"""
+    s = make_store(master={"put_slab_bytes": "256kb", "allocation_strategy": "free_ratio_first"},
+                   elastic={"keep_arena": False})
     ns = s.config.namespace
     nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
     master = ray.get_actor(MASTER_NAME, namespace=ns)
@@ -279,3 +281,54 @@ def test_puts_whose_replies_come_after_the_client_timeout_succeed_once(make_stor
     assert after["puts"] - before["puts"] == 14  # each value published once
     got = s.batch_get(small[:11] + large)
     assert got == [val(i, 2 * KB) for i in range(11)] + [val(50 + i, 160 * KB) for i in range(3)]
+
+
+def _ring_acked_puts(s, nodes, prefix: str, n: int) -> list[str]:
+    """``n`` puts answered while every store node holds its inventory messages (its
+    applier stalled for 20 s): only the commit ring records them on the nodes."""
+    master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
+    assert s.put(f"{prefix}-warm", b"x") is None  # the client's slab exists
+    before = ray.get(master.stats.remote())["ring_acks"]
+    ray.get([n_.debug_stall_inventory.remote(20.0) for n_ in nodes])
+    keys = [f"{prefix}{i}" for i in range(n)]
+    for i, k in enumerate(keys):
+        assert s.put(k, val(i, 4 * KB)) is None
+    assert ray.get(master.stats.remote())["ring_acks"] - before == n  # none waited for a node
+    return keys
+
+
+def test_puts_answered_through_the_commit_ring_survive_a_master_kill(make_store, ray_cluster):
+    """The master answers a put once it has written the value's record into its node's
+    commit ring, without waiting for the node. Killed then, with every node's applier
+    stalled (no message of it applied, nothing journaled), the new master still finds every
+    value: each node reads its ring before it mounts."""
+    s = make_store(master={"put_slab_bytes": "8mb"})
+    ns = s.config.namespace
+    nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
+    keys = _ring_acked_puts(s, nodes, "rm", 40)
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    inc, pid = ray.get(master.ping.remote()), ray.get(master.pid.remote())
+    os.kill(pid, 9)
+    wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
+    got = s.batch_get(keys)
+    assert [k for k, v in zip(keys, got) if v != val(keys.index(k), 4 * KB)] == []
+
+
+def test_puts_answered_through_the_commit_ring_survive_their_nodes_restart(make_store, ray_cluster):
+    """The same, with the node SIGKILLed instead (the kept arena): the restarted process
+    reads what the previous one left in its ring, and the master takes those values back."""
+    s = make_store(master={"put_slab_bytes": "8mb"})
+    ns = s.config.namespace
+    nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
+    keys = _ring_acked_puts(s, nodes, "rn", 40)
+    victim = s._slabs.current.node_id
+    actor = ray.get_actor(store_actor_name(victim), namespace=ns)
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    old = ray.get(actor.ping.remote())
+    os.kill(ray.get(actor.pid.remote()), 9)
+    wait_for(lambda: ray.get(actor.ping.remote()) != old, timeout_s=60, what="the store node to restart")
+    wait_for(lambda: {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim)
+             == ray.get(actor.ping.remote()), timeout_s=30, what="the restarted node to remount")
+    ray.get([n_.debug_stall_inventory.remote(0.0) for n_ in nodes])
+    got = s.batch_get(keys)
+    assert [k for k, v in zip(keys, got) if v != val(keys.index(k), 4 * KB)] == []

@@ -260,6 +260,27 @@ def test_soft_pins_yield_to_what_a_put_needs_not_to_a_rounds_target():
     m.check_invariants()
 
 
+def test_a_put_slab_never_takes_a_soft_pin_the_two_call_put_takes_only_its_room():
+    """A put slab is room in advance: granting one evicts only unpinned values; when they
+    do not make the room, the grant fails and the client's values go the two-call way,
+    where each allocation takes soft-pinned values only for its own extent."""
+    m, clock = make(n_nodes=1, cap=64 * K, high_watermark=1.0, evict_ratio=0.01, put_slab_bytes=16 * K)
+    keys = [f"v{i}" for i in range(64)]
+    for k in keys:
+        put(m, k)
+        clock.t += 1
+    for k in keys[:60]:
+        m.pin(k)
+    for k in keys[60:]:
+        m.get(k)  # leased: not evictable now
+    with pytest.raises(NoCapacityError):
+        m.slab_grant("c1", need=K)
+    assert all(m.exists(k) for k in keys)
+    put(m, "n")
+    assert [k for k in keys if not m.exists(k)] == ["v0"] and m.exists("n")
+    m.check_invariants()
+
+
 def test_a_round_past_the_high_watermark_leaves_soft_pins():
     """The watermark's round frees ahead of puts to come: it never takes a soft pin."""
     m, clock = make(n_nodes=1, cap=10 * K, high_watermark=0.5, evict_ratio=0.3)

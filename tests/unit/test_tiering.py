@@ -2,7 +2,7 @@
 
 import pytest
 
-from mooncake_ray.errors import NoCapacityError
+from mooncake_ray.errors import NoCapacityError, OffloadPendingError
 from mooncake_ray._private.master.allocator import ALIGN
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
@@ -168,4 +168,38 @@ def test_an_unfinished_promotion_expires_and_the_tick_looks_only_at_promotions()
     m.promote_done("n", [("a", gen, off, "")])
     m.tick()
     assert not m._tier._promoting  # a finished one is forgotten at the next tick
+    m.check_invariants()
+
+
+def test_a_get_call_searches_a_full_node_for_room_once():
+    """Disk-only keys of one GET call on a node with no room to promote into: the first
+    starts offloads and fails (retryable), the others fail at once, with no search each."""
+    m, clock = make(dram=4 * K, disk=16 * K)
+
+    def put_waiting(k):
+        for _ in range(3):
+            try:
+                return put(m, k)
+            except (NoCapacityError, OffloadPendingError):
+                offload_all(m)
+        raise AssertionError(f"{k} never fit")
+
+    for k in "abcdwxyz":
+        put_waiting(k)
+        clock.t += 1
+    on_disk = [k for k in "abcd" if m.where(k) == [("n", "disk", True)]]
+    assert len(on_disk) == 4
+    for k in "wxyz":  # DRAM full of values being read: no room for a promotion now
+        m.get(k)
+    searched = []
+    allocate = m._tier._allocate
+    m._tier._allocate = lambda *a: searched.append(a[0]) or allocate(*a)
+    with m.one_call():
+        for k in on_disk:
+            with pytest.raises(OffloadPendingError):
+                m.get(k)
+    assert searched == ["n"]
+    with pytest.raises(OffloadPendingError):  # outside a call: each key searches
+        m.get(on_disk[0])
+    assert searched == ["n", "n"]
     m.check_invariants()

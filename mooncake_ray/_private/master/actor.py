@@ -52,6 +52,8 @@ from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
 from mooncake_ray._private.metrics import MasterMetrics
 from mooncake_ray._private.naming import store_actor_ids
+from mooncake_ray._private.store.arena import boot_id, pid_namespace
+from mooncake_ray._private.store.ring import CommitRing
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class MasterActor:
         self._outbox_cv = threading.Condition()
         self._durable = self.cfg.master.durable_acks
         self._fence = Fence()  # put replies held until durable (under _outbox_cv)
+        self._rings: dict[str, CommitRing] = {}  # node_id -> its commit ring, mapped (store/ring.py)
         # Inline: the handler never calls the engine (deliveries have their own thread).
         # A plain function, not the bound method: Ray wraps every method of an actor class
         # in a tracing shim, which would run on every call (~4% of the master's time).
@@ -221,8 +224,41 @@ class MasterActor:
             self._lose({node_id})
         log.warning("unmounted store node %s: a fresh connection to it failed (%s); %d keys lost", node_id, err, lost)
 
+    def _attach_ring(self, node: NodeInfo, path: str, epoch: int, pid: int, pid_ns: str) -> None:
+        """Map a mounted node's commit ring, when it is on this host, so that native
+        commits into its slabs are answered at once (``store/ring.py``; lock held). The
+        ring must show the epoch the node drew for this mount: a file of the same name in
+        another container's shared memory does not. The node's process is watched through
+        its ``/proc`` entry when it is in this PID namespace (``pid_ns``)."""
+        self._drop_rings({node.node_id})
+        if not (self._durable and path and epoch) or node.boot_id != boot_id():
+            return
+        try:
+            ring = CommitRing.open(path)
+        except (OSError, ValueError):
+            return
+        if ring.epoch != epoch:
+            ring.close()
+            return
+        if pid and pid_ns and pid_ns == pid_namespace():
+            try:
+                ring.proc_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # gone already
+                ring.close()
+                return
+        self.index.set_ring(node.node_id, node.incarnation, ring.addr, ring.nbytes, ring.fd, epoch, ring.proc_fd)
+        self._rings[node.node_id] = ring
+
+    def _drop_rings(self, node_ids) -> None:
+        for node_id in node_ids:
+            ring = self._rings.pop(node_id, None)
+            if ring is not None:
+                self.index.drop_ring(node_id)  # under the index's mutex: no commit writes there now
+                ring.close()
+
     def _lose(self, node_ids: set[str]) -> None:
         """Nodes gone with their replicas: the puts waiting on them are answered (lock held)."""
+        self._drop_rings(node_ids)
         with self._outbox_cv:
             if len(self._fence):
                 self._fence.lost(node_ids, self.state.holders)
@@ -258,7 +294,8 @@ class MasterActor:
     def _get(self, keys, client_node=None, done=None):
         if done:  # leases of the caller's finished reads, piggybacked
             self._release(done)
-        return rpc.per_key(self.state.get, keys, client_node)
+        with self.state.one_call():
+            return rpc.per_key(self.state.get, keys, client_node)
 
 
     def _apply_loop(self) -> None:
@@ -515,6 +552,8 @@ class MasterActor:
         applied (puts acknowledged, values dropped meanwhile) is applied to its inventory
         here and sent to it again, so its keys come back and nothing dropped returns.
         A repeat of an older mount of the same incarnation is ignored."""
+        ring = (info.pop("commit_ring", ""), info.pop("commit_ring_epoch", 0), info.pop("pid", 0),
+                info.pop("pid_ns", ""))
         node = NodeInfo(**info)
         with self._lock:
             cur = self.state._nodes.get(node.node_id)
@@ -531,6 +570,7 @@ class MasterActor:
             self._deliver()
             if old is not None and old.incarnation != node.incarnation:
                 self._lose({node.node_id})  # a new process: the old one's replicas are gone
+            self._attach_ring(node, *ring)
         rejoined = old is not None and old.incarnation == node.incarnation and not known
         log.info("mounted store node %s (%d bytes, %d objects, mount %d%s)", node.node_id, node.capacity,
                  len(inventory), mount_id, ", rejoining" if rejoined else "")
@@ -744,13 +784,17 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
             return rpc.pack(rpc.err_entry(MasterUnavailableError(
                 "master is rebuilding its index from the store nodes; retry")))
         fenced = state._replicas.fenced = [] if master._durable else None
+        state._replicas.ring = [] if master._rings else None
         try:
             reply = rpc.serve_request(master._table, data)
         finally:
             state._replicas.fenced = None
+            ring, state._replicas.ring = state._replicas.ring, None
         if state.has_effects():
             master._deliver()
-        if fenced and master._hold_reply(data, reply, fenced):
+        # Durable through the nodes' commit rings when every value and reservation can go
+        # there (store/ring.py), under the lock: before any later change reaches a node.
+        if fenced and not (ring and master.index.ring_publish(ring)) and master._hold_reply(data, reply, fenced):
             return b""  # sent once durable
         return reply
 

@@ -84,6 +84,10 @@ class ReplicaTable:
         # While the actor collects them for its fence (fence.py): (key, gen, nodes) of each
         # value a call published or answered for again.
         self.fenced: list | None = None
+        # Beside it, the commit-ring records (store/ring.py) that would make those values
+        # durable without the round trip: (node_id, incarnation, reserved?, key, gen, size,
+        # offset, length, parent) each; None when one of them cannot go that way.
+        self.ring: list | None = None
         # Told (key, gen, copies it had, size) of each value a lost node leaves short of copies
         # (repairs.py; set by the state machine).
         self.on_short: Callable[[str, int, int, int], None] | None = None
@@ -110,13 +114,18 @@ class ReplicaTable:
         pending put's extent: ``key`` names it); the call's reply waits until the node has
         recorded it (fence.py), so a restarted master learns of every such range."""
         self.delta(node_id).add(InventoryEntry(key, gen, length, RESERVED, offset, length, 0))
-        self.refence(key, node_id)
+        self.refence(key, node_id, gen, offset, length)
 
-    def refence(self, key: str, node_id: str) -> None:
+    def refence(self, key: str, node_id: str, gen: int, offset: int, length: int) -> None:
         """A call answers for a reservation (made now, or again on a retry): its reply
         waits until the node has recorded it."""
         if self.fenced is not None:
             self.fenced.append((key, -1, (node_id,)))
+            node = self._nodes.get(node_id)
+            if self.ring is not None and node is not None:
+                self.ring.append((node_id, node.incarnation, True, key, gen, length, offset, length, ""))
+            else:
+                self.ring = None
 
     def note_unreserved(self, node_id: str, key: str, gen: int) -> None:
         if node_id in self._nodes:
@@ -127,6 +136,18 @@ class ReplicaTable:
         reply waits until the nodes holding it have recorded it (fence.py)."""
         if self.fenced is not None:
             self.fenced.append((obj.key, obj.gen, tuple({r.node_id for r in obj.replicas})))
+            if self.ring is None:
+                return
+            if obj.pin:  # a ring record carries no pin: the message brings it
+                self.ring = None
+                return
+            for r in obj.replicas:
+                node = self._nodes.get(r.node_id)
+                if node is None or r.tier is not Tier.DRAM or not r.ready:
+                    self.ring = None
+                    return
+                self.ring.append((r.node_id, node.incarnation, False, obj.key, obj.gen, obj.size, r.offset, r.length,
+                                  obj.parent or ""))
 
     def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
                            parent: str = "") -> None:
@@ -326,14 +347,15 @@ class ReplicaTable:
         out, self.effects = self.effects, {}
         return {k: v for k, v in out.items() if k in self._nodes and not v.empty()}
 
-    def evict(self, node_id: str, need: int, now: float, whole_round: bool = True) -> int:
+    def evict(self, node_id: str, need: int, now: float, whole_round: bool = True, must: int | None = None) -> int:
         """Make room on one node's DRAM; returns the bytes freed now (offloads started
         free their bytes later and count toward ``need`` meanwhile). ``whole_round``: at
         least ``evict_ratio`` of the arena (else just ``need``: a chunk of background
         eviction). Soft-pinned values yield only to what an allocation needs (``need`` of a
-        whole round, less the offloads in flight), never to room freed in advance."""
+        whole round, less the offloads in flight; at most ``must`` when given), never to
+        room freed in advance."""
         node, alloc = self._nodes[node_id], self._alloc[node_id]
-        must = max(0, need - node.offload_inflight) if whole_round else 0
+        must = min(need if must is None else must, max(0, need - node.offload_inflight)) if whole_round else 0
         if whole_round:
             if need and node.spill_usable():
                 # Offloads free their room only when the disk write is done: start enough
@@ -460,10 +482,12 @@ class ReplicaTable:
         self.counters["chain_tail_evictions"] += pick.close(soft, pinned_tail(table, chains, now))
         return cold, n, pick.chosen
 
-    def allocate(self, node_id: str, size: int, now: float) -> tuple[int, int] | None:
+    def allocate(self, node_id: str, size: int, now: float, must: int | None = None) -> tuple[int, int] | None:
+        """``size`` bytes of ``node_id``'s arena, evicting for them; soft pins and forced
+        chain evictions yield only to ``must`` of them (default all: see ``evict``)."""
         alloc = self._alloc[node_id]
         got = alloc.allocate(size)
-        while got is None and self.evict(node_id, size, now):
+        while got is None and self.evict(node_id, size, now, must=must):
             got = alloc.allocate(size)  # eviction frees bytes, not always a contiguous run
         if got is not None:
             self.watermark(node_id, now)

@@ -141,7 +141,10 @@ class SlabTable:
                 continue  # a slab must not take a large share of any arena, nor more than the slabs' budget
             got = self._fit(node.node_id, length, need, now)
             if got is None:
-                got = self._replicas.allocate(node.node_id, length, now)  # evicting
+                # Evicting, but never a soft-pinned value nor a chain cut for a slab: it is
+                # room in advance, and the values it was for can go the two-call way,
+                # where each allocation asks only for its own extent.
+                got = self._replicas.allocate(node.node_id, length, now, must=0)
             if got is None:
                 continue
             # Unique across master incarnations (like generations), so a commit into a

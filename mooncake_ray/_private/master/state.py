@@ -33,6 +33,7 @@ that to retry after a lost reply.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from typing import Callable
@@ -357,7 +358,7 @@ class MasterState:
                 # The same client retrying after a lost reply: hand back its allocation
                 # (once its nodes have recorded the reservations, as the first reply).
                 for r in pending.replicas:
-                    self._replicas.refence(put_key(pending.gen), r.node_id)
+                    self._replicas.refence(put_key(pending.gen), r.node_id, pending.gen, r.offset, r.length)
                 return PutAlloc(pending.gen, self._extents(pending.replicas))
             raise ObjectPendingError(f"a put of {key!r} is already in flight")
         if key in self._objects and not upsert:
@@ -451,6 +452,16 @@ class MasterState:
         return True
 
     # -------------------------------------------------------- put slabs (slabs.py) --
+    @contextlib.contextmanager
+    def one_call(self):
+        """The keys of one GET call: a node found without room to promote into is not
+        searched for victims again within the call (``DiskTier.no_room``)."""
+        self._tier.no_room = set()
+        try:
+            yield
+        finally:
+            self._tier.no_room = None
+
     def slab_grant(self, owner: str, client_node: str | None = None, need: int = 0) -> SlabGrant:
         """Reserve a slab for ``owner``. Its length is ``put_slab_bytes`` (at most 1/16 of
         the node's arena), or ``need`` if larger.
@@ -832,6 +843,7 @@ class MasterState:
             "under_replicated_keys": len(self.repairs.short),
             "under_replicated_bytes": self.repairs.short_bytes,
             "native_calls": self.index.served(),
+            "ring_acks": self.index.ring_acks(),  # puts answered through commit rings
             "nodes": nodes,
             **self.counters,
             **self._chain_stats(),

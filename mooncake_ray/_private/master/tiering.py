@@ -78,6 +78,12 @@ class DiskTier:
         self._delta = delta
         self._drop_replica = drop_replica
         self._allocate = allocate
+        # During one GET call (``MasterState.one_call``): the nodes where a promotion found
+        # no room. Their other keys in the call fail at once (retryable) instead of each
+        # scanning the node for victims again: a call of a few hundred disk-only keys
+        # otherwise cost hundreds of scans, outlasted the client's RPC timeout, and its
+        # retries kept the master busy for good.
+        self.no_room: set[str] | None = None
         self._new_placement = new_placement
         self._promoting: dict[int, tuple[Obj, Replica]] = {}  # id(replica) -> promotions started
 
@@ -179,7 +185,11 @@ class DiskTier:
             disks.sort(key=lambda r: r.node_id != client_node and
                        self._nodes[r.node_id].ray_node_id != client_node)
             for disk in disks:
+                if self.no_room is not None and disk.node_id in self.no_room:
+                    continue
                 got = self._allocate(disk.node_id, obj.size, now)
+                if got is None and self.no_room is not None:
+                    self.no_room.add(disk.node_id)
                 if got is not None:
                     prom = Replica(disk.node_id, Tier.DRAM, got[0], got[1], ready=False,
                                    deadline=now + self.policy.put_timeout_s, placed=self._new_placement())

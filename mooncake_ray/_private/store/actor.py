@@ -53,10 +53,11 @@ from mooncake_ray._private.store import arena
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.drain import FROM_DISK
 from mooncake_ray._private.master.tiering import disk_length
-from mooncake_ray._private.master.types import InventoryEntry
+from mooncake_ray._private.master.types import RESERVED, InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.store.copies import PeerCopier, extent_ok
-from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory
+from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory, apply_records
+from mooncake_ray._private.store.ring import CommitRing
 from mooncake_ray._private.naming import master_name
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class _ShardLink:
         self.channel = channel
         self.handle = None  # the master shard's Ray actor handle
         self.left = False  # drained off this shard: no heartbeat, no mount (StoreNodeActor.drain)
+        self.ring: CommitRing | None = None  # where the master records puts it answers at once
 
 
 class StoreNodeActor:
@@ -117,7 +119,8 @@ class StoreNodeActor:
         self._report_retry_at = 0.0
         self._report_delay = _REPORT_RETRY_S
         self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
-        self.readopted = self._readopt() if self.arena_file is not None and self.arena_file.reused else None
+        left = self._open_rings()
+        self.readopted = self._readopt(left) if self.arena_file is not None and self.arena_file.reused else None
         self.startup["readopted_s"] = time.time() - self.started_at
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
@@ -165,13 +168,46 @@ class StoreNodeActor:
             raise ConfigError(f"segment_size_bytes={seg} is more than this host's available memory "
                               f"({avail} bytes): the arena's pre-fault would exhaust it")
 
-    def _readopt(self) -> dict:
+    def _open_rings(self) -> list[list[tuple]]:
+        """Each shard link's commit ring (``ring.py``), beside the kept arena; returns, per
+        link, the records the previous process of this node left unread."""
+        left: list[list[tuple]] = [[] for _ in self._links]
+        for link in self._links:
+            link.ring = None
+            if self.arena_file is not None and self.cfg.master.durable_acks:
+                try:
+                    link.ring, left[link.shard] = CommitRing.create(f"{self.arena_file.stem}.ring{link.shard}")
+                except OSError as e:
+                    log.warning("no commit ring (puts wait for this node's answer instead): %s", e)
+        return left
+
+    def _read_ring(self, link: _ShardLink) -> None:
+        """Apply the records the master wrote to ``link``'s commit ring since the last
+        read, and journal them with their checksums (lock held). Called before any message
+        of the master is applied, so a later drop or replacement applies after them."""
+        if link.ring is None or not link.ring.pending():
+            return
+        adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent)
+                for key, gen, size, offset, length, parent, reserved in link.ring.read()]
+        apply_records(link.inv.entries, adds, (), disk_drops=False)
+        if self.arena_file is not None:
+            self._journal((adds, (), ()))
+
+    def _readopt(self, ring_left: list[list[tuple]]) -> dict:
         """Take back the values the previous process of this node left in the arena: each
-        entry of its index whose bytes still have the checksum it was saved with (the
-        master checks them against what it lost when the node mounts)."""
+        entry of its index whose bytes still have the checksum it was saved with, and the
+        values its commit rings named that it had not read yet (newer than its journal;
+        checksummed now). The master checks them against what it lost when the node mounts."""
         started = time.monotonic()
         cap, kept, dropped, good = self.arena.length, 0, 0, []
-        for rec in self.arena_file.load_index():
+        entries = {rec[0]: rec for rec in self.arena_file.load_index()}
+        for recs in ring_left:
+            for key, gen, size, offset, length, parent, reserved in recs:
+                if reserved:  # a range handed out for writing: kept as the journal keeps them
+                    continue
+                if extent_ok(offset, length, cap) and 0 <= size <= length:
+                    entries[key] = (key, gen, size, offset, length, 0, parent, self.arena_file.checksum(offset, size))
+        for rec in entries.values():
             key, gen, size, offset, length, pin, parent, crc = rec
             if not (extent_ok(offset, length, cap) and 0 <= size <= length) or self.arena_file.checksum(
                     offset, size) != crc:
@@ -396,6 +432,7 @@ class StoreNodeActor:
         if self._stall_until > time.monotonic():  # fault injection (tests): a stalled applier
             time.sleep(max(0.0, self._stall_until - time.monotonic()))
         with self._lock:
+            self._read_ring(link)
             before = (link.inv.mount_id, link.inv.applied_seq)
             answer, files, offloads = link.inv.apply(mount_id, seq, delta)
             if self.arena_file is not None and (link.inv.mount_id, link.inv.applied_seq) != before:
@@ -451,9 +488,14 @@ class StoreNodeActor:
             return
         master = self._master_handle(link)
         link.node_key = ray.get(master.node_key.remote(), timeout=60)
+        info = self.info(link.shard)
         with self._lock:  # from here on, messages of earlier mounts are refused
+            self._read_ring(link)
             mount_id, entries = link.inv.begin_mount()
-        ray.get(master.mount.remote(self.info(link.shard), entries, mount_id), timeout=60)
+            if link.ring is not None:
+                info.update(commit_ring=link.ring.path, commit_ring_epoch=link.ring.new_epoch(), pid=os.getpid(),
+                            pid_ns=arena.pid_namespace())
+        ray.get(master.mount.remote(info, entries, mount_id), timeout=60)
         link.mounted.set()
         self.startup.setdefault("mounted_s", time.time() - self.started_at)
         if self.readopted is not None and link.shard == 0 and not self.readopted.get("reported"):

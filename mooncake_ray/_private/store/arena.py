@@ -21,6 +21,7 @@ node that starts on the host; ``mooncake-ray stop`` removes a store's own.
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import logging
 import mmap
@@ -52,7 +53,7 @@ def _name(namespace: str, node_id: str) -> str:
     return f"{PREFIX}{tag}.{node_id[:24]}"
 
 
-def _pid_namespace() -> str:
+def pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -85,7 +86,7 @@ def collect_garbage(directory: str) -> int:
                 owner = json.load(f)
         except (OSError, ValueError):
             owner = {}
-        if owner and (owner.get("boot_id") != boot_id() or owner.get("pid_ns", "") != _pid_namespace()):
+        if owner and (owner.get("boot_id") != boot_id() or owner.get("pid_ns", "") != pid_namespace()):
             continue  # another host's or container's: not ours to judge
         if owner and _raylet_alive(int(owner.get("raylet_pid", 0))):
             continue
@@ -95,9 +96,10 @@ def collect_garbage(directory: str) -> int:
 
 
 def remove_files(stem: str) -> None:
-    for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".index.tmp"):
+    rings = glob.glob(glob.escape(stem) + ".ring[0-9]*")  # commit rings, one per master shard
+    for path in [stem + ext for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".index.tmp")] + rings:
         try:
-            os.unlink(stem + ext)
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -156,7 +158,7 @@ class ArenaFile:
                 view.release()
         with open(self.stem + ".owner", "w") as f:
             json.dump({"namespace": namespace, "node_id": node_id, "raylet_pid": os.getppid(),
-                       "boot_id": boot_id(), "pid_ns": _pid_namespace(), "size": size}, f)
+                       "boot_id": boot_id(), "pid_ns": pid_namespace(), "size": size}, f)
         if not self.reused:
             self.save_index([])
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -102,6 +102,32 @@ struct IndexSlab {
   std::map<uint64_t, uint64_t> free;  // offset -> length
 };
 
+// A store node's commit ring (store/ring.py): a file in shared memory the node maps, and
+// the master maps too when the node is on its host. A clean native commit into a slab on
+// that node writes each value's record there and is answered at once: the node reads the
+// ring before it applies any message of the master, when it mounts and when it restarts,
+// so a master killed after the reply, or a node restarted with its kept arena, still
+// finds the value. The node holds an exclusive flock on the file while it lives; a commit
+// whose node holds none is held for the node's answer as before (the node is gone). A
+// process being killed still holds its lock until it has exited (milliseconds): where the
+// master sees the node's process (the same PID namespace), a SIGKILL pending or an exit
+// under way counts as gone too.
+//
+// Layout: 64-byte header (magic, epoch = a number the node draws at each mount, head =
+// bytes the master has written, tail = bytes the node has read; the last two only grow),
+// then the data area.
+// A record: u32 length (with padding, a multiple of 8), u32 kind (1 commit, 2 padding to
+// the end of the area, 3 a range reserved for a client's write), u64 gen, size, offset, length, u32 key bytes, u32 parent bytes,
+// the key, the parent.
+struct CommitRing {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;  // the whole mapping
+  int fd = -1;
+  int proc_fd = -1;  // the node process's /proc/<pid>/stat, when in this PID namespace (else -1)
+  uint64_t epoch = 0;
+  std::string incarnation;
+};
+
 // What a native call did, for Python to apply: kGrant / kRelease (lease = the lease id),
 // kCommit (lease = the slab id; offset, size of the committed value; parent), kHeld (the reply to
 // the commits logged just before it, kept until they are durable: key = the reply, lease
@@ -219,8 +245,35 @@ class MasterIndex {
   bool serve(const char* data, size_t len, std::string* out, const HeldReply* hold = nullptr,
              bool* held = nullptr);
 
+  // Commit rings (see CommitRing): the node's incarnation, its ring's mapping in this
+  // process, an fd of the file (the liveness probe) and the epoch it must show.
+  void set_ring(const std::string& node_id, CommitRing ring);
+  void drop_ring(const std::string& node_id);
+  uint64_t ring_acks();  // commits answered through a ring so far
+  // Python's commits (two-call puts, replicas): writes each record into its node's ring;
+  // true when every one was written and every node is alive (the reply may go now).
+  // All or nothing: false writes none when a ring is unusable or lacks room.
+  struct RingRecord {
+    std::string node_id, incarnation;
+    uint32_t kind = kRingCommit;
+    std::string key;
+    uint64_t gen = 0, size = 0, offset = 0, length = 0;
+    std::string parent;
+  };
+  bool ring_publish(const std::vector<RingRecord>& recs);
+  static constexpr uint64_t kRingHeader = 64;
+  static constexpr uint32_t kRingCommit = 1, kRingPad = 2, kRingReserved = 3;
+  static constexpr uint64_t kRingMagic = 0x31474e4952524d43ull;  // "MCRRING1"
+
  private:
   bool serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held);
+  CommitRing* usable_ring(const std::string& node_id, const std::string& incarnation);
+  CommitRing* usable_ring(const IndexNode& node) { return usable_ring(node.node_id, node.incarnation); }
+  static bool ring_node_alive(const CommitRing& ring);
+  static uint64_t ring_record_bytes(const std::string& key, const std::string& parent);
+  static void ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uint64_t size, uint64_t offset,
+                         uint64_t length, const std::string& key, const std::string& parent,
+                         uint32_t kind = kRingCommit);
 
   IndexRecord* find(const std::string& key);
   IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one
@@ -253,6 +306,8 @@ class MasterIndex {
   uint64_t next_gen_ = 0;
   std::unordered_map<uint64_t, IndexSlab> slabs_;
   std::unordered_set<std::string> pending_;
+  std::unordered_map<std::string, CommitRing> rings_;
+  uint64_t ring_acks_ = 0;
 };
 
 }  // namespace mcr

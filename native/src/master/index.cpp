@@ -2,7 +2,12 @@
 // its requests and replies use.
 #include "mcr/master_index.h"
 
+#include <sys/file.h>
+#include <unistd.h>
 #include <time.h>
+
+#include <atomic>
+#include <cerrno>
 
 #include <algorithm>
 #include <chrono>
@@ -652,6 +657,10 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   if (!enabled_ || !commits_ || log_.size() + items.size() + (hold != nullptr) > max_log_) return false;
   std::unordered_map<uint64_t, std::map<uint64_t, uint64_t>> scratch;  // carved copies
   std::unordered_set<std::string> seen;
+  // Durable through commit rings: every item's node has a usable ring with room for its
+  // records (twice their bytes: room for padding at the wrap).
+  std::unordered_map<CommitRing*, uint64_t> need;
+  bool by_ring = hold != nullptr && !rings_.empty();
   for (auto& it : items) {
     if (it.key.empty() || it.key.size() > max_key_bytes_ || !seen.insert(it.key).second) return false;
     if (it.parent == it.key || it.parent.size() > max_key_bytes_) return false;  // Python's error
@@ -661,7 +670,23 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     auto sc = scratch.find(it.slab);
     if (sc == scratch.end()) sc = scratch.emplace(it.slab, s->second.free).first;
     if (!carve(sc->second, it.offset, extent_length(it.size))) return false;
+    if (by_ring) {
+      CommitRing* ring = usable_ring(*s->second.node.node);
+      if (ring == nullptr) by_ring = false;
+      else need[ring] += 2 * ring_record_bytes(it.key, it.parent);
+    }
   }
+  for (auto& kv : need) {
+    if (!by_ring) break;
+    auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base);
+    const uint64_t area = kv.first->bytes - kRingHeader;
+    const uint64_t used = hdr[2].load(std::memory_order_relaxed) - hdr[3].load(std::memory_order_acquire);
+    if (used > area || area - used < kv.second) by_ring = false;
+  }
+  std::unordered_map<CommitRing*, uint64_t> heads;  // where each ring's next record goes
+  if (by_ring)
+    for (auto& kv : need)
+      heads[kv.first] = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].load(std::memory_order_relaxed);
   for (auto& kv : scratch) slabs_[kv.first].free = std::move(kv.second);
   const double now = monotonic_s();
   const uint64_t wall = wall_ns();
@@ -682,10 +707,23 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.offset = it.offset;
     r.rep.length = extent_length(it.size);
     cold_++;
+    if (by_ring) {
+      CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
+      ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent);
+    }
     log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size, std::move(it.parent)});
     w.uint(gen);
   }
-  if (hold != nullptr) {
+  if (by_ring) {
+    // Published, then the nodes' liveness: a record written while its node held its lock
+    // is read by that node or, after its death, by the process that restarts it.
+    for (auto& kv : heads)
+      reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].store(kv.second, std::memory_order_release);
+    for (auto& kv : heads)
+      if (!ring_node_alive(*kv.first)) by_ring = false;
+    if (by_ring) ring_acks_ += items.size();
+  }
+  if (hold != nullptr && !by_ring) {
     log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
     out->clear();
     if (held != nullptr) *held = true;
@@ -694,6 +732,116 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   commit_logged_ = true;
   commit_cv_.notify_all();
   return true;
+}
+
+CommitRing* MasterIndex::usable_ring(const std::string& node_id, const std::string& incarnation) {
+  auto it = rings_.find(node_id);
+  if (it == rings_.end() || it->second.incarnation != incarnation) return nullptr;
+  auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(it->second.base);
+  if (hdr[0].load(std::memory_order_relaxed) != kRingMagic ||
+      hdr[1].load(std::memory_order_acquire) != it->second.epoch)
+    return nullptr;  // the node has mounted again since (or reset its ring)
+  return &it->second;
+}
+
+bool MasterIndex::ring_node_alive(const CommitRing& ring) {
+  if (flock(ring.fd, LOCK_SH | LOCK_NB) == 0) {  // nobody holds it: the node is gone
+    flock(ring.fd, LOCK_UN);
+    return false;
+  }
+  if (ring.proc_fd < 0) return true;
+  // /proc/<pid>/stat: "pid (comm) state ppid ...": field 9 the flags (PF_EXITING 0x4),
+  // field 31 the pending signals (a SIGKILL is queued to every thread as it is sent).
+  char buf[1024];
+  const ssize_t n = pread(ring.proc_fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return false;  // reaped
+  buf[n] = 0;
+  const char* p = strrchr(buf, ')');
+  if (p == nullptr || p[1] != ' ') return true;
+  p += 2;
+  if (*p == 'Z' || *p == 'X' || *p == 'x') return false;
+  uint64_t flags = 0, sigs = 0;
+  for (int field = 3; *p != 0 && field <= 31; field++) {
+    if (field == 9) flags = strtoull(p, nullptr, 10);
+    if (field == 31) sigs = strtoull(p, nullptr, 10);
+    p = strchr(p, ' ');
+    if (p == nullptr) break;
+    p++;
+  }
+  return !(flags & 0x4) && !(sigs & (1ull << 8));
+}
+
+uint64_t MasterIndex::ring_record_bytes(const std::string& key, const std::string& parent) {
+  return (48 + key.size() + parent.size() + 7) / 8 * 8;
+}
+
+void MasterIndex::ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uint64_t size, uint64_t offset,
+                             uint64_t length, const std::string& key, const std::string& parent, uint32_t kind) {
+  uint8_t* area = ring.base + kRingHeader;
+  const uint64_t cap = ring.bytes - kRingHeader;
+  const uint64_t n = ring_record_bytes(key, parent);
+  uint64_t pos = *head % cap;
+  if (cap - pos < n) {  // no room before the end: pad to it, start over at 0
+    const uint32_t pad[2] = {uint32_t(cap - pos), kRingPad};
+    std::memcpy(area + pos, pad, sizeof pad);
+    *head += cap - pos;
+    pos = 0;
+  }
+  uint8_t* p = area + pos;
+  const uint32_t h[2] = {uint32_t(n), kind};
+  const uint64_t f[4] = {gen, size, offset, length};
+  const uint32_t lens[2] = {uint32_t(key.size()), uint32_t(parent.size())};
+  std::memcpy(p, h, 8);
+  std::memcpy(p + 8, f, 32);
+  std::memcpy(p + 40, lens, 8);
+  std::memcpy(p + 48, key.data(), key.size());
+  std::memcpy(p + 48 + key.size(), parent.data(), parent.size());
+  *head += n;
+}
+
+bool MasterIndex::ring_publish(const std::vector<RingRecord>& recs) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::unordered_map<CommitRing*, uint64_t> need;
+  for (auto& r : recs) {
+    CommitRing* ring = usable_ring(r.node_id, r.incarnation);
+    if (ring == nullptr || r.key.size() > max_key_bytes_ || r.parent.size() > max_key_bytes_) return false;
+    need[ring] += 2 * ring_record_bytes(r.key, r.parent);
+  }
+  std::unordered_map<CommitRing*, uint64_t> heads;
+  for (auto& kv : need) {
+    auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base);
+    const uint64_t area = kv.first->bytes - kRingHeader;
+    const uint64_t head = hdr[2].load(std::memory_order_relaxed);
+    const uint64_t used = head - hdr[3].load(std::memory_order_acquire);
+    if (used > area || area - used < kv.second) return false;
+    heads[kv.first] = head;
+  }
+  for (auto& r : recs) {
+    CommitRing* ring = usable_ring(r.node_id, r.incarnation);
+    ring_write(*ring, &heads[ring], r.gen, r.size, r.offset, r.length, r.key, r.parent, r.kind);
+  }
+  bool alive = true;
+  for (auto& kv : heads)
+    reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].store(kv.second, std::memory_order_release);
+  for (auto& kv : heads)
+    if (!ring_node_alive(*kv.first)) alive = false;
+  if (alive) ring_acks_ += recs.size();
+  return alive && !recs.empty();
+}
+
+void MasterIndex::set_ring(const std::string& node_id, CommitRing ring) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  rings_[node_id] = std::move(ring);
+}
+
+void MasterIndex::drop_ring(const std::string& node_id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  rings_.erase(node_id);
+}
+
+uint64_t MasterIndex::ring_acks() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return ring_acks_;
 }
 
 bool MasterIndex::serve(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held) {

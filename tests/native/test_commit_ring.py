@@ -1,0 +1,176 @@
+"""The commit ring between the master's native commit path and a store node
+(``store/ring.py``, ``CommitRing`` in ``master_index.h``): a durable one-call commit is
+answered at once when its node holds its ring, and held for the node's answer otherwise;
+the node reads every record, in order, across the wrap, and a new process of the node
+reads what the previous one left."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import msgpack
+
+from mooncake_ray._private import rpc
+from mooncake_ray._private.master.fastpath import COMMIT, HELD
+from mooncake_ray._private.native import _native
+from mooncake_ray._private.store.ring import CommitRing
+
+
+def index_with_slab(node="n0", inc="i0", pieces=((0, 1 << 30),)):
+    ix = _native.MasterIndex()
+    ix.set_enabled(True)
+    ix.set_commits(True)
+    ix.set_next_gen(1 << 62)
+    ix.set_slab(1, "c1", node, "ray0", inc, list(pieces))
+    return ix
+
+
+def commit(ix, items, hold=True):
+    req = [rpc.PUT_COMMIT, [[k, 1, off, size, False, parent] for k, off, size, parent in items], "c1"]
+    got = ix.serve(msgpack.packb(req, use_bin_type=True), hold)
+    return got if not got else msgpack.unpackb(got)
+
+
+def attach(ix, master_view, epoch, node="n0", inc="i0"):
+    ix.set_ring(node, inc, master_view.addr, master_view.nbytes, master_view.fd, epoch)
+
+
+def attached(tmp_path):
+    """A node's ring, the master's mapping of it, and an index writing there."""
+    path = str(tmp_path / "ring0")
+    node, _ = CommitRing.create(path, 64 + 4096)
+    master = CommitRing.open(path)
+    ix = index_with_slab()
+    attach(ix, master, node.new_epoch())
+    return node, master, ix
+
+
+def test_a_commit_is_answered_through_the_ring_of_a_live_node(tmp_path):
+    path = str(tmp_path / "ring0")
+    node, left = CommitRing.create(path, 64 + 4096)
+    assert left == []
+    master = CommitRing.open(path)
+    ix = index_with_slab()
+    epoch = node.new_epoch()
+    attach(ix, master, epoch)
+    rep = commit(ix, [("a", 0, 100, ""), ("b", 4096, 5000, "a")])
+    assert rep[0] == rpc.OK and len(rep[1]) == 2  # answered, not held
+    assert ix.ring_acks() == 2
+    got = node.read()
+    assert got == [("a", rep[1][0], 100, 0, 128, "", False), ("b", rep[1][1], 5000, 4096, 8192, "a", False)]
+    assert node.read() == []
+    log = ix.drain()[2]
+    assert [e[0] for e in log] == [COMMIT, COMMIT]  # applied by Python as before, no HELD
+    master.close()
+    node.close()
+
+
+def test_without_the_nodes_lock_or_with_another_epoch_the_reply_is_held(tmp_path):
+    path = str(tmp_path / "ring0")
+    node, _ = CommitRing.create(path, 64 + 4096)
+    master = CommitRing.open(path)
+    ix = index_with_slab()
+    epoch = node.new_epoch()
+    attach(ix, master, epoch)
+    node.new_epoch()  # the node mounted again: the master's epoch is stale
+    assert commit(ix, [("a", 0, 100, "")]) == b""
+    assert node.read() == []  # nothing written under a stale epoch
+    attach(ix, master, node.epoch)
+    fcntl.flock(node.fd, fcntl.LOCK_UN)  # as if the node's process were gone
+    assert commit(ix, [("b", 4096, 100, "")]) == b""  # held for the node's answer
+    assert [r[0] for r in node.read()] == ["b"]  # (its record may still be read by a restart)
+    assert ix.ring_acks() == 0 and [e[0] for e in ix.drain()[2]] == [COMMIT, HELD, COMMIT, HELD]
+    ix.set_slab(2, "c1", "n0", "ray0", "i1", [(1 << 20, 4096)])  # another incarnation's slab
+    fcntl.flock(node.fd, fcntl.LOCK_EX)
+    req = [rpc.PUT_COMMIT, [["c", 2, 1 << 20, 100]], "c1"]
+    assert ix.serve(msgpack.packb(req, use_bin_type=True), True) == b""
+    master.close()
+    node.close()
+
+
+def test_records_wrap_in_order_and_a_full_ring_holds_the_reply(tmp_path):
+    node, master, ix = attached(tmp_path)
+    seen, i = [], 0
+    for rnd in range(40):  # about 1 MB of records through 4 KiB: many wraps
+        batch = [(f"k{i + j}-{'x' * (rnd % 13)}", 4096 * (i + j), 64, f"p{i + j}") for j in range(7)]
+        i += 7
+        rep = commit(ix, batch)
+        assert rep and rep[0] == rpc.OK, rnd
+        seen += node.read()
+    assert [r[0] for r in seen] == [f"k{j}-{'x' * (j // 7 % 13)}" for j in range(i)]
+    assert [r[5] for r in seen] == [f"p{j}" for j in range(i)]
+    # unread, the ring fills: the commit that does not fit is held, not written
+    filled = 0
+    while True:
+        rep = commit(ix, [(f"f{filled}", 4096 * (i + filled), 64, "")])
+        if rep == b"":
+            break
+        filled += 1
+    assert 20 < filled < 4096 // 56
+    assert [r[0] for r in node.read()] == [f"f{j}" for j in range(filled)]
+    master.close()
+    node.close()
+
+
+def test_a_new_process_of_the_node_reads_what_the_previous_one_left(tmp_path):
+    node, master, ix = attached(tmp_path)
+    path = node.path
+    assert commit(ix, [("a", 0, 100, ""), ("b", 4096, 100, "")])[0] == rpc.OK
+    node.close()  # the process exits: its lock goes with it
+    again, left = CommitRing.create(path, 64 + 4096)
+    assert [r[0] for r in left] == ["a", "b"]
+    assert again.epoch == 0 and not again.pending()
+    assert commit(ix, [("c", 8192, 100, "")]) == b""  # the old epoch: not through the ring
+    assert again.read() == []
+    master.close()
+    again.close()
+    os.unlink(path)
+
+
+def test_a_node_process_that_is_exiting_or_gone_is_not_answered_through_its_ring(tmp_path):
+    """Its lock may outlive a SIGKILL by milliseconds (the exit unmaps the arena first): the
+    master also reads the process's /proc entry. A zombie, and a reaped process, are gone."""
+    import signal
+    import subprocess
+    import time
+
+    path = str(tmp_path / "ring0")
+    node, _ = CommitRing.create(path, 64 + 4096)
+    master = CommitRing.open(path)
+    child = subprocess.Popen(["sleep", "60"])
+    master.proc_fd = os.open(f"/proc/{child.pid}/stat", os.O_RDONLY)
+    ix = index_with_slab()
+    ix.set_ring("n0", "i0", master.addr, master.nbytes, master.fd, node.new_epoch(), master.proc_fd)
+    assert commit(ix, [("a", 0, 100, "")])[0] == rpc.OK  # alive
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{child.pid}/stat").read().split(") ")[1][0] != "Z":  # exited, not reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert commit(ix, [("b", 4096, 100, "")]) == b""
+    child.wait()
+    assert commit(ix, [("c", 8192, 100, "")]) == b""
+    assert ix.ring_acks() == 1
+    master.close()
+    node.close()
+
+
+def test_pythons_commits_and_reservations_go_through_the_ring_all_or_nothing(tmp_path):
+    paths = [str(tmp_path / f"ring{i}") for i in range(2)]
+    nodes = [CommitRing.create(p, 64 + 4096)[0] for p in paths]
+    masters = [CommitRing.open(p) for p in paths]
+    ix = index_with_slab()
+    for i, (n, m) in enumerate(zip(nodes, masters)):
+        ix.set_ring(f"n{i}", f"i{i}", m.addr, m.nbytes, m.fd, n.new_epoch())
+    recs = [("n0", "i0", False, "v", 7, 100, 4096, 4096, "p"), ("n1", "i1", False, "v", 7, 100, 0, 4096, "p"),
+            ("n1", "i1", True, "put/8", 8, 8192, 8192, 8192, "")]
+    assert ix.ring_publish(recs)
+    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False)]
+    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False), ("put/8", 8, 8192, 8192, 8192, "", True)]
+    # one record for a node without a usable ring (another incarnation): none is written
+    assert not ix.ring_publish([("n0", "i0", False, "w", 9, 1, 0, 64, ""), ("n1", "old", False, "w", 9, 1, 0, 64, "")])
+    assert nodes[0].read() == [] and nodes[1].read() == []
+    assert ix.ring_acks() == 3
+    for r in masters + nodes:
+        r.close()
