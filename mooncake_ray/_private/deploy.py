@@ -9,16 +9,15 @@ import logging
 import time
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import ConfigError, MasterUnavailableError, NodeUnavailableError
-from mooncake_ray._private import auth, elastic, preflight
+from mooncake_ray._private import auth, preflight
 from mooncake_ray._private.master.actor import master_actor_class
 from mooncake_ray._private.rayjoin import join
 from mooncake_ray._private.naming import MASTER_NAME, is_master_name, master_name, store_actor_name
 from mooncake_ray._private.shards import merge_stats
-from mooncake_ray._private.store.actor import StoreNodeActor
+from mooncake_ray._private.store_nodes import ACTOR_OPTS, spawn_store_node, store_nodes
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +31,6 @@ def ensure_ray(cfg: StoreConfig) -> None:
         return
     join(cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     _started_ray = True
-
-
-def store_nodes(cfg: StoreConfig) -> list[dict]:
-    """Ray nodes that get a store node: those with the store resource, else all alive;
-    never one Ray is draining (it is leaving)."""
-    try:
-        leaving = elastic.draining_nodes()
-    except Exception:  # noqa: BLE001 - an older GCS: no drains known
-        leaving = {}
-    alive = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in leaving]
-    offering = [n for n in alive if n.get("Resources", {}).get(cfg.store_resource, 0) > 0]
-    return offering or alive
 
 
 def _exists(name: str, namespace: str) -> bool:
@@ -74,7 +61,7 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
         auth.ensure_secret(cfg.namespace)  # before any member's engine is made
     preflight.check_nodes(cfg, [n for n in nodes if not _exists(store_actor_name(n["NodeID"]), cfg.namespace)])
     masters = [master_actor_class().options(
-        name=master_name(shard), max_concurrency=4, **_MASTER_PLACEMENT, **_OPTS, namespace=cfg.namespace,
+        name=master_name(shard), max_concurrency=4, **_MASTER_PLACEMENT, **ACTOR_OPTS, namespace=cfg.namespace,
     ).remote(cfg.model_dump(), shard) for shard in range(cfg.master.shards)]
     actors = [spawn_store_node(cfg, n["NodeID"]) for n in nodes]
     deadline = time.monotonic() + timeout_s
@@ -98,41 +85,6 @@ def deploy(cfg: StoreConfig, timeout_s: float = 120.0):
 # and a master on a node that drains or scales down dies with it. "DEFAULT" keeps the
 # master out of a placement group the caller runs in (a Ray Serve LLM replica's).
 _MASTER_PLACEMENT = dict(resources={"node:__internal_head__": 0.001}, scheduling_strategy="DEFAULT")
-
-
-_OPTS = dict(lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1, max_task_retries=-1)
-
-
-def spawn_store_node(cfg: StoreConfig, node_id: str):
-    """The store node of Ray node ``node_id`` (created, or the running one): a detached
-    actor pinned to that node, restarted there by Ray if its process dies."""
-    return ray.remote(StoreNodeActor).options(
-        name=store_actor_name(node_id), max_concurrency=4, namespace=cfg.namespace,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **_OPTS,
-    ).remote(cfg.model_dump(), node_id)
-
-
-def join_new_nodes(cfg: StoreConfig, skip: dict[str, float]) -> list[str]:
-    """Give a store node to every Ray node that should have one and has none (a node that
-    joined the running cluster). ``skip``: node id -> monotonic time before which a node
-    whose probe failed is not probed again (updated here). Returns the Ray node ids that
-    got one. Called by master shard 0 every ``elastic.poll_s``."""
-    have = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e.get("namespace") == cfg.namespace}
-    now = time.monotonic()
-    new = [n for n in store_nodes(cfg)
-           if store_actor_name(n["NodeID"]) not in have and skip.get(n["NodeID"], 0.0) <= now]
-    made = []
-    for n in new:
-        try:
-            preflight.check_nodes(cfg, [n])
-        except (ConfigError, NodeUnavailableError) as e:
-            skip[n["NodeID"]] = now + 60.0
-            log.warning("Ray node %s joined but gets no store node: %s", n["NodeID"][:12], e)
-            continue
-        spawn_store_node(cfg, n["NodeID"])
-        made.append(n["NodeID"])
-        log.info("Ray node %s joined: store node started", n["NodeID"][:12])
-    return made
 
 
 def _check_shards(cfg: StoreConfig) -> None:

@@ -54,6 +54,7 @@ from mooncake_ray._private.metrics import MasterMetrics
 from mooncake_ray._private.naming import store_actor_ids
 from mooncake_ray._private.store.arena import boot_id, pid_namespace
 from mooncake_ray._private.store.ring import CommitRing
+from mooncake_ray._private.store_nodes import join_new_nodes
 
 log = logging.getLogger(__name__)
 
@@ -658,8 +659,6 @@ class MasterActor:
 
     def _join_loop(self) -> None:
         """Master shard 0: give a store node to every Ray node that joins (``elastic.join``)."""
-        from mooncake_ray._private.deploy import join_new_nodes
-
         skip: dict[str, float] = {}
         while not self._stop.wait(self.cfg.elastic.poll_s):
             try:
