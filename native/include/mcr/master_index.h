@@ -270,6 +270,11 @@ class MasterIndex {
   CommitRing* usable_ring(const std::string& node_id, const std::string& incarnation);
   CommitRing* usable_ring(const IndexNode& node) { return usable_ring(node.node_id, node.incarnation); }
   static bool ring_node_alive(const CommitRing& ring);
+  // Each ring's head in *heads when all have room for ``need`` bytes (else false).
+  static bool ring_room(const std::unordered_map<CommitRing*, uint64_t>& need,
+                        std::unordered_map<CommitRing*, uint64_t>* heads);
+  // Moves each ring's head to publish what was written; true if every node is alive.
+  static bool ring_publish_heads(const std::unordered_map<CommitRing*, uint64_t>& heads);
   static uint64_t ring_record_bytes(const std::string& key, const std::string& parent);
   static void ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uint64_t size, uint64_t offset,
                          uint64_t length, const std::string& key, const std::string& parent,

@@ -7,7 +7,6 @@
 #include <time.h>
 
 #include <atomic>
-#include <cerrno>
 
 #include <algorithm>
 #include <chrono>
@@ -676,17 +675,8 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
       else need[ring] += 2 * ring_record_bytes(it.key, it.parent);
     }
   }
-  for (auto& kv : need) {
-    if (!by_ring) break;
-    auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base);
-    const uint64_t area = kv.first->bytes - kRingHeader;
-    const uint64_t used = hdr[2].load(std::memory_order_relaxed) - hdr[3].load(std::memory_order_acquire);
-    if (used > area || area - used < kv.second) by_ring = false;
-  }
   std::unordered_map<CommitRing*, uint64_t> heads;  // where each ring's next record goes
-  if (by_ring)
-    for (auto& kv : need)
-      heads[kv.first] = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].load(std::memory_order_relaxed);
+  by_ring = by_ring && ring_room(need, &heads);
   for (auto& kv : scratch) slabs_[kv.first].free = std::move(kv.second);
   const double now = monotonic_s();
   const uint64_t wall = wall_ns();
@@ -715,12 +705,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     w.uint(gen);
   }
   if (by_ring) {
-    // Published, then the nodes' liveness: a record written while its node held its lock
-    // is read by that node or, after its death, by the process that restarts it.
-    for (auto& kv : heads)
-      reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].store(kv.second, std::memory_order_release);
-    for (auto& kv : heads)
-      if (!ring_node_alive(*kv.first)) by_ring = false;
+    by_ring = ring_publish_heads(heads);
     if (by_ring) ring_acks_ += items.size();
   }
   if (hold != nullptr && !by_ring) {
@@ -771,6 +756,30 @@ bool MasterIndex::ring_node_alive(const CommitRing& ring) {
   return !(flags & 0x4) && !(sigs & (1ull << 8));
 }
 
+bool MasterIndex::ring_room(const std::unordered_map<CommitRing*, uint64_t>& need,
+                            std::unordered_map<CommitRing*, uint64_t>* heads) {
+  for (auto& kv : need) {
+    auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base);
+    const uint64_t area = kv.first->bytes - kRingHeader;
+    const uint64_t head = hdr[2].load(std::memory_order_relaxed);
+    const uint64_t used = head - hdr[3].load(std::memory_order_acquire);
+    if (used > area || area - used < kv.second) return false;
+    (*heads)[kv.first] = head;
+  }
+  return true;
+}
+
+bool MasterIndex::ring_publish_heads(const std::unordered_map<CommitRing*, uint64_t>& heads) {
+  // Published, then the nodes' liveness: a record written while its node held its lock
+  // is read by that node or, after its death, by the process that restarts it.
+  for (auto& kv : heads)
+    reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].store(kv.second, std::memory_order_release);
+  bool alive = true;
+  for (auto& kv : heads)
+    if (!ring_node_alive(*kv.first)) alive = false;
+  return alive;
+}
+
 uint64_t MasterIndex::ring_record_bytes(const std::string& key, const std::string& parent) {
   return (48 + key.size() + parent.size() + 7) / 8 * 8;
 }
@@ -808,23 +817,12 @@ bool MasterIndex::ring_publish(const std::vector<RingRecord>& recs) {
     need[ring] += 2 * ring_record_bytes(r.key, r.parent);
   }
   std::unordered_map<CommitRing*, uint64_t> heads;
-  for (auto& kv : need) {
-    auto* hdr = reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base);
-    const uint64_t area = kv.first->bytes - kRingHeader;
-    const uint64_t head = hdr[2].load(std::memory_order_relaxed);
-    const uint64_t used = head - hdr[3].load(std::memory_order_acquire);
-    if (used > area || area - used < kv.second) return false;
-    heads[kv.first] = head;
-  }
+  if (!ring_room(need, &heads)) return false;
   for (auto& r : recs) {
     CommitRing* ring = usable_ring(r.node_id, r.incarnation);
     ring_write(*ring, &heads[ring], r.gen, r.size, r.offset, r.length, r.key, r.parent, r.kind);
   }
-  bool alive = true;
-  for (auto& kv : heads)
-    reinterpret_cast<std::atomic<uint64_t>*>(kv.first->base)[2].store(kv.second, std::memory_order_release);
-  for (auto& kv : heads)
-    if (!ring_node_alive(*kv.first)) alive = false;
+  const bool alive = ring_publish_heads(heads);
   if (alive) ring_acks_ += recs.size();
   return alive && !recs.empty();
 }
