@@ -173,7 +173,6 @@ class StoreNodeActor:
         link, the records the previous process of this node left unread."""
         left: list[list[tuple]] = [[] for _ in self._links]
         for link in self._links:
-            link.ring = None
             if self.arena_file is not None and self.cfg.master.durable_acks:
                 try:
                     link.ring, left[link.shard] = CommitRing.create(f"{self.arena_file.stem}.ring{link.shard}")
@@ -190,8 +189,7 @@ class StoreNodeActor:
         adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent)
                 for key, gen, size, offset, length, parent, reserved in link.ring.read()]
         apply_records(link.inv.entries, adds, (), disk_drops=False)
-        if self.arena_file is not None:
-            self._journal((adds, (), ()))
+        self._journal((adds, (), ()))  # a ring lives beside a kept arena: there is a journal
 
     def _readopt(self, ring_left: list[list[tuple]]) -> dict:
         """Take back the values the previous process of this node left in the arena: each
