@@ -259,12 +259,15 @@ class MasterConfig(_Model):
     """Evict KV chains leaves first: a value put with a ``parent`` holds its parent (and so
     its whole prefix) in the store while it is stored or being put; a page whose parent
     went is dropped (no prefix lookup reaches it). False: plain LRU over every key."""
-    chain_insert: Literal["recent", "old"] = "recent"
-    """Where a new value put with a parent enters the eviction order: the recent end (LRU),
-    or the old end, moving to the recent end at its first read. ``old`` keeps a stable
-    part of a working set larger than DRAM (many conversations taking turns: LRU evicts
-    each just before its next turn) at the cost of new pages going first under pressure;
-    figures in docs/performance.md."""
+    chain_insert: Literal["adaptive", "recent", "old"] = "adaptive"
+    """Where a new value put with a parent (a KV page) enters the eviction order. ``recent``:
+    the recent end (LRU), right when pages are read again soon (a conversation's next turn
+    before the arena turns over, a prefill's pages that a decode loads). ``old``: on
+    probation at the old end, unread pages first in first out, moving to the recent end at
+    its first read; right when more conversations take turns than DRAM holds (LRU then
+    evicts each just before its next turn). ``adaptive`` (default): the master simulates
+    both on a sample of the keys and follows the one that hits more lately; the setting is
+    for experiments. Figures in docs/performance.md."""
     shards: int = Field(1, ge=1, le=64)
     """Master actors, each owning the keys that hash to it and an equal part of every
     store node's arena (``_private/shards.py``): more metadata throughput, and a shard's

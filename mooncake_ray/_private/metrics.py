@@ -56,12 +56,18 @@ class MasterMetrics:
         "repairs": "Copies made to restore values short of copies (a node lost, a put placed short)",
         "repair_bytes": "Value bytes copied by repairs",
         "repair_failures": "Repair copies that failed (planned again)",
+        "insertion_switches": "Changes of the KV pages' insertion policy (chain_insert adaptive)",
+        "shadow_refs": "Sampled references counted by the insertion policy's miniature caches",
+        "shadow_hits_recent": "Sampled references the miniature cache inserting at the recent end hit",
+        "shadow_hits_old": "Sampled references the miniature cache inserting on probation (old end) hit",
     }
     GAUGES = {
         "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
         "chained": "Stored values linked to a parent (KV chains)",
         "under_replicated_keys": "Values with fewer copies than they had or asked for, waiting for a repair",
         "under_replicated_bytes": "Value bytes of the under-replicated values",
+        "insert_old": "1 while new KV pages enter the eviction order on probation (old end), 0 at the recent end",
+        "insertion_score": "Smoothed hit ratio of the old-end miniature cache less the recent-end one's",
     }
     # ``mooncake_tier_hits_total`` (tag ``tier``): gets served from DRAM (the ``hits`` total)
     # and gets of a value only on disk, promoted into DRAM for it (``disk_hits``).

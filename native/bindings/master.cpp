@@ -68,7 +68,19 @@ void bind_master(nb::module_& m) {
       .def("contains", &mcr::MasterIndex::contains, "key"_a)
       .def("is_hot", &mcr::MasterIndex::is_hot, "key"_a)
       .def("touch", &mcr::MasterIndex::touch, "key"_a)
-      .def("demote", &mcr::MasterIndex::demote, "key"_a)
+      .def("probation", &mcr::MasterIndex::probation, "key"_a)
+      .def("set_insert_old", &mcr::MasterIndex::set_insert_old, "on"_a)
+      .def("set_grace_bytes", &mcr::MasterIndex::set_grace_bytes, "n"_a)
+      .def("set_sample_shift", &mcr::MasterIndex::set_sample_shift, "shift"_a)
+      .def("sample", &mcr::MasterIndex::sample, "kind"_a, "key"_a, "size"_a, "chained"_a)
+      // -> (dropped, [(hash, kind, size, chained), ...])
+      .def("take_samples", [](mcr::MasterIndex& ix) {
+        uint64_t dropped = 0;
+        auto got = ix.take_samples(&dropped);
+        nb::list out;
+        for (auto& s : got) out.append(nb::make_tuple(s.hash, s.kind, s.size, s.chained));
+        return nb::make_tuple(dropped, out);
+      })
       // -> ([(key, None | (gen, size, offset, length)), ...], next key or None)
       .def("scan", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, bool disk,
                       double now, size_t limit) {

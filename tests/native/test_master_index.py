@@ -99,6 +99,7 @@ def test_native_index_matches_reference(seed):
         ix.set_max_log(max_log)
         ix.set_commits(True)
         ix.set_next_gen(1 << 62)  # above the wall clock: generations are the counter's
+        ix.set_sample_shift(0)  # every reference sampled
     leases: list = []
     slabs: dict = {}
     answered = commits = 0
@@ -177,9 +178,22 @@ def test_native_index_matches_reference(seed):
             assert (m1, h1) == (m2, h2)
             assert [e[:4] + e[5:] for e in log1] == [e[:4] + e[5:] for e in log2]
             assert all(0 <= t0 - e[4] < 60 for e in log1), "native times are CLOCK_MONOTONIC seconds"
+            (d1, s1), (d2, s2) = native.take_samples(), ref.take_samples()
+            assert d1 == d2 and [x[1:] for x in s1] == [x[1:] for x in s2], "sampled references differ"
         elif r < 0.362:
             native.clear()
             ref.clear()
+        elif r < 0.38:  # the insertion policy: probation with a grace window (adaptive.py)
+            how, key = rng.choice(["probation", "probation", "probation", "insert_old", "grace"]), random_key(rng)
+            on, grace = rng.random() < 0.5, rng.choice([0, 4096, 1 << 20, 1 << 36])
+            for ix in (native, ref):
+                if how == "probation":
+                    ix.probation(key)
+                elif how == "insert_old":
+                    ix.set_insert_old(on)
+                else:
+                    ix.set_grace_bytes(grace)
+            assert native.keys("") == ref.keys(""), "recency order differs"
         else:
             req = random_request(rng, leases)
             data = msgpack.packb(req, use_bin_type=True)

@@ -70,7 +70,7 @@ class Sim:
                                  high_watermark=self.rng.choice([0.7, 0.9, 1.0]), evict_ratio=0.05,
                                  evict_in_background=self.rng.random() < 0.5,
                                  repair_delay_s=(0.0, 1.0, 5.0)[seed % 3],
-                                 chain_insert="old" if seed % 4 == 2 else "recent")
+                                 chain_insert=("recent", "old", "adaptive")[seed % 4 // 2 % 3 if seed % 4 else 2])
         else:  # the shards of one store share its configuration
             self.spill, self.policy = world.spill, world.policy
         self.m = self._new_master()

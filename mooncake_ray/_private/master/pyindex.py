@@ -11,6 +11,7 @@ through this one. GET answers are ``wire.ReadGrant`` records; PUT_COMMIT items a
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import msgpack
@@ -22,6 +23,9 @@ from mooncake_ray._private.master.types import Tier
 from mooncake_ray._private.wire import Commit, ReadGrant, ReplicaLoc
 
 _DRAM = Tier.DRAM.value
+# Reference kinds of sampled keys (MasterIndex::kRefExists...), and how many samples wait.
+REF_EXISTS, REF_GET, REF_PUT = 1, 2, 3
+SAMPLES_MAX = 1 << 16
 
 
 class _Rec:
@@ -53,6 +57,16 @@ class PyIndex:
 
     def __init__(self) -> None:
         self._map: dict[str, _Rec] = {}  # in recency order, least recent first
+        # On probation (older than all of _map): the newest ones (``_grace_max`` bytes) first
+        # in first out, those before them newest first.
+        self._stack: dict[str, None] = {}  # left the grace window: the last one in goes first
+        self._grace: dict[str, int] = {}  # the newest, oldest first: key -> size counted
+        self._grace_bytes = 0
+        self._grace_max = 0
+        self._insert_old = False
+        self._shift = 64  # sampling off until the master sets its rate
+        self._samples: list = []
+        self._dropped = 0
         self._log: list = []
         self._misses = 0
         self._hits = 0
@@ -71,13 +85,20 @@ class PyIndex:
         self.wall_ns = time.time_ns
 
     # ------------------------------------------------------------- the table --
+    def _resize(self, key, size) -> None:
+        if key in self._grace:
+            self._grace_bytes += size - self._grace[key]
+            self._grace[key] = size
+
     def set(self, key, size, gen, reps) -> None:
+        self._resize(key, size)
         self._map[key] = _Rec(size, gen, True, [tuple(r) for r in reps])
 
     def set_cold(self, key, size, gen, node_id, ray_node_id, incarnation, disk, offset, length, placed,
                  lease_until, leases) -> None:
         if len(leases) > 2:
             raise ValueError("a cold record holds at most two leases")
+        self._resize(key, size)
         self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, incarnation, offset, length, placed),
                               disk=disk, lease_until=float(lease_until), leases=leases)
 
@@ -101,25 +122,70 @@ class PyIndex:
         r = self._map.get(key)
         return r is not None and r.hot
 
+    def _unprobe(self, key) -> None:
+        self._stack.pop(key, None)
+        self._grace_bytes -= self._grace.pop(key, 0)
+
     def touch(self, key) -> None:
+        if key in self._map:
+            self._unprobe(key)
         r = self._map.pop(key, None)
         if r is not None:
             self._map[key] = r
 
-    def demote(self, key) -> None:
-        r = self._map.pop(key, None)
-        if r is not None:
-            self._map = {key: r, **self._map}
+    def probation(self, key) -> None:
+        if key not in self._map:
+            return
+        self._unprobe(key)
+        self._grace[key] = size = self._map[key].size
+        self._grace_bytes += size
+        while self._grace_bytes > self._grace_max:
+            old = next(iter(self._grace))
+            self._grace_bytes -= self._grace.pop(old)
+            self._stack[old] = None
+
+    def set_grace_bytes(self, n: int) -> None:
+        self._grace_max = n
+
+    def set_insert_old(self, on: bool) -> None:
+        self._insert_old = on
+
+    def set_sample_shift(self, shift: int) -> None:
+        self._shift = max(0, min(shift, 64))
+
+    def sample(self, kind, key, size, chained) -> None:
+        if self._shift >= 64:
+            return
+        h = int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+        if self._shift and h >> (64 - self._shift):
+            return
+        if len(self._samples) >= SAMPLES_MAX:
+            self._dropped += 1
+            return
+        self._samples.append((h, kind, size, chained))
+
+    def take_samples(self):
+        out, self._samples, dropped, self._dropped = self._samples, [], self._dropped, 0
+        return dropped, out
+
+    def _order(self) -> list:
+        """Every key, least recent first: those on probation, then the rest."""
+        if not self._stack and not self._grace:
+            return list(self._map)
+        return [*reversed(self._stack), *self._grace,
+                *(k for k in self._map if k not in self._stack and k not in self._grace)]
 
     def drop(self, key) -> None:
-        self._map.pop(key, None)
+        if key in self._map:
+            self._unprobe(key)
+            del self._map[key]
 
     def drop_many(self, keys) -> None:
         for key in keys:
-            self._map.pop(key, None)
+            self.drop(key)
 
     def scan(self, after, node_id, disk, now, limit):
-        keys = list(self._map)
+        keys = self._order()
         i = 0 if not after else keys.index(after) + 1 if after in self._map else len(keys)
         out, seen = [], 0
         for j in range(i, len(keys)):
@@ -134,7 +200,7 @@ class PyIndex:
         return out, None
 
     def evict_cold(self, after, node_id, now, need):
-        keys = list(self._map)
+        keys = self._order()
         i = 0 if not after or after not in self._map else keys.index(after) + 1
         out_keys, gens, extents, freed, stop = [], [], [], 0, None
         for key in keys[i:]:
@@ -149,7 +215,7 @@ class PyIndex:
                 gens.append(r.gen)
                 extents.append((r.rep[3], r.rep[4]))
                 freed += r.rep[4]
-                del self._map[key]
+                self.drop(key)
         runs: list = []
         for off, ln in sorted(extents):
             if runs and runs[-1][0] + runs[-1][1] == off:
@@ -162,13 +228,16 @@ class PyIndex:
         return [(k, r.disk) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
 
     def keys(self, prefix) -> list:
-        return [k for k in self._map if k.startswith(prefix)]
+        return [k for k in self._order() if k.startswith(prefix)]
 
     def cold_count(self) -> int:
         return sum(not r.hot for r in self._map.values())
 
     def clear(self) -> None:
         self._map.clear()
+        self._stack.clear()
+        self._grace.clear()
+        self._grace_bytes = 0
 
     def lock(self) -> None:
         pass
@@ -266,6 +335,8 @@ class PyIndex:
                 if not r.hot and (r.lease_until > now and len(r.leases) == 2 or any(f is r for f in found[:i])):
                     return None  # a third lease, or the same key twice: Python's
         self._served += 1
+        for key in keys:
+            self.sample(REF_EXISTS if op == rpc.EXISTS else REF_GET, key, 0, False)
         if op == rpc.EXISTS:
             self._lookups += len(keys)
             return rpc.pack([rpc.OK, [e is not None for e in found]])
@@ -335,6 +406,9 @@ class PyIndex:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
+            if self._insert_old and parent:
+                self.probation(key)
+            self.sample(REF_PUT, key, size, bool(parent))
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size, parent))
             gens.append(gen)
         self._served += 1

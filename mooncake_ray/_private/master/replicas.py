@@ -91,6 +91,8 @@ class ReplicaTable:
         # Told (key, gen, copies it had, size) of each value a lost node leaves short of copies
         # (repairs.py; set by the state machine).
         self.on_short: Callable[[str, int, int, int], None] | None = None
+        # Called with ``now`` before an eviction round (the insertion policy catches up).
+        self.before_evict: Callable[[float], None] | None = None
 
     def publish(self, obj: Obj, now: float) -> None:
         """Make a written value visible, replacing the key's old value if any."""
@@ -100,7 +102,7 @@ class ReplicaTable:
             self.drop_object(old, now)
         obj.complete = True
         self._objects[key] = obj
-        self._objects.touch_new(key, obj.parent)
+        self._objects.touch_new(key, obj.parent, obj.size)
         self.counters["puts"] += 1
         self.counters["put_bytes"] += obj.size
         for r in obj.replicas:
@@ -354,6 +356,8 @@ class ReplicaTable:
         eviction). Soft-pinned values yield only to what an allocation needs (``need`` of a
         whole round, less the offloads in flight; at most ``must`` when given), never to
         room freed in advance."""
+        if self.before_evict is not None:
+            self.before_evict(now)
         node, alloc = self._nodes[node_id], self._alloc[node_id]
         must = min(need if must is None else must, max(0, need - node.offload_inflight)) if whole_round else 0
         if whole_round:

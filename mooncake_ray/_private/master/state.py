@@ -55,7 +55,8 @@ from mooncake_ray._private.master.drain import Drains
 from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
-from mooncake_ray._private.master.pyindex import PyIndex
+from mooncake_ray._private.master.adaptive import InsertionPolicy
+from mooncake_ray._private.master.pyindex import REF_EXISTS, REF_GET, PyIndex
 from mooncake_ray._private.master.repairs import Repairs
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
 from mooncake_ray._private.master.table import ObjectTable
@@ -122,7 +123,10 @@ class MasterState:
         self._objects.chains.counters = self.counters
         self.counters.update(chain_tail_evictions=0, lookups=0)
         self._objects.hold_parents = self.policy.chain_eviction
-        self._objects.insert_old = self.policy.chain_insert == "old"
+        # Chained values adapt their insertion (adaptive.py); plain LRU inserts at the recent end.
+        self.insertion = InsertionPolicy(self.policy.chain_insert if self.policy.chain_eviction else "recent", index)
+        self._objects.insertion = self.insertion
+        self._adapted_at = 0.0
         self._mirror = ReadMirror(self._objects, self._pending, self._nodes)
         self._replicas = ReplicaTable(self.policy, clock, wall_ns, self._nodes, self._alloc, self._objects, self._pending,
                                       self.counters, self._mirror, offload=self._offload)
@@ -130,6 +134,7 @@ class MasterState:
         self._slab_table = SlabTable(self.policy, self._nodes, self._alloc, self._objects, self._pending, reps,
                                      self._mirror, self._gens, self._rng, wall_ns)
         reps.slab_room = self._slab_table.room
+        reps.before_evict = self.adapt
         self._tier = DiskTier(self.policy, self._nodes, self._objects, self.counters, self._mirror,
                               delta=reps.delta, drop_replica=reps.drop_replica, allocate=reps.allocate,
                               new_placement=reps.new_placement)
@@ -153,6 +158,7 @@ class MasterState:
     def index(self, index) -> None:
         """Move the table, the slabs and the keys in flight to another index."""
         self._objects.rebind(index)
+        self.insertion.rebind(index)
         for key in self._pending:
             self._mirror.pending(key)
         for slab_id, slab in self._slab_table.slabs.items():
@@ -161,6 +167,14 @@ class MasterState:
     def flush(self) -> int:
         """End of a section: plain objects go back to being only records (``table.py``)."""
         return self._objects.flush()
+
+    def adapt(self, now: float, every_s: float = 0.01) -> None:
+        """Run the insertion policy's miniature caches over the references sampled since
+        the last call and follow their choice (adaptive.py): at every tick, and before an
+        eviction round (at most every ``every_s``), where the order starts to matter."""
+        if now - self._adapted_at >= every_s:
+            self._adapted_at = now
+            self.insertion.update(sum(a.capacity for a in self._alloc.values()))
 
     # ------------------------------------------------------------------ nodes --
     def mount(self, node: NodeInfo, inventory: list[InventoryEntry] = ()) -> None:
@@ -588,6 +602,8 @@ class MasterState:
         Release the lease with ``release(key, gen, lease)`` once the bytes are copied.
         """
         self._ready()
+        if self.insertion.sampling:
+            self.index.sample(REF_GET, key, 0, False)
         obj = self._objects.get(key)
         if obj is None:
             self.counters["misses"] += 1
@@ -632,6 +648,8 @@ class MasterState:
         the eviction order nor holds it (only a read's lease does)."""
         self._ready()
         self.counters["lookups"] += 1
+        if self.insertion.sampling:
+            self.index.sample(REF_EXISTS, key, 0, False)
         return key in self._objects
 
     def take_held(self) -> list:
@@ -793,6 +811,7 @@ class MasterState:
         """Periodic work: revoke timed-out puts, unmount silent nodes, free extents whose
         leases ended, drop orphaned chain tails. Returns what it did."""
         now = self._clock()
+        self.adapt(now, every_s=0.0)
         self._replicas.release_deferred(now)
         self._tier.expire_promotions(now)
         self._drains.expire(now)
@@ -844,6 +863,7 @@ class MasterState:
             "under_replicated_bytes": self.repairs.short_bytes,
             "native_calls": self.index.served(),
             "ring_acks": self.index.ring_acks(),  # puts answered through commit rings
+            "eviction_policy": self.insertion.stats(),
             "nodes": nodes,
             **self.counters,
             **self._chain_stats(),
@@ -855,7 +875,13 @@ class MasterState:
         nodes = {node_id: node.usage(self._alloc[node_id], detail=False) for node_id, node in self._nodes.items()}
         return {"nodes": nodes, "pending": len(self._pending), "keys": len(self._objects), **self.counters,
                 "under_replicated_keys": len(self.repairs.short), "under_replicated_bytes": self.repairs.short_bytes,
-                **self._chain_stats()}
+                **self._chain_stats(), **self._insertion_gauges()}
+
+    def _insertion_gauges(self) -> dict:
+        ins = self.insertion
+        return {"insert_old": int(ins.old), "insertion_score": ins.score, "insertion_switches": ins.counters["switches"],
+                "shadow_refs": ins.counters["refs"], "shadow_hits_recent": ins.counters["hits_recent"],
+                "shadow_hits_old": ins.counters["hits_old"]}
 
     def _chain_stats(self) -> dict:
         """Values linked into chains, orphans (stored, parent not), lookups answered here

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from mooncake_ray._private.master.adaptive import InsertionPolicy
 from mooncake_ray._private.master.chains import Chains
+from mooncake_ray._private.master.pyindex import REF_PUT
 from mooncake_ray._private.master.types import NodeInfo, Obj, Pin, Replica, Tier
 
 SCAN_BATCH = 4096  # records the index lists per scan() call of a victim search
@@ -50,7 +52,9 @@ class ObjectTable:
         # Chain-aware eviction: a value with stored children stays hot, so the index's
         # own eviction (evict_cold) stops at it and the state machine judges it.
         self.hold_parents = True
-        self.insert_old = False  # a new value with a parent enters at the old end (chain_insert)
+        # Where a new value with a parent enters the eviction order (adaptive.py); the
+        # state machine sets it.
+        self.insertion: InsertionPolicy | None = None
 
     # ----------------------------------------------------------------- mapping --
     def get(self, key: str, default=None) -> Obj | None:
@@ -80,13 +84,17 @@ class ObjectTable:
         self.index.set(key, obj.size, obj.gen, self.answer(obj))
         self._linked(key, obj.parent)
 
-    def touch_new(self, key: str, parent: str) -> None:
-        """A put published ``key``: to the recent end, or (``insert_old``, a chained
-        value) the old end, from where its first read moves it."""
-        if parent and self.insert_old:
-            self.index.demote(key)
+    def touch_new(self, key: str, parent: str, size: int) -> None:
+        """A put published ``key``: to the recent end, or (the insertion policy says
+        ``old``, a chained value) on probation at the old end, from where its first read
+        moves it. The native index does the same for its own commits."""
+        insertion = self.insertion
+        if parent and insertion is not None and insertion.old:
+            self.index.probation(key)
         else:
             self.index.touch(key)
+        if insertion is not None and insertion.sampling:
+            self.index.sample(REF_PUT, key, size, bool(parent))
 
     def __delitem__(self, key: str) -> None:
         self._hot.pop(key, None)
@@ -122,10 +130,9 @@ class ObjectTable:
                 self._dirty.add(parent)
 
     def stored_natively(self, key: str, parent: str) -> None:
-        """The read index committed ``key`` (its record is in the index already)."""
+        """The read index committed ``key`` (its record is in the index already, where
+        the insertion policy put it)."""
         self._linked(key, parent)
-        if parent and self.insert_old:
-            self.index.demote(key)
 
     def dropped_natively(self, keys: list[str]) -> None:
         """The read index dropped these keys (its eviction)."""

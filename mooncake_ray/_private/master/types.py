@@ -309,8 +309,10 @@ class Policy:
     ``put_slab_ttl_s``."""
     chain_eviction: bool = True
     """Leaves first among values put with a parent (chains.py); False: plain LRU."""
-    chain_insert: str = "recent"
-    """"old": a new value put with a parent enters at the old end of the eviction order."""
+    chain_insert: str = "adaptive"
+    """Where a new value put with a parent enters the eviction order: "recent" (LRU), "old"
+    (on probation at the old end until read), or "adaptive" (adaptive.py: whichever of the
+    two a miniature simulation of each says hits more)."""
     repair_delay_s: float = 10.0
     """How long a value short of copies waits before it is copied again (repairs.py): a
     restarted store node re-adopts its arena sooner."""

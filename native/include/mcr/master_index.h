@@ -86,6 +86,17 @@ struct IndexRecord {
   bool hot = false;
   bool disk = false;     // cold: the replica is on disk
   bool has_rep = false;  // hot: the GET answer is not empty
+  bool probation = false;  // put on probation (insert_old), not used since: see probation()
+  bool grace = false;      // on probation, among the newest (grace_bytes): they go last of them
+};
+
+// A reference to a key, sampled for the eviction policy's miniature caches
+// (mooncake_ray/_private/master/adaptive.py): a lookup (EXISTS), a read (GET) or a put.
+struct RefSample {
+  uint64_t hash = 0;  // of the key (std::hash: the top bits decide the sample)
+  uint64_t size = 0;  // a put's value size
+  int kind = 0;
+  bool chained = false;  // a put naming a parent
 };
 
 // One entry of scan(): a hot record (Python decides), or a cold one that may be evicted.
@@ -174,7 +185,25 @@ class MasterIndex {
   bool contains(const std::string& key);
   bool is_hot(const std::string& key);
   void touch(const std::string& key);  // to the recent end
-  void demote(const std::string& key);  // to the least recent end
+  // On probation: ahead of every record not on it, from where a use (touch, a native
+  // GET) takes it off. Among the records on probation the newest ``grace_bytes`` go last,
+  // first in first out (a value a reader waits for is not the first to go); the others
+  // go before them, the last one to leave the grace window first. So a working set larger
+  // than DRAM keeps what was read and lets unread new values pass through.
+  void probation(const std::string& key);
+  void set_grace_bytes(uint64_t n);
+  // Native commits of values with a parent go on probation (master.chain_insert "old").
+  void set_insert_old(bool on);
+  // Sampling of references for the insertion policy's miniature caches: a key is sampled
+  // when the top ``shift`` bits of its hash are 0 (a rate of 2^-shift; 0: every key, 64:
+  // none).
+  // Native EXISTS, GET and commits are sampled here; Python's own calls use sample().
+  static constexpr int kRefExists = 1, kRefGet = 2, kRefPut = 3;
+  void set_sample_shift(int shift);
+  void sample(int kind, const std::string& key, uint64_t size, bool chained);
+  // Takes the samples since the last call; *dropped: how many did not fit (kMaxSamples).
+  std::vector<RefSample> take_samples(uint64_t* dropped);
+  static constexpr size_t kMaxSamples = 1u << 16;
   void drop(const std::string& key);
   void drop_many(const std::vector<std::string>& keys);
   // Records from the least recent (after ``after``, if not empty) in recency order: every
@@ -285,6 +314,10 @@ class MasterIndex {
   void erase(IndexRecord* r);
   void unlink(IndexRecord* r);
   void link_recent(IndexRecord* r);
+  void put_on_probation(IndexRecord* r);
+  void link_after(IndexRecord* r, IndexRecord* after);  // nullptr: at the oldest end
+  void resize(IndexRecord& r, uint64_t size);
+  void note(int kind, const std::string& key, uint64_t size, bool chained);  // mutex held
   IndexEntry answer(const IndexRecord& r) const;
   bool grant_cold(IndexRecord& r, uint64_t lease, double now);  // false: no slot free
   void release_cold(IndexRecord& r, uint64_t lease, double now);
@@ -293,6 +326,17 @@ class MasterIndex {
   RecordMap<IndexRecord> map_;
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;
+  // Records on probation are the oldest ones: the stack (from oldest_ to stack_last_),
+  // then the grace window (grace_first_ .. grace_last_, grace_bytes_ of values).
+  IndexRecord* stack_last_ = nullptr;
+  IndexRecord* grace_first_ = nullptr;
+  IndexRecord* grace_last_ = nullptr;
+  uint64_t grace_bytes_ = 0;
+  uint64_t grace_max_ = 0;
+  bool insert_old_ = false;
+  int sample_shift_ = 64;  // off until the master sets its rate
+  std::vector<RefSample> samples_;
+  uint64_t samples_dropped_ = 0;
   size_t cold_ = 0;
   uint64_t hits_ = 0;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<const IndexNode>> nodes_;  // (id, incarnation)

@@ -233,6 +233,13 @@ constexpr uint64_t kOk = 0;  // rpc.OK
 IndexRecord* MasterIndex::find(const std::string& key) { return map_.find(key); }
 
 void MasterIndex::unlink(IndexRecord* r) {
+  if (r->probation) {  // the stack, then the grace window, from the oldest end
+    if (r == stack_last_) stack_last_ = r->older;
+    if (r == grace_first_) grace_first_ = r->newer && r->newer->grace ? r->newer : nullptr;
+    if (r == grace_last_) grace_last_ = r->older && r->older->grace ? r->older : nullptr;
+    if (r->grace) grace_bytes_ -= r->size;
+    r->probation = r->grace = false;
+  }
   (r->older ? r->older->newer : oldest_) = r->newer;
   (r->newer ? r->newer->older : newest_) = r->older;
   r->older = r->newer = nullptr;
@@ -299,7 +306,7 @@ void MasterIndex::set(const std::string& key, uint64_t size, uint64_t gen,
   IndexRecord& r = insert(key, &fresh);
   if (!fresh && !r.hot) cold_--;  // a cold record replaced
   r.hot = true;
-  r.size = size;
+  resize(r, size);
   r.gen = gen;
   r.disk = false;
   r.lease_until = 0;
@@ -320,7 +327,7 @@ void MasterIndex::set_cold(const std::string& key, const ColdRecord& rec) {
   r.hot = false;
   r.has_rep = false;
   r.more.reset();
-  r.size = rec.size;
+  resize(r, rec.size);
   r.gen = rec.gen;
   r.rep = rec.rep;
   r.disk = rec.disk;
@@ -375,15 +382,77 @@ bool MasterIndex::is_hot(const std::string& key) {
   return r != nullptr && r->hot;
 }
 
-void MasterIndex::demote(const std::string& key) {
-  std::lock_guard<std::recursive_mutex> g(mu_);
-  IndexRecord* r = find(key);
-  if (r == nullptr || r == oldest_) return;
+void MasterIndex::link_after(IndexRecord* r, IndexRecord* after) {
+  r->older = after;
+  r->newer = after ? after->newer : oldest_;
+  (r->newer ? r->newer->older : newest_) = r;
+  (after ? after->newer : oldest_) = r;
+}
+
+void MasterIndex::put_on_probation(IndexRecord* r) {
   unlink(r);
-  r->older = nullptr;
-  r->newer = oldest_;
-  (oldest_ ? oldest_->older : newest_) = r;
-  oldest_ = r;
+  link_after(r, grace_last_ ? grace_last_ : stack_last_);
+  r->probation = r->grace = true;
+  grace_bytes_ += r->size;
+  grace_last_ = r;
+  if (grace_first_ == nullptr) grace_first_ = r;
+  while (grace_bytes_ > grace_max_ && grace_first_ != nullptr) {  // the oldest leaves the window
+    IndexRecord* g = grace_first_;
+    unlink(g);
+    link_after(g, nullptr);  // the stack's top: the first to go
+    g->probation = true;
+    if (stack_last_ == nullptr) stack_last_ = g;
+  }
+}
+
+void MasterIndex::set_grace_bytes(uint64_t n) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  grace_max_ = n;
+}
+
+void MasterIndex::resize(IndexRecord& r, uint64_t size) {
+  if (r.grace) grace_bytes_ = grace_bytes_ - r.size + size;
+  r.size = size;
+}
+
+void MasterIndex::probation(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (IndexRecord* r = find(key)) put_on_probation(r);
+}
+
+void MasterIndex::set_insert_old(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  insert_old_ = on;
+}
+
+void MasterIndex::note(int kind, const std::string& key, uint64_t size, bool chained) {
+  if (sample_shift_ >= 64) return;  // sampling off
+  const uint64_t h = std::hash<std::string>{}(key);
+  if (sample_shift_ > 0 && (h >> (64 - sample_shift_)) != 0) return;
+  if (samples_.size() >= kMaxSamples) {
+    samples_dropped_++;
+    return;
+  }
+  samples_.push_back(RefSample{h, size, kind, chained});
+}
+
+void MasterIndex::set_sample_shift(int shift) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  sample_shift_ = std::max(0, std::min(shift, 64));
+}
+
+void MasterIndex::sample(int kind, const std::string& key, uint64_t size, bool chained) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  note(kind, key, size, chained);
+}
+
+std::vector<RefSample> MasterIndex::take_samples(uint64_t* dropped) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  *dropped = samples_dropped_;
+  samples_dropped_ = 0;
+  std::vector<RefSample> out;
+  out.swap(samples_);
+  return out;
 }
 
 void MasterIndex::touch(const std::string& key) {
@@ -503,7 +572,8 @@ std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, c
 void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   map_.clear();
-  oldest_ = newest_ = nullptr;
+  oldest_ = newest_ = stack_last_ = grace_first_ = grace_last_ = nullptr;
+  grace_bytes_ = 0;
   cold_ = 0;
 }
 
@@ -697,6 +767,8 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.offset = it.offset;
     r.rep.length = extent_length(it.size);
     cold_++;
+    if (insert_old_ && !it.parent.empty()) put_on_probation(&r);
+    note(kRefPut, it.key, it.size, !it.parent.empty());
     if (by_ring) {
       CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
       ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent);
@@ -888,6 +960,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
   Writer w(out);
   w.array(2);
   w.uint(kOk);
+  for (auto& key : keys) note(op == kOpExists ? kRefExists : kRefGet, key, 0, false);
   if (op == kOpExists) {
     lookups_ += keys.size();
     w.array(uint32_t(keys.size()));

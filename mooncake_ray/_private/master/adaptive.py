@@ -1,0 +1,233 @@
+"""Where a new KV page enters the eviction order, learned from the workload (pure, no Ray).
+
+Two insertion policies for values put with a parent (KV pages; other values always enter
+at the recent end):
+
+- ``recent``: the recent end (LRU). Right when a page is read again before the arena has
+  turned over: a conversation whose next turn comes soon, a prefill's pages that a decode
+  loads.
+- ``old``: on probation at the old end until its first read, from where a read moves it
+  to the recent end. Among the unread pages the newest goes first (LIP: a page not read
+  since the arena filled has shown least that it will be), except those in a grace window
+  of the newest ``GRACE`` of DRAM, which go last and first in first out: a page a reader
+  is about to load (a prefill's pages that a decode reads next) is not the first to go.
+  Right when more conversations take turns than the arena holds: LRU then evicts each
+  conversation just before its next turn (a round over a working set larger than DRAM is
+  LRU's worst case), while ``old`` keeps what was read and lets unread new pages pass
+  through. A probation wholly first in first out served as little as LRU there (34.5%
+  of the prompt pages against LRU's 34.0% and 55.0% newest first, in the rounds of
+  tests/sim/test_eviction_workloads.py at half the working set): the new pages of many
+  conversations lived long enough to be read, joined the read set, and it cycled.
+
+No fixed choice is right for every workload, so the master runs both on a sample of the
+keys: two miniature caches (Waldspurger et al., "Cache Modeling and Optimization using
+Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times this
+master's DRAM capacity, fed the sampled references (lookups, reads, puts) in their order,
+and counts each one's hits. The real order follows the one that has hit more lately
+(``_decide``: a smoothed difference of hit ratios, with a dead band so that a tie does not
+flap). Both start from ``recent``, and with no pressure the two caches hold the same keys,
+tie, and nothing changes. Set dueling (DIP: groups of keys follow each policy, the rest
+follow the winner) needs no shadow state but is biased in one fully associative order: the
+group following ``old`` evicts its own new pages first whatever the other group does.
+
+Sampling: a key is in the sample when the top ``shift`` bits of its hash are 0 (the read
+index hashes, natively for the calls it answers; ``MasterIndex.sample`` for Python's).
+``shift`` grows by one, halving the rate, whenever more than ``MAX_TRACKED`` sampled keys
+are tracked (SHARDS's fixed-size sampling), so memory and time stay bounded at any number
+of keys: at most ``MAX_TRACKED`` entries per cache plus the last reference of each.
+
+What counts as a reference: one per key per request. A KV engine's lookup is EXISTS over
+the prompt's pages, then a GET of the leading hits, then EXISTS of the pages it saves and
+their puts; a KV-aware router may look the same pages up first. A GET or EXISTS right
+after an EXISTS of the same key is the same request: it moves the key on a hit but is not
+counted again. Both caches ignore chains (a page is a hit on its own); the real order
+evicts leaves first, which changes both policies alike.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mooncake_ray._private.master.pyindex import REF_EXISTS, REF_PUT
+
+MODES = ("adaptive", "recent", "old")
+OFF_SHIFT = 64  # a shift that samples nothing (a fixed policy)
+GRACE = 0.02  # of the DRAM capacity: the newest pages on probation, which go last of them
+
+
+class MiniCache:
+    """A miniature cache of sampled key hashes under one insertion policy, in bytes: the
+    same order the read index keeps (``MasterIndex::probation``), without chains."""
+
+    def __init__(self, old: bool) -> None:
+        self.old = old
+        self.main: OrderedDict[int, int] = OrderedDict()  # hash -> size, least recent first
+        self.grace: OrderedDict[int, int] = OrderedDict()  # the newest on probation, first in first
+        self.stack: OrderedDict[int, int] = OrderedDict()  # on probation before them, last in first
+        self.bytes = self.grace_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.main) + len(self.grace) + len(self.stack)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.main or h in self.grace or h in self.stack
+
+    def ref(self, h: int) -> bool:
+        """A read or lookup of ``h``: a hit moves it to the recent end."""
+        if h in self.main:
+            self.main.move_to_end(h)
+            return True
+        size = self._unprobe(h)
+        if size is None:
+            return False
+        self.main[h] = size
+        return True
+
+    def put(self, h: int, size: int, chained: bool, cap: int) -> None:
+        """``h`` stored (again): where the policy puts it, then evict down to ``cap``."""
+        self.drop(h)
+        self.bytes += size
+        if self.old and chained:
+            self.grace[h] = size
+            self.grace_bytes += size
+            while self.grace_bytes > cap * GRACE:
+                g, gs = self.grace.popitem(last=False)
+                self.grace_bytes -= gs
+                self.stack[g] = gs
+        else:
+            self.main[h] = size
+        while self.bytes > cap:
+            if self.stack:
+                self.bytes -= self.stack.popitem(last=True)[1]
+            elif self.grace:
+                gs = self.grace.popitem(last=False)[1]
+                self.grace_bytes -= gs
+                self.bytes -= gs
+            else:
+                self.bytes -= self.main.popitem(last=False)[1]
+
+    def _unprobe(self, h: int) -> int | None:
+        size = self.stack.pop(h, None)
+        if size is None:
+            size = self.grace.pop(h, None)
+            if size is not None:
+                self.grace_bytes -= size
+        return size
+
+    def drop(self, h: int) -> None:
+        size = self.main.pop(h, None)
+        if size is None:
+            size = self._unprobe(h)
+        if size is not None:
+            self.bytes -= size
+
+    def keep_only(self, sampled) -> None:
+        """Forget the hashes ``sampled`` rejects (the rate was halved)."""
+        for h in [h for h in (*self.main, *self.grace, *self.stack) if not sampled(h)]:
+            self.drop(h)
+
+
+class InsertionPolicy:
+    """The master's choice of insertion policy (module docstring). ``old`` is what the
+    read index and the table apply now; ``update`` reads the index's samples and decides."""
+
+    MAX_TRACKED = 16384  # sampled keys whose last reference is remembered
+    WINDOW = 64  # counted references per decision
+    SMOOTH = 0.1  # weight of the newest window in the score
+    BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
+
+    def __init__(self, mode: str, index) -> None:
+        if mode not in MODES:
+            raise ValueError(f"chain_insert must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.index = index
+        self.old = mode == "old"
+        self.shift = 0 if mode == "adaptive" else OFF_SHIFT
+        self.caches = (MiniCache(old=False), MiniCache(old=True))
+        self._last: OrderedDict[int, int] = OrderedDict()  # hash -> kind of its last reference
+        self._window = [0, 0, 0]  # counted references, hits of "recent", hits of "old"
+        self.score = 0.0  # smoothed hit ratio of "old" less that of "recent"
+        self._grace = 0
+        self.counters = {"refs": 0, "hits_recent": 0, "hits_old": 0, "switches": 0, "dropped": 0}
+        index.set_insert_old(self.old)
+        index.set_sample_shift(self.shift)
+
+    def rebind(self, index) -> None:
+        """The table moved to ``index``: it applies and samples from now on."""
+        self.index = index
+        index.set_insert_old(self.old)
+        index.set_sample_shift(self.shift)
+        index.set_grace_bytes(self._grace)
+
+    @property
+    def sampling(self) -> bool:
+        return self.shift < OFF_SHIFT
+
+    def _sampled(self, h: int) -> bool:
+        return not self.shift or not h >> (64 - self.shift)
+
+    def update(self, capacity: int) -> bool:
+        """Size the grace window to ``capacity`` (this master's DRAM bytes), run the
+        caches over the samples taken since the last call and decide; True when the
+        policy changed."""
+        grace = int(capacity * GRACE)
+        if grace != self._grace:
+            self._grace = grace
+            self.index.set_grace_bytes(grace)
+        if not self.sampling:
+            return False
+        dropped, samples = self.index.take_samples()
+        self.counters["dropped"] += dropped
+        was = self.old
+        recent, old = self.caches
+        last, window = self._last, self._window
+        for h, kind, size, chained in samples:
+            if not self._sampled(h):
+                continue  # taken before the rate was halved
+            before = last.pop(h, None)
+            last[h] = kind
+            if kind == REF_PUT:
+                cap = capacity >> self.shift
+                recent.put(h, size, chained, cap)
+                old.put(h, size, chained, cap)
+                continue
+            hit_recent, hit_old = recent.ref(h), old.ref(h)
+            if before == REF_EXISTS:
+                continue  # the same request as that lookup
+            window[0] += 1
+            window[1] += hit_recent
+            window[2] += hit_old
+            if window[0] >= self.WINDOW:
+                self._decide()
+        if len(last) > self.MAX_TRACKED:
+            self._halve()
+        return self.old != was
+
+    def _decide(self) -> None:
+        n, hit_recent, hit_old = self._window
+        self.counters["refs"] += n
+        self.counters["hits_recent"] += hit_recent
+        self.counters["hits_old"] += hit_old
+        self.score += self.SMOOTH * ((hit_old - hit_recent) / n - self.score)
+        self._window[:] = [0, 0, 0]
+        want = self.score > self.BAND if not self.old else self.score > -self.BAND
+        if want != self.old:
+            self.old = want
+            self.counters["switches"] += 1
+            self.index.set_insert_old(want)
+
+    def _halve(self) -> None:
+        while len(self._last) > self.MAX_TRACKED // 2 and self.shift < 32:
+            self.shift += 1
+            self._last = OrderedDict((h, k) for h, k in self._last.items() if self._sampled(h))
+        for cache in self.caches:
+            cache.keep_only(self._sampled)
+        self.index.set_sample_shift(self.shift)
+
+    def stats(self) -> dict:
+        c = self.counters
+        refs = max(1, c["refs"])
+        return {"mode": self.mode, "insert": "old" if self.old else "recent", "score": round(self.score, 4),
+                "sampled_refs": c["refs"], "hit_ratio_recent": c["hits_recent"] / refs,
+                "hit_ratio_old": c["hits_old"] / refs, "switches": c["switches"], "sample_shift": self.shift,
+                "samples_dropped": c["dropped"]}

@@ -1,0 +1,179 @@
+"""The adaptive insertion policy (master/adaptive.py): the read index's probation order
+(literal, native and reference alike), the miniature caches, the decision switching when
+the workload does, and the state machine keeping a handoff's fresh pages."""
+
+import pytest
+
+from mooncake_ray._private.master.adaptive import GRACE, InsertionPolicy, MiniCache
+from mooncake_ray._private.master.pyindex import REF_EXISTS, REF_GET, REF_PUT, PyIndex
+from mooncake_ray._private.native import _native
+
+from tests.unit.test_master_state import K, make, put
+
+
+def indexes():
+    return [PyIndex(), _native.MasterIndex()]
+
+
+def probed(ix):
+    """a..f of one byte each, a..d put on probation with a window of 2 bytes: c, d in the
+    window (first in first out); a and b left it, b last: b goes first."""
+    ix.set_grace_bytes(2)
+    for k in "abcdef":
+        ix.set(k, 1, 1, [])
+    for k in "abcd":
+        ix.probation(k)
+    assert ix.keys("") == list("bacdef")
+    return ix
+
+
+@pytest.mark.parametrize("ix", indexes(), ids=["reference", "native"])
+def test_probation_keeps_the_newest_in_a_grace_window_and_the_rest_newest_first(ix):
+    probed(ix)
+    ix.touch("a")  # a use takes it off probation
+    assert ix.keys("") == list("bcdefa")
+    ix.probation("e")  # c leaves the window to the top of the stack
+    assert ix.keys("") == list("cbdefa")
+    ix.set("d", 2, 2, [])  # d grows: with f the window is over by 2, and d leaves it
+    ix.probation("f")
+    assert ix.keys("") == list("dcbefa")
+
+
+@pytest.mark.parametrize("ix", indexes(), ids=["reference", "native"])
+def test_probation_literal_order_after_drops_and_a_bigger_window(ix):
+    probed(ix)
+    ix.drop("c")  # the window's oldest goes: d alone in it
+    ix.probation("e")  # d, e fit
+    assert ix.keys("") == list("badef")
+    ix.drop("b")  # the stack's top
+    ix.set_grace_bytes(10)
+    ix.probation("f")  # all of d, e, f fit now; a stays on the stack
+    assert ix.keys("") == list("adef")
+    ix.clear()
+    ix.set("x", 1, 1, [])
+    ix.probation("x")
+    assert ix.keys("") == ["x"]
+
+
+def test_minicache_old_evicts_unread_newest_first_after_the_grace_window():
+    cap = 100 * 1000
+    c = MiniCache(old=True)
+    grace = int(cap * GRACE)  # 2000: two values of 1000
+    assert grace == 2000
+    c.put(1, 1000, False, cap)  # not chained: the recent end
+    for h in range(2, 101):
+        c.put(h, 1000, True, cap)
+    assert c.bytes == cap and len(c.grace) == 2 and list(c.grace) == [99, 100]
+    c.ref(5)  # read: off probation
+    c.put(101, 1000, True, cap)  # 99 leaves the window to the stack's top; it goes
+    assert 99 not in c and 5 in c and 1 in c and list(c.grace) == [100, 101]
+    c.put(102, 1000, True, cap)  # 100 to the stack, then evicted; 98 (older) stays
+    assert 100 not in c and 98 in c
+
+
+def test_minicache_recent_is_lru():
+    c = MiniCache(old=False)
+    for h in range(1, 11):
+        c.put(h, 10, True, 100)
+    assert c.ref(1)
+    c.put(11, 10, True, 100)
+    assert 2 not in c and 1 in c and 11 in c
+
+
+def refs(ix, kind, keys, size=1000):
+    for k in keys:
+        ix.sample(kind, k, size, kind == REF_PUT)
+
+
+def converse(ix, keys):
+    """One request over a chain of pages as an engine makes it: EXISTS all, GET the hits
+    (here: every page, a cache hit is not known to the sampler), EXISTS and put the rest."""
+    refs(ix, REF_EXISTS, keys)
+    refs(ix, REF_GET, keys)
+    refs(ix, REF_PUT, keys)
+
+
+def test_the_policy_turns_old_on_a_loop_larger_than_dram_and_back_on_a_small_working_set():
+    ix = PyIndex()
+    p = InsertionPolicy("adaptive", ix)
+    cap = 200 * 1000  # 200 pages of 1000 bytes
+    assert not p.old and p.sampling
+    # 40 conversations of 10 pages in turn, over and over: LRU's worst case
+    for _round in range(6):
+        for c in range(40):
+            converse(ix, [f"c{c}.{i}" for i in range(10)])
+            p.update(cap)
+    assert p.old, p.stats()
+    assert p.stats()["hit_ratio_old"] > p.stats()["hit_ratio_recent"] + 0.2
+    # 8 new conversations take turns at random, each well within DRAM: recency wins
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        c = rng.randrange(8)
+        converse(ix, [f"s{c}.{i}" for i in range(rng.randrange(5, 15))])
+        p.update(cap)
+    assert not p.old, p.stats()
+    assert p.counters["switches"] == 2
+
+
+def test_a_fixed_policy_samples_nothing():
+    ix = PyIndex()
+    p = InsertionPolicy("old", ix)
+    assert p.old and not p.sampling
+    refs(ix, REF_EXISTS, ["a", "b"])
+    assert ix.take_samples() == (0, [])
+    with pytest.raises(ValueError, match="'lru'"):
+        InsertionPolicy("lru", ix)
+
+
+def test_the_sample_rate_halves_past_its_bound():
+    ix = PyIndex()
+    p = InsertionPolicy("adaptive", ix)
+    p.MAX_TRACKED = 500
+    refs(ix, REF_GET, [f"k{i}" for i in range(2000)])
+    p.update(10 ** 9)
+    assert p.shift >= 2 and len(p._last) <= 500
+    kept = len(p._last)
+    refs(ix, REF_GET, [f"k{i}" for i in range(2000)])  # the same keys: the sample holds
+    p.update(10 ** 9)
+    assert len(p._last) == kept
+    assert ix._shift == p.shift
+
+
+def test_a_lookup_then_a_read_of_a_key_count_once():
+    ix = PyIndex()
+    p = InsertionPolicy("adaptive", ix)
+    refs(ix, REF_PUT, ["a"])
+    refs(ix, REF_EXISTS, ["a"])
+    refs(ix, REF_GET, ["a"])  # the same request
+    refs(ix, REF_EXISTS, ["a"])  # and again (the saver's check)
+    refs(ix, REF_GET, ["a"])  # a second reader: counted
+    p.update(10 ** 6)
+    assert p._window == [2, 2, 2]
+
+
+def test_a_handoff_page_is_not_the_first_to_go_under_the_old_policy():
+    """Chains put unread under pressure with the policy fixed at "old": the pages a
+    prefill just saved (a handoff, read next by a decode) stay while older unread pages go,
+    and the reads move them to the recent end. Without the grace window they would be the
+    first to go (the newest unread page goes first)."""
+    m, clock = make(n_nodes=1, cap=200 * K, high_watermark=1.0, evict_ratio=0.02, chain_insert="old")
+    m.adapt(clock.t)  # sizes the grace window: 2% of 200 pages = 4 pages
+    for c in range(40):  # fill DRAM with unread conversations: 5 pages each
+        for i in range(5):
+            put(m, f"c{c}.{i}", parent=f"c{c}.{i - 1}" if i else "")
+        clock.t += 0.01
+    handoff = [f"h.{i}" for i in range(3)]
+    for i, k in enumerate(handoff):
+        put(m, k, parent=handoff[i - 1] if i else "")
+    before = m.stats()["evictions"]
+    put(m, "o.1", parent="c0.4")  # the room the handoff's eviction round left
+    put(m, "o.2", parent="o.1")  # an eviction round of 4 pages
+    assert m.stats()["evictions"] - before == 4
+    assert all(m.exists(k) for k in handoff), "the handoff's pages went first"
+    for k in handoff:
+        g = m.get(k)
+        m.release(k, g.gen, g.lease)
+    assert m.index.keys("")[-3:] == handoff  # read: the recent end
+    m.check_invariants()
