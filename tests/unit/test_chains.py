@@ -40,9 +40,10 @@ def test_leaf_goes_before_its_older_parent(on):
     m.check_invariants()
 
 
-def test_a_round_takes_one_page_per_chain_then_the_next_leaves():
-    """Two chains older than four plain keys, four pages needed: the round takes each
-    chain's tail (c, f), then the oldest plain keys, not the chains' parents."""
+def test_a_pass_takes_the_least_recent_chain_whole_before_newer_leaves():
+    """Two chains older than four plain keys, four pages needed: the least recent leaf
+    each time: c, then b and a (each the least recent leaf once its child went), then f;
+    the newer plain keys stay."""
     m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.4)
     chain(m, "abc", clock)
     chain(m, "def", clock)
@@ -50,19 +51,19 @@ def test_a_round_takes_one_page_per_chain_then_the_next_leaves():
         put(m, k)
         clock.t += 1
     put(m, "z")
-    assert stored(m, "abcdefstuvz") == "abdeuvz"
+    assert stored(m, "abcdefstuvz") == "destuvz"
     assert m.stats()["chain_tail_evictions"] == 0
     m.check_invariants()
 
 
 def test_chains_shorten_tail_first_when_nothing_else_is_left():
-    """Only chains: the round takes the tails (c, f), then the parents left with no child,
-    least recent first (b)."""
+    """Only chains: the least recent chain goes from its tail (c, b, a); the newer one
+    stays whole."""
     m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=0.5)
     chain(m, "abc", clock)
     chain(m, "def", clock)
     put(m, "z")
-    assert stored(m, "abcdefz") == "adez"
+    assert stored(m, "abcdefz") == "defz"
     m.check_invariants()
 
 
@@ -206,7 +207,7 @@ def test_a_replaced_parent_keeps_its_children():
     m.check_invariants()
 
 
-def test_picker_goes_up_a_chain_by_rounds_within_the_need():
+def test_picker_goes_up_a_chain_at_once_within_the_need():
     c = Chains()
     for k, p in [("b", "a"), ("c", "b"), ("d", "c")]:
         c.stored(k, p, lambda key: True)
@@ -214,10 +215,10 @@ def test_picker_goes_up_a_chain_by_rounds_within_the_need():
     for k in "abc":  # met oldest first: each has a child
         assert pick.blocks(k, last_copy=True)
         pick.hold(k, k, 1)
-    pick.take("d", "d", 1)
-    assert pick.chosen == ["d"]  # c waits for the next round
-    pick.finish()
+    pick.take("d", "d", 1)  # c is the least recent leaf now, then b: taken at once
     assert pick.chosen == ["d", "c", "b"] and pick.done() and list(pick.held) == ["a"]
+    pick.finish()
+    assert pick.chosen == ["d", "c", "b"]
     assert not Picker(c, 1).blocks("b", last_copy=False)  # another copy stays: no hold
 
 

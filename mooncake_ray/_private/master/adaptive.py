@@ -133,7 +133,7 @@ class InsertionPolicy:
 
     MAX_TRACKED = 16384  # sampled keys whose last reference is remembered
     WINDOW = 64  # counted references per decision
-    SMOOTH = 0.1  # weight of the newest window in the score
+    SMOOTH = 0.05  # weight of the newest window in the score
     BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
 
     def __init__(self, mode: str, index) -> None:

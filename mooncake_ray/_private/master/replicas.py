@@ -472,7 +472,9 @@ class ReplicaTable:
                 cold += got
                 pick.freed += got
                 n += len(keys)
+                parents = {chains.parent.get(k) for k in keys} if chains is not None and pick.held else ()
                 table.dropped_natively(keys)
+                pick.childless(parents)
             if stop is None or pick.done():
                 break
             obj = table.hot(stop)
