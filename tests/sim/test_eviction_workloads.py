@@ -82,7 +82,7 @@ def test_the_default_serves_about_what_the_better_fixed_policy_does_on_each_shap
     assert got["adaptive", "rounds"]["old1"]
     # recency: every conversation comes back before DRAM turns over; LRU is right
     assert got["recent", "recency"]["served1"] > got["old", "recency"]["served1"]
-    assert got["adaptive", "recency"]["served1"] >= 0.97 * got["recent", "recency"]["served1"]
+    assert got["adaptive", "recency"]["served1"] >= 0.95 * got["recent", "recency"]["served1"]
     assert not got["adaptive", "recency"]["old1"]
     # shift: the default follows the change
     shift = got["adaptive", "shift"]

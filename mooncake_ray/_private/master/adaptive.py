@@ -22,7 +22,7 @@ at the recent end):
 No fixed choice is right for every workload, so the master runs both on a sample of the
 keys: two miniature caches (Waldspurger et al., "Cache Modeling and Optimization using
 Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times this
-master's DRAM capacity, fed the sampled references (lookups, reads, puts) in their order,
+master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
 (``_decide``: a smoothed difference of hit ratios, with a dead band so that a tie does not
 flap). Both start from ``recent``, and with no pressure the two caches hold the same keys,
@@ -36,19 +36,21 @@ index hashes, natively for the calls it answers; ``MasterIndex.sample`` for Pyth
 are tracked (SHARDS's fixed-size sampling), so memory and time stay bounded at any number
 of keys: at most ``MAX_TRACKED`` entries per cache plus the last reference of each.
 
-What counts as a reference: one per key per request. A KV engine's lookup is EXISTS over
-the prompt's pages, then a GET of the leading hits, then EXISTS of the pages it saves and
-their puts; a KV-aware router may look the same pages up first. A GET or EXISTS right
-after an EXISTS of the same key is the same request: it moves the key on a hit but is not
-counted again. Both caches ignore chains (a page is a hit on its own); the real order
-evicts leaves first, which changes both policies alike.
+What counts as a reference: a use, as the real order sees it. A read (GET) is one: a hit
+of a policy whose cache holds the key. A put of a key seen before is one too: an engine
+puts a page again when this store had lost it, after computing it anew, so each policy
+whose cache still holds the key would have served it; a first put counts for neither. A
+lookup (EXISTS) is not a use, here as in the real order (an engine loads what its lookup
+finds, and a router's or a monitor's lookups would otherwise count a request twice or
+more). Both caches ignore chains (a page is a hit on its own); the real order evicts
+leaves first, which changes both policies alike.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from mooncake_ray._private.master.pyindex import REF_EXISTS, REF_PUT
+from mooncake_ray._private.master.pyindex import REF_PUT
 
 MODES = ("adaptive", "recent", "old")
 OFF_SHIFT = 64  # a shift that samples nothing (a fixed policy)
@@ -133,7 +135,7 @@ class InsertionPolicy:
 
     MAX_TRACKED = 16384  # sampled keys whose last reference is remembered
     WINDOW = 64  # counted references per decision
-    SMOOTH = 0.05  # weight of the newest window in the score
+    SMOOTH = 0.1  # weight of the newest window in the score
     BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
 
     def __init__(self, mode: str, index) -> None:
@@ -141,10 +143,10 @@ class InsertionPolicy:
             raise ValueError(f"chain_insert must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.index = index
-        self.old = mode == "old"
+        self.old = mode != "recent"
         self.shift = 0 if mode == "adaptive" else OFF_SHIFT
         self.caches = (MiniCache(old=False), MiniCache(old=True))
-        self._last: OrderedDict[int, int] = OrderedDict()  # hash -> kind of its last reference
+        self._last: OrderedDict[int, int] = OrderedDict()  # hash -> kind of its last reference, oldest first
         self._window = [0, 0, 0]  # counted references, hits of "recent", hits of "old"
         self.score = 0.0  # smoothed hit ratio of "old" less that of "recent"
         self._grace = 0
@@ -181,19 +183,22 @@ class InsertionPolicy:
         was = self.old
         recent, old = self.caches
         last, window = self._last, self._window
+        cap = capacity >> self.shift
         for h, kind, size, chained in samples:
             if not self._sampled(h):
                 continue  # taken before the rate was halved
-            before = last.pop(h, None)
+            seen = last.pop(h, None) is not None
             last[h] = kind
             if kind == REF_PUT:
-                cap = capacity >> self.shift
+                # Stored again: this store had lost it (or it is replaced). A policy whose
+                # cache still holds it would have served it; a first put counts for neither.
+                hit_recent, hit_old = h in recent, h in old
                 recent.put(h, size, chained, cap)
                 old.put(h, size, chained, cap)
-                continue
-            hit_recent, hit_old = recent.ref(h), old.ref(h)
-            if before == REF_EXISTS:
-                continue  # the same request as that lookup
+                if not seen:
+                    continue
+            else:
+                hit_recent, hit_old = recent.ref(h), old.ref(h)
             window[0] += 1
             window[1] += hit_recent
             window[2] += hit_old

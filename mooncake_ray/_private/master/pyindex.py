@@ -23,8 +23,8 @@ from mooncake_ray._private.master.types import Tier
 from mooncake_ray._private.wire import Commit, ReadGrant, ReplicaLoc
 
 _DRAM = Tier.DRAM.value
-# Reference kinds of sampled keys (MasterIndex::kRefExists...), and how many samples wait.
-REF_EXISTS, REF_GET, REF_PUT = 1, 2, 3
+# Reference kinds of sampled keys (MasterIndex::kRefGet, kRefPut), and how many samples wait.
+REF_GET, REF_PUT = 2, 3
 SAMPLES_MAX = 1 << 16
 
 
@@ -335,8 +335,9 @@ class PyIndex:
                 if not r.hot and (r.lease_until > now and len(r.leases) == 2 or any(f is r for f in found[:i])):
                     return None  # a third lease, or the same key twice: Python's
         self._served += 1
-        for key in keys:
-            self.sample(REF_EXISTS if op == rpc.EXISTS else REF_GET, key, 0, False)
+        if op == rpc.GET:
+            for key in keys:
+                self.sample(REF_GET, key, 0, False)
         if op == rpc.EXISTS:
             self._lookups += len(keys)
             return rpc.pack([rpc.OK, [e is not None for e in found]])

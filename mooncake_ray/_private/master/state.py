@@ -56,7 +56,7 @@ from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirro
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.adaptive import InsertionPolicy
-from mooncake_ray._private.master.pyindex import REF_EXISTS, REF_GET, PyIndex
+from mooncake_ray._private.master.pyindex import REF_GET, PyIndex
 from mooncake_ray._private.master.repairs import Repairs
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
 from mooncake_ray._private.master.table import ObjectTable
@@ -648,8 +648,6 @@ class MasterState:
         the eviction order nor holds it (only a read's lease does)."""
         self._ready()
         self.counters["lookups"] += 1
-        if self.insertion.sampling:
-            self.index.sample(REF_EXISTS, key, 0, False)
         return key in self._objects
 
     def take_held(self) -> list:

@@ -91,7 +91,7 @@ struct IndexRecord {
 };
 
 // A reference to a key, sampled for the eviction policy's miniature caches
-// (mooncake_ray/_private/master/adaptive.py): a lookup (EXISTS), a read (GET) or a put.
+// (mooncake_ray/_private/master/adaptive.py): a read (GET) or a put.
 struct RefSample {
   uint64_t hash = 0;  // of the key (std::hash: the top bits decide the sample)
   uint64_t size = 0;  // a put's value size
@@ -197,8 +197,9 @@ class MasterIndex {
   // Sampling of references for the insertion policy's miniature caches: a key is sampled
   // when the top ``shift`` bits of its hash are 0 (a rate of 2^-shift; 0: every key, 64:
   // none).
-  // Native EXISTS, GET and commits are sampled here; Python's own calls use sample().
-  static constexpr int kRefExists = 1, kRefGet = 2, kRefPut = 3;
+  // Native GETs and commits are sampled here (a lookup is not a use); Python's own calls
+  // use sample().
+  static constexpr int kRefGet = 2, kRefPut = 3;
   void set_sample_shift(int shift);
   void sample(int kind, const std::string& key, uint64_t size, bool chained);
   // Takes the samples since the last call; *dropped: how many did not fit (kMaxSamples).

@@ -960,7 +960,8 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
   Writer w(out);
   w.array(2);
   w.uint(kOk);
-  for (auto& key : keys) note(op == kOpExists ? kRefExists : kRefGet, key, 0, false);
+  if (op == kOpGet)
+    for (auto& key : keys) note(kRefGet, key, 0, false);
   if (op == kOpExists) {
     lookups_ += keys.size();
     w.array(uint32_t(keys.size()));
