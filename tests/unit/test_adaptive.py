@@ -154,7 +154,7 @@ def test_reads_and_puts_again_count_and_a_first_put_does_not():
     refs(ix, REF_GET, ["zz"])  # a read of a key never stored: a miss for both
     refs(ix, REF_PUT, ["b"])  # put again: both caches still hold it
     p.update(10 ** 6)
-    assert p._window == [3, 2, 2]
+    assert p._window == [3, 2, 2, 2, 2]  # at full and at half size
     assert ix.take_samples() == (0, [])
     ix.set_enabled(True)
     assert ix.serve(rpc.pack([rpc.EXISTS, ["a", "b"]])) is not None  # a lookup is not a use

@@ -25,8 +25,11 @@ Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times t
 master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
 (``_decide``: a smoothed difference of hit ratios, with a dead band so that a tie does not
-flap). Both start from ``recent``, and with no pressure the two caches hold the same keys,
-tie, and nothing changes. Set dueling (DIP: groups of keys follow each policy, the rest
+flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
+half the capacity, feels pressure first, and chooses until the full-size pair has evicted
+anything: the choice is made when the real order starts to matter, not some time after
+(too late for a working set LRU has already cycled out, or for the first handoffs). The
+policy starts at ``old``. Set dueling (DIP: groups of keys follow each policy, the rest
 follow the winner) needs no shadow state but is biased in one fully associative order: the
 group following ``old`` evicts its own new pages first whatever the other group does.
 
@@ -67,6 +70,7 @@ class MiniCache:
         self.grace: OrderedDict[int, int] = OrderedDict()  # the newest on probation, first in first
         self.stack: OrderedDict[int, int] = OrderedDict()  # on probation before them, last in first
         self.bytes = self.grace_bytes = 0
+        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self.main) + len(self.grace) + len(self.stack)
@@ -99,6 +103,7 @@ class MiniCache:
         else:
             self.main[h] = size
         while self.bytes > cap:
+            self.evictions += 1
             if self.stack:
                 self.bytes -= self.stack.popitem(last=True)[1]
             elif self.grace:
@@ -146,9 +151,14 @@ class InsertionPolicy:
         self.old = mode != "recent"
         self.shift = 0 if mode == "adaptive" else OFF_SHIFT
         self.caches = (MiniCache(old=False), MiniCache(old=True))
+        # The same at half the capacity: they feel pressure first, and choose until the
+        # full-size pair has evicted anything (see the module docstring).
+        self.half = (MiniCache(old=False), MiniCache(old=True))
         self._last: OrderedDict[int, int] = OrderedDict()  # hash -> kind of its last reference, oldest first
-        self._window = [0, 0, 0]  # counted references, hits of "recent", hits of "old"
-        self.score = 0.0  # smoothed hit ratio of "old" less that of "recent"
+        # counted references, hits of "recent" and "old" at full size, at half size
+        self._window = [0, 0, 0, 0, 0]
+        self.score = 0.0  # smoothed hit ratio of "old" less that of "recent", full size
+        self.score_half = 0.0
         self._grace = 0
         self.counters = {"refs": 0, "hits_recent": 0, "hits_old": 0, "switches": 0, "dropped": 0}
         index.set_insert_old(self.old)
@@ -160,6 +170,11 @@ class InsertionPolicy:
         index.set_insert_old(self.old)
         index.set_sample_shift(self.shift)
         index.set_grace_bytes(self._grace)
+
+    @property
+    def pressed(self) -> bool:
+        """Whether the full-size caches have felt pressure (evicted anything)."""
+        return any(c.evictions for c in self.caches)
 
     @property
     def sampling(self) -> bool:
@@ -181,9 +196,10 @@ class InsertionPolicy:
         dropped, samples = self.index.take_samples()
         self.counters["dropped"] += dropped
         was = self.old
-        recent, old = self.caches
+        caches = (*self.caches, *self.half)
         last, window = self._last, self._window
         cap = capacity >> self.shift
+        caps = (cap, cap, cap // 2, cap // 2)
         for h, kind, size, chained in samples:
             if not self._sampled(h):
                 continue  # taken before the rate was halved
@@ -192,16 +208,16 @@ class InsertionPolicy:
             if kind == REF_PUT:
                 # Stored again: this store had lost it (or it is replaced). A policy whose
                 # cache still holds it would have served it; a first put counts for neither.
-                hit_recent, hit_old = h in recent, h in old
-                recent.put(h, size, chained, cap)
-                old.put(h, size, chained, cap)
+                hits = [h in c for c in caches]
+                for c, c_cap in zip(caches, caps):
+                    c.put(h, size, chained, c_cap)
                 if not seen:
                     continue
             else:
-                hit_recent, hit_old = recent.ref(h), old.ref(h)
+                hits = [c.ref(h) for c in caches]
             window[0] += 1
-            window[1] += hit_recent
-            window[2] += hit_old
+            for i, hit in enumerate(hits, 1):
+                window[i] += hit
             if window[0] >= self.WINDOW:
                 self._decide()
         if len(last) > self.MAX_TRACKED:
@@ -209,13 +225,15 @@ class InsertionPolicy:
         return self.old != was
 
     def _decide(self) -> None:
-        n, hit_recent, hit_old = self._window
+        n, hit_recent, hit_old, half_recent, half_old = self._window
         self.counters["refs"] += n
         self.counters["hits_recent"] += hit_recent
         self.counters["hits_old"] += hit_old
         self.score += self.SMOOTH * ((hit_old - hit_recent) / n - self.score)
-        self._window[:] = [0, 0, 0]
-        want = self.score > self.BAND if not self.old else self.score > -self.BAND
+        self.score_half += self.SMOOTH * ((half_old - half_recent) / n - self.score_half)
+        self._window[:] = [0, 0, 0, 0, 0]
+        score = self.score if self.pressed else self.score_half
+        want = score > self.BAND if not self.old else score > -self.BAND
         if want != self.old:
             self.old = want
             self.counters["switches"] += 1
@@ -225,7 +243,7 @@ class InsertionPolicy:
         while len(self._last) > self.MAX_TRACKED // 2 and self.shift < 32:
             self.shift += 1
             self._last = OrderedDict((h, k) for h, k in self._last.items() if self._sampled(h))
-        for cache in self.caches:
+        for cache in (*self.caches, *self.half):
             cache.keep_only(self._sampled)
         self.index.set_sample_shift(self.shift)
 
@@ -233,6 +251,7 @@ class InsertionPolicy:
         c = self.counters
         refs = max(1, c["refs"])
         return {"mode": self.mode, "insert": "old" if self.old else "recent", "score": round(self.score, 4),
+                "score_half": round(self.score_half, 4), "pressed": self.pressed,
                 "sampled_refs": c["refs"], "hit_ratio_recent": c["hits_recent"] / refs,
                 "hit_ratio_old": c["hits_old"] / refs, "switches": c["switches"], "sample_shift": self.shift,
                 "samples_dropped": c["dropped"]}
