@@ -117,20 +117,19 @@ def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_sto
 def test_the_default_insertion_learns_a_round_over_more_conversations_than_fit(make_store):
     """16 conversations take turns in rounds over 2 x 4 MiB (under half of what they save):
     LRU evicts each just before its next turn. The default (``chain_insert`` adaptive)
-    sees it in its miniature caches and turns to inserting new pages on probation; no page
-    is cut off from its conversation's start meanwhile. (What it serves is measured by
-    benchmarks/bench_chains.py: at this size the store's own order decides too little to
-    compare.)"""
+    sees it in its miniature caches, fed by the native calls' samples, and keeps new pages
+    on probation; no page is cut off from its conversation's start meanwhile. (What it
+    serves is measured by benchmarks/bench_chains.py: at this size the store's own order
+    decides too little to compare.)"""
     s = make_store(segment_size_bytes="4mb")
-    assert s.stats()["eviction_policy"]["insert"] == "recent"  # where every store starts
     chat = Chat(s, 16, system=64, question=48)
     order = random.Random(2)
     for _ in range(8):
         for c in order.sample(range(16), 16):
             chat.turn(c)
     policy = s.stats()["eviction_policy"]
-    assert policy["mode"] == "adaptive" and policy["insert"] == "old", policy
+    assert policy["mode"] == "adaptive" and policy["insert"] == "old" and policy["pressed"], policy
     assert policy["hit_ratio_old"] > policy["hit_ratio_recent"] + 0.1, policy
-    assert policy["switches"] >= 1 and policy["sampled_refs"] > 1000
+    assert policy["sampled_refs"] > 1000 and policy["score"] > 0.05, policy
     wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
     assert chat.gaps() == 0

@@ -1,5 +1,7 @@
 """Chain-aware eviction (master/chains.py) on the state machine with an injected clock:
-the literal order of victims, orphans, forced evictions, restarts."""
+the literal order of victims, orphans, forced evictions, restarts. Orders written for new
+pages at the recent end name ``chain_insert="recent"`` (the adaptive default starts on
+probation: tests/unit/test_adaptive.py)."""
 
 import pytest
 
@@ -44,7 +46,7 @@ def test_a_pass_takes_the_least_recent_chain_whole_before_newer_leaves():
     """Two chains older than four plain keys, four pages needed: the least recent leaf
     each time: c, then b and a (each the least recent leaf once its child went), then f;
     the newer plain keys stay."""
-    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.4)
+    m, clock = make(n_nodes=1, cap=10 * K, high_watermark=1.0, evict_ratio=0.4, chain_insert="recent")
     chain(m, "abc", clock)
     chain(m, "def", clock)
     for k in "stuv":
@@ -59,7 +61,7 @@ def test_a_pass_takes_the_least_recent_chain_whole_before_newer_leaves():
 def test_chains_shorten_tail_first_when_nothing_else_is_left():
     """Only chains: the least recent chain goes from its tail (c, b, a); the newer one
     stays whole."""
-    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=0.5)
+    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=0.5, chain_insert="recent")
     chain(m, "abc", clock)
     chain(m, "def", clock)
     put(m, "z")
@@ -103,7 +105,7 @@ def test_a_put_in_flight_holds_its_parent():
 def test_a_shared_prefix_stays_while_any_branch_does():
     """p is the parent of two branches; the older branch goes whole, p stays for the
     other one."""
-    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=1 / 6)
+    m, clock = make(n_nodes=1, cap=6 * K, high_watermark=1.0, evict_ratio=1 / 6, chain_insert="recent")
     chain(m, "p", clock)
     chain(m, "ab", clock, parent="p")
     chain(m, "cd", clock, parent="p")
@@ -144,7 +146,7 @@ def test_an_orphan_goes_first_and_a_removed_parent_takes_its_tail():
 def test_a_leased_leaf_forces_its_parent_only_when_nothing_else_can_go():
     """Every slot holds a->b->c with c being read: the round frees nothing but a chain
     value, so it takes the oldest (a); b goes with it, c once its reader is done."""
-    m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=1 / 3, lease_ttl_s=10, node_ttl_s=100)
+    m, clock = make(n_nodes=1, cap=3 * K, high_watermark=1.0, evict_ratio=1 / 3, lease_ttl_s=10, node_ttl_s=100, chain_insert="recent")
     chain(m, "abc", clock)
     m.get("c")
     put(m, "z")
