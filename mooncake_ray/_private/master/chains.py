@@ -168,6 +168,7 @@ class Picker:
         self.held: dict[str, tuple] = {}  # key -> (item, length), in the order met (LRU)
         self._taken: dict[str, int] = {}  # parent -> children chosen in this pass
         self.cascade = True  # the scan's leaves take their parents (not pinned values: close)
+        self._met: dict[str, int] = {}  # held key -> when the scan met it (least recent first)
 
     def done(self) -> bool:
         return self.freed >= self.need
@@ -181,6 +182,7 @@ class Picker:
 
     def hold(self, key: str, item, length: int) -> None:
         self.held[key] = (item, length)
+        self._met[key] = len(self._met)
 
     def offer(self, obj, rep) -> None:
         """A hot object's evictable replica: taken, or held while children of it stay."""
@@ -222,7 +224,8 @@ class Picker:
         c, held = self.chains, self.held
         if c is None or not held or not self.cascade:
             return
-        for key in [k for k in parents if k in held] if len(parents) == 1 else [k for k in held if k in parents]:
+        met = self._met
+        for key in sorted((k for k in parents if k in held), key=met.__getitem__):
             if self.freed >= self.need:
                 return
             if key in held and c.kid_count(key) <= self._taken.get(key, 0):
