@@ -213,6 +213,14 @@ class Processes:
         stop_processes(self.procs, wait_s)
 
 
+def local_ray(object_store_bytes: int = 128 << 20) -> None:
+    """A local Ray of the benchmark's own (never whatever cluster /tmp/ray names), quiet."""
+    import ray
+
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             object_store_memory=object_store_bytes)
+
+
 def git_state() -> dict:
     """The commit measured, and files of the store's code that differed from it."""
     root = Path(__file__).resolve().parents[1]

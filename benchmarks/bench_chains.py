@@ -1,54 +1,104 @@
-"""Does eviction keep KV chains whole? Multi-turn conversations through ``mooncake_ray.kv``
-with a DRAM arena smaller than the working set.
+"""Does eviction keep KV chains whole, and does the store's default insertion policy serve as
+much as the better fixed one? Multi-turn conversations through ``mooncake_ray.kv`` with a
+DRAM arena smaller than the working set.
 
 A stored KV page is worth something only while every page before it in its chain is
 stored too: a prefix lookup stops at the first miss. Plain LRU evicts a conversation's
 oldest pages (its beginning) first and leaves the rest stored but out of reach. Chain-aware
 eviction (``master.chain_eviction``: every page names its parent, leaves go first) should
-keep whole prefixes instead.
+keep whole prefixes instead. Where a new page enters the eviction order
+(``master.chain_insert``) decides which whole prefixes stay: at the recent end (LRU) suits
+conversations that come back soon, at the old end suits many conversations taking turns
+(each is LRU's least recent just before its next turn); the default adapts to the workload.
 
-Workload: ``--conversations`` chats of ``--turns`` turns. Turn t's prompt is the whole
-history (``--system-tokens`` of system prompt, distinct per conversation, then the earlier
-questions and answers) plus a new question of ``--question-tokens`` random token ids; an
-answer of ``--answer-tokens`` random ids joins the history afterwards. Per turn: look the
-prompt's pages up, load the leading hits into an engine page pool, fill the rest with
-random bytes (the "computed" KV, each page stamped so that loads are checked) and save
-the pages not loaded. Round t sends every conversation's turn t, one at a time, in a
-seeded random order. The arena is ``--fractions`` of the working set (the bytes of every
-conversation's last-turn prompt pages); no spill tier.
+Conversations: turn t's prompt is the whole history (``--system-tokens`` of system prompt,
+distinct per conversation, then the earlier questions and answers) plus a new question of
+``--question-tokens`` random token ids; an answer of ``--answer-tokens`` random ids joins the
+history afterwards; every conversation has ``--turns`` turns. Per turn: look the prompt's
+pages up, load the leading hits into an engine page pool, fill the rest with random bytes
+(the "computed" KV, each page stamped so that loads are checked) and save the pages not
+loaded.
+
+Workloads (``--workloads``), each measured for every fraction and configuration:
+
+- ``rounds``: ``--conversations`` conversations (24); round t sends every conversation's turn
+  t, one at a time, in a seeded random order (SGLang's multi-turn benchmark with its round
+  barrier; LRU's worst case). Counted: turns ``--from-turn``..end.
+- ``recency``: ``--recency-conversations`` conversations (default 3x ``--conversations``: 72)
+  arrive over time, at most ``--active`` (8) live at once; each step one live conversation,
+  picked at random (seeded), speaks its next turn; one that has spoken all its turns leaves
+  and the next new one starts. A conversation's next turn comes after 7 others on average
+  (median 5, at most about 30; the JSON records them per seed). Prefill -> decode handoffs
+  go through the store: after ``--handoff-delay`` (2) other turns, a decode reads back
+  (``load`` from the turn's first unloaded page, into a pool of its own) exactly the pages
+  the turn saved. A conversation whose decode is pending does not speak (its answer is not
+  out yet); if every live one waits, the oldest decode runs at once. Handoff pages missed:
+  from a decode's first missing page on (a decode cannot use a page after a gap). Counted:
+  every turn after the first ``--conversations`` (warm-up).
+- ``shift``: the shape changes halfway: ``--conversations`` conversations in the ``rounds``
+  shape, then ``--conversations`` new ones in the ``recency`` shape with its handoffs, as
+  many turns in each half (``--shift-order recency-first`` reverses the halves). The share is
+  reported per phase: phase 1 counted as its shape alone, phase 2 every turn (the policy's
+  reaction to the shift is what it measures).
+
+Working set: the ``rounds`` one, every one of its ``--conversations`` conversations' last-turn
+prompt pages (85.5 MiB by default). Every workload runs at the same arenas, ``--fractions``
+of it (no spill tier), so each ``shift`` phase runs where its shape does alone. In ``recency``
+the live conversations take at most ``--active`` / ``--conversations`` of it (28.5 MiB) and
+its conversations put 3x it in all: its arenas are under what it puts, around what stays in
+use. (An arena under the live conversations' KV makes 8 conversations taking turns LRU's
+worst case again, and leaves no room for a turn's pages until its decode: at the defaults,
+``--fractions 0.083,0.167`` measures ``recency`` at 25 % and 50 % of it.) The JSON
+records each workload's definition, its live conversations' KV and the pages put in all
+against the arena, and per seed the other turns between a conversation's consecutive turns.
 
 Configurations, each on a fresh store, interleaved over ``--repeats`` seeds:
 
-- ``chain``:    mooncake_ray, ``master.chain_eviction: true``;
-- ``chain-old``: the same with ``master.chain_insert: old`` (a new page enters the eviction
-  order at its old end and moves to the recent end when read);
-- ``lru``:      mooncake_ray, ``master.chain_eviction: false``;
-- ``mooncake``: Mooncake Store (``mooncake_master`` + one ``mooncake_client`` store process
+- ``chain``:        mooncake_ray with its default eviction: ``master.chain_eviction: true``
+  and no ``chain_insert`` given (the store's default: ``adaptive`` where the store has it);
+- ``chain-recent``: the same with ``master.chain_insert: recent`` (a new page enters the
+  eviction order at its recent end: LRU order);
+- ``chain-old``:    the same with ``master.chain_insert: old`` (a new page enters at the old
+  end and moves to the recent end when read);
+- ``lru``:          mooncake_ray, ``master.chain_eviction: false``;
+- ``mooncake``:     Mooncake Store (``mooncake_master`` + one ``mooncake_client`` store process
   holding a segment of the same bytes + a client-only ``MooncakeDistributedStore`` here,
   tcp), the same keys, bytes and call sequence (``batch_is_exist``, ``batch_get_into``,
   ``batch_put_from``). Mooncake refuses segments under 16 MiB (hence 32 KiB pages by default:
-  25 % of the default working set is 21 MiB); a run it refuses is recorded with its error
-  and skipped. Its ``is_exist`` and ``get`` lease the key (``--lease-ttl-s``, 10 s by default
-  in both stores) and a leased key is not evicted: a whole run here lasts seconds, so every
+  25 % of the working set is 21 MiB); a run it refuses is recorded with its error and
+  skipped. Its ``is_exist`` and ``get`` lease the key (``--lease-ttl-s``, 10 s by default in
+  both stores) and a leased key is not evicted: a whole run here lasts seconds, so every
   page looked up is held and puts fail for want of space instead (counted in ``failures``).
-  Mooncake's figures at the default lease therefore owe much to the compressed time; rerun
-  with ``--lease-ttl-s 0.05`` to see them without it (ours takes no lease on lookups).
+  Mooncake's figures at the default lease therefore owe much to the compressed time (in
+  ``shift``, the first phase's pages hold the arena through the second); rerun with
+  ``--lease-ttl-s 0.05`` to see them without it (ours takes no lease on lookups and ends a
+  read's lease with the read).
 
-Per round: the share of prompt tokens loaded from the store, orphaned pages (measured here,
-the same way for all three: of every page a conversation's chain holds, the pages stored
-whose previous page is not; mooncake_ray via ``batch_exists``, which takes no lease;
-Mooncake via its master's ``/get_all_keys``, since its ``is_exist`` leases the key and
-refreshes its LRU position) and the store's own counters (``orphaned_pages``,
-``chain_tail_evictions``, ``evictions``), time per turn. Summary per fraction: median and
-range over repeats of the share served over turns ``--from-turn``..end, the ratios
-chain/lru and chain/mooncake, orphaned pages after the last round. Targets at 50 %:
-chain serves >= 2x lru, and leaves no orphaned page.
+Per round (``rounds``: one turn of every conversation; ``recency``: every ``--conversations``
+turns; ``shift``: either, by phase): the share of prompt tokens loaded from the store,
+handoff pages read back and missed, orphaned pages (measured here, the same way for every
+store: of every page a conversation's chain holds, the pages stored whose previous page is
+not; mooncake_ray via ``batch_exists``, which takes no lease; Mooncake via its master's
+``/get_all_keys``, since its ``is_exist`` leases the key and refreshes its LRU position), the
+store's own counters (``orphaned_pages``, ``chain_tail_evictions``, ``evictions``, and as-is
+every ``stats()`` key starting with ``eviction_policy``: which insertion policy the store
+chose), time per turn. Summary per workload and fraction: median [min-max] over repeats of
+the counted share (per phase for ``shift``), handoff pages missed, orphaned pages after the
+last round, and the ratios chain/mooncake, chain/lru and chain/best fixed (the better median
+of chain-recent and chain-old). Targets, at 50 % and 25 % of the working set:
+
+- ``rounds``: chain serves >= 1.25x mooncake and >= 2x lru, and leaves no orphaned page;
+- ``recency``: chain serves >= 0.95x the best fixed policy and misses no handoff page;
+- ``shift``: chain serves >= 0.9x the better fixed policy in each phase.
+
+Run it (the second line is a quick check: with ``--active`` a third of ``--conversations`` as
+at the defaults):
 
     make bench B=benchmarks/bench_chains.py ARGS="--repeats 3"
-    make bench B=benchmarks/bench_chains.py ARGS="--conversations 6 --turns 4 --repeats 1 --layers 16"  # quick
+    make bench B=benchmarks/bench_chains.py ARGS="--conversations 6 --active 2 --turns 4 --repeats 1 --layers 16"
 
-Writes benchmarks/results/bench_chains.json and bench_chains.png (``--replot FILE`` redraws
-the plot from a JSON).
+Writes benchmarks/results/bench_chains.json and bench_chains.png, one panel per workload and
+fraction (``--replot FILE`` redraws the plot from a JSON).
 """
 
 from __future__ import annotations
@@ -64,14 +114,23 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from _common import Processes, free_port, git_state, host_info, host_label, spread, versions, wait_port
+from _common import Processes, free_port, git_state, host_info, host_label, local_ray, spread, versions, wait_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = ("chain", "chain-old", "lru", "mooncake")
+CONFIGS = ("chain", "chain-recent", "chain-old", "lru", "mooncake")
+FIXED = ("chain-recent", "chain-old")  # the fixed insertion policies "best fixed" picks from
+# master settings per configuration of ours; "chain" passes no chain_insert: the store's default
+MASTER = {"chain": {"chain_eviction": True},
+          "chain-recent": {"chain_eviction": True, "chain_insert": "recent"},
+          "chain-old": {"chain_eviction": True, "chain_insert": "old"},
+          "lru": {"chain_eviction": False}}
+WORKLOADS = ("rounds", "recency", "shift")
 MODEL = "bench/chains"
 MOONCAKE_MIN_SEGMENT = 16 << 20  # mooncake_client: "Total size must be at least 16777216"
 STORE_STATS = ("orphaned_pages", "chain_tail_evictions", "evictions", "evicted_bytes", "keys", "used", "capacity",
@@ -79,17 +138,124 @@ STORE_STATS = ("orphaned_pages", "chain_tail_evictions", "evictions", "evicted_b
 
 
 # ====================================================================== workload ==
-class Workload:
-    """Every conversation's token ids, generated up front from one seed: ``prompt(c, t)``
-    is turn t's prompt (t from 0), ``order(t)`` the order of round t."""
+def prompt_tokens(args, t: int) -> int:
+    """Turn t's prompt length (t from 0): the same for every conversation."""
+    return args.system_tokens + t * (args.question_tokens + args.answer_tokens) + args.question_tokens
 
-    def __init__(self, args, seed: int):
+
+def last_pages(args) -> int:
+    """Full pages of a conversation's last prompt: the most its chain holds."""
+    return prompt_tokens(args, args.turns - 1) // args.page_size
+
+
+def live_max(kind: str, args) -> int:
+    """The most conversations live (started, not finished) at once in a workload."""
+    recency = min(args.active, args.conversations if kind == "shift" else args.recency_conversations)
+    return {"rounds": args.conversations, "recency": recency, "shift": max(args.conversations, recency)}[kind]
+
+
+def working_set_pages(args) -> int:
+    """Every workload's arenas are fractions of this: the ``rounds`` working set, every one of
+    its ``--conversations`` conversations' last-turn prompt pages."""
+    return args.conversations * last_pages(args)
+
+
+class Event(NamedTuple):
+    """One step of a schedule: ``kind`` "turn" (conversation ``conv`` speaks its turn ``turn``,
+    from 0; ``counted``: the summary's share counts it) or "handoff" (the decode reads back
+    what that turn saved), in ``phase`` 1 (or 2: ``shift``'s second half)."""
+    kind: str
+    conv: int
+    turn: int
+    counted: bool
+    phase: int
+
+
+class Workload:
+    """One workload's token ids and schedule, generated up front from one seed. ``prompt(c, t)``
+    is turn t's prompt (t from 0); ``rounds`` the schedule, a list of rounds (the unit of the
+    per-round figures), each a list of ``Event``; ``handed_off`` the (conv, turn) pairs a
+    decode reads back. The ``rounds`` workload draws the same ids and orders from a seed as
+    this benchmark did before the other workloads."""
+
+    def __init__(self, kind: str, args, seed: int):
+        self.args, self.kind = args, kind
         rng = np.random.default_rng(seed)
-        ids = lambda n: rng.integers(1, 1 << 17, n).tolist()  # noqa: E731
-        self.system = [ids(args.system_tokens) for _ in range(args.conversations)]
-        self.questions = [[ids(args.question_tokens) for _ in range(args.turns)] for _ in range(args.conversations)]
-        self.answers = [[ids(args.answer_tokens) for _ in range(args.turns)] for _ in range(args.conversations)]
-        self.orders = [rng.permutation(args.conversations).tolist() for _ in range(args.turns)]
+        self.system: list[list[int]] = []
+        self.questions: list[list[list[int]]] = []
+        self.answers: list[list[list[int]]] = []
+        self.handed_off: set[tuple[int, int]] = set()
+        c = args.conversations
+        if kind == "rounds":
+            self.rounds = self._rounds_shape(self._add(c, rng), c, rng, 1)
+        elif kind == "recency":
+            self.rounds = self._recency_shape(self._add(args.recency_conversations, rng), args.recency_conversations,
+                                              rng, 1)
+        else:
+            shapes = (self._rounds_shape, self._recency_shape)
+            first, second = shapes if args.shift_order == "rounds-first" else shapes[::-1]
+            self.rounds = first(self._add(c, rng), c, rng, 1) + second(self._add(c, rng), c, rng, 2, count_all=True)
+
+    def _add(self, n: int, rng) -> int:
+        """Token ids of ``n`` new conversations (system prompts, then questions, then answers);
+        returns the first one's id."""
+        a = self.args
+        ids = lambda k: rng.integers(1, 1 << 17, k).tolist()  # noqa: E731
+        base = len(self.system)
+        self.system += [ids(a.system_tokens) for _ in range(n)]
+        self.questions += [[ids(a.question_tokens) for _ in range(a.turns)] for _ in range(n)]
+        self.answers += [[ids(a.answer_tokens) for _ in range(a.turns)] for _ in range(n)]
+        return base
+
+    def _rounds_shape(self, base: int, n: int, rng, phase: int, count_all: bool = False) -> list[list[Event]]:
+        """Round t: every conversation's turn t, in a seeded random order; counted from
+        ``--from-turn`` (or every turn: ``count_all``)."""
+        start = 1 if count_all else self.args.from_turn
+        return [[Event("turn", base + c, t, t + 1 >= start, phase) for c in rng.permutation(n).tolist()]
+                for t in range(self.args.turns)]
+
+    def _recency_shape(self, base: int, n: int, rng, phase: int, count_all: bool = False) -> list[list[Event]]:
+        """Conversations ``base``..``base + n - 1`` arrive in order, at most ``--active`` live;
+        each step a live one whose decode is not pending speaks; a turn's decode reads back
+        after ``--handoff-delay`` other turns. Counted after the first ``--conversations``
+        turns (or every turn: ``count_all``); rounds of ``--conversations`` turns."""
+        a = self.args
+        warmup = 0 if count_all else a.conversations
+        waiting, live = deque(range(base, base + n)), {}  # live: conversation -> its next turn
+        pending: deque[tuple[int, int]] = deque()  # turns whose decode has not read back, oldest first
+        events: list[Event] = []
+        step = 0
+        while waiting or live:
+            while len(live) < a.active and waiting:
+                live[waiting.popleft()] = 0
+            busy = {c for c, _ in pending}
+            ready = [c for c in live if c not in busy]
+            if not ready:  # every live conversation waits for its decode: the oldest runs now
+                events.append(Event("handoff", *pending.popleft(), False, phase))
+                continue
+            c = ready[int(rng.integers(len(ready)))]
+            t = live[c]
+            events.append(Event("turn", c, t, step >= warmup, phase))
+            self.handed_off.add((c, t))
+            step += 1
+            pending.append((c, t))
+            if t + 1 == a.turns:
+                del live[c]
+            else:
+                live[c] = t + 1
+            while len(pending) > a.handoff_delay:
+                events.append(Event("handoff", *pending.popleft(), False, phase))
+        events += [Event("handoff", c, t, False, phase) for c, t in pending]
+        rounds: list[list[Event]] = []
+        in_round = 0
+        for ev in events:  # a round: --conversations turns and the decodes that follow them
+            if ev.kind == "turn":
+                if not rounds or in_round == a.conversations:
+                    rounds.append([])
+                    in_round = 0
+                in_round += 1
+            rounds[-1].append(ev)
+        return rounds
 
     def prompt(self, c: int, t: int) -> list[int]:
         out = list(self.system[c])
@@ -97,39 +263,58 @@ class Workload:
             out += self.questions[c][k] + self.answers[c][k]
         return out + self.questions[c][t]
 
-    def order(self, t: int) -> list[int]:
-        return self.orders[t]
+    def turns(self) -> list[Event]:
+        return [ev for rd in self.rounds for ev in rd if ev.kind == "turn"]
 
+    def phases(self) -> list[int]:
+        return sorted({ev.phase for ev in self.turns()})
 
-def working_set_pages(args) -> int:
-    last = args.system_tokens + (args.turns - 1) * (args.question_tokens + args.answer_tokens) + args.question_tokens
-    return args.conversations * (last // args.page_size)
+    def turn_gaps(self, phase: int | None = None) -> dict | None:
+        """Other turns between a conversation's consecutive turns: mean, median, max."""
+        seen, gaps = {}, []
+        for i, ev in enumerate(self.turns()):
+            if ev.conv in seen and (phase is None or ev.phase == phase):
+                gaps.append(i - seen[ev.conv] - 1)
+            seen[ev.conv] = i
+        return {"mean": statistics.mean(gaps), "median": statistics.median(gaps), "max": max(gaps)} if gaps else None
 
+    def ideal_pct(self, phase: int | None = None) -> float:
+        """The counted share an unbounded store serves: every full page of the previous turn's
+        prompt."""
+        ps, num, den = self.args.page_size, 0, 0
+        for ev in self.turns():
+            if ev.counted and (phase is None or ev.phase == phase):
+                num += prompt_tokens(self.args, ev.turn - 1) // ps * ps if ev.turn else 0
+                den += prompt_tokens(self.args, ev.turn)
+        return 100.0 * num / den
 
-def ideal_share(args, from_turn: int = 1) -> float:
-    """The share an unbounded store serves: every full page of the previous turn's prompt."""
-    num = den = 0
-    for t in range(from_turn - 1, args.turns):
-        prompt = args.system_tokens + t * (args.question_tokens + args.answer_tokens) + args.question_tokens
-        prev = args.system_tokens + (t - 1) * (args.question_tokens + args.answer_tokens) + args.question_tokens
-        num += (prev // args.page_size) * args.page_size if t > 0 else 0
-        den += prompt
-    return num / den
+    def describe(self, seed: int) -> dict:
+        """What the JSON records of this seed's schedule."""
+        out = {"seed": seed, "conversations": len(self.system), "turns": len(self.turns()),
+               "handoffs": len(self.handed_off), "turn_gap_others": self.turn_gaps(),
+               "ideal_served_pct_counted": self.ideal_pct()}
+        if self.kind == "shift":
+            for p in self.phases():
+                out[f"turn_gap_others_phase{p}"] = self.turn_gaps(p)
+                out[f"ideal_served_pct_phase{p}"] = self.ideal_pct(p)
+        return out
 
 
 # ======================================================================= drivers ==
 class OursDriver:
     """mooncake_ray through ``KVStore`` (it names each page's parent where the store supports it)."""
 
-    def __init__(self, client, kv, pool):
+    def __init__(self, client, kv, pools):
         self.client, self.kv = client, kv
-        kv.register_pool(pool)
+        for pool in pools:
+            kv.register_pool(pool)
 
     def lookup(self, tokens, keys) -> int:
         return self.kv.lookup(tokens, keys) // self.kv.geometry.page_size
 
-    def load(self, tokens, keys, pool, n: int) -> int:
-        return self.kv.load(tokens, pool, list(range(n)))
+    def load(self, tokens, keys, pool, start: int, n: int) -> int:
+        """Pages ``start``..``n - 1`` into pool pages 0..; returns the leading pages loaded."""
+        return self.kv.load(tokens, pool, list(range(n - start)), start_page=start)
 
     def save(self, tokens, keys, pool, start: int, n: int) -> int:
         return self.kv.save(tokens, pool, list(range(start, n)), start_page=start)
@@ -143,8 +328,10 @@ class OursDriver:
         return out
 
     def store_stats(self) -> dict:
+        """``STORE_STATS`` and, as the store gives them, its keys naming the eviction policy."""
         st = self.client.stats()
-        return {k: st.get(k) for k in STORE_STATS}
+        policy = {k: v for k, v in st.items() if k.startswith("eviction_policy")}
+        return {**{k: st.get(k) for k in STORE_STATS}, **policy}
 
     def failures(self) -> dict:
         return dict(self.kv.failures)
@@ -154,16 +341,16 @@ class MooncakeDriver:
     """Mooncake Store's client, the same call sequence as ``KVStore`` (exists, get the leading
     hits, exists again and put the missing pages)."""
 
-    def __init__(self, peer, geometry, pool):
+    def __init__(self, peer, geometry, pools):
         self.peer, self.s, self.g = peer, peer.store, geometry
-        self.base = pool.tensor.data_ptr()
-        rc = self.s.register_buffer(self.base, pool.tensor.numel() * pool.tensor.element_size())
-        if rc != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.register_buffer rc={rc}")
+        for pool in pools:
+            rc = self.s.register_buffer(pool.tensor.data_ptr(), pool.tensor.numel() * pool.tensor.element_size())
+            if rc != 0:
+                raise RuntimeError(f"MooncakeDistributedStore.register_buffer rc={rc}")
         self.fail: dict[str, int] = {}
 
-    def _ptr(self, page_id: int) -> int:
-        return self.base + page_id * self.g.page_bytes
+    def _ptr(self, pool, page_id: int) -> int:
+        return pool.tensor.data_ptr() + page_id * self.g.page_bytes
 
     def _count(self, op, codes):
         for rc in codes:
@@ -179,9 +366,10 @@ class MooncakeDriver:
             n += 1
         return n
 
-    def load(self, tokens, keys, pool, n: int) -> int:
-        keys = keys[:n]
-        sizes = self.s.batch_get_into(keys, [self._ptr(i) for i in range(n)], [self.g.page_bytes] * n)
+    def load(self, tokens, keys, pool, start: int, n: int) -> int:
+        keys = keys[start:n]
+        sizes = self.s.batch_get_into(keys, [self._ptr(pool, i) for i in range(len(keys))],
+                                      [self.g.page_bytes] * len(keys))
         out = 0
         for size in sizes:
             if size != self.g.page_bytes:
@@ -197,7 +385,7 @@ class MooncakeDriver:
         todo = [(k, start + i) for i, (k, p) in enumerate(zip(keys, present)) if p != 1]
         if not todo:
             return 0
-        res = self.s.batch_put_from([k for k, _ in todo], [self._ptr(i) for _, i in todo],
+        res = self.s.batch_put_from([k for k, _ in todo], [self._ptr(pool, i) for _, i in todo],
                                     [self.g.page_bytes] * len(todo))
         self._count("put", res)
         return sum(1 for r in res if r == 0)
@@ -319,16 +507,38 @@ class MooncakePeer:
 
 
 # =========================================================================== runs ==
-def run_one(cfg: str, frac: float, rep: int, args, geometry, wl: Workload, arena: int) -> dict:
+def share(recs: list[dict]) -> float | None:
+    """Percent of the prompt tokens of ``recs`` (per-turn records) loaded from the store."""
+    prompt = sum(r["prompt_tokens"] for r in recs)
+    return 100.0 * sum(r["loaded_tokens"] for r in recs) / prompt if prompt else None
+
+
+def policy_label(stats: dict) -> str:
+    """The store's ``eviction_policy*`` stats in short, for a printed line: their string
+    fields (which policy it chose; the JSON keeps them whole)."""
+    out = []
+    for k, v in stats.items():
+        if k.startswith("eviction_policy"):
+            fields = {f: x for f, x in v.items() if isinstance(x, str)} if isinstance(v, dict) else {"": v}
+            out += [f"{f}={x}" if f else f"{k}={x}" for f, x in fields.items()]
+    return f" policy {' '.join(out)}" if out else ""
+
+
+def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Workload, arena: int) -> dict:
+    """One configuration through one workload's schedule on a fresh store of ``arena`` bytes:
+    the JSON's row (``skipped`` where Mooncake refused or did not start)."""
     import torch
 
     import mooncake_ray
     from mooncake_ray.kv import KVStore, PagePool, key_prefix, page_hashes
 
-    row = {"config": cfg, "fraction": frac, "repeat": rep, "seed": args.seed + rep, "arena_bytes": arena}
-    max_pages = working_set_pages(args) // args.conversations
-    pool = PagePool(geometry, max_pages, "page_first")
+    row = {"workload": kind, "config": cfg, "fraction": frac, "repeat": rep, "seed": args.seed + rep,
+           "arena_bytes": arena}
+    max_pages = last_pages(args)
+    pool = PagePool(geometry, max_pages, "page_first")  # the prefill engine's
+    dpool = PagePool(geometry, max_pages, "page_first")  # the decode engine's: handoffs land here
     pages_u8 = pool.tensor.view(torch.uint8).numpy().reshape(max_pages, geometry.page_bytes)
+    dpages_u8 = dpool.tensor.view(torch.uint8).numpy().reshape(max_pages, geometry.page_bytes)
     prefix = key_prefix(MODEL, geometry, "page_first")
     rng = np.random.default_rng(args.seed + 1000 + rep)
     ns, peer, t_up = None, None, time.perf_counter()
@@ -348,29 +558,38 @@ def run_one(cfg: str, frac: float, rep: int, args, geometry, wl: Workload, arena
                 row["mooncake_errors"] = peer.error_lines()
                 return row
             row["mooncake_commands"] = peer.commands
-            drv = MooncakeDriver(peer, geometry, pool)
+            drv = MooncakeDriver(peer, geometry, (pool, dpool))
         else:
-            ns = f"bench_chains_{cfg}_{rep}_{int(frac * 1000)}"
+            ns = f"bench_chains_{kind}_{cfg}_{rep}_{int(frac * 1000)}"
             client = mooncake_ray.start({
                 "namespace": ns, "segment_size_bytes": arena, "transport": {"devices": ["lo"]},
-                "master": {"chain_eviction": cfg != "lru",
-                           "chain_insert": "old" if cfg == "chain-old" else "recent", "high_watermark": args.high_watermark,
-                           "evict_ratio": args.evict_ratio, "lease_ttl_s": args.lease_ttl_s}})
-            drv = OursDriver(client, KVStore(client, MODEL, geometry, "page_first"), pool)
+                "master": {**MASTER[cfg], "high_watermark": args.high_watermark, "evict_ratio": args.evict_ratio,
+                           "lease_ttl_s": args.lease_ttl_s}})
+            drv = OursDriver(client, KVStore(client, MODEL, geometry, "page_first"), (pool, dpool))
         row["startup_s"] = time.perf_counter() - t_up
 
         chains: dict[int, list[str]] = {}  # every page key each conversation's chain holds so far
-        rounds, bad_loads = [], 0
+        pending: dict[tuple[int, int], tuple] = {}  # (conv, turn) -> what its decode reads back: tokens, keys, start, n
+        rounds, every, bad_loads = [], [], 0
         ps = geometry.page_size
-        for t in range(args.turns):
-            recs = []
-            for c in wl.order(t):
+        for r, events in enumerate(wl.rounds):
+            recs, hand = [], []
+            for ev in events:
+                if ev.kind == "handoff":
+                    tokens, keys, start, n = pending.pop((ev.conv, ev.turn))
+                    t0 = time.perf_counter()
+                    got = drv.load(tokens, keys, dpool, start, n) if n > start else 0
+                    hand.append({"pages": n - start, "ok": got, "s": time.perf_counter() - t0})
+                    bad_loads += sum(1 for j in range(got)
+                                     if dpages_u8[j, :8].tobytes() != bytes.fromhex(keys[start + j][-16:]))
+                    continue
+                c, t = ev.conv, ev.turn
                 tokens = wl.prompt(c, t)
                 keys = [prefix + h for h in page_hashes(tokens, ps)]
                 n = len(keys)
                 t0 = time.perf_counter()
                 hit = drv.lookup(tokens, keys)
-                loaded = drv.load(tokens, keys, pool, hit) if hit else 0
+                loaded = drv.load(tokens, keys, pool, 0, hit) if hit else 0
                 t_loaded = time.perf_counter()
                 # loaded pages must carry their own key's stamp (outside the timed part)
                 for i in range(loaded):
@@ -387,40 +606,50 @@ def run_one(cfg: str, frac: float, rep: int, args, geometry, wl: Workload, arena
                 stored = drv.save(tokens, keys, pool, loaded, n) if n > loaded else 0
                 t_end = time.perf_counter()
                 chains[c] = keys
-                recs.append({"conv": c, "prompt_tokens": len(tokens), "hit_tokens": hit * ps,
-                             "loaded_tokens": loaded * ps, "saved_pages": stored, "pages": n,
+                if (c, t) in wl.handed_off:
+                    pending[(c, t)] = (tokens, keys, loaded, n)
+                recs.append({"conv": c, "phase": ev.phase, "counted": ev.counted, "prompt_tokens": len(tokens),
+                             "hit_tokens": hit * ps, "loaded_tokens": loaded * ps, "saved_pages": stored, "pages": n,
                              "turn_s": (t_loaded - t0) + (t_end - t1), "load_s": t_loaded - t0, "save_s": t_end - t1,
                              "fill_s": t_fill})
+            every += recs
             orphaned = unreachable = stored_pages = 0
             for keys, present in zip(chains.values(), drv.present(list(chains.values()))):
                 stored_pages += sum(present)
                 orphaned += sum(1 for i in range(1, len(keys)) if present[i] and not present[i - 1])
                 first_gap = next((i for i, p in enumerate(present) if not p), len(present))
                 unreachable += sum(present[first_gap:])
-            prompt = sum(r["prompt_tokens"] for r in recs)
-            turn_ms = sorted(1e3 * r["turn_s"] for r in recs)
-            rounds.append({"turn": t + 1, "prompt_tokens": prompt, "loaded_tokens": sum(r["loaded_tokens"] for r in recs),
-                           "hit_tokens": sum(r["hit_tokens"] for r in recs),
-                           "served_pct": 100.0 * sum(r["loaded_tokens"] for r in recs) / prompt,
-                           "saved_pages": sum(r["saved_pages"] for r in recs),
+            turn_ms = sorted(1e3 * x["turn_s"] for x in recs)
+            rounds.append({"round": r + 1, "phase": events[0].phase, "turns": len(recs),
+                           "prompt_tokens": sum(x["prompt_tokens"] for x in recs),
+                           "loaded_tokens": sum(x["loaded_tokens"] for x in recs),
+                           "hit_tokens": sum(x["hit_tokens"] for x in recs), "served_pct": share(recs),
+                           "saved_pages": sum(x["saved_pages"] for x in recs),
+                           "handoff_pages": sum(h["pages"] for h in hand), "handoff_ok": sum(h["ok"] for h in hand),
                            "orphaned_pages": orphaned, "unreachable_pages": unreachable, "stored_pages": stored_pages,
                            "store": drv.store_stats(), "turn_ms_mean": statistics.mean(turn_ms),
                            "turn_ms_p50": turn_ms[len(turn_ms) // 2], "turn_ms_max": turn_ms[-1],
-                           "fill_ms_mean": 1e3 * statistics.mean(r["fill_s"] for r in recs)})
-            st = rounds[-1]["store"]
+                           "fill_ms_mean": 1e3 * statistics.mean(x["fill_s"] for x in recs),
+                           "handoff_ms_mean": 1e3 * statistics.mean(h["s"] for h in hand) if hand else None})
+            rd, st = rounds[-1], rounds[-1]["store"]
             own = (f" | store orphaned {st.get('orphaned_pages')} tail-ev {st.get('chain_tail_evictions')} "
-                   f"ev {st.get('evictions')}") if cfg != "mooncake" else ""
-            print(f"    turn {t + 1:2}: served {rounds[-1]['served_pct']:5.1f}%  orphaned {orphaned:4}  unreachable "
-                  f"{unreachable:4}  stored {stored_pages:5}  turn {rounds[-1]['turn_ms_mean']:6.1f} ms{own}", flush=True)
-        sel = [r for r in rounds if r["turn"] >= args.from_turn]
+                   f"ev {st.get('evictions')}" + policy_label(st)) if cfg != "mooncake" else ""
+            handoffs = f"  handoff {rd['handoff_ok']:4}/{rd['handoff_pages']:<4}" if hand else ""
+            print(f"    round {r + 1:2} [phase {rd['phase']}]: served {rd['served_pct']:5.1f}%{handoffs}  orphaned "
+                  f"{orphaned:4}  unreachable {unreachable:4}  stored {stored_pages:5}  "
+                  f"turn {rd['turn_ms_mean']:6.1f} ms" + own, flush=True)
         row.update({
-            "rounds": rounds,
-            "served_pct": 100.0 * sum(r["loaded_tokens"] for r in rounds) / sum(r["prompt_tokens"] for r in rounds),
-            "served_pct_from_turn": 100.0 * sum(r["loaded_tokens"] for r in sel) / sum(r["prompt_tokens"] for r in sel),
+            "rounds": rounds, "served_pct": share(every),
+            "served_pct_counted": share([x for x in every if x["counted"]]),
+            "handoff_pages": sum(rd["handoff_pages"] for rd in rounds),
+            "handoff_misses": sum(rd["handoff_pages"] - rd["handoff_ok"] for rd in rounds),
             "orphaned_last": rounds[-1]["orphaned_pages"], "unreachable_last": rounds[-1]["unreachable_pages"],
             "store_orphaned_last": rounds[-1]["store"].get("orphaned_pages"),
-            "turn_ms_mean": statistics.mean(r["turn_ms_mean"] for r in rounds),
+            "turn_ms_mean": statistics.mean(rd["turn_ms_mean"] for rd in rounds),
             "bad_loads": bad_loads, "failures": drv.failures()})
+        if kind == "shift":
+            for p in wl.phases():
+                row[f"served_pct_phase{p}"] = share([x for x in every if x["counted"] and x["phase"] == p])
         return row
     finally:
         if ns is not None:
@@ -430,106 +659,206 @@ def run_one(cfg: str, frac: float, rep: int, args, geometry, wl: Workload, arena
 
 
 # ======================================================================== summary ==
+def metrics_of(kind: str) -> list[str]:
+    """The shares a workload's summary compares configurations on."""
+    return ["served_pct_counted"] + (["served_pct_phase1", "served_pct_phase2"] if kind == "shift" else [])
+
+
 def summarize(rows: list[dict], args) -> dict:
+    out: dict = {}
+    for kind in args.workload_list:
+        out[kind] = {}
+        for frac in args.fraction_list:
+            sel = [r for r in rows if r["workload"] == kind and r["fraction"] == frac]
+            per = {}
+            for cfg in args.config_list:
+                runs = [r for r in sel if r["config"] == cfg and "rounds" in r]
+                skipped = [r["skipped"] for r in sel if r["config"] == cfg and "skipped" in r]
+                per[cfg] = {**{m: spread([r[m] for r in runs]) for m in metrics_of(kind) + ["served_pct"]},
+                            "handoff_pages": spread([r["handoff_pages"] for r in runs]),
+                            "handoff_misses": spread([r["handoff_misses"] for r in runs]),
+                            "orphaned_last": spread([r["orphaned_last"] for r in runs]),
+                            "unreachable_last": spread([r["unreachable_last"] for r in runs]),
+                            "stored_pages_last": spread([r["rounds"][-1]["stored_pages"] for r in runs]),
+                            "store_orphaned_last": spread([r["store_orphaned_last"] for r in runs]),
+                            "turn_ms_mean": spread([r["turn_ms_mean"] for r in runs]),
+                            "runs": len(runs), "skipped": skipped or None}
+
+            def ratio(metric: str, other: str) -> dict | None:
+                """chain over ``other``: of the medians, and paired by repeat."""
+                pa, pb = per.get("chain", {}).get(metric), per.get(other, {}).get(metric)
+                if not pa or not pb or not pb["median"]:
+                    return None
+                paired = []
+                for ra in sel:
+                    if ra["config"] == "chain" and "rounds" in ra:
+                        rb = next((r for r in sel if r["config"] == other and "rounds" in r
+                                   and r["repeat"] == ra["repeat"]), None)
+                        if rb and rb[metric]:
+                            paired.append(ra[metric] / rb[metric])
+                return {"of_medians": pa["median"] / pb["median"], "paired": spread(paired)}
+
+            ratios = {}
+            for m in metrics_of(kind):
+                fixed = [c for c in FIXED if per.get(c, {}).get(m)]
+                best = max(fixed, key=lambda c: per[c][m]["median"]) if fixed else None
+                ratios[m] = {"chain_over_mooncake": ratio(m, "mooncake"), "chain_over_lru": ratio(m, "lru"),
+                             "best_fixed": best, "chain_over_best_fixed": ratio(m, best) if best else None}
+            out[kind][str(frac)] = {"configs": per, "ratios": ratios}
+    out["targets"] = targets(out)
+    return out
+
+
+def targets(summary: dict) -> dict:
+    """The docstring's targets at 50 % and 25 %, where measured (``met`` None: not measured)."""
+    def goal(value, at_least: float | None = None, zero: bool = False) -> dict:
+        if value is None:
+            return {"value": None, "goal": 0 if zero else at_least, "met": None}
+        return {"value": value, "goal": 0 if zero else at_least, "met": value == 0 if zero else value >= at_least}
+
+    def of(r: dict | None):
+        return r["of_medians"] if r else None
+
     out = {}
-    for frac in args.fraction_list:
-        per = {}
-        for cfg in args.config_list:
-            runs = [r for r in rows if r["fraction"] == frac and r["config"] == cfg and "rounds" in r]
-            skipped = [r.get("skipped") for r in rows if r["fraction"] == frac and r["config"] == cfg and "skipped" in r]
-            per[cfg] = {"served_pct_from_turn": spread([r["served_pct_from_turn"] for r in runs]),
-                        "served_pct": spread([r["served_pct"] for r in runs]),
-                        "orphaned_last": spread([r["orphaned_last"] for r in runs]),
-                        "unreachable_last": spread([r["unreachable_last"] for r in runs]),
-                        "stored_pages_last": spread([r["rounds"][-1]["stored_pages"] for r in runs]),
-                        "store_orphaned_last": spread([r["store_orphaned_last"] for r in runs]),
-                        "turn_ms_mean": spread([r["turn_ms_mean"] for r in runs]),
-                        "runs": len(runs), "skipped": skipped or None}
-
-        def ratio(a, b):
-            pa, pb = per.get(a, {}).get("served_pct_from_turn"), per.get(b, {}).get("served_pct_from_turn")
-            if not pa or not pb or not pb["median"]:
-                return None
-            paired = []
-            for ra in rows:
-                if ra["fraction"] == frac and ra["config"] == a and "rounds" in ra:
-                    rb = next((r for r in rows if r["fraction"] == frac and r["config"] == b and "rounds" in r
-                               and r["repeat"] == ra["repeat"]), None)
-                    if rb and rb["served_pct_from_turn"]:
-                        paired.append(ra["served_pct_from_turn"] / rb["served_pct_from_turn"])
-            return {"of_medians": pa["median"] / pb["median"], "paired": spread(paired)}
-
-        out[str(frac)] = {"configs": per, "chain_over_lru": ratio("chain", "lru"),
-                          "chain_old_over_lru": ratio("chain-old", "lru"),
-                          "chain_over_mooncake": ratio("chain", "mooncake"),
-                          "chain_old_over_mooncake": ratio("chain-old", "mooncake")}
-    s = out.get("0.5")
-    if s:
-        r, r_old = s["chain_over_lru"], s["chain_old_over_lru"]
-        orph = s["configs"].get("chain", {}).get("orphaned_last")
-        out["targets"] = {
-            "chain_served_ge_2x_lru_at_50pct": {"value": r and r["of_medians"], "goal": 2.0,
-                                                "met": bool(r and r["of_medians"] >= 2.0)},
-            "chain_old_served_ge_2x_lru_at_50pct": {"value": r_old and r_old["of_medians"], "goal": 2.0,
-                                                    "met": bool(r_old and r_old["of_medians"] >= 2.0)},
-            "chain_orphaned_zero_at_50pct": {"value": orph and orph["max"], "goal": 0,
-                                             "met": bool(orph is not None and orph["max"] == 0)}}
+    for frac in (0.5, 0.25):
+        at = f"at_{round(frac * 100)}pct"
+        s = summary.get("rounds", {}).get(str(frac))
+        if s:
+            r = s["ratios"]["served_pct_counted"]
+            orph = s["configs"].get("chain", {}).get("orphaned_last")
+            out[f"rounds_chain_ge_1.25x_mooncake_{at}"] = goal(of(r["chain_over_mooncake"]), 1.25)
+            out[f"rounds_chain_ge_2x_lru_{at}"] = goal(of(r["chain_over_lru"]), 2.0)
+            out[f"rounds_chain_orphaned_zero_{at}"] = goal(orph and orph["max"], zero=True)
+        s = summary.get("recency", {}).get(str(frac))
+        if s:
+            miss = s["configs"].get("chain", {}).get("handoff_misses")
+            out[f"recency_chain_ge_0.95x_best_fixed_{at}"] = goal(
+                of(s["ratios"]["served_pct_counted"]["chain_over_best_fixed"]), 0.95)
+            out[f"recency_chain_handoff_misses_zero_{at}"] = goal(miss and miss["max"], zero=True)
+        s = summary.get("shift", {}).get(str(frac))
+        if s:
+            for p in (1, 2):
+                out[f"shift_chain_ge_0.9x_best_fixed_phase{p}_{at}"] = goal(
+                    of(s["ratios"][f"served_pct_phase{p}"]["chain_over_best_fixed"]), 0.9)
     return out
 
 
 # =========================================================================== plot ==
-COLORS = {"chain": "tab:green", "chain-old": "tab:olive", "lru": "tab:red", "mooncake": "tab:blue"}
+COLORS = {"chain": "tab:green", "chain-recent": "tab:cyan", "chain-old": "tab:olive", "lru": "tab:red",
+          "mooncake": "tab:blue"}
+PHASE_LABELS = {"served_pct_counted": "counted turns", "served_pct_phase1": "phase 1", "served_pct_phase2": "phase 2"}
 
 
 def plot(res: dict, path: Path) -> None:
+    """One panel per workload and fraction: the counted share per configuration (for
+    ``shift``, phase 1 and phase 2 side by side), median bars with min-max whiskers, the
+    unbounded store's share dashed; under each bar orphaned pages after the last round and,
+    where decodes read back, handoff pages missed (medians)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     a = res["args"]
-    fracs = a["fraction_list"]
-    fig, axes = plt.subplots(2, len(fracs), figsize=(5.5 * len(fracs), 7.5), squeeze=False, sharex=True)
-    for j, frac in enumerate(fracs):
-        ax, bx = axes[0][j], axes[1][j]
-        for cfg in a["config_list"]:
-            runs = [r for r in res["runs"] if r["fraction"] == frac and r["config"] == cfg and "rounds" in r]
-            if not runs:
-                continue
-            turns = [rd["turn"] for rd in runs[0]["rounds"]]
-            for key, axis, style, label in (("served_pct", ax, "-", cfg), ("orphaned_pages", bx, "-", f"{cfg} orphaned"),
-                                            ("unreachable_pages", bx, "--", f"{cfg} unreachable")):
-                vals = [[r["rounds"][i][key] for r in runs] for i in range(len(turns))]
-                axis.plot(turns, [statistics.median(v) for v in vals], style, marker="o", ms=3, color=COLORS[cfg],
-                          label=label)
-                axis.fill_between(turns, [min(v) for v in vals], [max(v) for v in vals], color=COLORS[cfg], alpha=0.15)
-            own = [[r["rounds"][i]["store"].get("orphaned_pages") for r in runs] for i in range(len(turns))]
-            if cfg != "mooncake" and all(x is not None for v in own for x in v):
-                bx.plot(turns, [statistics.median(v) for v in own], ":", color=COLORS[cfg],
-                        label=f"{cfg} orphaned (store's count)")
-        ax.plot(range(1, a["turns"] + 1), res["ideal_served_pct_by_turn"], "--", color="gray", label="unbounded store")
-        ax.set_title(f"arena = {frac:.0%} of the working set ({res['arena_bytes'][str(frac)] / 2**20:.1f} MiB)")
-        ax.set_ylabel("prompt tokens served from the store (%)")
-        ax.set_ylim(0, 100)
-        bx.set_ylabel("pages after the round: orphaned (—), stored\nbut unreachable from the chain's start (--)")
-        bx.xaxis.get_major_locator().set_params(integer=True)
-        bx.set_xlabel("turn (round)")
-        for axis in (ax, bx):
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=8)
-    skips = sorted({f"{r['config']} @ {r['fraction']:.0%}" for r in res["runs"] if "skipped" in r})
-    fig.suptitle(f"KV chains under eviction: {a['conversations']} conversations x {a['turns']} turns, "
-                 f"{res['page_bytes'] >> 10} KiB pages, median and range over {a['repeats']} repeat(s) "
-                 f"({host_label(res.get('host'))})" + (f"\nskipped: {', '.join(skips)}" if skips else ""), fontsize=10)
+    kinds, fracs, cfgs = a["workload_list"], a["fraction_list"], a["config_list"]
+    fig, axes = plt.subplots(len(kinds), len(fracs), figsize=(1.1 * len(cfgs) * len(fracs) + 2, 3.6 * len(kinds) + 0.8),
+                             squeeze=False)
+    for i, kind in enumerate(kinds):
+        info = res["workloads"][kind]
+        metrics = metrics_of(kind)[1:] or metrics_of(kind)  # shift: its phases side by side
+        ideal = info["by_seed"][0]
+        width = 0.8 / len(metrics)
+        for j, frac in enumerate(fracs):
+            ax, labels = axes[i][j], []
+            for k, cfg in enumerate(cfgs):
+                runs = [r for r in res["runs"] if r["workload"] == kind and r["fraction"] == frac
+                        and r["config"] == cfg and "rounds" in r]
+                if not runs:
+                    ax.text(k, 2, "skipped", rotation=90, ha="center", va="bottom", fontsize=8, color="gray")
+                    labels.append(cfg)
+                    continue
+                for m, metric in enumerate(metrics):
+                    vals = [r[metric] for r in runs]
+                    med, x = statistics.median(vals), k + (m - (len(metrics) - 1) / 2) * width
+                    ax.bar(x, med, width * 0.9, color=COLORS[cfg], alpha=1.0 if m == 0 else 0.5,
+                           hatch="//" if m else None, edgecolor="black", linewidth=0.4,
+                           yerr=[[med - min(vals)], [max(vals) - med]], capsize=2, error_kw={"linewidth": 0.8})
+                    ax.text(x, max(vals) + 1.5, f"{med:.0f}", ha="center", va="bottom", fontsize=7)
+                note = f"{cfg}\norph {statistics.median(r['orphaned_last'] for r in runs):g}"
+                if any(r["handoff_pages"] for r in runs):
+                    note += (f"\nmissed {statistics.median(r['handoff_misses'] for r in runs):g}"
+                             f"/{statistics.median(r['handoff_pages'] for r in runs):g}")
+                labels.append(note)
+            for m, metric in enumerate(metrics):
+                key = "ideal_served_pct_counted" if metric == "served_pct_counted" else f"ideal_{metric}"
+                ax.axhline(ideal[key], color="gray", linestyle=("--", ":", "-.")[m], linewidth=0.9,
+                           label=f"unbounded store, {PHASE_LABELS[metric]}: {ideal[key]:.0f}%")
+            if kind == "shift":
+                ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="phase 1"),
+                                   Patch(facecolor="white", edgecolor="black", hatch="//", label="phase 2")]
+                          + ax.get_legend_handles_labels()[0], fontsize=7, loc="upper left", ncol=2)
+            else:
+                ax.legend(fontsize=7, loc="upper left")
+            ax.set_xticks(range(len(cfgs)), labels, fontsize=7)
+            ax.set_ylim(0, 135)  # room above 100 % for the legend
+            ax.set_yticks(range(0, 101, 20))
+            ax.set_ylabel("prompt tokens served (%)", fontsize=8)
+            ax.set_title(f"{kind} @ {frac:.0%} of the working set ({res['arena_bytes'][str(frac)] / 2**20:.1f} MiB)",
+                         fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    skips = sorted({f"{r['config']} {r['workload']} @ {r['fraction']:.0%}" for r in res["runs"] if "skipped" in r})
+    fig.suptitle(f"KV chains under eviction: median and range over {a['repeats']} repeat(s)\n{a['turns']} turns per "
+                 f"conversation, {res['page_bytes'] >> 10} KiB pages ({host_label(res.get('host'))})"
+                 + (f"\nskipped: {', '.join(skips)}" if skips else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 # =========================================================================== main ==
+def describe_workload(kind: str, args, geometry, arenas: dict) -> dict:
+    """What the JSON records of a workload beyond its schedules: its definition, what its
+    share counts, the most its live conversations hold, and the pages put in all against the
+    arena."""
+    recency = (f"conversations arrive over time, at most {args.active} live; each step one live conversation "
+               f"whose decode is not pending (picked at random, seeded) speaks its next turn; one done with its "
+               f"{args.turns} turns leaves and a new one starts; a turn's decode reads back the pages it saved "
+               f"after {args.handoff_delay} other turns")
+    rounds = "round t: every conversation's turn t, in a seeded random order"
+    first, second = (("rounds", "recency") if args.shift_order == "rounds-first" else ("recency", "rounds"))
+    shape = {"rounds": f"{args.conversations} conversations; {rounds}",
+             "recency": f"{args.recency_conversations} conversations; {recency}",
+             "shift": f"phase 1: {args.conversations} conversations in the {first} shape, phase 2: "
+                      f"{args.conversations} new ones in the {second} shape ({rounds}; {recency})"}[kind]
+    counted = {"rounds": f"turns {args.from_turn}..{args.turns}",
+               "recency": f"every turn after the first {args.conversations} (warm-up)",
+               "shift": f"phase 1 as its shape alone (rounds: turns {args.from_turn}..; recency: after the first "
+                        f"{args.conversations} turns), phase 2 every turn"}[kind]
+    live = live_max(kind, args) * last_pages(args)
+    n_conv = {"rounds": args.conversations, "recency": args.recency_conversations,
+              "shift": 2 * args.conversations}[kind]
+    return {"shape": shape, "counted": counted,
+            "live_definition": "the most pages the live (started, not finished) conversations' last-turn prompts "
+                               f"take at once: {live_max(kind, args)} x {last_pages(args)} pages",
+            "live_pages": live, "live_bytes": live * geometry.page_bytes,
+            "chain_pages_put": n_conv * last_pages(args),
+            "chain_bytes_put_over_arena": {str(f): n_conv * last_pages(args) * geometry.page_bytes / b
+                                           for f, b in arenas.items()},
+            "by_seed": []}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--conversations", type=int, default=24,
+                    help="rounds: conversations (every arena is a fraction of their KV); recency: turns per round "
+                         "and warm-up; shift: conversations per phase")
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--active", type=int, default=8, help="recency: most conversations live at once")
+    ap.add_argument("--recency-conversations", type=int, help="recency: conversations in all (3 x --conversations)")
+    ap.add_argument("--handoff-delay", type=int, default=2,
+                    help="recency: other turns between a turn's save and its decode's read-back")
+    ap.add_argument("--shift-order", choices=("rounds-first", "recency-first"), default="rounds-first")
     ap.add_argument("--system-tokens", type=int, default=256)
     ap.add_argument("--question-tokens", type=int, default=128)
     ap.add_argument("--answer-tokens", type=int, default=32)
@@ -542,7 +871,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--from-turn", type=int, default=4, help="the summary's share counts turns from this one")
+    ap.add_argument("--from-turn", type=int, default=4, help="rounds: the summary's share counts turns from this one")
     ap.add_argument("--high-watermark", type=float, default=0.9, help="both stores (ours' and Mooncake's default)")
     ap.add_argument("--evict-ratio", type=float, default=0.05, help="both stores (ours' and Mooncake's default)")
     ap.add_argument("--lease-ttl-s", type=float, default=10.0, help="read lease, both stores (both defaults: 10 s)")
@@ -551,13 +880,22 @@ def main() -> None:
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
     args = ap.parse_args()
     if args.replot:
-        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        res = json.loads(Path(args.replot).read_text())
+        if "workloads" not in res:
+            sys.exit(f"{args.replot} was written before bench_chains.py measured several workloads: rerun it")
+        plot(res, Path(args.replot).with_suffix(".png"))
         return
+    if args.recency_conversations is None:
+        args.recency_conversations = 3 * args.conversations
     args.fraction_list = [float(f) for f in args.fractions.split(",") if f]
     args.config_list = [c for c in args.configs.split(",") if c]
-    bad = set(args.config_list) - set(CONFIGS)
-    if bad:
-        sys.exit(f"unknown configs {sorted(bad)}; allowed: {','.join(CONFIGS)}")
+    args.workload_list = [w for w in args.workloads.split(",") if w]
+    for name, given, allowed in (("configs", args.config_list, CONFIGS), ("workloads", args.workload_list, WORKLOADS)):
+        bad = set(given) - set(allowed)
+        if bad:
+            sys.exit(f"unknown {name} {sorted(bad)}; allowed: {','.join(allowed)}")
+    if min(args.active, args.recency_conversations, args.conversations, args.turns) < 1 or args.handoff_delay < 0:
+        sys.exit("--active, --recency-conversations, --conversations and --turns must be >= 1, --handoff-delay >= 0")
     names = sorted(n for _, n in socket.if_nameindex())
     if names != ["lo"]:
         sys.exit(f"run inside a private network namespace (interfaces: {names}): "
@@ -571,90 +909,120 @@ def main() -> None:
     geometry = KVGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                           dtype=args.dtype, page_size=args.page_size)
     ws_pages = working_set_pages(args)
-    ws_bytes = ws_pages * geometry.page_bytes
     arenas = {f: max(1 << 20, int(f * ws_pages) * geometry.page_bytes) for f in args.fraction_list}
-    ideal_by_turn = []
-    for t in range(args.turns):  # one turn's share in an unbounded store
-        p = args.system_tokens + t * (args.question_tokens + args.answer_tokens) + args.question_tokens
-        q = args.system_tokens + (t - 1) * (args.question_tokens + args.answer_tokens) + args.question_tokens
-        ideal_by_turn.append(100.0 * (q // args.page_size * args.page_size) / p if t else 0.0)
+    workloads = {kind: describe_workload(kind, args, geometry, arenas) for kind in args.workload_list}
     host = host_info()
     print(f"host: {host_label(host, model=True)}; page {geometry.page_bytes >> 10} KiB, working set {ws_pages} pages "
-          f"= {ws_bytes / 2**20:.1f} MiB; arenas " + ", ".join(f"{f:.0%}: {b / 2**20:.1f} MiB" for f, b in arenas.items())
-          + f"; unbounded store serves {100 * ideal_share(args, args.from_turn):.1f}% of turns {args.from_turn}+",
-          flush=True)
+          f"= {ws_pages * geometry.page_bytes / 2**20:.1f} MiB; arenas "
+          + ", ".join(f"{f:.0%}: {b / 2**20:.1f} MiB" for f, b in arenas.items()), flush=True)
+    for kind, info in workloads.items():
+        print(f"  {kind}: {info['shape']}; live conversations take at most {info['live_bytes'] / 2**20:.1f} MiB, "
+              f"{info['chain_pages_put'] * geometry.page_bytes / 2**20:.1f} MiB put in all; counted: {info['counted']}",
+              flush=True)
 
     import ray
 
-    # A local Ray of our own (never whatever cluster /tmp/ray names); each run its own store.
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             object_store_memory=128 << 20)
+    local_ray()  # each run its own store on it
     git = git_state()
     rows, t_start = [], time.perf_counter()
     try:
         for rep in range(args.repeats):
-            wl = Workload(args, args.seed + rep)
-            for frac in args.fraction_list:
-                k = rep * len(args.fraction_list) + args.fraction_list.index(frac)
-                order = args.config_list[k % len(args.config_list):] + args.config_list[:k % len(args.config_list)]
-                for cfg in order:
-                    print(f"[repeat {rep + 1}/{args.repeats}] {cfg} @ {frac:.0%} ({arenas[frac] / 2**20:.1f} MiB)",
-                          flush=True)
-                    t = time.perf_counter()
-                    row = run_one(cfg, frac, rep, args, geometry, wl, arenas[frac])
-                    row["wall_s"] = time.perf_counter() - t
-                    rows.append(row)
-                    if "skipped" in row:
-                        print(f"    skipped: {row['skipped']}" + "".join(f"\n      {e}" for e in row.get("mooncake_errors", [])),
+            for kind in args.workload_list:
+                wl = Workload(kind, args, args.seed + rep)
+                workloads[kind]["by_seed"].append(wl.describe(args.seed + rep))
+                d = workloads[kind]["by_seed"][-1]
+                gap = d["turn_gap_others"] or {"mean": 0, "max": 0}
+                print(f"[repeat {rep + 1}/{args.repeats}] {kind}: {d['turns']} turns, {d['handoffs']} handoffs; other "
+                      f"turns between a conversation's turns: mean {gap['mean']:.1f}, max {gap['max']}; unbounded "
+                      f"store serves {d['ideal_served_pct_counted']:.1f}% counted", flush=True)
+                for frac in args.fraction_list:
+                    k = rep * len(args.fraction_list) + args.fraction_list.index(frac)
+                    order = args.config_list[k % len(args.config_list):] + args.config_list[:k % len(args.config_list)]
+                    for cfg in order:
+                        arena = arenas[frac]
+                        print(f"[repeat {rep + 1}/{args.repeats}] {kind}: {cfg} @ {frac:.0%} ({arena / 2**20:.1f} MiB)",
                               flush=True)
-                    else:
-                        print(f"    served {row['served_pct_from_turn']:.1f}% of turns {args.from_turn}+, orphaned "
-                              f"{row['orphaned_last']}, {row['turn_ms_mean']:.1f} ms/turn, bad loads {row['bad_loads']}, "
-                              f"failures {row['failures'] or 'none'} ({row['wall_s']:.1f}s)", flush=True)
+                        t = time.perf_counter()
+                        row = run_one(kind, cfg, frac, rep, args, geometry, wl, arena)
+                        row["wall_s"] = time.perf_counter() - t
+                        rows.append(row)
+                        if "skipped" in row:
+                            print(f"    skipped: {row['skipped']}"
+                                  + "".join(f"\n      {e}" for e in row.get("mooncake_errors", [])), flush=True)
+                            continue
+                        phases = "".join(f", phase {p} {row[f'served_pct_phase{p}']:.1f}%" for p in wl.phases()
+                                         if f"served_pct_phase{p}" in row)
+                        handoff = (f", handoff pages missed {row['handoff_misses']}/{row['handoff_pages']}"
+                                   if row["handoff_pages"] else "")
+                        print(f"    served {row['served_pct_counted']:.1f}% counted{phases}{handoff}, orphaned "
+                              f"{row['orphaned_last']}, {row['turn_ms_mean']:.1f} ms/turn, bad loads "
+                              f"{row['bad_loads']}, failures {row['failures'] or 'none'} ({row['wall_s']:.1f}s)",
+                              flush=True)
     finally:
         ray.shutdown()
     summary = summarize(rows, args)
     ver = versions(["mooncake-ray", "ray", "torch", "numpy", "mooncake-transfer-engine-non-cuda"])
     chain_landed = any(r.get("store_orphaned_last") is not None for r in rows)
-    res = {"description": "share of prompt tokens served and orphaned pages under eviction, multi-turn KV chains",
+    policy_landed = any(k.startswith("eviction_policy")
+                        for r in rows for rd in r.get("rounds", ()) for k in rd["store"])
+    res = {"description": "share of prompt tokens served, handoff pages read back, and orphaned pages under eviction, "
+                          "multi-turn KV chains in three workload shapes",
            "args": {k: v for k, v in vars(args).items() if k != "replot"}, "host": host, "versions": ver, "git": git,
-           "page_bytes": geometry.page_bytes, "working_set_pages": ws_pages, "working_set_bytes": ws_bytes,
-           "arena_bytes": {str(f): b for f, b in arenas.items()},
-           "ideal_served_pct_by_turn": ideal_by_turn,
-           "ideal_served_pct_from_turn": 100 * ideal_share(args, args.from_turn),
-           "store_chain_stats_reported": chain_landed,
+           "page_bytes": geometry.page_bytes,
+           "working_set_definition": f"the rounds working set, every one of {args.conversations} conversations' "
+                                     f"last-turn prompts: {args.conversations} x {last_pages(args)} pages; every "
+                                     "workload runs at the same arenas",
+           "working_set_pages": ws_pages, "working_set_bytes": ws_pages * geometry.page_bytes,
+           "arena_bytes": {str(f): b for f, b in arenas.items()}, "workloads": workloads,
+           "store_chain_stats_reported": chain_landed, "store_eviction_policy_reported": policy_landed,
            "orphan_probe": {"ours": "client.batch_exists over each chain (takes no lease)",
                             "mooncake": "GET /get_all_keys on the master's metrics port (no lease, no LRU touch)"},
+           "handoff_probe": "the decode loads the pages its turn saved (from the turn's first unloaded page) into a "
+                            "pool of its own; pages from the first one not read back on count as missed",
            "notes": ["Mooncake leases a key on is_exist/get for --lease-ttl-s and never evicts a leased key; "
                      "a run lasts seconds, so at the default 10 s every page looked up stays and puts fail "
                      "(-200, no space) instead: compare with --lease-ttl-s 0.05",
-                     "mooncake_client refuses a global segment under 16 MiB"],
+                     "mooncake_client refuses a global segment under 16 MiB",
+                     "config chain passes no master.chain_insert: it measures the store's default"],
            "wall_s": time.perf_counter() - t_start, "summary": summary, "runs": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     plot(res, out.with_suffix(".png"))
 
-    print(f"\nserved from the store, turns {args.from_turn}-{args.turns} (median [min-max] over {args.repeats}); "
-          f"unbounded store: {res['ideal_served_pct_from_turn']:.1f}%")
-    for frac in args.fraction_list:
-        s = summary[str(frac)]
-        parts = []
-        for cfg in args.config_list:
-            c = s["configs"][cfg]
-            if c["served_pct_from_turn"]:
-                v, o = c["served_pct_from_turn"], c["orphaned_last"]
-                parts.append(f"{cfg} {v['median']:.1f}% [{v['min']:.1f}-{v['max']:.1f}] orphaned {o['median']:g}")
-            else:
-                parts.append(f"{cfg} skipped")
-        ratios = [(name.replace("_over_", "/").replace("chain_old", "chain-old"), r)
-                  for name, r in s.items() if name.endswith(("_over_lru", "_over_mooncake"))]
-        print(f"  {frac:.0%}: " + "; ".join(parts)
-              + "".join(f"; {name} x{r['of_medians']:.2f}" for name, r in ratios if r))
-    for name, t in summary.get("targets", {}).items():
-        print(f"  target {name}: {t['value']} (goal {t['goal']}) -> {'met' if t['met'] else 'NOT met'}")
+    print(f"\nserved from the store, counted turns (median [min-max] over {args.repeats}); orphaned pages after the "
+          "last round; handoff pages missed")
+    for kind in args.workload_list:
+        ideal = workloads[kind]["by_seed"][0]
+        for frac in args.fraction_list:
+            s = summary[kind][str(frac)]
+            for metric in metrics_of(kind):
+                key = "ideal_served_pct_counted" if metric == "served_pct_counted" else f"ideal_{metric}"
+                parts = []
+                for cfg in args.config_list:
+                    c = s["configs"][cfg]
+                    if not c[metric]:
+                        parts.append(f"{cfg} skipped")
+                        continue
+                    v = c[metric]
+                    parts.append(f"{cfg} {v['median']:.1f}% [{v['min']:.1f}-{v['max']:.1f}] orph "
+                                 f"{c['orphaned_last']['median']:g}"
+                                 + (f" miss {c['handoff_misses']['median']:g}" if c["handoff_pages"]["max"] else ""))
+                r = s["ratios"][metric]
+                ratios = [(f"chain/{o}", r[f"chain_over_{o}"]) for o in ("mooncake", "lru")]
+                ratios.append((f"chain/best fixed ({r['best_fixed']})", r["chain_over_best_fixed"]))
+                print(f"  {kind} @ {frac:.0%}, {PHASE_LABELS[metric]} (unbounded {ideal[key]:.1f}%): "
+                      + "; ".join(parts) + "".join(f"; {name} x{x['of_medians']:.2f}" for name, x in ratios if x))
+    unmeasured = [name for name, t in summary["targets"].items() if t["met"] is None]
+    for name, t in summary["targets"].items():
+        if t["met"] is not None:
+            print(f"  target {name}: {t['value']} (goal {t['goal']}) -> {'met' if t['met'] else 'NOT met'}")
+    if unmeasured:
+        print(f"  {len(unmeasured)} target(s) not measured in this run (a config or fraction missing or skipped)")
     if not chain_landed:
         print("  (the store's stats carry no orphaned_pages: chain-aware eviction is not (fully) in the tree measured)")
+    if not policy_landed and "chain" in args.config_list:
+        print("  (the store's stats carry no eviction_policy: chain measured the store's default without its report)")
     print(f"wrote {out} and {out.with_suffix('.png')} in {res['wall_s']:.0f}s")
 
 
