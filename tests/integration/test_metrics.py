@@ -49,10 +49,11 @@ def test_store_metrics_in_prometheus_and_dashboard_queries(make_store, prometheu
     for i in range(n - 8, n):  # DRAM hits, and misses
         s.batch_get([f"m{i}", "never"])
 
-    # A KV chain whose head is removed: its tail goes at the master's next tick.
-    s.put("c0", b"a")
-    s.put("c1", b"b", parent="c0")
-    s.put("c2", b"c", parent="c1")
+    # A KV chain whose head is removed: its tail goes at the master's next tick. (Its pages
+    # are 1 MiB too: new chained pages may go to disk first, see adaptive.py.)
+    s.put("c0", b"a" * MB)
+    s.put("c1", b"b" * MB, parent="c0")
+    s.put("c2", b"c" * MB, parent="c1")
     assert s.batch_exists(["c0", "c1", "c2"]) == [True] * 3
     assert s.remove("c0")
     wait_for(lambda: s.batch_exists(["c1", "c2"]) == [False, False], timeout_s=10, what="the tail to go")
