@@ -29,7 +29,9 @@ flap). With no pressure the two caches hold the same keys and tie; so a second p
 half the capacity, feels pressure first, and chooses until the full-size pair has evicted
 anything: the choice is made when the real order starts to matter, not some time after
 (too late for a working set LRU has already cycled out, or for the first handoffs). The
-policy starts at ``old``. Set dueling (DIP: groups of keys follow each policy, the rest
+policy starts at ``recent``: a stream of puts that nothing reads gives the caches nothing
+to count, and under ``old`` it would evict the newest values first, leaving the arena's
+free room in pieces that the next put slab cannot use. Set dueling (DIP: groups of keys follow each policy, the rest
 follow the winner) needs no shadow state but is biased in one fully associative order: the
 group following ``old`` evicts its own new pages first whatever the other group does.
 
@@ -148,7 +150,7 @@ class InsertionPolicy:
             raise ValueError(f"chain_insert must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.index = index
-        self.old = mode != "recent"
+        self.old = mode == "old"
         self.shift = 0 if mode == "adaptive" else OFF_SHIFT
         self.caches = (MiniCache(old=False), MiniCache(old=True))
         # The same at half the capacity: they feel pressure first, and choose until the
