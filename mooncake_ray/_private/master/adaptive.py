@@ -74,14 +74,11 @@ class MiniCache:
         self.bytes = self.grace_bytes = 0
         self.evictions = 0
 
-    def __len__(self) -> int:
-        return len(self.main) + len(self.grace) + len(self.stack)
-
     def __contains__(self, h: int) -> bool:
         return h in self.main or h in self.grace or h in self.stack
 
     def ref(self, h: int) -> bool:
-        """A read or lookup of ``h``: a hit moves it to the recent end."""
+        """A read of ``h``: a hit moves it to the recent end."""
         if h in self.main:
             self.main.move_to_end(h)
             return True
