@@ -138,11 +138,11 @@ def test_the_sample_rate_halves_past_its_bound():
     p.MAX_TRACKED = 500
     refs(ix, REF_GET, [f"k{i}" for i in range(2000)])
     p.update(10 ** 9)
-    assert p.shift >= 2 and len(p._last) <= 500
-    kept = len(p._last)
+    assert p.shift >= 2 and len(p._seen) <= 500
+    kept = len(p._seen)
     refs(ix, REF_GET, [f"k{i}" for i in range(2000)])  # the same keys: the sample holds
     p.update(10 ** 9)
-    assert len(p._last) == kept
+    assert len(p._seen) == kept
     assert ix._shift == p.shift
 
 

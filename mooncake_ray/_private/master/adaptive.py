@@ -39,7 +39,7 @@ Sampling: a key is in the sample when the top ``shift`` bits of its hash are 0 (
 index hashes, natively for the calls it answers; ``MasterIndex.sample`` for Python's).
 ``shift`` grows by one, halving the rate, whenever more than ``MAX_TRACKED`` sampled keys
 are tracked (SHARDS's fixed-size sampling), so memory and time stay bounded at any number
-of keys: at most ``MAX_TRACKED`` entries per cache plus the last reference of each.
+of keys: at most ``MAX_TRACKED`` entries per cache and as many keys seen.
 
 What counts as a reference: a use, as the real order sees it. A read (GET) is one: a hit
 of a policy whose cache holds the key. A put of a key seen before is one too: an engine
@@ -137,7 +137,7 @@ class InsertionPolicy:
     """The master's choice of insertion policy (module docstring). ``old`` is what the
     read index and the table apply now; ``update`` reads the index's samples and decides."""
 
-    MAX_TRACKED = 16384  # sampled keys whose last reference is remembered
+    MAX_TRACKED = 16384  # sampled keys remembered as seen
     WINDOW = 64  # counted references per decision
     SMOOTH = 0.1  # weight of the newest window in the score
     BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
@@ -153,7 +153,7 @@ class InsertionPolicy:
         # The same at half the capacity: they feel pressure first, and choose until the
         # full-size pair has evicted anything (see the module docstring).
         self.half = (MiniCache(old=False), MiniCache(old=True))
-        self._last: OrderedDict[int, int] = OrderedDict()  # hash -> kind of its last reference, oldest first
+        self._seen: set[int] = set()  # sampled keys referenced so far (a put of one is a put again)
         # counted references, hits of "recent" and "old" at full size, at half size
         self._window = [0, 0, 0, 0, 0]
         self.score = 0.0  # smoothed hit ratio of "old" less that of "recent", full size
@@ -196,14 +196,14 @@ class InsertionPolicy:
         self.counters["dropped"] += dropped
         was = self.old
         caches = (*self.caches, *self.half)
-        last, window = self._last, self._window
+        seen_before, window = self._seen, self._window
         cap = capacity >> self.shift
         caps = (cap, cap, cap // 2, cap // 2)
         for h, kind, size, chained in samples:
             if not self._sampled(h):
                 continue  # taken before the rate was halved
-            seen = last.pop(h, None) is not None
-            last[h] = kind
+            seen = h in seen_before
+            seen_before.add(h)
             if kind == REF_PUT:
                 # Stored again: this store had lost it (or it is replaced). A policy whose
                 # cache still holds it would have served it; a first put counts for neither.
@@ -219,7 +219,7 @@ class InsertionPolicy:
                 window[i] += hit
             if window[0] >= self.WINDOW:
                 self._decide()
-        if len(last) > self.MAX_TRACKED:
+        if len(seen_before) > self.MAX_TRACKED:
             self._halve()
         return self.old != was
 
@@ -239,9 +239,9 @@ class InsertionPolicy:
             self.index.set_insert_old(want)
 
     def _halve(self) -> None:
-        while len(self._last) > self.MAX_TRACKED // 2 and self.shift < 32:
+        while len(self._seen) > self.MAX_TRACKED // 2 and self.shift < 32:
             self.shift += 1
-            self._last = OrderedDict((h, k) for h, k in self._last.items() if self._sampled(h))
+            self._seen = {h for h in self._seen if self._sampled(h)}
         for cache in (*self.caches, *self.half):
             cache.keep_only(self._sampled)
         self.index.set_sample_shift(self.shift)

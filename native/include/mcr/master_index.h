@@ -318,7 +318,8 @@ class MasterIndex {
   void put_on_probation(IndexRecord* r);
   void link_after(IndexRecord* r, IndexRecord* after);  // nullptr: at the oldest end
   void resize(IndexRecord& r, uint64_t size);
-  void note(int kind, const std::string& key, uint64_t size, bool chained);  // mutex held
+  // ``r``: the key's record if there is one (its hash is taken once, with the table's).
+  void note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained);  // mutex held
   IndexEntry answer(const IndexRecord& r) const;
   bool grant_cold(IndexRecord& r, uint64_t lease, double now);  // false: no slot free
   void release_cold(IndexRecord& r, uint64_t lease, double now);

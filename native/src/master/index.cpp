@@ -425,9 +425,9 @@ void MasterIndex::set_insert_old(bool on) {
   insert_old_ = on;
 }
 
-void MasterIndex::note(int kind, const std::string& key, uint64_t size, bool chained) {
+void MasterIndex::note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained) {
   if (sample_shift_ >= 64) return;  // sampling off
-  const uint64_t h = std::hash<std::string>{}(key);
+  const uint64_t h = r != nullptr ? r->hash : std::hash<std::string>{}(key);  // as RecordMap hashes
   if (sample_shift_ > 0 && (h >> (64 - sample_shift_)) != 0) return;
   if (samples_.size() >= kMaxSamples) {
     samples_dropped_++;
@@ -443,7 +443,7 @@ void MasterIndex::set_sample_shift(int shift) {
 
 void MasterIndex::sample(int kind, const std::string& key, uint64_t size, bool chained) {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  note(kind, key, size, chained);
+  note(kind, key, find(key), size, chained);
 }
 
 std::vector<RefSample> MasterIndex::take_samples(uint64_t* dropped) {
@@ -768,7 +768,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.length = extent_length(it.size);
     cold_++;
     if (insert_old_ && !it.parent.empty()) put_on_probation(&r);
-    note(kRefPut, it.key, it.size, !it.parent.empty());
+    note(kRefPut, it.key, &r, it.size, !it.parent.empty());
     if (by_ring) {
       CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
       ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent);
@@ -961,7 +961,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
   w.array(2);
   w.uint(kOk);
   if (op == kOpGet)
-    for (auto& key : keys) note(kRefGet, key, 0, false);
+    for (size_t i = 0; i < keys.size(); i++) note(kRefGet, keys[i], found[i], 0, false);
   if (op == kOpExists) {
     lookups_ += keys.size();
     w.array(uint32_t(keys.size()));
