@@ -44,11 +44,70 @@ class ByteView {
 
 double timeout_or_forever(std::optional<double> t) { return t ? *t : -1.0; }
 
+// (RemoteRegion, remote_offset, local_addr, length) tuples. The common shape (a list or
+// tuple of 4-tuples of ints, runs of ops naming one region) is read directly: the region
+// is cast once per run, not once per op. Anything else goes through nanobind's casts,
+// which raise the usual TypeError.
 std::vector<mcr::IoOp> parse_ops(nb::handle ops) {
+  using OpTuple = std::tuple<std::shared_ptr<mcr::RemoteRegion>, uint64_t, uintptr_t, uint64_t>;
   std::vector<mcr::IoOp> out;
-  for (nb::handle item : ops) {
-    auto t = nb::cast<std::tuple<std::shared_ptr<mcr::RemoteRegion>, uint64_t, uintptr_t, uint64_t>>(item);
+  auto slow = [&](nb::handle item) {
+    OpTuple t;
+    try {
+      t = nb::cast<OpTuple>(item);
+    } catch (const std::exception&) {  // nb::cast_error, std::bad_cast
+      std::string r = nb::cast<std::string>(nb::repr(item));
+      if (r.size() > 200) r = r.substr(0, 200) + "...";
+      throw Error(Code::kInvalidArgument, "transfer op " + std::to_string(out.size()) + " is " + r +
+                                              ", not (RemoteRegion, remote_offset, local_addr, length) "
+                                              "with non-negative ints");
+    }
     out.push_back(mcr::IoOp{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)});
+  };
+  if (!PyList_Check(ops.ptr()) && !PyTuple_Check(ops.ptr())) {
+    for (nb::handle item : ops) slow(item);
+    return out;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(ops.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(ops.ptr());
+  out.reserve(size_t(n));
+  PyObject* last_obj = nullptr;
+  std::shared_ptr<mcr::RemoteRegion> last_rr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* it = items[i];
+    if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 4) {
+      slow(it);
+      continue;
+    }
+    PyObject* r = PyTuple_GET_ITEM(it, 0);
+    uint64_t v[3];
+    bool ints = true;
+    for (int k = 0; k < 3 && ints; ++k) {
+      PyObject* x = PyTuple_GET_ITEM(it, k + 1);
+      if (!PyLong_CheckExact(x)) {
+        ints = false;
+        break;
+      }
+      v[k] = PyLong_AsUnsignedLongLong(x);
+      if (v[k] == uint64_t(-1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        ints = false;
+      }
+    }
+    if (!ints) {
+      slow(it);
+      continue;
+    }
+    if (r != last_obj) {
+      std::shared_ptr<mcr::RemoteRegion> rr;
+      if (!nb::try_cast<std::shared_ptr<mcr::RemoteRegion>>(nb::handle(r), rr)) {
+        slow(it);  // raises with the op's text
+        continue;
+      }
+      last_rr = std::move(rr);
+      last_obj = r;
+    }
+    out.push_back(mcr::IoOp{last_rr, v[0], uintptr_t(v[1]), v[2]});
   }
   return out;
 }

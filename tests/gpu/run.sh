@@ -135,7 +135,7 @@ PYEOF
   # own file's run, and the bandwidth figures come last.
   local rc=0 f
   rm -f /tmp/gpu-junit-*.xml "$BENCH"
-  for f in test_staging_layouts:90 test_transport_gpu:210 test_bandwidth:180; do  # file:seconds
+  for f in test_staging_layouts:90 test_copy_kernel:90 test_transport_gpu:240 test_bandwidth:240; do  # file:seconds
     local limit=${f#*:}
     f=${f%:*}
     step "pytest tests/gpu/$f.py"
@@ -148,7 +148,7 @@ PYEOF
   done
 
   step "summary (pytest exit $rc)"
-  "$PYBIN" - "$BENCH" /tmp/gpu-junit-{test_staging_layouts,test_transport_gpu,test_bandwidth}.xml <<'PYEOF'
+  "$PYBIN" - "$BENCH" /tmp/gpu-junit-{test_staging_layouts,test_copy_kernel,test_transport_gpu,test_bandwidth}.xml <<'PYEOF'
 import json, os, sys, xml.etree.ElementTree as ET
 bench, junits = sys.argv[1], [j for j in sys.argv[2:] if os.path.exists(j)]
 if junits:

@@ -18,6 +18,10 @@ counted once):
   gpu_to_gpu              the peer's 576 MiB CUDA tensor -> ours, one op (cuda_ipc)
   gpu_to_gpu_blocks       the same as 18432 ops of 32 KiB into the KV blocks
   gpu_to_gpu_write        ours -> the peer's CUDA tensor, one op
+  ..._dma                 load, save, the staged copies and gpu_to_gpu_blocks again with
+                          the copy kernel off (MCR_CUDA_COPY_KERNEL=0's path: the DMA
+                          engines, one batched call); the names without it are the default
+                          path (the kernel takes batches of many small ranges)
 Targets: load >= 0.8 h2d, save >= 0.8 d2h, staged >= host memcpy,
 GPU->GPU >= 0.5 d2d. Misses are reported, not failed, unless MCR_GPU_STRICT=1; wrong bytes
 always fail. Writes $OUT/gpu_bench.json (/tmp/gpu_bench.json without $OUT).
@@ -46,11 +50,14 @@ TOTAL = N_RANGES * PART  # 576 MiB
 REPS = 5
 T = 60.0  # seconds one transfer of 576 MiB may take
 TARGETS = {"load/h2d": 0.8, "save/d2h": 0.8, "staged/host_memcpy": 1.0, "gpu_to_gpu/d2d": 0.5,
-           "gpu_to_gpu_blocks/d2d": 0.5, "gpu_to_gpu_write/d2d": 0.5}
+           "gpu_to_gpu_blocks/d2d": 0.5, "gpu_to_gpu_write/d2d": 0.5,
+           "load_dma/h2d": 0.8, "save_dma/d2h": 0.8, "gpu_to_gpu_blocks_dma/d2d": 0.5}
 RATIO_OF = {"load/h2d": ("load", "h2d_pinned"), "save/d2h": ("save", "d2h_pinned"),
             "staged/host_memcpy": ("staged_gather", "host_memcpy"), "gpu_to_gpu/d2d": ("gpu_to_gpu", "d2d"),
             "gpu_to_gpu_blocks/d2d": ("gpu_to_gpu_blocks", "d2d"),
-            "gpu_to_gpu_write/d2d": ("gpu_to_gpu_write", "d2d")}
+            "gpu_to_gpu_write/d2d": ("gpu_to_gpu_write", "d2d"),
+            "load_dma/h2d": ("load_dma", "h2d_pinned"), "save_dma/d2h": ("save_dma", "d2h_pinned"),
+            "gpu_to_gpu_blocks_dma/d2d": ("gpu_to_gpu_blocks_dma", "d2d")}
 
 
 def _out_path() -> Path:
@@ -109,6 +116,8 @@ def test_bandwidth(gpu, engines, spawn_peer):
                           cuda_bytes=TOTAL, cuda_seed=32, timeout_s=120)
         eng = engines("bench", protocol="auto")
         res["memory_types"] = list(eng.memory_types)
+        default_mode = _native.cuda_copy_kernel_mode()
+        res["copy_kernel"] = {"mode": default_mode, "unavailable": _native.cuda_copy_kernel_unavailable(gpu.dev)}
         direct = "cuda" in res["memory_types"]
 
         # --- load / save through the transport (direct-registered CUDA memory) -------------
@@ -126,20 +135,33 @@ def test_bandwidth(gpu, engines, spawn_peer):
                 eng.transfer(bad, True, 60.0)
             res["submit_overhead_ms"] = (time.perf_counter() - t0) * 1e3
             s0 = eng.stats()
-            record("load", timed(lambda: eng.transfer(ops, True, T), sync, REPS))
+            arena_sha = peer.sha("arena", [(0, TOTAL)])
+            for suffix, mode in (("_dma", 0), ("", default_mode)):
+                _native.cuda_copy_kernel_mode(mode)
+                for t in layers:  # poison: the load must write every byte
+                    t.view(torch.int16).fill_(0x5A5A)
+                sync()
+                a = eng.stats()
+                record("load" + suffix, timed(lambda: eng.transfer(ops, True, T), sync, REPS))
+                b = eng.stats()
+                paths["load" + suffix] = {k: delta(b, a, k) for k in ("read_cuda_bytes", "read_get_bytes",
+                                                                       "cuda_kernel_launches")}
+                verified["load" + suffix] = sha_blocks() == arena_sha
             s1 = eng.stats()
-            paths["load"] = {"read_cuda_bytes": delta(s1, s0, "read_cuda_bytes"),
-                             "read_get_bytes": delta(s1, s0, "read_get_bytes")}
-            verified["load"] = sha_blocks() == peer.sha("arena", [(0, TOTAL)])
-            for t in layers:  # fresh bytes to save
-                t.view(torch.int16).random_(-32768, 32767)
-            sync()
-            record("save", timed(lambda: eng.transfer(ops, False, T), sync, REPS))
+            for suffix, mode in (("_dma", 0), ("", default_mode)):
+                _native.cuda_copy_kernel_mode(mode)
+                for t in layers:  # fresh bytes to save
+                    t.view(torch.int16).random_(-32768, 32767)
+                sync()
+                a = eng.stats()
+                record("save" + suffix, timed(lambda: eng.transfer(ops, False, T), sync, REPS))
+                b = eng.stats()
+                paths["save" + suffix] = {k: delta(b, a, k) for k in ("write_cuda_bytes", "write_put_bytes",
+                                                                       "cuda_kernel_launches")}
+                gpu_sha = sha_blocks()
+                verified["save" + suffix] = peer.sha("arena", [(0, TOTAL)]) == gpu_sha
+            _native.cuda_copy_kernel_mode(default_mode)
             s2 = eng.stats()
-            paths["save"] = {"write_cuda_bytes": delta(s2, s1, "write_cuda_bytes"),
-                             "write_put_bytes": delta(s2, s1, "write_put_bytes")}
-            gpu_sha = sha_blocks()
-            verified["save"] = peer.sha("arena", [(0, TOTAL)]) == gpu_sha
             paths["arena"]["cuda_pin_refused"] = delta(s2, s0, "cuda_pin_refused")
         else:
             notes.append(f"direct path not measured: memory_types {res['memory_types']} has no cuda")
@@ -150,14 +172,24 @@ def test_bandwidth(gpu, engines, spawn_peer):
         host.fill(0)
         res["host_register"] = bool(_native.cuda_host_register(host.ctypes.data, TOTAL))
         try:
-            s = _native.CudaCopyStream(gpu.dev)
             hosts = [host.ctypes.data + i * PART for i in range(N_RANGES)]
             lens = [PART] * N_RANGES
-            record("staged_gather", timed(lambda: s.copy_many(hosts, gpu_addrs, lens), s.synchronize, REPS))
-            res["staged_copies_per_call"] = s.copies // (REPS + 1)
-            verified["staged_gather"] = hashlib.sha256(host).hexdigest() == gpu_sha
-            record("staged_scatter", timed(lambda: s.copy_many(gpu_addrs, hosts, lens), s.synchronize, REPS))
-            verified["staged_scatter"] = sha_blocks() == gpu_sha
+            addressable = bool(_native.cuda_device_addressable(host.ctypes.data)) or gpu.fake
+            res["host_addressable"] = addressable
+            for suffix, kern in (("_dma", False), ("", addressable)):
+                s = _native.CudaCopyStream(gpu.dev)
+                host.fill(0)
+                record("staged_gather" + suffix, timed(lambda: s.copy_many(hosts, gpu_addrs, lens, kern),
+                                                       s.synchronize, REPS))
+                res["staged_copies_per_call"] = s.copies // (REPS + 1)
+                verified["staged_gather" + suffix] = hashlib.sha256(host).hexdigest() == gpu_sha
+                for t in layers:
+                    t.view(torch.int16).fill_(0x5A5A)
+                sync()
+                record("staged_scatter" + suffix, timed(lambda: s.copy_many(gpu_addrs, hosts, lens, kern),
+                                                        s.synchronize, REPS))
+                verified["staged_scatter" + suffix] = sha_blocks() == gpu_sha
+                paths["staged" + suffix] = {"kernel_launches": getattr(s, "kernel_launches", 0)}
         finally:
             _native.cuda_host_unregister(host.ctypes.data)
         other = np.empty_like(host)
@@ -178,8 +210,17 @@ def test_bandwidth(gpu, engines, spawn_peer):
             verified["gpu_to_gpu"] = sha_torch(flat) == peer_sha
             g0 = eng.stats()
             ops_g = [(rrc, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
-            record("gpu_to_gpu_blocks", timed(lambda: eng.transfer(ops_g, True, T), sync, REPS))
-            verified["gpu_to_gpu_blocks"] = sha_blocks() == peer_sha
+            for suffix, mode in (("_dma", 0), ("", default_mode)):
+                _native.cuda_copy_kernel_mode(mode)
+                for t in layers:
+                    t.view(torch.int16).fill_(0x5A5A)
+                sync()
+                a = eng.stats()
+                record("gpu_to_gpu_blocks" + suffix, timed(lambda: eng.transfer(ops_g, True, T), sync, REPS))
+                b = eng.stats()
+                paths["gpu_to_gpu_blocks" + suffix] = {"kernel_launches": delta(b, a, "cuda_kernel_launches")}
+                verified["gpu_to_gpu_blocks" + suffix] = sha_blocks() == peer_sha
+            _native.cuda_copy_kernel_mode(default_mode)
             g1 = eng.stats()
             paths["gpu_to_gpu"].update(read_cuda_bytes=delta(g1, g0, "read_cuda_bytes"),
                                        read_get_bytes=delta(g1, g0, "read_get_bytes"))

@@ -1,7 +1,9 @@
 """The staged device path on a GPU: vLLM's KV layouts seen as blocks (LayerBlocks), each
 block's parts copied device -> pinned host on a CudaCopyStream (ordered after the torch
 stream that wrote them, through a CudaMarker), then host -> device into another tensor of
-the same layout at other block ids. Compared on the GPU, byte for byte."""
+the same layout at other block ids. Compared on the GPU, byte for byte. Each layout twice:
+by the DMA engines, and by the copy kernel (the host buffer is pinned at the same device
+address, so the stream may take the batch in one launch)."""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def _make(torch, layout: str, dev, random: bool):
     return phys, logical
 
 
+@pytest.mark.parametrize("copy", ["dma", "kernel"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_staging_layouts(gpu, layout):
+def test_staging_layouts(gpu, layout, copy):
     torch, _native, dev = gpu.torch, gpu.native, gpu.dev
     rng = np.random.default_rng(7)
     src_phys, src = _make(torch, layout, gpu.device, True)
@@ -55,6 +58,10 @@ def test_staging_layouts(gpu, layout):
     host = np.zeros(k * lb_src.num_parts * part, dtype=np.uint8)
     pinned = _native.cuda_host_register(host.ctypes.data, host.nbytes)
     assert pinned, "cuMemHostRegister refused a numpy buffer"
+    kernel = copy == "kernel"
+    if kernel and not gpu.fake:
+        assert _native.cuda_device_addressable(host.ctypes.data), "pinned host memory has another device address"
+        assert _native.cuda_copy_kernel_unavailable(dev) == "", _native.cuda_copy_kernel_unavailable(dev)
     try:
         s = _native.CudaCopyStream(dev)
         # the copies must follow torch's kernels that wrote src (no torch.cuda.synchronize)
@@ -66,7 +73,7 @@ def test_staging_layouts(gpu, layout):
                 dsts.append(host.ctypes.data + (i * lb_src.num_parts + p) * part)
                 srcs.append(addr)
                 lens.append(n)
-        s.copy_many(dsts, srcs, lens)
+        s.copy_many(dsts, srcs, lens, kernel)
         s.synchronize()
         assert s.bytes == host.nbytes
 
@@ -88,8 +95,10 @@ def test_staging_layouts(gpu, layout):
                 srcs.append(host.ctypes.data + (i * lb_dst.num_parts + p) * part)
                 lens.append(n)
         s2 = _native.CudaCopyStream(dev)
-        s2.copy_many(dsts, srcs, lens)
+        s2.copy_many(dsts, srcs, lens, kernel)
         s2.synchronize()
+        if not gpu.fake:  # 24 blocks of 1 or 2 parts: one launch each way, or none
+            assert (s.kernel_launches, s2.kernel_launches) == ((1, 1) if kernel else (0, 0))
     finally:
         _native.cuda_host_unregister(host.ctypes.data)
 
@@ -101,5 +110,5 @@ def test_staging_layouts(gpu, layout):
     untouched = sorted(set(range(NB)) - {int(b) for b in dst_ids})
     for b in untouched:
         assert not dst.select(bd, b).view(torch.int16).any(), (layout, "block written that was not a target", b)
-    say(f"staging {layout}: shape {tuple(src.shape)} strides {tuple(src.stride())}, {lb_src.num_parts} part(s) "
+    say(f"staging {layout} ({copy}): shape {tuple(src.shape)} strides {tuple(src.stride())}, {lb_src.num_parts} part(s) "
         f"of {part} B, {k} blocks d2h+h2d, copies {s.copies}+{s2.copies}: exact")

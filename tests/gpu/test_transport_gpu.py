@@ -11,7 +11,10 @@ cuda=True)``) moved by ``transfer`` to and from a peer process's memory, byte fo
     tcp             protocol tcp on lo (UCX_TLS=tcp): UCX moves device memory, if it can;
     tcp+cuda_copy   protocol tcp with UCX_TLS=tcp,cuda_copy.
 - GPU -> GPU across two processes, and back: the peer's tensor opened here through CUDA
-  IPC (protocol auto with MCR_CUDA_IPC=1), else UCX's transports (cuda_ipc; tcp + cuda_copy).
+  IPC (protocol auto, unless MCR_CUDA_IPC=0), else UCX's transports (cuda_ipc; tcp + cuda_copy).
+- Where the driver copies (mapped arena, CUDA IPC), a batch of many small ranges goes
+  through the copy kernel (MCR_CUDA_COPY_KERNEL unset): its launches are counted, and the
+  same round trip runs again with the kernel off (DMA only).
 - host memory <-> another process's GPU memory (a staged reader of a direct writer's
   blocks), last: were the peer's device memory ever "mapped", a memcpy from it would crash.
 """
@@ -67,7 +70,26 @@ def test_transport_gpu_to_host_arena(gpu, engines, spawn_peer, variant, arena, l
     _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena)
 
 
-def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena="file"):
+def test_transport_gpu_to_host_arena_dma_only(gpu, engines, spawn_peer):
+    """The same round trip with the copy kernel off: the DMA engines copy every range."""
+    was = gpu.native.cuda_copy_kernel_mode(0)
+    try:
+        _arena_roundtrip(gpu, engines, spawn_peer, "auto", "torch", "file", kernel=False)
+    finally:
+        gpu.native.cuda_copy_kernel_mode(was)
+
+
+def _kernel_expected(gpu) -> bool:
+    """Whether the copy kernel must have run (a real GPU, the kernel on): the driver on the
+    GPU machine takes the PTX, so a refusal is a failure, with the driver's reason."""
+    if gpu.fake or gpu.native.cuda_copy_kernel_mode() == 0:
+        return False
+    why = gpu.native.cuda_copy_kernel_unavailable(gpu.dev)
+    assert why == "", f"the copy kernel cannot run on this GPU: {why}"
+    return True
+
+
+def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena="file", kernel=True):
     kw = VARIANTS[variant]
     eng = engines(f"gpu-{variant}-{arena}-{lib}", **kw)
     _need_cuda(eng, variant)
@@ -116,7 +138,9 @@ def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena="file"):
     cuda_r, cuda_w = delta(s1, s0, "read_cuda_bytes"), delta(s2, s1, "write_cuda_bytes")
     ucx_r, ucx_w = delta(s1, s0, "read_get_bytes"), delta(s2, s1, "write_put_bytes")
     pin_refused = delta(s2, s0, "cuda_pin_refused")
-    say(f"arena {variant}/{arena}/{lib}: mapped={rr.mapped} pin_refused={pin_refused} read_path={rr.read_path} write_path={rr.write_path}; "
+    launches = delta(s2, s0, "cuda_kernel_launches")
+    say(f"arena {variant}/{arena}/{lib}: mapped={rr.mapped} pin_refused={pin_refused} kernel_launches={launches} "
+        f"read_path={rr.read_path} write_path={rr.write_path}; "
         f"read {total} B (cuda {cuda_r}, ucx get {ucx_r}), wrote {total} B (cuda {cuda_w}, ucx put {ucx_w}): "
         f"exact; memory_types {list(eng.memory_types)}")
     if variant == "auto":
@@ -130,6 +154,8 @@ def _arena_roundtrip(gpu, engines, spawn_peer, variant, lib, arena="file"):
         assert cuda_r == total and cuda_w == total, (cuda_r, cuda_w, total)
         # the mapped arena is pinned for the driver (else every copy is a pageable one)
         assert pin_refused == 0 or gpu.fake, f"the driver refused to pin the mapped {arena} arena"
+        # 73 ranges (odd sizes and alignments among them) a call: one launch each way
+        assert launches == (2 if kernel and _kernel_expected(gpu) else 0), launches
     else:
         assert ucx_r == total and ucx_w == total and cuda_r == 0 and cuda_w == 0, (ucx_r, ucx_w, cuda_r, cuda_w)
     region.close()
@@ -163,8 +189,15 @@ def _gpu_to_gpu(gpu, engines, spawn_peer, variant):
     blocks = np.random.default_rng(22).choice(n // 32768, 256, replace=False) * 32768
     mine.zero_()
     gpu.sync()
+    k0 = eng.stats()
     eng.transfer([(rr, int(o), base + i * 32768, 32768) for i, o in enumerate(blocks)], True, T)
+    k1 = eng.stats()
     assert sha_torch(mine, [(0, 256 * 32768)]) == peer.sha("cuda", [(int(o), 32768) for o in blocks])
+    # and scattered back into other offsets of the peer's tensor (a write of many blocks)
+    back = np.random.default_rng(23).choice(n // 32768, 256, replace=False) * 32768
+    eng.transfer([(rr, int(o), base + i * 32768, 32768) for i, o in enumerate(back)], False, T)
+    assert peer.sha("cuda", [(int(o), 32768) for o in back]) == sha_torch(mine, [(0, 256 * 32768)])
+    k2 = eng.stats()
 
     # and back: our random bytes into the peer's tensor
     mine.random_(0, 256)
@@ -179,10 +212,13 @@ def _gpu_to_gpu(gpu, engines, spawn_peer, variant):
     if not gpu.fake:
         # same host, shared memory allowed: the peer's tensor is opened through CUDA IPC and
         # the driver copies; over tcp, UCX moves it
-        want = variant == "auto" and os.environ.get("MCR_CUDA_IPC") == "1"
+        want = variant == "auto" and os.environ.get("MCR_CUDA_IPC") != "0"
         assert rr.device_mapped == want, (variant, rr.device_mapped)
         if rr.device_mapped:
             assert delta(s1, s0, "read_cuda_bytes") == n
+            # 256 blocks each way: one kernel launch each
+            want_k = 1 if _kernel_expected(gpu) else 0
+            assert (delta(k1, k0, "cuda_kernel_launches"), delta(k2, k1, "cuda_kernel_launches")) == (want_k, want_k)
     region.close()
 
 

@@ -19,9 +19,10 @@ def test_host_stream_copies_in_order_and_merges_neighbours():
                 [a + i * 65536 for i in range(4)] + [a + 10],
                 [65536] * 4 + [100])
     # queued after the first batch: overwrites part of what it wrote
-    s.copy_many([b], [a + 500_000], [4096])
+    s.copy_many([b], [a + 500_000], [4096], addressable=True)  # no kernel on a host stream: the same copy
     s.synchronize()
     assert s.copies == 3 and s.bytes == 4 * 65536 + 100 + 4096  # the four merged into one
+    assert s.kernel_launches == 0
     assert np.array_equal(dst[:4096], src[500_000:504_096])
     assert np.array_equal(dst[4096:262144], src[4096:262144])
     assert np.array_equal(dst[900_000:900_100], src[10:110])
@@ -45,3 +46,9 @@ def test_without_a_gpu_cuda_is_reported_unavailable():
     assert _native.cuda_host_register(buf.ctypes.data, buf.nbytes) is False
     with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
         _native.CudaCopyStream(0)
+    # the copy kernel: nothing to load it into, and no address a device could use
+    assert _native.cuda_copy_kernel_unavailable(0) != ""
+    assert _native.cuda_device_addressable(buf.ctypes.data) is False
+    assert _native.cuda_copy_kernel_mode() == 2  # auto, unless MCR_CUDA_COPY_KERNEL says otherwise
+    assert _native.cuda_copy_kernel_mode(0) == 2 and _native.cuda_copy_kernel_mode() == 0
+    assert _native.cuda_copy_kernel_mode(2) == 0

@@ -8,6 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
+from mooncake_ray.errors import InvalidArgumentError
+
 from tests.native.transport_util import (  # noqa: F401 - fixtures
     PeerProcess,
     addr_of,
@@ -300,3 +302,41 @@ def test_lanes_stripe(peers, expected, engines):
     eng.write([(wr, 999, addr_of(src), 40 * MIB)], timeout_s=30)
     assert peer.sha("scratch", 999, 40 * MIB) == hashlib.sha256(src).hexdigest()
     reg.close()
+
+
+def test_op_lists_of_every_shape_are_read_alike(peers, expected, engines):
+    """Ops come as a list or tuple of 4-tuples (read directly, one cast per run of one
+    region), or as anything iterable and sequence-like (read through nanobind's casts):
+    the same bytes land either way, and a malformed op is refused before anything moves."""
+    peer = peers("tcp")
+    eng = engines(protocol="tcp")
+    exp_arena, _ = expected
+    rr, wr = peer.remote(eng, "arena"), peer.remote(eng, "scratch")
+    dst = np.zeros(1 * MIB, dtype=np.uint8)
+    reg = eng.register(dst)
+    base = addr_of(dst)
+    # regions alternate (run breaks), ints of numpy types and lists take the slow reading
+    ops = [(rr if i % 3 else rr, 1000 * i, base + 4096 * i, 100 + i) for i in range(40)]
+    ops[5] = [rr, 5000, base + 4096 * 5, 105]                           # a list, not a tuple
+    ops[6] = (rr, np.uint64(6000), np.int64(base + 4096 * 6), 106)      # numpy ints
+    for shape in (list, tuple, iter):
+        dst[:] = 0
+        eng.read(shape(ops), timeout_s=30)
+        for i in range(40):
+            assert np.array_equal(dst[4096 * i:4096 * i + 100 + i], exp_arena[1000 * i:1000 * i + 100 + i]), (shape, i)
+    # two regions interleaved in one call
+    src = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
+    reg2 = eng.register(src)
+    eng.write([(wr, 0, addr_of(src), 4096), (rr, 0, addr_of(src), 0), (wr, 4096, addr_of(src) + 4096, 4096)],
+              timeout_s=30)
+    assert peer.sha("scratch", 0, 8192) == hashlib.sha256(src).hexdigest()
+    for bad, what in [([(rr, 0, base)], "op 0 is"), ([(rr, 0, base, 10), (rr, -1, base, 10)], "op 1 is"),
+                      ([(rr, 0, base, 10), ("rr", 0, base, 10)], "op 1 is \\('rr', 0"),
+                      ([(rr, 0, base, 10), 7], "op 1 is 7,"),
+                      ([(rr, 0, base, 10), (None, 0, base, 10)], "remote region is None")]:
+        dst[:] = 0
+        with pytest.raises(InvalidArgumentError, match=what):
+            eng.read(bad, timeout_s=30)
+        assert not dst.any(), bad  # nothing moved
+    reg.close()
+    reg2.close()

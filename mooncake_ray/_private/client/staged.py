@@ -115,6 +115,8 @@ class Stager:
         self.half = nbytes // 2
         self.region = engine.register(self._buf)
         self.pinned = _native.cuda_available() and _native.cuda_host_register(self.addr, nbytes)
+        # A kernel may copy between it and device memory (many small ranges in one launch)
+        self.addressable = bool(self.pinned) and _native.cuda_device_addressable(self.addr)
         self._streams: dict[tuple, Any] = {}
 
     def stream(self, kind: str, dev: int, half: int):
@@ -139,9 +141,10 @@ class Stager:
 
     # ------------------------------------------------------------------ moves ----
     def _copy(self, items: Sequence[Staged], dsts: Sequence, srcs: Sequence, lens: Sequence[int],
-              half: int, marker=None) -> None:
+              half: int, marker=None, in_buffer: bool = True) -> None:
         """Copy ``lens[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` on the items' streams; an
-        item made of several ranges (a tuple on its side) is copied range by range."""
+        item made of several ranges (a tuple on its side) is copied range by range.
+        ``in_buffer``: every host address lies in this stager's pinned buffer."""
         by_stream: dict[tuple, tuple[list, list, list]] = {}
         for it, d, s, n in zip(items, dsts, srcs, lens):
             if not n:
@@ -160,7 +163,7 @@ class Stager:
             st = self.stream(kind, dev, half)
             if marker is not None and kind == device.CUDA:
                 st.wait_marker(marker)
-            st.copy_many(d, s, n)
+            st.copy_many(d, s, n, self.addressable and in_buffer)
 
     def _place(self, g: Sequence[int], items: Sequence[Staged], half: int):
         """Where group ``g``'s items sit: half ``half``, or a buffer of their own."""
@@ -183,7 +186,7 @@ class Stager:
             keep, addrs = self._place(g, items, gi % 2)
             placed[gi] = (keep, addrs)
             self._copy([items[i] for i in g], addrs, [items[i].addr for i in g], [items[i].nbytes for i in g],
-                       gi % 2, marker)
+                       gi % 2, marker, keep is None)
 
         try:
             enqueue(0)
@@ -216,7 +219,7 @@ class Stager:
                 got = get_fn([keys[i] for i in g], _sources(own, addrs, [items[i].nbytes for i in g]))
                 ok = [(i, a, r) for i, a, r in zip(g, addrs, got) if isinstance(r, int) and not isinstance(r, bool)]
                 self._copy([items[i] for i, _, _ in ok], [items[i].addr for i, _, _ in ok], [a for _, a, _ in ok],
-                           [r for _, _, r in ok], h)
+                           [r for _, _, r in ok], h, in_buffer=own is None)
                 for i, r in zip(g, got):
                     results[i] = r
         finally:

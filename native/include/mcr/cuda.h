@@ -38,6 +38,17 @@ int device_of(uintptr_t addr);
 bool host_register(void* p, size_t n);
 void host_unregister(void* p);
 
+// Whether a kernel on the device may use this address as it is: device memory, or host
+// memory registered with a device mapping at the same address. Decides the copy kernel.
+bool device_addressable(const void* p);
+
+// Why the copy kernel is not used ("" where it can be): MCR_CUDA_COPY_KERNEL=0, a driver
+// without the functions, or the PTX refused on the device (asked once per device).
+std::string copy_kernel_unavailable(int device);
+// The copy kernel's use, process-wide: 0 never, 1 every batch it can take, 2 auto (the
+// default; MCR_CUDA_COPY_KERNEL sets it at start). Returns the previous mode; -1 only asks.
+int copy_kernel_mode(int mode = -1);
+
 // A synchronous copy in any direction (unified addressing), in the context of `device`.
 void copy_sync(int device, void* dst, const void* src, size_t n);
 
@@ -80,8 +91,11 @@ class Marker {
 class CopyStream {
  public:
   virtual ~CopyStream() = default;
-  // Queues the copies (after everything queued before); returns at once.
-  virtual void copy_many(std::vector<Copy> copies) = 0;
+  // Queues the copies (after everything queued before); returns at once. `addressable`:
+  // the caller checked that every address is one a kernel may use (device_addressable),
+  // which lets a CUDA stream copy many small ranges with one kernel instead of the DMA
+  // engines.
+  virtual void copy_many(std::vector<Copy> copies, bool addressable = false) = 0;
   // Later copies wait for the marker (the engine's kernels up to it).
   virtual void wait_marker(const Marker& m) = 0;
   // Blocks until every queued copy is done; throws the first failure.
@@ -89,9 +103,10 @@ class CopyStream {
   virtual const char* kind() const = 0;
   uint64_t copies() const { return copies_; }
   uint64_t bytes() const { return bytes_; }
+  uint64_t kernel_launches() const { return launches_; }
 
  protected:
-  uint64_t copies_ = 0, bytes_ = 0;
+  uint64_t copies_ = 0, bytes_ = 0, launches_ = 0;
 };
 
 // A call's copies are spread over `lanes` CUDA streams (MCR_CUDA_COPY_STREAMS, default
@@ -101,11 +116,16 @@ class CopyStream {
 constexpr int kDefaultCopyLanes = 4;
 int copy_lanes();
 
+// The copy kernel takes a batch (MCR_CUDA_COPY_KERNEL unset or "auto") of at least this
+// many ranges, after merging, averaging at most kKernelMaxMeanBytes; "1": any batch of 2+.
+constexpr size_t kKernelMinCopies = 16;
+constexpr uint64_t kKernelMaxMeanBytes = 1ull << 20;
+
 class CudaCopyStream : public CopyStream {
  public:
   explicit CudaCopyStream(int device, int lanes = 0);  // 0: copy_lanes()
   ~CudaCopyStream() override;
-  void copy_many(std::vector<Copy> copies) override;
+  void copy_many(std::vector<Copy> copies, bool addressable = false) override;
   void wait_marker(const Marker& m) override;
   void synchronize() override;
   const char* kind() const override { return "cuda"; }
@@ -113,6 +133,9 @@ class CudaCopyStream : public CopyStream {
 
  private:
   void issue(void* stream, const Copy* c, size_t n);
+  bool launch(const std::vector<Copy>& copies);  // false: the kernel cannot run here
+  uintptr_t ranges_ = 0;  // device buffer of the kernel's ranges, reused in stream order
+  size_t ranges_cap_ = 0;
   int device_;
   std::vector<void*> streams_;  // [0]: the main stream
   std::vector<void*> forks_;    // an event per side stream: [0] the fork, [i] lane i's join
@@ -122,7 +145,7 @@ class HostCopyStream : public CopyStream {
  public:
   HostCopyStream();
   ~HostCopyStream() override;
-  void copy_many(std::vector<Copy> copies) override;
+  void copy_many(std::vector<Copy> copies, bool addressable = false) override;
   void wait_marker(const Marker&) override {}
   void synchronize() override;
   const char* kind() const override { return "host"; }

@@ -154,6 +154,7 @@ class Region {
   void inflight_add() { inflight_.fetch_add(1); }
   void inflight_sub();
   void unmap_now();  // engine close
+  std::atomic<int> cuda_device_{-2};  // cuda::device_of(addr_), asked at the first device copy
 
  private:
   void maybe_unmap_locked();
@@ -260,6 +261,8 @@ class RemoteRegion {
   // device memory: 0 not tried, 1 pinned (unpinned before the mapping goes), -1 refused.
   std::mutex cuda_mu_;
   int cuda_pinned_ = 0;
+  bool cuda_addressable_ = false;  // pinned at the same device address (the copy kernel may use it)
+  int cuda_device_ = -2;           // the device of cuda_ptr_ (-2: not asked yet)
   void unpin_cuda_locked();
 };
 

@@ -4,10 +4,14 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include <cstdlib>
 #include <cstring>
 #include <map>
 
+#include "copy_ranges_ptx.h"
 #include "mcr/status.h"
 
 namespace mcr::cuda {
@@ -20,6 +24,8 @@ using CUcontext = void*;
 using CUstream = void*;
 using CUevent = void*;
 using CUdeviceptr = unsigned long long;
+using CUmodule = void*;
+using CUfunction = void*;
 
 constexpr int kAttrMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 constexpr int kAttrDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
@@ -29,6 +35,9 @@ constexpr unsigned kHostRegisterPortable = 1;
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventDisableTiming = 2;
 constexpr int kMaxDevices = 64;
+constexpr int kAttrDevicePointer = 3;  // CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+constexpr unsigned kHostRegisterDeviceMap = 2;
+constexpr int kDevAttrSmCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 
 struct IpcHandle {  // CUipcMemHandle
   char reserved[64];
@@ -67,6 +76,21 @@ struct Api {
   CUresult (*IpcCloseMemHandle)(CUdeviceptr) = nullptr;
   // CUDA 13's batched copy (optional: older drivers lack it, MCR_CUDA_BATCH_COPY=0 turns it off).
   CUresult (*MemcpyBatchAsync)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, void*, size_t*, size_t, CUstream) = nullptr;
+  // The copy kernel (optional: without them, or MCR_CUDA_COPY_KERNEL=0, copies stay DMA).
+  CUresult (*ModuleLoadData)(CUmodule*, const void*) = nullptr;
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           CUstream, void**, void**) = nullptr;
+  CUresult (*MemAlloc)(CUdeviceptr*, size_t) = nullptr;
+  CUresult (*MemFree)(CUdeviceptr) = nullptr;
+  CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice) = nullptr;
+  std::atomic<int> kernel_mode{2};  // MCR_CUDA_COPY_KERNEL: 0 never, 1 for every batch it can take, 2 auto
+  CUfunction kernel[kMaxDevices] = {};
+  bool kernel_fns = false;  // the driver has every function the kernel needs
+  int kernel_state[kMaxDevices] = {};  // 0 not loaded yet, 1 loaded, -1 refused
+  int sm_count[kMaxDevices] = {};
+  std::string kernel_why;
   std::mutex mu;
   CUcontext ctx[kMaxDevices] = {};
 };
@@ -108,15 +132,26 @@ Api& api() {
     p->IpcGetMemHandle = reinterpret_cast<decltype(p->IpcGetMemHandle)>(dlsym(p->lib, "cuIpcGetMemHandle"));
     p->IpcOpenMemHandle = reinterpret_cast<decltype(p->IpcOpenMemHandle)>(dlsym(p->lib, "cuIpcOpenMemHandle_v2"));
     p->IpcCloseMemHandle = reinterpret_cast<decltype(p->IpcCloseMemHandle)>(dlsym(p->lib, "cuIpcCloseMemHandle"));
-    // Off unless MCR_CUDA_IPC=1: not yet run on a GPU (tests/gpu checks it where one is).
+    // MCR_CUDA_IPC=0 leaves other processes' device memory to UCX (its cuda_ipc).
     const char* ipc = getenv("MCR_CUDA_IPC");
-    if (!ipc || strcmp(ipc, "1") != 0) {
+    if (ipc && strcmp(ipc, "0") == 0) {
       p->IpcGetMemHandle = nullptr;
       p->IpcOpenMemHandle = nullptr;
     }
     const char* batch = getenv("MCR_CUDA_BATCH_COPY");
     if (!batch || strcmp(batch, "0") != 0)
       p->MemcpyBatchAsync = reinterpret_cast<decltype(p->MemcpyBatchAsync)>(dlsym(p->lib, "cuMemcpyBatchAsync_v2"));
+    const char* kern = getenv("MCR_CUDA_COPY_KERNEL");
+    p->kernel_mode = !kern || !*kern ? 2 : (strcmp(kern, "0") == 0 ? 0 : (strcmp(kern, "1") == 0 ? 1 : 2));
+    p->ModuleLoadData = reinterpret_cast<decltype(p->ModuleLoadData)>(dlsym(p->lib, "cuModuleLoadData"));
+    p->ModuleGetFunction = reinterpret_cast<decltype(p->ModuleGetFunction)>(dlsym(p->lib, "cuModuleGetFunction"));
+    p->LaunchKernel = reinterpret_cast<decltype(p->LaunchKernel)>(dlsym(p->lib, "cuLaunchKernel"));
+    p->MemAlloc = reinterpret_cast<decltype(p->MemAlloc)>(dlsym(p->lib, "cuMemAlloc_v2"));
+    p->MemFree = reinterpret_cast<decltype(p->MemFree)>(dlsym(p->lib, "cuMemFree_v2"));
+    p->MemcpyHtoDAsync = reinterpret_cast<decltype(p->MemcpyHtoDAsync)>(dlsym(p->lib, "cuMemcpyHtoDAsync_v2"));
+    p->DeviceGetAttribute = reinterpret_cast<decltype(p->DeviceGetAttribute)>(dlsym(p->lib, "cuDeviceGetAttribute"));
+    p->kernel_fns = p->ModuleLoadData && p->ModuleGetFunction && p->LaunchKernel && p->MemAlloc && p->MemFree &&
+                    p->MemcpyHtoDAsync && p->DeviceGetAttribute;
     CUresult r = p->Init(0);
     if (r == 0) r = p->DeviceGetCount(&p->ndev);
     if (r != 0) {
@@ -190,7 +225,23 @@ bool host_register(void* p, size_t n) {
   Api& a = api();
   if (a.ndev == 0) return false;
   use_device(0);
-  return a.MemHostRegister(p, n, kHostRegisterPortable) == 0;
+  // With a device mapping (the copy kernel's path; implied under unified addressing), or
+  // without where a driver refuses that flag.
+  return a.MemHostRegister(p, n, kHostRegisterPortable | kHostRegisterDeviceMap) == 0 ||
+         a.MemHostRegister(p, n, kHostRegisterPortable) == 0;
+}
+
+bool device_addressable(const void* p) {
+  Api& a = api();
+  if (a.ndev == 0 || !p) return false;
+  try {
+    use_device(0);  // the query needs a context; unified addressing makes any one do
+  } catch (const Error&) {
+    return false;
+  }
+  CUdeviceptr d = 0;
+  if (a.PointerGetAttribute(&d, kAttrDevicePointer, CUdeviceptr(p)) != 0) return false;
+  return d == CUdeviceptr(p);  // the kernel uses host addresses as they are
 }
 
 void host_unregister(void* p) {
@@ -373,10 +424,60 @@ CudaCopyStream::CudaCopyStream(int device, int lanes) : device_(device) {
   }
 }
 
+namespace {
+// Loads the copy kernel into `device`'s primary context once (current in this thread).
+CUfunction copy_kernel(int device) {
+  Api& a = api();
+  if (a.kernel_mode == 0 || !a.kernel_fns || device < 0 || device >= kMaxDevices) return nullptr;
+  std::lock_guard<std::mutex> g(a.mu);
+  if (a.kernel_state[device] == 0) {
+    CUmodule mod = nullptr;
+    CUfunction fn = nullptr;
+    CUdevice d = 0;
+    CUresult r = a.ModuleLoadData(&mod, kCopyRangesPtx);
+    if (r == 0) r = a.ModuleGetFunction(&fn, mod, "mcr_copy_ranges");
+    if (r == 0) r = a.DeviceGet(&d, device);
+    if (r == 0) r = a.DeviceGetAttribute(&a.sm_count[device], kDevAttrSmCount, d);
+    if (r != 0 || !fn || a.sm_count[device] <= 0) {
+      a.kernel_state[device] = -1;
+      a.kernel_why = err("loading the copy kernel", r);
+    } else {
+      a.kernel[device] = fn;
+      a.kernel_state[device] = 1;
+    }
+  }
+  return a.kernel_state[device] == 1 ? a.kernel[device] : nullptr;
+}
+}  // namespace
+
+int copy_kernel_mode(int mode) {
+  Api& a = api();
+  std::lock_guard<std::mutex> g(a.mu);
+  const int was = a.kernel_mode;
+  if (mode >= 0 && mode <= 2) a.kernel_mode = mode;
+  return was;
+}
+
+std::string copy_kernel_unavailable(int device) {
+  Api& a = api();
+  if (a.ndev == 0) return a.why;
+  if (a.kernel_mode == 0) return "turned off (MCR_CUDA_COPY_KERNEL=0)";
+  if (!a.kernel_fns) return "the CUDA driver lacks a function the copy kernel needs";
+  try {
+    use_device(device);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  if (copy_kernel(device)) return "";
+  std::lock_guard<std::mutex> g(a.mu);
+  return a.kernel_why;
+}
+
 CudaCopyStream::~CudaCopyStream() {
   try {
     use_device(device_);
     for (void* st : streams_) api().StreamSynchronize(st);
+    if (ranges_) api().MemFree(CUdeviceptr(ranges_));
     for (void* e : forks_) api().EventDestroy(e);
     for (void* st : streams_) api().StreamDestroy(st);
   } catch (const Error&) {
@@ -415,13 +516,56 @@ void CudaCopyStream::issue(void* stream, const Copy* c, size_t n) {
     check("cuMemcpyAsync", a.MemcpyAsync(CUdeviceptr(c[i].dst), CUdeviceptr(c[i].src), c[i].len, stream));
 }
 
-void CudaCopyStream::copy_many(std::vector<Copy> copies) {
+bool CudaCopyStream::launch(const std::vector<Copy>& copies) {
+  Api& a = api();
+  CUfunction fn = copy_kernel(device_);
+  if (!fn || copies.size() > 0xffffffffull) return false;
+  static_assert(sizeof(Copy) == 24, "the kernel reads {dst, src, len} as three 64-bit words");
+  const size_t bytes = copies.size() * sizeof(Copy);
+  void* main = streams_[0];
+  if (bytes > ranges_cap_) {
+    // The old buffer may still be read by a kernel queued before: let it finish first.
+    if (ranges_) {
+      check("cuStreamSynchronize", a.StreamSynchronize(main));
+      a.MemFree(CUdeviceptr(ranges_));
+      ranges_ = 0;
+      ranges_cap_ = 0;
+    }
+    size_t cap = 64 << 10;
+    while (cap < bytes) cap *= 2;
+    CUdeviceptr p = 0;
+    if (a.MemAlloc(&p, cap) != 0) return false;
+    ranges_ = uintptr_t(p);
+    ranges_cap_ = cap;
+  }
+  // From pageable memory the driver takes a copy before returning, so `copies` may go;
+  // on the main stream, after the previous launch that read the buffer.
+  check("cuMemcpyHtoDAsync", a.MemcpyHtoDAsync(CUdeviceptr(ranges_), copies.data(), bytes, main));
+  CUdeviceptr arg0 = CUdeviceptr(ranges_);
+  unsigned arg1 = unsigned(copies.size());
+  void* params[] = {&arg0, &arg1};
+  const unsigned grid = unsigned(std::min<size_t>(copies.size(), size_t(a.sm_count[device_]) * 8));
+  check("cuLaunchKernel", a.LaunchKernel(fn, grid, 1, 1, 256, 1, 1, 0, main, params, nullptr));
+  ++launches_;
+  return true;
+}
+
+void CudaCopyStream::copy_many(std::vector<Copy> copies, bool addressable) {
   coalesce(copies);
   if (copies.empty()) return;
   use_device(device_);
   Api& a = api();
   uint64_t total = 0;
   for (auto& c : copies) total += c.len;
+  const bool kernel = addressable && copies.size() >= 2 &&
+                      (a.kernel_mode == 1 ||
+                       (a.kernel_mode == 2 && copies.size() >= kKernelMinCopies &&
+                        total / copies.size() <= kKernelMaxMeanBytes));
+  if (kernel && launch(copies)) {
+    copies_ += copies.size();
+    bytes_ += total;
+    return;
+  }
   size_t lanes = streams_.size();
   if (lanes > copies.size()) lanes = copies.size();
   if (lanes <= 1 || total < kSpreadMinBytes) {
@@ -478,7 +622,7 @@ HostCopyStream::~HostCopyStream() {
   worker_.join();
 }
 
-void HostCopyStream::copy_many(std::vector<Copy> copies) {
+void HostCopyStream::copy_many(std::vector<Copy> copies, bool) {
   coalesce(copies);
   for (auto& c : copies) {
     ++copies_;

@@ -662,6 +662,7 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"read_cuda_bytes", s.read_cuda_bytes.load()},
       {"write_cuda_bytes", s.write_cuda_bytes.load()},
       {"cuda_pin_refused", s.cuda_pin_refused.load()},
+      {"cuda_kernel_launches", s.cuda_kernel_launches.load()},
       {"pushes_sent", s.pushes_sent.load()},
       {"write_memcpy_bytes", s.write_memcpy_bytes.load()},
       {"write_put_bytes", s.write_put_bytes.load()},

@@ -206,6 +206,7 @@ struct Stats {
   std::atomic<uint64_t> read_push_joined_bytes{0};
   // Device memory copied by the CUDA driver to or from a mapped remote arena (same host).
   std::atomic<uint64_t> read_cuda_bytes{0}, write_cuda_bytes{0};
+  std::atomic<uint64_t> cuda_kernel_launches{0};  // device copies done by the copy kernel (batches)
   std::atomic<uint64_t> cuda_pin_refused{0};  // mapped arenas the driver would not pin  // pushed reads joined to the extent before
   std::atomic<uint64_t> pushes_sent{0};             // push requests (one per lane and batch)
   std::atomic<uint64_t> calls_sent{0}, calls_served{0}, peers_failed{0};

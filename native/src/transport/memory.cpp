@@ -144,7 +144,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   }
   std::string rkey(static_cast<char*>(rbuf), rsize);
   ucp_rkey_buffer_release(rbuf);
-  // Same-host importers map device memory themselves (CUDA IPC, with MCR_CUDA_IPC=1):
+  // Same-host importers map device memory themselves (CUDA IPC, unless MCR_CUDA_IPC=0):
   // UCX's cuda_ipc costs about 7 us a copy, which block-sized reads feel.
   if (mt == MemType::kCuda) rkey += cuda::ipc_export(addr, len);
   auto r = std::make_shared<Region>(shared_from_this(), next_id.fetch_add(1), addr, len,

@@ -274,8 +274,25 @@ static void pin_for_cuda(RemoteRegion& rr) {
   std::lock_guard<std::mutex> g(rr.cuda_mu_);
   if (rr.cuda_pinned_ != 0) return;
   rr.cuda_pinned_ = cuda::host_register(rr.ptr_, rr.length_) ? 1 : -1;
+  rr.cuda_addressable_ = rr.cuda_pinned_ > 0 && cuda::device_addressable(rr.ptr_);
   // Refused: the copies still run, staged by the driver (slower); counted in stats.
   if (rr.cuda_pinned_ < 0 && rr.peer_) rr.peer_->core_->st.cuda_pin_refused.fetch_add(1);
+}
+
+// The device of a local region's memory, and of another process's device memory opened
+// here, each asked of the driver once.
+static int region_device(Region& r) {
+  int d = r.cuda_device_.load(std::memory_order_relaxed);
+  if (d == -2) {
+    d = cuda::device_of(r.addr());
+    r.cuda_device_.store(d, std::memory_order_relaxed);
+  }
+  return d;
+}
+static int remote_device(RemoteRegion& rr) {
+  std::lock_guard<std::mutex> g(rr.cuda_mu_);
+  if (rr.cuda_device_ == -2) rr.cuda_device_ = cuda::device_of(rr.cuda_ptr_);
+  return rr.cuda_device_;
 }
 
 namespace {
@@ -384,6 +401,16 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
   // tcp every put is a message of its own, and 128 puts of 4 KiB took 6-14x as long as one
   // of 512 KiB. The copy costs ~0.1 ms per 512 KiB.
   std::vector<cuda::Copy> cuda_copies;  // device memory <-> mapped remote arenas
+  // Whether a kernel on one device may copy them all (every address device-addressable,
+  // every device address on that device): then many small ranges go in one launch.
+  bool kernel_ok = true;
+  int kernel_dev = -2;
+  const RemoteRegion* last_rr = nullptr;
+  const Region* last_local = nullptr;
+  auto kernel_note = [&](int dev) {
+    if (dev < 0 || (kernel_dev != -2 && dev != kernel_dev)) kernel_ok = false;
+    kernel_dev = dev;
+  };
   std::vector<char> gathered(items.size(), 0);
   if (!is_read) {
     auto small_put = [&](const Item& it) {
@@ -434,6 +461,15 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       }
       if (rr.cuda_ptr_) {  // the owner's device memory, mapped here (CUDA IPC): device to device
         const uintptr_t remote = rr.cuda_ptr_ + io.remote_offset;
+        if (kernel_ok && &rr != last_rr) {
+          kernel_note(remote_device(rr));
+          last_rr = &rr;
+        }
+        if (kernel_ok && it.local && it.local.get() != last_local) {
+          kernel_note(it.local->mem_type() == MemType::kCuda ? region_device(*it.local) : -1);
+          last_local = it.local.get();
+        }
+        if (!it.local) kernel_ok = false;
         cuda_copies.push_back(cuda::Copy{is_read ? uintptr_t(laddr) : remote, is_read ? remote : uintptr_t(laddr), len});
         (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
         continue;
@@ -443,6 +479,11 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       const char* src = is_read ? remote : laddr;
       if (it.local && it.local->mem_type() == MemType::kCuda) {
         pin_for_cuda(rr);
+        if (!rr.cuda_addressable_) kernel_ok = false;
+        if (kernel_ok && it.local.get() != last_local) {
+          kernel_note(region_device(*it.local));
+          last_local = it.local.get();
+        }
         cuda_copies.push_back(cuda::Copy{uintptr_t(dst), uintptr_t(src), len});
         (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
         continue;
@@ -556,7 +597,9 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
                                                                 : cuda::device_of(cuda_copies[0].src);
       auto& s = streams[dev < 0 ? 0 : dev];
       if (!s) s = std::make_unique<cuda::CudaCopyStream>(dev < 0 ? 0 : dev);
-      s->copy_many(std::move(cuda_copies));
+      const uint64_t launches = s->kernel_launches();
+      s->copy_many(std::move(cuda_copies), kernel_ok && kernel_dev == (dev < 0 ? 0 : dev));
+      st.cuda_kernel_launches.fetch_add(s->kernel_launches() - launches);
       s->synchronize();
     } catch (const Error& e) {
       op->record_error(Code::kTransferFailed, e.what());
