@@ -6,7 +6,8 @@ referenced until the transfer completes.
 
 A list of such buffers is one value made of several ranges: stored as their concatenation,
 read back into them in order. Its "address" is then a tuple of ``(address, length)``
-ranges (``gathered``); ``expand`` turns transfer ops on such values into one op per range.
+ranges (``gathered``), which the transport takes as they are: one op per range, contiguous
+in the remote region.
 """
 
 from __future__ import annotations
@@ -156,20 +157,6 @@ def spans(ranges: tuple, n: int) -> list[tuple[int, int, int]]:
         m = min(m, n - at)
         out.append((at, addr, m))
         at += m
-    return out
-
-
-def expand(ops: list) -> list:
-    """Transfer ops ``(region, offset, address, n)`` with every multi-range value (its
-    address a tuple of ranges) split into one op per range, covering its first ``n``
-    bytes; ops on plain addresses pass through."""
-    out = []
-    for op in ops:
-        if type(op[2]) is int:
-            out.append(op)
-            continue
-        region, off, ranges, n = op
-        out.extend((region, off + rel, addr, m) for rel, addr, m in spans(ranges, n))
     return out
 
 

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "mcr/master_index.h"
@@ -44,73 +45,95 @@ class ByteView {
 
 double timeout_or_forever(std::optional<double> t) { return t ? *t : -1.0; }
 
-// (RemoteRegion, remote_offset, local_addr, length) tuples. The common shape (a list or
-// tuple of 4-tuples of ints, runs of ops naming one region) is read directly: the region
-// is cast once per run, not once per op. Anything else goes through nanobind's casts,
-// which raise the usual TypeError.
-std::vector<mcr::IoOp> parse_ops(nb::handle ops) {
-  using OpTuple = std::tuple<std::shared_ptr<mcr::RemoteRegion>, uint64_t, uintptr_t, uint64_t>;
-  std::vector<mcr::IoOp> out;
-  auto slow = [&](nb::handle item) {
-    OpTuple t;
-    try {
-      t = nb::cast<OpTuple>(item);
-    } catch (const std::exception&) {  // nb::cast_error, std::bad_cast
-      std::string r = nb::cast<std::string>(nb::repr(item));
-      if (r.size() > 200) r = r.substr(0, 200) + "...";
-      throw Error(Code::kInvalidArgument, "transfer op " + std::to_string(out.size()) + " is " + r +
-                                              ", not (RemoteRegion, remote_offset, local_addr, length) "
-                                              "with non-negative ints");
+// Transfer ops: (RemoteRegion, remote_offset, local, length) sequences, where local is an
+// address, or the ranges of a multi-range value ((address, length), ...), which become
+// one op per range covering the value's first `length` bytes (its remote bytes are
+// contiguous). Read without a nanobind cast per op: the region is cast once per run of
+// ops naming it; ints of other types (numpy's) go through nanobind's.
+class OpParser {
+ public:
+  std::vector<mcr::IoOp> parse(nb::handle ops) {
+    nb::object seq = nb::steal(PySequence_Fast(ops.ptr(), "transfer ops must be a sequence of ops"));
+    if (!seq.is_valid()) {
+      PyErr_Clear();
+      throw Error(Code::kInvalidArgument, "transfer ops must be a sequence (list or tuple) of ops, not " +
+                                              type_name(ops));
     }
-    out.push_back(mcr::IoOp{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)});
-  };
-  if (!PyList_Check(ops.ptr()) && !PyTuple_Check(ops.ptr())) {
-    for (nb::handle item : ops) slow(item);
-    return out;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    out_.reserve(size_t(n));
+    for (Py_ssize_t i = 0; i < n; ++i) add(items[i], size_t(i));
+    return std::move(out_);
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(ops.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(ops.ptr());
-  out.reserve(size_t(n));
-  PyObject* last_obj = nullptr;
-  std::shared_ptr<mcr::RemoteRegion> last_rr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* it = items[i];
-    if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 4) {
-      slow(it);
-      continue;
-    }
-    PyObject* r = PyTuple_GET_ITEM(it, 0);
-    uint64_t v[3];
-    bool ints = true;
-    for (int k = 0; k < 3 && ints; ++k) {
-      PyObject* x = PyTuple_GET_ITEM(it, k + 1);
-      if (!PyLong_CheckExact(x)) {
-        ints = false;
-        break;
-      }
-      v[k] = PyLong_AsUnsignedLongLong(x);
-      if (v[k] == uint64_t(-1) && PyErr_Occurred()) {
+
+ private:
+  static std::string type_name(nb::handle h) { return nb::cast<std::string>(nb::str(h.type().attr("__name__"))); }
+
+  [[noreturn]] static void bad(PyObject* item, size_t i, const char* why) {
+    std::string r = nb::cast<std::string>(nb::repr(nb::handle(item)));
+    if (r.size() > 200) r = r.substr(0, 200) + "...";
+    throw Error(Code::kInvalidArgument, "transfer op " + std::to_string(i) + " is " + r + ": " + why);
+  }
+
+  // A non-negative int (Python's, or anything nanobind takes as one); false if not.
+  static bool u64(PyObject* x, uint64_t* v) {
+    if (PyLong_CheckExact(x)) {
+      *v = PyLong_AsUnsignedLongLong(x);
+      if (*v == uint64_t(-1) && PyErr_Occurred()) {
         PyErr_Clear();
-        ints = false;
+        return false;
       }
+      return true;
     }
-    if (!ints) {
-      slow(it);
-      continue;
-    }
-    if (r != last_obj) {
-      std::shared_ptr<mcr::RemoteRegion> rr;
-      if (!nb::try_cast<std::shared_ptr<mcr::RemoteRegion>>(nb::handle(r), rr)) {
-        slow(it);  // raises with the op's text
-        continue;
-      }
-      last_rr = std::move(rr);
-      last_obj = r;
-    }
-    out.push_back(mcr::IoOp{last_rr, v[0], uintptr_t(v[1]), v[2]});
+    return nb::try_cast<uint64_t>(nb::handle(x), *v);
   }
-  return out;
-}
+
+  static bool pair_or_quad(PyObject* x, Py_ssize_t size) {
+    return (PyTuple_Check(x) && PyTuple_GET_SIZE(x) == size) || (PyList_Check(x) && PyList_GET_SIZE(x) == size);
+  }
+  static PyObject* at(PyObject* x, Py_ssize_t k) {
+    return PyTuple_Check(x) ? PyTuple_GET_ITEM(x, k) : PyList_GET_ITEM(x, k);
+  }
+
+  void add(PyObject* item, size_t i) {
+    static const char* kShape =
+        "not (RemoteRegion, remote_offset, local_addr or ((addr, length), ...), length) with non-negative ints";
+    if (!pair_or_quad(item, 4)) bad(item, i, kShape);
+    PyObject* r = at(item, 0);
+    uint64_t off, len;
+    if (!u64(at(item, 1), &off) || !u64(at(item, 3), &len)) bad(item, i, kShape);
+    if (r != last_obj_) {
+      std::shared_ptr<mcr::RemoteRegion> rr;
+      if (r != Py_None && !nb::try_cast<std::shared_ptr<mcr::RemoteRegion>>(nb::handle(r), rr)) bad(item, i, kShape);
+      last_rr_ = std::move(rr);  // None: refused by the engine ("remote region is None")
+      last_obj_ = r;
+    }
+    PyObject* local = at(item, 2);
+    uint64_t addr;
+    if (PyTuple_Check(local) || PyList_Check(local)) {  // a multi-range value
+      const Py_ssize_t k = PySequence_Fast_GET_SIZE(local);
+      uint64_t done = 0;
+      for (Py_ssize_t j = 0; j < k && done < len; ++j) {
+        PyObject* rg = PySequence_Fast_ITEMS(local)[j];
+        uint64_t a, m;
+        if (!pair_or_quad(rg, 2) || !u64(at(rg, 0), &a) || !u64(at(rg, 1), &m))
+          bad(item, i, "its ranges are not (address, length) pairs of non-negative ints");
+        m = std::min(m, len - done);
+        out_.push_back(mcr::IoOp{last_rr_, off + done, uintptr_t(a), m});
+        done += m;
+      }
+      return;
+    }
+    if (!u64(local, &addr)) bad(item, i, kShape);
+    out_.push_back(mcr::IoOp{last_rr_, off, uintptr_t(addr), len});
+  }
+
+  std::vector<mcr::IoOp> out_;
+  PyObject* last_obj_ = nullptr;
+  std::shared_ptr<mcr::RemoteRegion> last_rr_;
+};
+
+std::vector<mcr::IoOp> parse_ops(nb::handle ops) { return OpParser().parse(ops); }
 
 // A Python callable as a native handler: run on the progress thread with the GIL taken
 // for the call only.

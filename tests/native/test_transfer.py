@@ -324,6 +324,21 @@ def test_op_lists_of_every_shape_are_read_alike(peers, expected, engines):
         eng.read(shape(ops), timeout_s=30)
         for i in range(40):
             assert np.array_equal(dst[4096 * i:4096 * i + 100 + i], exp_arena[1000 * i:1000 * i + 100 + i]), (shape, i)
+    # multi-range values: ((address, length), ...) on the local side, contiguous remotely,
+    # cut at the op's length, as the client's values made of several buffers are
+    dst[:] = 0
+    ranges = tuple((base + 8192 * j + 3 * j, 1000 + j) for j in range(20))
+    eng.read([(rr, 777, ranges, 15000), (rr, 50000, [[base + 500000, 64]], 64)], timeout_s=30)
+    at = 0
+    for addr, m in ranges:
+        m = min(m, 15000 - at)
+        if m <= 0:
+            assert not dst[addr - base:addr - base + 1000].any()  # past the length: untouched
+            continue
+        assert np.array_equal(dst[addr - base:addr - base + m], exp_arena[777 + at:777 + at + m]), addr
+        at += m
+    assert at == 15000
+    assert np.array_equal(dst[500000:500064], exp_arena[50000:50064])
     # two regions interleaved in one call
     src = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
     reg2 = eng.register(src)
@@ -332,7 +347,9 @@ def test_op_lists_of_every_shape_are_read_alike(peers, expected, engines):
     assert peer.sha("scratch", 0, 8192) == hashlib.sha256(src).hexdigest()
     for bad, what in [([(rr, 0, base)], "op 0 is"), ([(rr, 0, base, 10), (rr, -1, base, 10)], "op 1 is"),
                       ([(rr, 0, base, 10), ("rr", 0, base, 10)], "op 1 is \\('rr', 0"),
-                      ([(rr, 0, base, 10), 7], "op 1 is 7,"),
+                      ([(rr, 0, base, 10), 7], "op 1 is 7:"),
+                      ([(rr, 0, ((base, 10), (base + 20, -1)), 20)], "op 0 is .*ranges are not"),
+                      ((rr, 0, base, 10), "op 0 is <RemoteRegion"),
                       ([(rr, 0, base, 10), (None, 0, base, 10)], "remote region is None")]:
         dst[:] = 0
         with pytest.raises(InvalidArgumentError, match=what):

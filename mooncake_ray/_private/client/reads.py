@@ -23,7 +23,7 @@ from mooncake_ray.errors import (
     TransferError,
 )
 from mooncake_ray._private import rpc, wire
-from mooncake_ray._private.buffers import expand, new_bytes, writable
+from mooncake_ray._private.buffers import new_bytes, writable
 from mooncake_ray._private.client.args import check_key, convert, key_errors
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.locations import Loc
@@ -109,8 +109,8 @@ class Reader:
             out = g.size
         try:
             if g.size:
-                self._engine.read(expand([(self._nodes.get(rep.node_id, rep.incarnation).region, rep.offset, addr,
-                                           g.size)]), timeout_s=self._timeout)
+                self._engine.read([(self._nodes.get(rep.node_id, rep.incarnation).region, rep.offset, addr,
+                                    g.size)], timeout_s=self._timeout)
             ok = time.monotonic() - t0 <= g.ttl
         except TRANSFER_ERRORS:
             ok = False
@@ -140,7 +140,7 @@ class Reader:
             out, addr = size, dst[0]
         try:
             if size:
-                self._engine.read(expand([(node.region, loc.offset, addr, size)]), timeout_s=self._timeout)
+                self._engine.read([(node.region, loc.offset, addr, size)], timeout_s=self._timeout)
             read_ok = True
         except TRANSFER_ERRORS:
             read_ok = False
@@ -383,8 +383,8 @@ class Reader:
         if not ops:
             return {}
         try:
-            self._engine.read(expand([(self._nodes.get(nid, inc).region, off, addr, n)
-                                      for nid, off, addr, n, inc in ops]), timeout_s=self._timeout)
+            self._engine.read([(self._nodes.get(nid, inc).region, off, addr, n)
+                               for nid, off, addr, n, inc in ops], timeout_s=self._timeout)
             return {}
         except TRANSFER_ERRORS:
             pass
@@ -395,7 +395,7 @@ class Reader:
         for (node_id, inc), idxs in by_node.items():
             try:
                 self._nodes.on(node_id, inc, lambda node: self._engine.read(
-                    expand([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs]), timeout_s=self._timeout))
+                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
             except TRANSFER_ERRORS as e:
                 for j in idxs:
                     failed[j] = e

@@ -15,7 +15,6 @@ from mooncake_ray.errors import (
     TransferError,
 )
 from mooncake_ray._private import rpc, wire
-from mooncake_ray._private.buffers import expand
 from mooncake_ray._private.checks import check_replicas
 from mooncake_ray._private.client.args import convert, key_errors, source
 from mooncake_ray._private.client.backoff import Backoff
@@ -214,15 +213,15 @@ class Writer:
             by_node.setdefault(node_id, []).append(j)
         failed: dict[int, Exception] = {}
         try:
-            self._engine.write(expand([(self._nodes.get(nid, inc).region, off, addr, n)
-                                       for nid, off, addr, n, inc in ops]), timeout_s=self._timeout)
+            self._engine.write([(self._nodes.get(nid, inc).region, off, addr, n)
+                                for nid, off, addr, n, inc in ops], timeout_s=self._timeout)
             return failed
         except TRANSFER_ERRORS:
             pass  # find the culprit node(s) below
         for node_id, idxs in by_node.items():
             try:
                 self._nodes.on(node_id, ops[idxs[0]][4], lambda node: self._engine.write(
-                    expand([(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs]), timeout_s=self._timeout))
+                    [(node.region, ops[j][1], ops[j][2], ops[j][3]) for j in idxs], timeout_s=self._timeout))
             except TRANSFER_ERRORS as e:
                 err = e if isinstance(e, (NodeUnavailableError, TransferError)) else NodeUnavailableError(str(e))
                 for j in idxs:

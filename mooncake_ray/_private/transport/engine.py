@@ -28,8 +28,8 @@ __all__ = ["Engine", "Region", "RemoteRegion", "Peer", "Handle"]
 RemoteRegion = _native.RemoteRegion
 Peer = _native.Peer
 
-# (remote region, remote offset, local address, length)
-TransferOp = tuple[Any, int, int, int]
+# (remote region, remote offset, local address or a multi-range value's ranges, length)
+TransferOp = tuple[Any, int, "int | tuple[tuple[int, int], ...]", int]
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -382,11 +382,14 @@ class Engine:
     # ---- transfers ------------------------------------------------------------------
     def write(self, ops: Iterable[TransferOp], timeout_s: float | None = None) -> None:
         """Writes local bytes into remote regions: ops are (rr, remote_offset, local_addr,
-        length). Completes when the bytes are visible at the target. Idempotent.
+        length), local_addr an address or a multi-range value's ((address, length), ...)
+        (one op per range, contiguous in the remote region, up to length bytes). Completes
+        when the bytes are visible at the target. Idempotent.
 
         Raises:
             NotRegisteredError: a remote range outside its RemoteRegion or a local range in
                 a closed Region (checked before anything is sent).
+            InvalidArgumentError: an op of another shape (named in the message).
             TransferTimeoutError, NodeUnavailableError, TransferError.
         """
         t = self.default_timeout_s if timeout_s is None else timeout_s

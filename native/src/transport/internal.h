@@ -266,6 +266,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   // Finds the live region containing [addr, addr+len): the region, or nullptr if the range
   // is unregistered. Throws kNotRegistered for a closed region or a straddling range.
   std::shared_ptr<Region> find_local(uintptr_t addr, uint64_t len, bool for_remote);
+  std::shared_ptr<Region> find_local_locked(uintptr_t addr, uint64_t len, bool for_remote);  // regions_mu held
   void region_closed(Region* r);
   void region_forgotten(Region* r);
   void ensure_staging();

@@ -185,9 +185,13 @@ void EngineCore::region_forgotten(Region* r) {
   tombstones.erase(r->id());
 }
 
-std::shared_ptr<Region> EngineCore::find_local(uintptr_t addr, uint64_t len, bool) {
-  if (addr + len < addr) throw Error(Code::kOutOfBounds, "local range wraps around");
+std::shared_ptr<Region> EngineCore::find_local(uintptr_t addr, uint64_t len, bool for_remote) {
   std::shared_lock<std::shared_mutex> g(regions_mu);
+  return find_local_locked(addr, len, for_remote);
+}
+
+std::shared_ptr<Region> EngineCore::find_local_locked(uintptr_t addr, uint64_t len, bool) {
+  if (addr + len < addr) throw Error(Code::kOutOfBounds, "local range wraps around");
   auto it = regions.upper_bound(addr);
   while (it != regions.begin()) {
     --it;

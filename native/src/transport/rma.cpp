@@ -317,6 +317,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
   // 1. Validate every op before anything moves.
   std::vector<Item> items;
   items.reserve(ops.size());
+  std::shared_lock<std::shared_mutex> regions_lock(regions_mu);  // one lookup lock for the batch
   for (auto& io : ops) {
     if (!io.rr) throw Error(Code::kInvalidArgument, "remote region is None");
     RemoteRegion& rr = *io.rr;
@@ -331,7 +332,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
                       std::to_string(rr.length_) + " bytes");
     if (io.length == 0) continue;
     if (io.local_addr == 0) throw Error(Code::kInvalidArgument, "local address is 0");
-    auto local = find_local(io.local_addr, io.length, false);
+    auto local = find_local_locked(io.local_addr, io.length, false);
     int path = is_read ? int(rr.read_path_) : int(rr.write_path_);
     if (is_read && path == int(ReadPath::kPush) && cfg.read_mode == ReadPath::kAuto &&
         push_bytes[rr.peer_.get()] < cfg.push_min_bytes)
@@ -349,6 +350,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
     }
     items.push_back(Item{&io, std::move(local), path});
   }
+  regions_lock.unlock();
 
   auto op = std::make_shared<Op>(shared_from_this());
   const size_t nl = lanes.size();
@@ -406,7 +408,9 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
   bool kernel_ok = true;
   int kernel_dev = -2;
   const RemoteRegion* last_rr = nullptr;
+  const RemoteRegion* last_pinned = nullptr;
   const Region* last_local = nullptr;
+  uint64_t cuda_bytes = 0, memcpy_bytes = 0;  // added to the stats once
   auto kernel_note = [&](int dev) {
     if (dev < 0 || (kernel_dev != -2 && dev != kernel_dev)) kernel_ok = false;
     kernel_dev = dev;
@@ -471,21 +475,24 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
         }
         if (!it.local) kernel_ok = false;
         cuda_copies.push_back(cuda::Copy{is_read ? uintptr_t(laddr) : remote, is_read ? remote : uintptr_t(laddr), len});
-        (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
+        cuda_bytes += len;
         continue;
       }
       char* remote = rr.ptr_ + io.remote_offset;
       char* dst = is_read ? laddr : remote;
       const char* src = is_read ? remote : laddr;
       if (it.local && it.local->mem_type() == MemType::kCuda) {
-        pin_for_cuda(rr);
+        if (&rr != last_pinned) {  // once per run of ops on one region
+          pin_for_cuda(rr);
+          last_pinned = &rr;
+        }
         if (!rr.cuda_addressable_) kernel_ok = false;
         if (kernel_ok && it.local.get() != last_local) {
           kernel_note(region_device(*it.local));
           last_local = it.local.get();
         }
         cuda_copies.push_back(cuda::Copy{uintptr_t(dst), uintptr_t(src), len});
-        (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(len);
+        cuda_bytes += len;
         continue;
       }
       // Writes land in fresh arena space this process will not read: streamed past the cache.
@@ -494,7 +501,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
         copier->copy(dst, src, len, stream);  // striped over helper threads, like lanes
       else
         (stream ? copy_stream : copy_plain)(dst, src, len);
-      (is_read ? st.read_memcpy_bytes : st.write_memcpy_bytes).fetch_add(len);
+      memcpy_bytes += len;
       continue;
     }
 
@@ -588,6 +595,8 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
     }
   }
 
+  if (cuda_bytes) (is_read ? st.read_cuda_bytes : st.write_cuda_bytes).fetch_add(cuda_bytes);
+  if (memcpy_bytes) (is_read ? st.read_memcpy_bytes : st.write_memcpy_bytes).fetch_add(memcpy_bytes);
   if (!cuda_copies.empty()) {
     // One stream of this thread's, one synchronisation for the whole batch. The copies
     // ran in the caller's thread like memcpy ones: the op is complete when they are.
