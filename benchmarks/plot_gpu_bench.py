@@ -24,7 +24,10 @@ def label(path: Path, b: dict) -> str:
     name = path.stem.removeprefix("gpu_bench_")
     if "copy_streams" not in b:  # written before the run recorded its settings
         return name
-    return f"{name}: copy streams {b['copy_streams']}, batched copies {b['cuda_batch_copy']}"
+    extra = ""
+    if "copy_kernel" in b:
+        extra = f", copy kernel mode {b['copy_kernel']['mode']}"
+    return f"{name}: copy streams {b['copy_streams']}, batched copies {b['cuda_batch_copy']}{extra}"
 
 
 def main() -> None:
@@ -32,7 +35,7 @@ def main() -> None:
     data = [(p, json.loads(p.read_text())) for p in runs]
     targets = {k: t for _, b in data for k, t in b["targets"].items()}
     keys = list(targets)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 6))
     w = 0.8 / len(data)
     for i, (p, b) in enumerate(data):
         vals = [b["ratios"].get(k, 0.0) for k in keys]
@@ -45,7 +48,7 @@ def main() -> None:
     ax.set_ylabel("ratio to the same run's baseline (log)")
     ax.set_title(f"GPU paths on {data[0][1].get('card')}, {data[0][1]['bytes'] >> 20} MiB in "
                  f"{data[0][1]['ranges']} ranges (dashed: target)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
