@@ -46,7 +46,9 @@ def format_status(stats: dict) -> str:
     undone = stats.get("repair_failures", 0)
     lines.append(f"Copies: under-replicated {stats.get('under_replicated_keys', 0)} keys "
                  f"({_human(stats.get('under_replicated_bytes', 0))}) | repairs {stats.get('repairs', 0)} "
-                 f"({_human(stats.get('repair_bytes', 0))})" + (f", {undone} copies to redo" if undone else ""))
+                 f"({_human(stats.get('repair_bytes', 0))})" + (f", {undone} copies to redo" if undone else "")
+                 + (f", {stats['surplus_copies_dropped']} surplus copies dropped"
+                    if stats.get("surplus_copies_dropped") else ""))
     shards = stats.get("shards")
     if isinstance(shards, list):
         down = [i for i, p in enumerate(shards) if "error" in p]

@@ -56,6 +56,7 @@ class MasterMetrics:
         "repairs": "Copies made to restore values short of copies (a node lost, a put placed short)",
         "repair_bytes": "Value bytes copied by repairs",
         "repair_failures": "Repair copies that failed (planned again)",
+        "surplus_copies_dropped": "Copies dropped because a value had more than before its node was lost (the node came back after a repair)",
         "insertion_switches": "Changes of the KV pages' insertion policy (chain_insert adaptive)",
         "shadow_refs": "Sampled references counted by the insertion policy's miniature caches",
         "shadow_hits_recent": "Sampled references the miniature cache inserting at the recent end hit",

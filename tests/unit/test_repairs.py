@@ -118,3 +118,34 @@ def test_a_target_lost_mid_copy_and_an_unreported_copy_are_planned_again():
     m.tick()
     assert nodes_of(m, "a") == [src] and m.repair_plan(src, 1 << 20) != []
     m.check_invariants()
+
+
+def test_a_node_back_after_its_values_were_copied_again_does_not_leave_a_copy_too_many():
+    """Re-adoption after a repair: the returning copy is dropped (two copies, not three).
+    A repair that finishes after the node came back: the new copy is dropped. A value of
+    one copy the node took with it comes back whole."""
+    m, clock = make(n_nodes=3, cap=64 * K, repair_delay_s=0.0)
+    for k in ("repaired", "in_flight"):
+        put(m, k, K, replicas=2)
+    put(m, "single", K, replicas=1)
+    lost = next(n for n in nodes_of(m, "repaired") if n in nodes_of(m, "in_flight"))
+    held = {e.key: e for e in m.node_entries(lost)}
+    m.unmount(lost, "killed")
+    plans = {n: m.repair_plan(n, 1 << 20) for n in ("n0", "n1", "n2")}
+    done = [[k, g, dst, off, True] for ps in plans.values() for k, g, _s, _src, dst, off in ps if k == "repaired"]
+    assert len(done) == 1
+    m.repair_done(done)  # "repaired" has two copies again; "in_flight"'s copy is still being made
+    assert len(nodes_of(m, "repaired")) == 2
+    back = [list(held[k]) for k in held]
+    m.mount(node(int(lost[1:]), 64 * K, inc="b"), back)  # Ray restarted it: it re-adopts
+    assert len(nodes_of(m, "repaired")) == 2 and lost not in nodes_of(m, "repaired")
+    assert len(nodes_of(m, "in_flight")) == 2 and lost in nodes_of(m, "in_flight")
+    if "single" in held:
+        assert nodes_of(m, "single") == [lost]
+    late = [[k, g, dst, off, True] for ps in plans.values() for k, g, _s, _src, dst, off in ps if k == "in_flight"]
+    m.repair_done(late)
+    assert len(nodes_of(m, "in_flight")) == 2 and short(m) == 0
+    assert m.stats()["surplus_copies_dropped"] == 2
+    for n in ("n0", "n1", "n2"):  # every node's inventory is what the master holds
+        m.drain_effects()
+    m.check_invariants()

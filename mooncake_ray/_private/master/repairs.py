@@ -22,6 +22,10 @@ Never two copies on one node. Each store node asks for the repairs it is the sou
 in bounded batches (``StoreNodeActor``'s repair loop paces them, so puts and gets keep
 their rate); oldest loss first.
 
+A value never keeps more copies than it had: a lost node that comes back (Ray restarted it,
+it re-adopts its arena) after its values were copied again has its returning copy dropped
+(``MasterState.mount``), and a copy finished after the node came back is dropped (``done``).
+
 What is not repaired: a value whose only copies are on disk (it is read back through a
 promotion first), and, after a master restart, values that were short before it (the
 nodes' inventories do not say how many copies a value had).
@@ -76,7 +80,7 @@ class Repairs:
         self._copying_keys: set[str] = set()
         self.short_bytes = 0  # value bytes of the records in ``short``
         self._to_prune: list[str] = []
-        counters.update(repairs=0, repair_bytes=0, repair_failures=0)
+        counters.update(repairs=0, repair_bytes=0, repair_failures=0, surplus_copies_dropped=0)
 
     # ------------------------------------------------------------------ noting ----
     def note(self, key: str, gen: int, want: int, size: int) -> None:
@@ -167,6 +171,11 @@ class Repairs:
             self._mirror.key(key)
             self._counters["repairs"] += 1
             self._counters["repair_bytes"] += obj.size
+            s = self.short.get(key)
+            if s is not None and s.gen == obj.gen and copies(obj) > s.want and rep in obj.replicas:
+                # the lost node came back with its copy while this one was made: one too many
+                self._reps.drop_replica(obj, rep, now)
+                self._counters["surplus_copies_dropped"] += 1
 
     def expire(self, now: float) -> None:
         """Drop the reserved extents of copies not reported by their deadline."""

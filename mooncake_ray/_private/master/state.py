@@ -57,7 +57,7 @@ from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.adaptive import InsertionPolicy
 from mooncake_ray._private.master.pyindex import REF_GET, PyIndex
-from mooncake_ray._private.master.repairs import Repairs
+from mooncake_ray._private.master.repairs import Repairs, copies
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
 from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
@@ -112,7 +112,7 @@ class MasterState:
         self._watermark_due: set[str] = set()  # see fastpath.apply_index_log
         # node id -> (when, incarnation, {key: gen}) of the DRAM values an unmounted node's
         # process held (mount).
-        self._gone: dict[str, tuple[float, str, dict[str, int]]] = {}
+        self._gone: dict[str, tuple[float, str, dict[str, int], dict[str, int]]] = {}
         # Replies the read index logged (held until durable, fence.py): (token, reply bytes,
         # the key of each item, [(key, gen, nodes), ...]); the actor takes them.
         self.held: list = []
@@ -195,6 +195,7 @@ class MasterState:
         # owed.)
         gone = self._gone.pop(node.node_id, None)
         vouched = None if gone is None or gone[1] == node.incarnation else gone[2]
+        had = {} if vouched is None else gone[3]  # copies a value had when the node was lost
         node.last_heartbeat = now
         self._nodes[node.node_id] = node
         self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
@@ -208,6 +209,8 @@ class MasterState:
                 continue
             self._gens.seen(e.gen + 1)
             self._replicas.restore(node, e, now)
+            if e.key in had and e.tier == "dram":
+                self._drop_surplus(node.node_id, e.key, had[e.key], now)
         # Then the ranges clients may still be writing into (slabs.py: adopt).
         reserved = [e for e in entries if e.tier == RESERVED]
         if reserved:
@@ -238,8 +241,16 @@ class MasterState:
         """Drop a node and every replica on it; keys with no replica left become misses.
         Returns the number of objects lost. Idempotent."""
         if node_id in self._nodes:  # what it held in DRAM, should it come back (mount)
-            self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation,
-                                   {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"})
+            held = {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"}
+            # and how many copies each value of several had then: one that was repaired
+            # meanwhile does not take the returning copy on top (mount)
+            had = {}
+            for key, obj in self._objects.hot_items():
+                if key in held and len(obj.replicas) > 1:
+                    n = copies(obj)
+                    if n > 1:
+                        had[key] = n
+            self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation, held, had)
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._replicas.effects.pop(node_id, None)
@@ -248,6 +259,17 @@ class MasterState:
         if node is None:
             return 0
         return self._replicas.forget_node(node, reason)
+
+    def _drop_surplus(self, node_id: str, key: str, want: int, now: float) -> None:
+        """A re-adopted copy of ``key`` beyond the ``want`` copies it had when its node was
+        lost (a repair made the copy again meanwhile) is dropped, not kept on top."""
+        obj = self._objects.peek(key)
+        if obj is None or copies(obj) <= want:
+            return
+        r = next((r for r in obj.replicas if r.node_id == node_id and r.tier is Tier.DRAM and r.ready), None)
+        if r is not None:
+            self._replicas.drop_replica(obj, r, now)
+            self.counters["surplus_copies_dropped"] += 1
 
     def nodes(self) -> list[dict]:
         return [n.public() for n in self._nodes.values()]
@@ -706,7 +728,7 @@ class MasterState:
             ObjectLeasedError: a reader holds a lease and ``force`` is false (retryable).
         """
         self._ready()
-        for _t, _inc, vouched in self._gone.values():  # a removed key never comes back with a node
+        for _t, _inc, vouched, _had in self._gone.values():  # a removed key never comes back with a node
             vouched.pop(key, None)
         obj = self._objects.get(key)
         if obj is None:
@@ -723,7 +745,7 @@ class MasterState:
         """Remove every stored key starting with ``prefix``; leased ones are skipped
         unless ``force``. Returns how many were removed."""
         self._ready()
-        for _t, _inc, vouched in self._gone.values():
+        for _t, _inc, vouched, _had in self._gone.values():
             for key in [k for k in vouched if k.startswith(prefix)]:
                 del vouched[key]
         now, n = self._clock(), 0
@@ -815,7 +837,7 @@ class MasterState:
         self._drains.expire(now)
         self.repairs.expire(now)
         self.repairs.prune()
-        for node_id in [n for n, (t, _i, _v) in self._gone.items() if now - t > GONE_TTL_S]:
+        for node_id in [n for n, (t, _i, _v, _h) in self._gone.items() if now - t > GONE_TTL_S]:
             del self._gone[node_id]
         slabs = self._slab_table.expire(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
