@@ -30,7 +30,11 @@ load balancing. A replica that dies leaves the index.
 Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
 docs/performance.md), ``request_cost`` (64), ``stale_s`` (5.0:
 how long an index whose events were lost counts as empty), ``lookup_timeout_s`` (0.5),
-``tokenizer`` (a path or model id, when the model source is not one).
+``tokenizer`` (a path or model id, when the model source is not one), ``silent_s`` (30:
+an engine sent two or more requests that must store new blocks, and not one event batch
+from it for this long, has its stream checked: subscribed again and asked for what it
+published since; if it does not answer, its index is reset and the replica is routed by
+load and the store alone until its events flow again).
 
 Metrics (Ray metrics, on the ingress's node): ``mooncake_router_decisions{reason}``
 (engine: to the replica holding the longest prefix; store: for a store hit; load: away
@@ -39,7 +43,7 @@ tokenize; error), ``mooncake_router_prompt_tokens``,
 ``mooncake_router_expected_cached_tokens{source=engine|store}`` (compare with the
 connector's ``mooncake_connector_engine_hit_tokens`` and ``mooncake_connector_hit_tokens``,
 what the engines then reported), ``mooncake_router_event_batches``,
-``mooncake_router_event_gaps{outcome=replayed|lost}``, ``mooncake_router_index_blocks{replica}``,
+``mooncake_router_event_gaps{outcome=replayed|lost|silent}``, ``mooncake_router_index_blocks{replica}``,
 ``mooncake_router_decision_seconds``.
 """
 
@@ -210,7 +214,7 @@ class EventFeed:
         self._cmds: queue.Queue = queue.Queue()
         self._subs: dict[str, _Sub] = {}
         self._metrics = metrics
-        self.gaps = {"replayed": 0, "lost": 0}
+        self.gaps = {"replayed": 0, "lost": 0, "silent": 0}
         self._stop = threading.Event()
         self.rounds = 0  # turns of the thread's loop (each waits up to 50 ms for something to do)
         self._thread = threading.Thread(target=self._run, name="mooncake-kv-events", daemon=True)
@@ -234,6 +238,18 @@ class EventFeed:
 
     def reconnect(self, rid: str) -> None:
         self._cmds.put(("reconnect", rid, None))
+
+    def resync(self, rid: str) -> None:
+        """Subscribe to ``rid`` again and ask its engine for every batch after the last one
+        applied: what a dropped link lost comes back; an engine that no longer answers
+        leaves the index reset and stale (``replay_timeout_s``)."""
+        self._cmds.put(("resync", rid, None))
+
+    def progress(self, rid: str) -> tuple:
+        """A mark that changes whenever a batch of ``rid``'s is applied or its index reset."""
+        with self.lock:
+            idx = self.indexes.get(rid)
+            return (None, 0) if idx is None else (idx.next_seq, idx.resets)
 
     def close(self) -> None:
         self._stop.set()
@@ -265,7 +281,14 @@ class EventFeed:
                     if op == "disconnect" and old is not None:
                         parked[rid] = (old.rec, old.index)
                         continue
-                    if op == "reconnect":
+                    if op == "resync":  # subscribed or parked: subscribe afresh
+                        if old is not None:
+                            rec, index = old.rec, old.index
+                        elif rid in parked:
+                            rec, index = parked.pop(rid)
+                        else:
+                            continue
+                    elif op == "reconnect":
                         if rid not in parked:
                             continue
                         rec, index = parked.pop(rid)
@@ -380,8 +403,16 @@ class EventFeed:
         first = got[0][0] if got else (min(sub.live)[0] if sub.live else None)
         if not complete or (first is not None and first > want):
             self._lost(sub)
-        elif want > 0:
-            self._count_gap("replayed")
+        else:
+            if want > 0:
+                self._count_gap("replayed")
+            if not got:
+                # the engine had nothing from ``want`` on: that is the next batch, so one
+                # published before this subscription took (a slow joiner's loss) shows as
+                # a gap when the next arrives, and is replayed then
+                with self.lock:
+                    if sub.index.next_seq is None:
+                        sub.index.next_seq = want
         for seq, payload in got:
             self._apply(sub, seq, payload)
         self._drain(sub)
@@ -399,6 +430,10 @@ class EventFeed:
             sub.index.reset(None)
         self._count_gap("lost")
         log.warning("KV events of replica %s lost and not replayable: its index restarts empty", sub.rid)
+
+    def count_silent(self) -> None:
+        """A stream found silent by the router (``MooncakeKVRouter._check_silent``)."""
+        self._count_gap("silent")
 
     def _count_gap(self, outcome: str) -> None:
         self.gaps[outcome] += 1
@@ -540,10 +575,17 @@ class MooncakeKVRouter(_router_base()):
     engine cache (KV events) and the shared store (see the module docstring)."""
 
     def initialize_state(self, load_cost: float = 0.4, request_cost: float = 64.0, stale_s: float = 5.0,
-                         lookup_timeout_s: float = 0.5, tokenizer: str | None = None, **_unknown):
+                         lookup_timeout_s: float = 0.5, tokenizer: str | None = None, silent_s: float = 30.0,
+                         **_unknown):
         if _unknown:
             raise ValueError(f"MooncakeKVRouter: unknown request_router_kwargs {sorted(_unknown)}; allowed: "
-                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer")
+                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer, silent_s")
+        if not silent_s > 0:
+            raise ValueError(f"MooncakeKVRouter: silent_s must be > 0, got {silent_s!r}")
+        self._silent_s = float(silent_s)
+        # replica -> [since, the feed's progress mark then, requests since]: requests routed
+        # there that must make its engine store blocks, and no batch of its applied since
+        self._expect: dict[str, list] = {}
         self._model = kvi.CostModel(load_cost=load_cost, request_cost=request_cost)
         self._lookup_timeout_s = lookup_timeout_s
         self._tokenizer_source = tokenizer
@@ -584,6 +626,7 @@ class MooncakeKVRouter(_router_base()):
         self._forget(replica_id.to_full_id_str())
 
     def _forget(self, rid: str) -> None:
+        self._expect.pop(rid, None)
         self._records.pop(rid, None)
         self._missing.discard(rid)
         self._load.pop(rid, None)
@@ -656,6 +699,20 @@ class MooncakeKVRouter(_router_base()):
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         return [[by_id[o.key]] for o in dec.ranked if o.key in by_id]
 
+    def _check_silent(self) -> None:
+        """Engines whose events stopped though requests that must store blocks went there
+        (``silent_s``): their streams are checked again (``EventFeed.resync``)."""
+        now = time.monotonic()
+        for rid, (since, mark, n) in list(self._expect.items()):
+            if self._feed.progress(rid) != mark:
+                del self._expect[rid]  # its engine's events flow
+            elif n >= 2 and now - since > self._silent_s:
+                del self._expect[rid]
+                log.warning("MooncakeKVRouter: no KV events from replica %s for %.0f s after %d requests that "
+                            "store blocks: subscribing again", rid, now - since, n)
+                self._feed.count_silent()
+                self._feed.resync(rid)
+
     def _by_load(self, candidates, reason: str) -> kvi.Decision:
         zero = {r.replica_id.to_full_id_str(): 0 for r in candidates}
         dec = kvi.choose(0, 1, zero, None, self._loads(candidates), self._model, self._ties(candidates))
@@ -686,6 +743,8 @@ class MooncakeKVRouter(_router_base()):
         if not tokens:
             return self._by_load(candidates, "no_prompt")
         bs = self._block_size
+        if self._expect:
+            self._check_silent()
         hashes = page_hashes(tokens, bs)
         engine = {}
         for r in candidates:
@@ -733,6 +792,12 @@ class MooncakeKVRouter(_router_base()):
         reason = dec.reason if opt is dec.best else "load"
         compute = dec.prompt_tokens - (opt.hit_tokens if opt else 0)
         self._inflight[key] = self._hold(rid, compute)
+        if self._block_size and compute >= self._block_size and rid in self._records:
+            e = self._expect.get(rid)  # its engine will store at least one block: a batch is due
+            if e is None:
+                self._expect[rid] = [time.monotonic(), self._feed.progress(rid), 1]
+            else:
+                e[2] += 1
         if self._metrics is not None and opt is not None:
             engine = min(opt.engine_blocks * (self._block_size or 0), opt.hit_tokens)
             self._metrics.decided(reason, dec.prompt_tokens, engine, opt.hit_tokens - engine, seconds)

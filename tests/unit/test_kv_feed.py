@@ -70,7 +70,7 @@ def test_batches_before_connecting_and_while_disconnected_are_replayed(feed):
         time.sleep(0.2)
         feed.reconnect("r1")  # asks for everything after the last batch it applied
         assert wait_for(lambda: feed.match("r1", H) == 7), feed.match("r1", H)
-        assert feed.gaps == {"replayed": 1, "lost": 0}
+        assert feed.gaps == {"replayed": 1, "lost": 0, "silent": 0}
         eng.block(7)
         assert wait_for(lambda: feed.match("r1", H) == 8)
     finally:
@@ -98,6 +98,25 @@ def test_batches_the_engine_no_longer_keeps_reset_the_index_to_stale(feed):
         # it rebuilt from what came after the loss: blocks 5 and 6, whose chain from
         # block 0 it cannot know, so the prompt's prefix still matches nothing
         assert feed.indexes["r1"].blocks == 0 and feed.indexes["r1"].unnamed >= 1
+    finally:
+        eng.close()
+
+
+def test_after_an_empty_first_replay_the_feed_expects_batch_zero(feed):
+    """The first replay found nothing (the engine had published nothing yet): the feed then
+    expects batch 0, so a batch lost to the subscription's start (ZMQ's slow joiner) shows
+    as a gap when the next one arrives, and is replayed then. (It expected nothing: batch 3
+    after a lost 0-2 was taken as the first, and the engine's chain was never known.)"""
+    eng = Engine()
+    try:
+        feed.add("r1", eng.rec, BS)
+        assert wait_for(lambda: feed.indexes["r1"].next_seq == 0)  # the empty replay answered
+        assert feed.indexes["r1"].gap(3) and not feed.indexes["r1"].gap(0)
+        time.sleep(0.3)
+        for i in range(3):
+            eng.block(i)
+        assert wait_for(lambda: feed.match("r1", H) == 3)
+        assert feed.gaps == {"replayed": 0, "lost": 0, "silent": 0}
     finally:
         eng.close()
 
@@ -150,3 +169,79 @@ def test_publisher_ports_avoid_the_kernels_and_rays_ranges_and_ports_in_use():
         taken.listen()
         again = publisher_ports("127.0.0.1", 2, random.Random(1))
     assert ports[0] not in again and again[0] == ports[1]
+
+
+def _router(silent_s: float):
+    """The router's own methods around a real feed (Serve's base needs a controller)."""
+    from mooncake_ray.integrations import _kv_index as kvi
+    from mooncake_ray.integrations.kv_router import MooncakeKVRouter
+
+    r = MooncakeKVRouter.__new__(MooncakeKVRouter)
+    r.initialize_state(silent_s=silent_s, stale_s=2.0)
+    r._feed.close()
+    r._feed = EventFeed(stale_s=2.0, replay_timeout_s=1.0)
+    r._block_size = BS
+
+    def route(rid: str, i: int, prompt_tokens: int = 6 * BS):
+        """Serve reports a request routed to ``rid``, decided on an empty engine match."""
+        import types
+
+        dec = kvi.choose(prompt_tokens, BS, {rid: 0}, None, {}, r._model)
+        key = f"req{i}"
+        r._pending[key] = (dec, 0.0, None)
+        req = types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=key))
+        r.on_request_routed(req, types.SimpleNamespace(to_full_id_str=lambda: rid), None)
+
+    return r, route
+
+
+def test_an_engine_whose_events_stop_is_resubscribed_and_routed_by_load_until_they_flow():
+    """Two requests that must store blocks went to an engine and no batch of its came for
+    silent_s: the router subscribes again. A link that had dropped gets its batches back by
+    replay; a publisher that is gone leaves the index reset (the replica holds nothing in
+    the router's eyes, so the store and load decide), and no decision fails meanwhile."""
+    r, route = _router(silent_s=0.5)
+    eng = Engine()
+    try:
+        r._records["r1"] = eng.rec
+        r._feed.add("r1", eng.rec, BS)
+        time.sleep(0.5)  # subscribed: what comes next arrives live
+        for i in range(3):
+            eng.block(i)
+        assert wait_for(lambda: r._feed.match("r1", H) == 3)
+        # events flow: the expectation is met by the next batch, nothing is resynced
+        route("r1", 0)
+        route("r1", 1)
+        eng.block(3)
+        assert wait_for(lambda: r._feed.match("r1", H) == 4)
+        time.sleep(0.6)
+        r._check_silent()
+        assert r._expect == {} and r._feed.gaps["silent"] == 0
+        # the link drops (the router misses batches 4, 5) and nothing more comes
+        r._feed.disconnect("r1")
+        time.sleep(0.2)
+        eng.block(4)
+        eng.block(5)
+        route("r1", 2)
+        r._check_silent()
+        assert r._feed.gaps["silent"] == 0  # one request is not enough to call it silent
+        route("r1", 3)
+        time.sleep(0.6)
+        r._check_silent()  # silent: subscribed again, and the replay brings 4 and 5 back
+        assert r._feed.gaps["silent"] == 1
+        assert wait_for(lambda: r._feed.match("r1", H) == 6), r._feed.match("r1", H)
+        assert r._feed.gaps["lost"] == 0
+        # the publisher goes away: routing keeps going, the index ends reset
+        eng.close()
+        route("r1", 4)
+        route("r1", 5)
+        time.sleep(0.6)
+        r._check_silent()
+        assert wait_for(lambda: r._feed.gaps["lost"] == 1)  # the replay never answered
+        assert r._feed.match("r1", H) == 0 and r._feed.gaps["silent"] == 2
+        # short prompts (no full block to store) set no expectation
+        route("r1", 6, prompt_tokens=BS - 1)
+        assert "r1" not in r._expect
+    finally:
+        r._feed.close()
+        eng.close()
