@@ -20,7 +20,8 @@ A Ray cluster of a head (no store) and three store nodes, on this machine. Per r
 
 ``master.repair_delay_s`` (``--delay``, 0 here) is how long repairs wait after a loss for
 a restarting node to re-adopt its arena (10 s by default): with the default, add it to the
-time to repair. ``master.repair_bytes_per_s`` is the default (256 MiB/s).
+time to repair. ``master.repair_bytes_per_s`` is the default (256 MiB/s) unless ``--pace``
+says otherwise (with ``--out`` naming the JSON, e.g. bench_repair_pace64m.json).
 
     make bench B=benchmarks/bench_repair.py ARGS="--runs 3"
 
@@ -96,7 +97,8 @@ def _load_actor():
     return Load.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
 
 
-def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: float, buf) -> dict:
+def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: float, buf,
+             pace: int | None = None) -> dict:
     import ray
 
     import mooncake_ray
@@ -106,7 +108,8 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
     ns = f"rp{uuid.uuid4().hex[:8]}"
     s = mooncake_ray.start({
         "namespace": ns, "segment_size_bytes": segment, "transport": {"devices": ["lo"]},
-        "master": {"allocation_strategy": "free_ratio_first", "repair_delay_s": delay},
+        "master": {"allocation_strategy": "free_ratio_first", "repair_delay_s": delay,
+                   **({"repair_bytes_per_s": pace} if pace else {})},
         "elastic": {"keep_arena": False}})
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     try:
@@ -226,6 +229,8 @@ def main() -> None:
     ap.add_argument("--segment", default="1792m", help="arena of each store node (room for the fill, the repairs and the load under the eviction watermark)")
     ap.add_argument("--delay", type=float, default=0.0, help="master.repair_delay_s")
     ap.add_argument("--before", type=float, default=5.0, help="seconds of load measured before the kill")
+    ap.add_argument("--pace", default="", help="master.repair_bytes_per_s (default: the store's default)")
+    ap.add_argument("--out", default="bench_repair.json", help="file name under benchmarks/results")
     args = ap.parse_args()
     import mooncake_ray  # noqa: F401 - the whole package first (parse_size alone loads a stub of it)
 
@@ -235,7 +240,8 @@ def main() -> None:
     results = {"host": host_info(), "args": vars(args), "runs": []}
     try:
         for _ in range(args.runs):
-            r = run_once(cluster, fill, size, segment, args.delay, args.before, buf)
+            r = run_once(cluster, fill, size, segment, args.delay, args.before, buf,
+                         parse_size(args.pace) if args.pace else None)
             print(json.dumps(r), flush=True)
             results["runs"].append(r)
     finally:
@@ -255,9 +261,9 @@ def main() -> None:
         "copies_per_value": sorted({c for r in runs for c in r["copies_per_value"]}),
     }
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "bench_repair.json"
+    out = RESULTS / args.out
     out.write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "bench_repair.png")
+    plot(results, out.with_suffix(".png"))
     print(json.dumps(results["summary"], indent=1))
     print(f"wrote {out}")
 
