@@ -281,14 +281,9 @@ class EventFeed:
                     if op == "disconnect" and old is not None:
                         parked[rid] = (old.rec, old.index)
                         continue
-                    if op == "resync":  # subscribed or parked: subscribe afresh
-                        if old is not None:
-                            rec, index = old.rec, old.index
-                        elif rid in parked:
-                            rec, index = parked.pop(rid)
-                        else:
-                            continue
-                    elif op == "reconnect":
+                    if op == "resync" and old is not None:  # subscribed or parked: subscribe afresh
+                        parked[rid] = (old.rec, old.index)
+                    if op in ("reconnect", "resync"):
                         if rid not in parked:
                             continue
                         rec, index = parked.pop(rid)

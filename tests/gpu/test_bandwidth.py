@@ -118,6 +118,24 @@ def test_bandwidth(gpu, engines, spawn_peer):
         res["memory_types"] = list(eng.memory_types)
         default_mode = _native.cuda_copy_kernel_mode()
         res["copy_kernel"] = {"mode": default_mode, "unavailable": _native.cuda_copy_kernel_unavailable(gpu.dev)}
+
+        def dma_and_default(name, prepare, run, counters, check) -> None:
+            """``name`` timed with the copy kernel off (``name_dma``), then as by default;
+            ``prepare`` resets the memory before each, ``check`` verifies after each."""
+            for suffix, mode in (("_dma", 0), ("", default_mode)):
+                _native.cuda_copy_kernel_mode(mode)
+                prepare()
+                sync()
+                a = eng.stats()
+                record(name + suffix, timed(run, sync, REPS))
+                b = eng.stats()
+                paths[name + suffix] = {k: delta(b, a, k) for k in counters}
+                verified[name + suffix] = check()
+            _native.cuda_copy_kernel_mode(default_mode)
+
+        def poison() -> None:  # a read must write every byte
+            for t in layers:
+                t.view(torch.int16).fill_(0x5A5A)
         direct = "cuda" in res["memory_types"]
 
         # --- load / save through the transport (direct-registered CUDA memory) -------------
@@ -136,31 +154,18 @@ def test_bandwidth(gpu, engines, spawn_peer):
             res["submit_overhead_ms"] = (time.perf_counter() - t0) * 1e3
             s0 = eng.stats()
             arena_sha = peer.sha("arena", [(0, TOTAL)])
-            for suffix, mode in (("_dma", 0), ("", default_mode)):
-                _native.cuda_copy_kernel_mode(mode)
-                for t in layers:  # poison: the load must write every byte
-                    t.view(torch.int16).fill_(0x5A5A)
-                sync()
-                a = eng.stats()
-                record("load" + suffix, timed(lambda: eng.transfer(ops, True, T), sync, REPS))
-                b = eng.stats()
-                paths["load" + suffix] = {k: delta(b, a, k) for k in ("read_cuda_bytes", "read_get_bytes",
-                                                                       "cuda_kernel_launches")}
-                verified["load" + suffix] = sha_blocks() == arena_sha
-            s1 = eng.stats()
-            for suffix, mode in (("_dma", 0), ("", default_mode)):
-                _native.cuda_copy_kernel_mode(mode)
-                for t in layers:  # fresh bytes to save
+            dma_and_default("load", poison, lambda: eng.transfer(ops, True, T),
+                            ("read_cuda_bytes", "read_get_bytes", "cuda_kernel_launches"),
+                            lambda: sha_blocks() == arena_sha)
+
+            def fresh() -> None:  # fresh bytes to save
+                for t in layers:
                     t.view(torch.int16).random_(-32768, 32767)
-                sync()
-                a = eng.stats()
-                record("save" + suffix, timed(lambda: eng.transfer(ops, False, T), sync, REPS))
-                b = eng.stats()
-                paths["save" + suffix] = {k: delta(b, a, k) for k in ("write_cuda_bytes", "write_put_bytes",
-                                                                       "cuda_kernel_launches")}
-                gpu_sha = sha_blocks()
-                verified["save" + suffix] = peer.sha("arena", [(0, TOTAL)]) == gpu_sha
-            _native.cuda_copy_kernel_mode(default_mode)
+
+            dma_and_default("save", fresh, lambda: eng.transfer(ops, False, T),
+                            ("write_cuda_bytes", "write_put_bytes", "cuda_kernel_launches"),
+                            lambda: peer.sha("arena", [(0, TOTAL)]) == sha_blocks())
+            gpu_sha = sha_blocks()
             s2 = eng.stats()
             paths["arena"]["cuda_pin_refused"] = delta(s2, s0, "cuda_pin_refused")
         else:
@@ -210,17 +215,8 @@ def test_bandwidth(gpu, engines, spawn_peer):
             verified["gpu_to_gpu"] = sha_torch(flat) == peer_sha
             g0 = eng.stats()
             ops_g = [(rrc, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
-            for suffix, mode in (("_dma", 0), ("", default_mode)):
-                _native.cuda_copy_kernel_mode(mode)
-                for t in layers:
-                    t.view(torch.int16).fill_(0x5A5A)
-                sync()
-                a = eng.stats()
-                record("gpu_to_gpu_blocks" + suffix, timed(lambda: eng.transfer(ops_g, True, T), sync, REPS))
-                b = eng.stats()
-                paths["gpu_to_gpu_blocks" + suffix] = {"kernel_launches": delta(b, a, "cuda_kernel_launches")}
-                verified["gpu_to_gpu_blocks" + suffix] = sha_blocks() == peer_sha
-            _native.cuda_copy_kernel_mode(default_mode)
+            dma_and_default("gpu_to_gpu_blocks", poison, lambda: eng.transfer(ops_g, True, T),
+                            ("cuda_kernel_launches",), lambda: sha_blocks() == peer_sha)
             g1 = eng.stats()
             paths["gpu_to_gpu"].update(read_cuda_bytes=delta(g1, g0, "read_cuda_bytes"),
                                        read_get_bytes=delta(g1, g0, "read_get_bytes"))

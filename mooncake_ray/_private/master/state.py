@@ -142,7 +142,8 @@ class MasterState:
                               self._mirror, self._writes_into)
         self.repairs = Repairs(self.policy, clock, self._nodes, self._alloc, self._objects, reps, self.counters,
                                self._mirror)
-        reps.on_short = self.repairs.note
+        self._had: dict[str, int] | None = None  # unmount's copies-had record while it runs
+        reps.on_short = self._on_short
 
     @property
     def _next_gen(self) -> int:
@@ -240,17 +241,12 @@ class MasterState:
     def unmount(self, node_id: str, reason: str = "unmounted") -> int:
         """Drop a node and every replica on it; keys with no replica left become misses.
         Returns the number of objects lost. Idempotent."""
-        if node_id in self._nodes:  # what it held in DRAM, should it come back (mount)
-            held = {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"}
-            # and how many copies each value of several had then: one that was repaired
-            # meanwhile does not take the returning copy on top (mount)
-            had = {}
-            for key, obj in self._objects.hot_items():
-                if key in held and len(obj.replicas) > 1:
-                    n = copies(obj)
-                    if n > 1:
-                        had[key] = n
-            self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation, held, had)
+        had: dict[str, int] = {}
+        if node_id in self._nodes:  # what it held in DRAM, should it come back (mount), and
+            # how many copies each value of several had then (filled by _on_short as the
+            # node's replicas go): one repaired meanwhile does not take the returning copy
+            self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation,
+                                   {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"}, had)
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._replicas.effects.pop(node_id, None)
@@ -258,7 +254,17 @@ class MasterState:
         self._drains.forget(node_id)
         if node is None:
             return 0
-        return self._replicas.forget_node(node, reason)
+        self._had = had
+        try:
+            return self._replicas.forget_node(node, reason)
+        finally:
+            self._had = None
+
+    def _on_short(self, key: str, gen: int, want: int, size: int) -> None:
+        """A value left with fewer copies than ``want`` (a node lost; ``ReplicaTable``)."""
+        self.repairs.note(key, gen, want, size)
+        if self._had is not None and want > 1:
+            self._had[key] = want
 
     def _drop_surplus(self, node_id: str, key: str, want: int, now: float) -> None:
         """A re-adopted copy of ``key`` beyond the ``want`` copies it had when its node was

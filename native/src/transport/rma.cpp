@@ -415,6 +415,12 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
     if (dev < 0 || (kernel_dev != -2 && dev != kernel_dev)) kernel_ok = false;
     kernel_dev = dev;
   };
+  auto kernel_note_local = [&](const Item& it) {  // once per run of ops on one local region
+    if (!it.local) kernel_ok = false;  // unregistered memory: no device address known
+    if (!kernel_ok || it.local.get() == last_local) return;
+    kernel_note(it.local->mem_type() == MemType::kCuda ? region_device(*it.local) : -1);
+    last_local = it.local.get();
+  };
   std::vector<char> gathered(items.size(), 0);
   if (!is_read) {
     auto small_put = [&](const Item& it) {
@@ -469,11 +475,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
           kernel_note(remote_device(rr));
           last_rr = &rr;
         }
-        if (kernel_ok && it.local && it.local.get() != last_local) {
-          kernel_note(it.local->mem_type() == MemType::kCuda ? region_device(*it.local) : -1);
-          last_local = it.local.get();
-        }
-        if (!it.local) kernel_ok = false;
+        kernel_note_local(it);
         cuda_copies.push_back(cuda::Copy{is_read ? uintptr_t(laddr) : remote, is_read ? remote : uintptr_t(laddr), len});
         cuda_bytes += len;
         continue;
@@ -487,10 +489,7 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
           last_pinned = &rr;
         }
         if (!rr.cuda_addressable_) kernel_ok = false;
-        if (kernel_ok && it.local.get() != last_local) {
-          kernel_note(region_device(*it.local));
-          last_local = it.local.get();
-        }
+        kernel_note_local(it);
         cuda_copies.push_back(cuda::Copy{uintptr_t(dst), uintptr_t(src), len});
         cuda_bytes += len;
         continue;
