@@ -133,7 +133,7 @@ class Client:
             parent: the key this value follows in a KV chain (the previous page): with
                 ``master.chain_eviction`` the parent is not evicted while this value is
                 stored, and this value goes if its parent does (a lookup could not reach
-                it). A parent owned by another master shard is not linked.
+                it), on any master shard.
 
         Raises:
             ObjectExistsError: the key is stored already (use ``upsert``); not retryable.
@@ -271,8 +271,7 @@ class Client:
             lambda sh: sh.writes.put_many(keys, items, replicas, upsert, parents)))
 
     def _parents(self, keys, parents) -> list[str] | None:
-        """``parents`` checked and aligned with ``keys``; a parent owned by another master
-        shard than its key is dropped (chains are kept per shard). None: no parent named.
+        """``parents`` checked and aligned with ``keys``. None: no parent named.
 
         Raises:
             InvalidArgumentError: not one parent per key, or a parent not a str or None.
@@ -287,7 +286,7 @@ class Client:
                 continue
             if not isinstance(p, str):
                 raise InvalidArgumentError(f"parent of {k!r} must be a str key or None, got {type(p).__name__}")
-            out.append(p if len(self._shards) == 1 or self._shard(p) is self._shard(k) else "")
+            out.append(p)
         return out if any(out) else None
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None | InvalidArgumentError]:

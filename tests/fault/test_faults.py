@@ -5,6 +5,7 @@ killed mid-put, puts right after their node's SIGKILL."""
 import os
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -123,6 +124,7 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
     s = make_store(master={"put_slab_bytes": "256kb"})
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
     acked, stop, errors = {}, threading.Event(), {}
+    in_call = [None]  # when the writer's current batch_put began (None between calls)
     sizes = [2 * KB, 8 * KB, 160 * KB]  # the last takes PUT_START / PUT_END (over half a slab)
     room = s.stats()["capacity"] // 2  # nothing is evicted: a lost key is lost to the kill
 
@@ -132,11 +134,17 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
             i += 1
             keys = [f"stream{i}.{j}" for j in range(1 + i % 3)]
             vals = [val(i * 10 + j, sizes[(i + j) % 3]) for j in range(len(keys))]
+            in_call[0] = time.monotonic()
             try:
                 res = s.batch_put(keys, vals)
             except mooncake_ray.MooncakeRayError as e:
                 errors[repr(e)[:120]] = errors.get(repr(e)[:120], 0) + 1
                 continue
+            except BaseException:  # anything else ends the writer: keep it for the failure message
+                errors["writer died"] = traceback.format_exc()[-2000:]
+                raise
+            finally:
+                in_call[0] = None
             for r in res:
                 if r is not None:
                     errors[repr(r)[:120]] = errors.get(repr(r)[:120], 0) + 1
@@ -152,7 +160,9 @@ def test_master_killed_at_random_moments_of_a_put_stream_keeps_every_acknowledge
             try:
                 wait_for(lambda: len(acked) > n + 10, timeout_s=60, what="puts to go on")
             except AssertionError as e:
-                raise AssertionError(f"{e}: writer alive {t.is_alive()}, {sum(b for _, b in acked.values())} "
+                began = in_call[0]
+                busy = "between calls" if began is None else f"in one batch_put for {time.monotonic() - began:.1f}s"
+                raise AssertionError(f"{e}: writer alive {t.is_alive()} ({busy}), {sum(b for _, b in acked.values())} "
                                      f"bytes acked of {room}, errors {errors}") from None
             time.sleep(float(rng.uniform(0.0, 0.3)))
             inc, pid = ray.get(master.ping.remote()), ray.get(master.pid.remote())

@@ -133,3 +133,26 @@ def test_the_default_insertion_learns_a_round_over_more_conversations_than_fit(m
     assert policy["sampled_refs"] > 1000 and policy["score"] > 0.05, policy
     wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
     assert chat.gaps() == 0
+
+
+def test_chains_keep_their_links_across_four_master_shards(make_store):
+    """master.shards: 4, so three of every four pages name a parent another shard owns:
+    the links are kept all the same (the shards tell each other, chainlinks.py), eviction
+    still leaves no stored page cut off from its conversation's start, and each
+    conversation's pages read back."""
+    s = make_store(segment_size_bytes="4mb", master={"shards": 4, "chain_eviction": True})
+    chat = Chat(s, 12)
+    for _ in range(6):
+        for c in random.Random(1).sample(range(12), 12):
+            chat.turn(c)
+    st = s.stats()
+    assert st["evictions"] > 100 and st["master_shards"] == 4
+
+    def named_a_parent():  # stored pages after a conversation's first
+        return sum(sum(s.batch_exists(chat.kv.keys(h))[1:]) for h in chat.hist)
+
+    stored, linked = named_a_parent(), s.stats()["chained"]
+    assert stored > 50 and linked >= 0.95 * stored, f"{linked} links kept of {stored} pages that named a parent"
+    assert s.stats()["chain_remote_children"] > stored / 2  # most parents live on another shard
+    wait_for(lambda: chat.gaps() == 0, timeout_s=15, what="pages cut off by a parent on another shard to go")
+    assert sum(chat.served.values()) > 0

@@ -22,6 +22,7 @@ them, node deaths and pauses hit every shard at once, and a master restart hits 
 while the others go on. On top of each shard's invariants: every key lives in its own
 shard's index and inventories only, and every extent lies in its shard's part."""
 
+import dataclasses
 import os
 import random
 
@@ -30,6 +31,7 @@ import pytest
 from mooncake_ray.errors import MooncakeRayError
 from mooncake_ray._private import rpc
 from mooncake_ray._private.shards import shard_of
+from mooncake_ray._private.master.chains import BACK, GONE
 from mooncake_ray._private.master.fastpath import COMMIT
 from mooncake_ray._private.master.pyindex import PyIndex
 from mooncake_ray._private.master.outbox import plan_mount
@@ -96,8 +98,8 @@ class Sim:
     def _new_master(self):
         # A wall clock that only moves forward across restarts, as the real one does: slab
         # ids and gens of one master never equal a previous master's.
-        m = MasterState(self.policy, clock=self.clock, wall_ns=self._wall_ns,
-                        seed=self.rng.randrange(1 << 30))
+        m = MasterState(dataclasses.replace(self.policy, shard=self.shard, shards=self.shards), clock=self.clock,
+                        wall_ns=self._wall_ns, seed=self.rng.randrange(1 << 30))
         real_unmount = m.unmount
 
         def unmount(node_id, reason=""):  # count node losses: they legitimately lose keys
@@ -404,9 +406,7 @@ class Sim:
         if not self.chained:
             return ""
         draw = random.Random(f"{key}/{self.clock.t}").random()  # not from self.rng: the same runs
-        parent = f"k{i - 1}" if i % 10 and draw < 0.7 else ""
-        # the client names only a parent of the same shard (chains are kept per shard)
-        return parent if not parent or shard_of(parent, self.shards) == self.shard else ""
+        return f"k{i - 1}" if i % 10 and draw < 0.7 else ""  # on any shard (chainlinks.py)
 
     def check_tails(self):
         """After a tick (chain_eviction on): no stored value whose parent is gone, but
@@ -484,6 +484,13 @@ class ShardedSim:
         for sim in self.sims:
             sim.kill_node = self.kill_node
         self.kills = 0
+        self.checks = 0
+        # the chain exchange of each shard (chainlinks.py): peers owed whole links, the
+        # restarts of each peer it saw last, "gone / back" messages to send again
+        self.whole = [set(range(shards)) - {i} for i in range(shards)]
+        self.seen = [{} for _ in range(shards)]
+        self.retry = [{} for _ in range(shards)]
+        self.restarts = [0] * shards
 
     def kill_node(self, victim):
         """The node's process dies and restarts: every shard unmounts the old incarnation
@@ -502,9 +509,83 @@ class ShardedSim:
     def step(self):
         key = f"k{self.rng.randrange(90)}"
         self.sims[shard_of(key, len(self.sims))].step(key)
+        if self.rng.random() < 0.3:
+            self.exchange()
+
+    def exchange(self, lossy=True):
+        """One round of chain messages between the shards, as ``ChainExchange`` sends them:
+        a shard that restarted, or saw a peer's new incarnation, sends its links whole;
+        a lost call (``lossy``: 1 in 20) is made up by the whole links, and its "gone /
+        back" messages are sent again."""
+        sims, n = self.sims, len(self.sims)
+        for i, sim in enumerate(sims):
+            if sim.restarts != self.restarts[i]:  # this shard's master restarted: its peers forgot it
+                self.restarts[i] = sim.restarts
+                self.whole[i] = set(range(n)) - {i}
+                self.seen[i] = {}
+                self.retry[i] = {}
+            out = self.locked(sim, sim.m.chain_outbox)
+            whole = {j: sim.m.chain_links_to(j) for j in self.whole[i]}
+            for j in sorted(set(range(n)) - {i}):  # every peer: the empty calls are the probes
+                items = self.retry[i].pop(j, []) + out.get(j, [])
+                if lossy and self.rng.random() < 0.05:
+                    self.whole[i].add(j)
+                    kept = [m for m in items if m[0] in (GONE, BACK)]
+                    if kept:
+                        self.retry[i][j] = kept
+                    continue
+                peer = sims[j]
+                self.locked(peer, lambda: peer.m.chain_receive(i, items, whole.get(j)))
+                if j in whole:
+                    self.whole[i].discard(j)
+                if self.seen[i].get(j, peer.restarts) != peer.restarts:
+                    self.whole[i].add(j)
+                self.seen[i][j] = peer.restarts
+
+    @staticmethod
+    def locked(sim, fn):
+        """A section of the actor's lock: the index's log applied first, what it changed
+        delivered after."""
+        try:
+            return sim.python(fn)
+        finally:
+            sim.deliver()
+
+    def settle_chains(self):
+        """Messages exchanged until none is left, a parent linked while missing given its
+        grace: then every link a child's shard holds is known to its parent's shard, and
+        a child is an orphan exactly when its parent is not stored."""
+        for _ in range(2):
+            for _ in range(4):
+                self.exchange(lossy=False)
+            self.sims[0].clock.t += self.sims[0].m._objects.chains.grace_s
+        self.exchange(lossy=False)
+        self.exchange(lossy=False)
+        n = len(self.sims)
+        if any(s.m.recovering for s in self.sims):
+            return
+        for shard, sim in enumerate(self.sims):
+            chains = sim.m._objects.chains
+            for parent, kids in chains.kids.items():
+                if not chains.foreign(parent):
+                    continue
+                owner = self.sims[shard_of(parent, n)].m._objects
+                for child in kids:
+                    assert child in owner.chains.remote.get(parent, ()), \
+                        f"{child} (shard {shard}) names {parent}, which its shard does not know"
+                    stored = parent in owner and parent not in owner.chains.missing
+                    assert (child in chains.orphans) == (not stored), \
+                        f"{child} (shard {shard}): orphan {child in chains.orphans}, parent {parent} stored {stored}"
+            for parent, kids in chains.remote.items():
+                for child in kids:
+                    holder = self.sims[shard_of(child, n)].m._objects.chains
+                    assert holder.parent.get(child) == parent, f"{parent} held for {child}, which names another"
 
     def check(self):
         n = len(self.sims)
+        self.checks += 1
+        if self.checks % 50 == 0 and self.sims[0].chained:
+            self.settle_chains()
         for shard, sim in enumerate(self.sims):
             sim.check()
             m = sim.m

@@ -247,3 +247,91 @@ def test_a_pinned_conversation_stays_while_loads_lease_the_others():
             assert stored(m, vip) == "".join(vip), (turn, c)
     assert m.stats()["evictions"] > 100
     m.check_invariants()
+
+
+# Chains across master shards (chains.py, chainlinks.py). With 2 shards, shard 0 owns
+# d e f g l m n o t u v w and shard 1 owns a b c h i j k p q r s x y z (CRC-32 mod 2).
+
+def test_links_across_shards_in_literal_message_order():
+    """A child on shard 0 names a parent on shard 1: each side learns what it must from
+    the other's messages, in order."""
+    s, t = Chains(shard=0, shards=2), Chains(shard=1, shards=2)
+    on_t = {"a"}
+    assert s.stored("d", "a", lambda k: False) is None  # shard 0 cannot see "a": assumed stored
+    assert s.outbox == [(1, "link", "a", "d")] and s.orphans == set()
+    s.outbox.clear()
+    assert t.remote_link("a", "d", on_t.__contains__, now=0.0) is True  # the first thing to hold "a"
+    assert t.holds("a") and t.kid_count("a") == 1
+    assert t.gone("a") is None and t.outbox == [(0, "gone", "a", "")]
+    t.outbox.clear()
+    s.foreign_status("a", False)
+    assert s.orphans == {"d"}
+    assert t.stored("a", "", on_t.__contains__) is None and t.outbox == [(0, "back", "a", "")]
+    t.outbox.clear()
+    s.foreign_status("a", True)
+    assert s.orphans == set()
+    assert s.gone("d") is None and s.outbox == [(1, "unlink", "a", "d")]
+    assert t.remote_unlink("a", "d") is True and not t.holds("a")  # nothing holds "a" any more
+    s.check(lambda k: False)
+    t.check(on_t.__contains__)
+
+
+def test_a_link_to_a_parent_not_stored_is_reported_gone_after_the_grace():
+    """The parent's put may still be on its way (a batch's parts run on both shards at
+    once): "gone" only once ``grace_s`` has passed, and never if it arrives meanwhile."""
+    t = Chains(shard=1, shards=2, grace_s=1.0)
+    on_t: set[str] = set()
+    t.remote_link("a", "d", on_t.__contains__, now=10.0)
+    t.remote_link("b", "e", on_t.__contains__, now=10.0)
+    t.due(10.9, on_t.__contains__)
+    assert t.outbox == []
+    on_t.add("b")
+    t.stored("b", "", on_t.__contains__)  # "b" arrived within the grace: "back", never "gone"
+    t.due(11.0, on_t.__contains__)
+    assert t.outbox == [(0, "back", "b", ""), (0, "gone", "a", "")]
+
+
+def test_links_sent_whole_replace_what_a_shard_said_before():
+    """After a restart the child's shard sends every link it holds: the parent's shard
+    drops the links that shard no longer holds, keeps other shards' links, and says
+    which parents are stored (the other side may have heard they went)."""
+    t = Chains(shard=1, shards=4)
+    on_t = {"a", "b"}
+    from mooncake_ray._private.shards import shard_of
+    kids = [k for k in (f"k{i}" for i in range(40)) if shard_of(k, 4) != 1]
+    first, other = kids[0], next(k for k in kids if shard_of(k, 4) != shard_of(kids[0], 4))
+    t.remote_link("a", first, on_t.__contains__, 0.0)
+    t.remote_link("b", other, on_t.__contains__, 0.0)
+    held, freed = t.remote_sync(shard_of(first, 4), [("b", first)], on_t.__contains__, 0.0)
+    assert t.remote == {"b": {first, other}}
+    assert (held, freed) == ([], ["a"])
+    assert t.outbox == [(shard_of(first, 4), "back", "b", "")]
+
+
+def test_a_parent_held_by_a_child_on_another_shard_is_evicted_after_it():
+    """On the parent's shard: "a" is the least recent value, but a child on shard 0 holds
+    it, so eviction takes the next least recent leaf; once the child is unlinked, "a"
+    is a leaf and goes first. On the child's shard: the link goes out with the put, the
+    child is an orphan once its parent is said to be gone, and a tick drops it."""
+    t, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25, chain_insert="recent",
+                    shard=1, shards=2)
+    for k in "abch":
+        put(t, k)
+        clock.t += 1
+    t.chain_receive(0, [("link", "a", "d")])
+    put(t, "i")
+    assert stored(t, "abchi") == "achi"
+    t.chain_receive(0, [("unlink", "a", "d")])
+    put(t, "j")
+    assert stored(t, "achij") == "chij"
+    t.check_invariants()
+
+    s, clock = make(n_nodes=1, cap=4 * K, shard=0, shards=2)
+    put(s, "d", parent="a")
+    assert s.chain_outbox() == {1: [("link", "a", "d")]}
+    assert s.stats()["orphaned_pages"] == 0
+    s.chain_receive(1, [("gone", "a", "")])
+    assert s.stats()["orphaned_pages"] == 1
+    s.tick()
+    assert not s.exists("d") and s.chain_outbox() == {1: [("unlink", "a", "d")]}
+    s.check_invariants()

@@ -46,6 +46,7 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError, NodeUnavailableError
 from mooncake_ray._private import auth, gcyoung, rpc
 from mooncake_ray._private.auth import role_engine
+from mooncake_ray._private.master.chainlinks import CHAIN_GROUP, ChainExchange
 from mooncake_ray._private.master.fence import Fence, Held
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -87,7 +88,8 @@ class MasterActor:
         self.index.set_commits(self.cfg.master.native_calls)
         # Watermark eviction on a thread of its own, in chunks (_evict_loop); a put that
         # finds no room still evicts at once.
-        self.state = MasterState(Policy.from_config(self.cfg.master, evict_in_background=True), index=self.index)
+        self.state = MasterState(Policy.from_config(self.cfg.master, evict_in_background=True, shard=shard),
+                                 index=self.index)
         self._evict_wanted = threading.Event()
         self._lock = _StateLock(self.state, self.index, self._deliver, self._evict_wanted)
 
@@ -127,6 +129,11 @@ class MasterActor:
                  (self._apply_loop, "master-apply"), (self._evict_loop, "master-evict")]
         if shard == 0 and self.cfg.elastic.join and self.cfg.segment_size_bytes:
             loops.append((self._join_loop, "master-join"))
+        self._chains = None
+        if self.cfg.master.shards > 1 and self.cfg.master.chain_eviction:
+            self._chains = ChainExchange(shard, self.cfg.master.shards, self.cfg.namespace, self._lock, self.state,
+                                         self.incarnation)
+            loops.append((functools.partial(self._chains.run, self._stop), "master-chains"))
         for target, name in loops:
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -657,6 +664,14 @@ class MasterActor:
                 self.state.counters["readopted_keys"] += int(event.get("keys", 0))
                 self.state.counters["readopt_dropped_keys"] += int(event.get("dropped", 0))
 
+    @ray.method(concurrency_group=CHAIN_GROUP)
+    def chain_links(self, shard: int, items: list, links: list | None = None) -> str:
+        """Chain messages from master ``shard`` (chainlinks.py); ``links``: every link it
+        holds to this shard's keys. Returns this master's incarnation."""
+        with self._lock:
+            self.state.chain_receive(shard, items, links)
+        return self.incarnation
+
     def _join_loop(self) -> None:
         """Master shard 0: give a store node to every Ray node that joins (``elastic.join``)."""
         skip: dict[str, float] = {}
@@ -800,4 +815,4 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
 
 def master_actor_class():
     """The master as a Ray actor class; heartbeats run on a concurrency group of their own."""
-    return ray.remote(concurrency_groups={LIVENESS_GROUP: 1})(MasterActor)
+    return ray.remote(concurrency_groups={LIVENESS_GROUP: 1, CHAIN_GROUP: 1})(MasterActor)

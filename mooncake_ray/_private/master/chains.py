@@ -25,27 +25,54 @@ LRU's 83.5%, benchmarks/bench_chains.py.) Only a pass that frees nothing else ta
 value whose children are stored ("forced": their leases or pins hold every leaf, or they
 live on other nodes), and its tail then goes as orphans.
 
-Chains are per master shard: a parent that hashes to another shard is not named (the
-client drops it), so with ``master.shards > 1`` only the links inside one shard hold.
+Chains cross master shards (``master.shards > 1``): a value's parent may be owned by
+another shard. The child's shard links it as any other (``parent``, ``kids``) but cannot see
+the parent: it treats it as stored until told otherwise (``foreign_gone``). The parent's
+shard keeps ``remote`` (its key -> the child keys other shards hold), which hold the parent
+as local children do. The two learn of each other through messages (``outbox``, applied by
+``remote_link`` / ``remote_unlink`` / ``remote_sync`` and ``foreign_status``) that the
+master actors exchange a few times a second: a child's shard says when a child is linked
+or unlinked (and, after either side restarts, every link it holds: ``foreign_links``); a
+parent's shard says when a parent with remote children goes (they become orphans there)
+or comes back. A link to a parent that is not stored is reported gone only after
+``grace_s`` (the parent's put may still be on its way: a batch's parts run on their
+shards at the same time).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from mooncake_ray._private.shards import shard_of
+
+# Messages between shards (``Chains.outbox`` items: ``(shard, kind, parent, child)``).
+LINK, UNLINK, GONE, BACK = "link", "unlink", "gone", "back"
+
 
 class Chains:
-    """The chain links of the stored values (see the module docstring)."""
+    """The chain links of the stored values (see the module docstring). ``shard`` of
+    ``shards``: which keys are this master's own (the others' are foreign)."""
 
-    __slots__ = ("parent", "kids", "orphans", "counters", "waiting")
+    __slots__ = ("parent", "kids", "orphans", "counters", "waiting", "shard", "shards", "remote", "foreign_gone",
+                 "outbox", "missing", "grace_s")
 
-    def __init__(self, counters: dict | None = None) -> None:
+    def __init__(self, counters: dict | None = None, shard: int = 0, shards: int = 1, grace_s: float = 1.0) -> None:
         self.parent: dict[str, str] = {}
         self.kids: dict[str, set[str]] = {}
         self.orphans: set[str] = set()
         self.waiting: dict[str, int] = {}  # key -> puts in flight naming it (they hold it too)
         self.counters = counters if counters is not None else {}
         self.counters.setdefault("chain_tail_evictions", 0)
+        self.shard, self.shards = shard, shards
+        self.remote: dict[str, set[str]] = {}  # own key -> child keys other shards hold
+        self.foreign_gone: set[str] = set()  # foreign parents their shard said are not stored
+        self.outbox: list[tuple[int, str, str, str]] = []  # (shard, kind, parent, child) to send
+        self.missing: dict[str, float] = {}  # own key linked remotely while not stored -> since when
+        self.grace_s = grace_s
+
+    def foreign(self, key: str) -> bool:
+        """Whether another shard owns ``key``."""
+        return self.shards > 1 and shard_of(key, self.shards) != self.shard
 
     def stored(self, key: str, parent: str, is_stored: Callable[[str], bool]) -> str | None:
         """``key`` is stored now (new, or a new value of it) naming ``parent`` ("" none).
@@ -57,6 +84,9 @@ class Chains:
         kids = self.kids.get(key)
         if kids:
             self.orphans.difference_update(kids)  # their parent is back
+        if key in self.remote:  # and so are theirs, on other shards
+            self.missing.pop(key, None)
+            self._tell(key, BACK)
         if not parent:
             self.orphans.discard(key)
             return None
@@ -66,6 +96,14 @@ class Chains:
         if sibs is None:
             sibs = self.kids[parent] = set()
         sibs.add(key)
+        if self.foreign(parent):
+            if old != parent:
+                self.outbox.append((shard_of(parent, self.shards), LINK, parent, key))
+            if parent in self.foreign_gone:
+                self.orphans.add(key)
+            else:
+                self.orphans.discard(key)
+            return None
         if is_stored(parent):
             self.orphans.discard(key)
             return parent if first else None
@@ -79,26 +117,116 @@ class Chains:
         kids = self.kids.get(key)
         if kids:
             self.orphans.update(kids)
+        if key in self.remote:
+            self._tell(key, GONE)
         parent = self.parent.pop(key, None)
         if parent is None:
             return None
         return parent if self._unlink(key, parent) else None
 
     def _unlink(self, key: str, parent: str) -> bool:
-        """Drop ``key`` from its parent's children; True if it was the last."""
+        """Drop ``key`` from its parent's children; True if it was the last (of a
+        parent of this shard's own)."""
         sibs = self.kids.get(parent)
         if sibs is None:
             return False
         sibs.discard(key)
+        foreign = self.foreign(parent)
+        if foreign:
+            self.outbox.append((shard_of(parent, self.shards), UNLINK, parent, key))
         if sibs:
             return False
         del self.kids[parent]
+        if foreign:
+            self.foreign_gone.discard(parent)
+            return False
         return True
 
+    # ------------------------------------------------------- across shards --
+    def _tell(self, key: str, kind: str) -> None:
+        """Tell every shard holding children of own ``key`` that it went or came back."""
+        for shard in {shard_of(c, self.shards) for c in self.remote[key]}:
+            self.outbox.append((shard, kind, key, ""))
+
+    def remote_link(self, parent: str, child: str, is_stored: Callable[[str], bool], now: float) -> bool:
+        """Another shard linked ``child`` to own ``parent``. True if that is the first
+        thing to hold the parent (the table keeps it where eviction judges it)."""
+        held = self.holds(parent)
+        kids = self.remote.get(parent)
+        if kids is None:
+            kids = self.remote[parent] = set()
+        kids.add(child)
+        if not is_stored(parent):
+            self.missing.setdefault(parent, now)
+        return not held
+
+    def remote_unlink(self, parent: str, child: str) -> bool:
+        """Another shard's ``child`` of own ``parent`` went (or names another parent).
+        True if nothing holds the parent any more."""
+        kids = self.remote.get(parent)
+        if kids is None:
+            return False
+        kids.discard(child)
+        if kids:
+            return False
+        del self.remote[parent]
+        self.missing.pop(parent, None)
+        return not self.holds(parent)
+
+    def remote_sync(self, shard: int, links, is_stored: Callable[[str], bool], now: float) -> tuple[list, list]:
+        """Every link ``(parent, child)`` that ``shard`` holds to own parents, replacing
+        what it said before (it, or this master, restarted); the stored parents among them
+        are said to be back. Returns the parents now held and those no longer held."""
+        before = {p for p in self.remote if self.holds(p)}
+        for parent in list(self.remote):
+            kids = {c for c in self.remote[parent] if shard_of(c, self.shards) != shard}
+            if kids:
+                self.remote[parent] = kids
+            else:
+                del self.remote[parent]
+                self.missing.pop(parent, None)
+        back = set()
+        for parent, child in links:
+            self.remote_link(parent, child, is_stored, now)
+            if is_stored(parent):
+                back.add(parent)
+        # ``shard`` may have heard that one went (before this master restarted, say)
+        self.outbox.extend((shard, BACK, parent, "") for parent in sorted(back))
+        after = {p for p in self.remote if self.holds(p)}
+        return sorted(after - before), sorted(p for p in before - after if not self.holds(p))
+
+    def due(self, now: float, is_stored: Callable[[str], bool]) -> None:
+        """Report gone the parents linked remotely while not stored, once ``grace_s``
+        has passed and they still are not."""
+        for parent, since in list(self.missing.items()):
+            if now - since >= self.grace_s:
+                del self.missing[parent]
+                if parent in self.remote and not is_stored(parent):
+                    self._tell(parent, GONE)
+
+    def foreign_status(self, parent: str, stored: bool) -> None:
+        """The shard owning ``parent`` says it went (its children here become orphans)
+        or came back."""
+        kids = self.kids.get(parent)
+        if not kids:
+            return
+        if stored:
+            self.foreign_gone.discard(parent)
+            self.orphans.difference_update(kids)
+        else:
+            self.foreign_gone.add(parent)
+            self.orphans.update(kids)
+
+    def foreign_links(self, shard: int) -> list[tuple[str, str]]:
+        """Every ``(parent, child)`` link here to a parent ``shard`` owns."""
+        return [(p, c) for p, kids in self.kids.items()
+                if self.foreign(p) and shard_of(p, self.shards) == shard for c in kids]
+
     def kid_count(self, key: str) -> int:
-        """Children stored, and puts in flight naming ``key``."""
+        """Children stored (here and on other shards), and puts in flight naming ``key``."""
         kids = self.kids.get(key)
-        return (len(kids) if kids else 0) + self.waiting.get(key, 0)
+        remote = self.remote.get(key)
+        return (len(kids) if kids else 0) + (len(remote) if remote else 0) + self.waiting.get(key, 0)
 
     def wait(self, parent: str) -> bool:
         """A put naming ``parent`` started; True if it is the first thing to hold it."""
@@ -115,7 +243,7 @@ class Chains:
             self.waiting.pop(parent, None)
 
     def holds(self, key: str) -> bool:
-        return key in self.kids or key in self.waiting
+        return key in self.kids or key in self.waiting or key in self.remote
 
     def tail(self, key: str) -> list[str]:
         """Every stored descendant of ``key`` (its chain's tail), nearest first."""
@@ -136,7 +264,12 @@ class Chains:
         for key, parent in self.parent.items():
             assert is_stored(key), f"{key!r} has a parent link but is not stored"
             assert key in self.kids.get(parent, ()), f"{key!r} is missing from its parent's children"
-            assert (key in self.orphans) == (not is_stored(parent)), f"{key!r}: orphan flag wrong"
+            gone = parent in self.foreign_gone if self.foreign(parent) else not is_stored(parent)
+            assert (key in self.orphans) == gone, f"{key!r}: orphan flag wrong"
+        for parent in self.foreign_gone:
+            assert self.kids.get(parent), f"foreign parent {parent!r} marked gone without children here"
+        for parent, kids in self.remote.items():
+            assert kids and not self.foreign(parent), f"remote children of {parent!r} listed wrong"
         for parent, kids in self.kids.items():
             assert kids, f"{parent!r} has an empty child set"
             for k in kids:

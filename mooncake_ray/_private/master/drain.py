@@ -151,7 +151,10 @@ class Drains:
                     d.transient = True
                 d.cursor += 1
                 continue
-            dst = self._reps.reserve(obj.size, targets, now)
+            dst, gone = self._reps.reserve_copy(obj, targets, now)
+            if gone:  # the eviction that made its room took it (an orphan)
+                d.cursor += 1
+                continue
             if dst is None:
                 # No room for it now. Room comes when the targets' offloads to disk finish,
                 # or readers' leases on their values end: asked again, for a while; then

@@ -142,9 +142,9 @@ class Repairs:
             targets = sorted((n for n in self._nodes.values()
                               if n.node_id not in held and not n.suspect and not n.draining),
                              key=lambda n: -self._alloc[n.node_id].free)
-            dst = self._reps.reserve(obj.size, targets, now)
+            dst, _gone = self._reps.reserve_copy(obj, targets, now)
             if dst is None:
-                continue  # no room on a node without a copy (tried again at the next plan)
+                continue  # no room on a node without a copy (tried again at the next plan), or gone
             obj.replicas.append(dst)
             lease = self._reps.hold_for_copy(obj, dst.deadline, now)  # both extents stay put meanwhile
             self.copying[(key, dst.node_id, dst.offset)] = (obj, dst, lease)

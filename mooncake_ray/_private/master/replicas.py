@@ -511,6 +511,16 @@ class ReplicaTable:
                                    deadline=now + self.policy.put_timeout_s, placed=self.new_placement())
         return None
 
+    def reserve_copy(self, obj: Obj, targets: list[NodeInfo], now: float) -> tuple[Replica | None, bool]:
+        """``reserve`` for a copy of ``obj``: ``(replica, False)``, ``(None, False)`` for no
+        room, or ``(None, True)`` if the eviction that made the room took ``obj`` itself (an
+        orphan goes at the end of any eviction): its extent is given back."""
+        dst = self.reserve(obj.size, targets, now)
+        if dst is not None and self._objects.hot(obj.key) is not obj:
+            self._alloc[dst.node_id].release(dst.offset, dst.length)
+            return None, True
+        return dst, False
+
     def settle_copy(self, key: str, gen: int, obj: Obj, rep: Replica, ok: bool, now: float) -> str:
         """The report of a copy into ``rep`` (``reserve``): "gone" (the value was removed
         or replaced meanwhile: its extents went with it), "left" (the target node left

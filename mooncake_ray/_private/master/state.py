@@ -59,6 +59,7 @@ from mooncake_ray._private.master.adaptive import InsertionPolicy
 from mooncake_ray._private.master.pyindex import REF_GET, PyIndex
 from mooncake_ray._private.master.repairs import Repairs, copies
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
+from mooncake_ray._private.master.chains import BACK, LINK, UNLINK
 from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
 from mooncake_ray._private.master.types import (
@@ -120,8 +121,9 @@ class MasterState:
                          "puts": 0, "put_bytes": 0, "revoked": 0, "removed": 0, "offloads": 0,
                          "promotions": 0, "disk_evictions": 0,
                          "node_unmounts": 0, "unmount_lost_keys": 0, "readopt_refused": 0}
-        self._objects.chains.counters = self.counters
-        self.counters.update(chain_tail_evictions=0, lookups=0)
+        chains = self._objects.chains
+        chains.counters, chains.shard, chains.shards = self.counters, self.policy.shard, self.policy.shards
+        self.counters.update(chain_tail_evictions=0, lookups=0, chain_messages=0)
         self._objects.hold_parents = self.policy.chain_eviction
         # Chained values adapt their insertion (adaptive.py); plain LRU inserts at the recent end.
         self.insertion = InsertionPolicy(self.policy.chain_insert if self.policy.chain_eviction else "recent", index)
@@ -647,10 +649,15 @@ class MasterState:
             tier = Tier.DRAM.value
         else:  # only on disk: promote it into DRAM (may raise OffloadPendingError: retryable)
             try:
-                reps = [self._tier.promotion(obj, client_node, now)]
+                prom = self._tier.promotion(obj, client_node, now)
             except OffloadPendingError:
                 self._replicas.end_lease(obj, lease, now, until)
                 raise
+            if prom is None:  # neither tier readable: only a copy being written is left (its source died)
+                self._replicas.end_lease(obj, lease, now, until)
+                self.counters["misses"] += 1
+                return None
+            reps = [prom]
             self.counters["disk_hits"] += 1
             tier = PROMOTE
         if client_node and len(reps) > 1:
@@ -911,10 +918,46 @@ class MasterState:
 
     def _chain_stats(self) -> dict:
         """Values linked into chains, orphans (stored, parent not), lookups answered here
-        and by the read index (none takes a lease)."""
+        and by the read index (none takes a lease); with shards, links to parents other
+        shards own and children other shards hold of this shard's values."""
         chains = self._objects.chains
         return {"chained": len(chains.parent), "orphaned_pages": len(chains.orphans),
-                "lookups": self.counters["lookups"] + self.index.lookups()}
+                "lookups": self.counters["lookups"] + self.index.lookups(),
+                "chain_remote_children": sum(len(k) for k in chains.remote.values())}
+
+    # ---------------------------------------------------- chains across shards --
+    def chain_outbox(self) -> dict[int, list[tuple[str, str, str]]]:
+        """The chain messages owed to other master shards (chains.py), by shard: links
+        and unlinks of this shard's children, and parents of this shard's that went or
+        came back (those linked while not stored, once their grace ran out)."""
+        chains = self._objects.chains
+        chains.due(self._clock(), self._objects.__contains__)
+        out: dict[int, list] = {}
+        for shard, kind, parent, child in chains.outbox:
+            out.setdefault(shard, []).append((kind, parent, child))
+        chains.outbox.clear()
+        return out
+
+    def chain_links_to(self, shard: int) -> list[tuple[str, str]]:
+        """Every link this shard holds to a parent ``shard`` owns (sent whole when either
+        restarted)."""
+        return self._objects.chains.foreign_links(shard)
+
+    def chain_receive(self, shard: int, items, links=None) -> None:
+        """Chain messages from master ``shard``; ``links``: every link it holds to this
+        shard's parents, replacing what it said before."""
+        objects, now = self._objects, self._clock()
+        chains = objects.chains
+        if links is not None:
+            objects.remote_sync(shard, links, now)
+        for kind, parent, child in items:
+            if kind == LINK:
+                objects.remote_link(parent, child, now)
+            elif kind == UNLINK:
+                objects.remote_unlink(parent, child)
+            else:
+                chains.foreign_status(parent, kind == BACK)
+        self.counters["chain_messages"] += len(items)
 
     # --------------------------------------------------------------- checking --
     def check_invariants(self, unapplied: set[str] = frozenset()) -> None:

@@ -129,6 +129,27 @@ class ObjectTable:
             if not self.chains.holds(parent) and parent in self._hot:
                 self._dirty.add(parent)
 
+    def remote_link(self, parent: str, child: str, now: float) -> None:
+        """Another master shard linked ``child`` to ``parent`` (this shard's key)."""
+        if self.chains.remote_link(parent, child, self.__contains__, now):
+            self._hold(parent)
+
+    def remote_unlink(self, parent: str, child: str) -> None:
+        if self.chains.remote_unlink(parent, child) and parent in self._hot:
+            self._dirty.add(parent)
+
+    def remote_sync(self, shard: int, links, now: float) -> None:
+        """Every link ``shard`` holds to this shard's keys, replacing what it said."""
+        held, freed = self.chains.remote_sync(shard, links, self.__contains__, now)
+        for parent in held:
+            self._hold(parent)
+        self._dirty.update(p for p in freed if p in self._hot)
+
+    def _hold(self, parent: str) -> None:
+        """A parent just became held: hot, where eviction judges it."""
+        if self.hold_parents and parent in self:
+            self.get(parent)
+
     def stored_natively(self, key: str, parent: str) -> None:
         """The read index committed ``key`` (its record is in the index already, where
         the insertion policy put it)."""
@@ -136,7 +157,7 @@ class ObjectTable:
 
     def dropped_natively(self, keys: list[str]) -> None:
         """The read index dropped these keys (its eviction)."""
-        if self.chains.parent or self.chains.kids:
+        if self.chains.parent or self.chains.kids or self.chains.remote:
             for key in keys:
                 self._unlinked(key)
 
@@ -279,7 +300,7 @@ class ObjectTable:
         assert hot_records == len(self._hot), f"{hot_records} hot records, {len(self._hot)} hot objects"
         self.chains.check(lambda k: k in self and k not in unapplied)
         if self.hold_parents:
-            for parent in [*self.chains.kids, *self.chains.waiting]:
+            for parent in [*self.chains.kids, *self.chains.waiting, *self.chains.remote]:
                 assert parent not in self or parent in unapplied or index.is_hot(parent), \
                     f"parent {parent!r} went cold"
 

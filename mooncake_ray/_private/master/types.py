@@ -316,6 +316,9 @@ class Policy:
     repair_delay_s: float = 10.0
     """How long a value short of copies waits before it is copied again (repairs.py): a
     restarted store node re-adopts its arena sooner."""
+    shards: int = 1
+    shard: int = 0
+    """Which of ``shards`` master shards this is (its own keys: ``shards.shard_of``)."""
     evict_in_background: bool = False
     """Past the high watermark, only note the node (``MasterState.evict_due`` then evicts
     in small chunks, each its own section of the actor's lock) instead of evicting a whole

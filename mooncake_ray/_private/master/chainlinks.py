@@ -1,0 +1,103 @@
+"""Chain messages between master shards (``master.shards > 1``; the links: ``chains.py``).
+
+Each shard runs one thread that, every ``period_s``, takes the messages its state machine
+owes other shards (``MasterState.chain_outbox``) and sends each shard its part in one Ray
+call (``MasterActor.chain_links``, on a concurrency group of its own, so neither the
+heartbeats nor the other calls wait for it). A shard it has nothing for is still called
+every ``probe_s``: the answer carries the callee's incarnation, which is how a shard
+notices that another restarted.
+
+When either side restarted, the links are sent whole: a restarted shard sends every
+peer all the links its children hold to that peer's parents (rebuilt from the store
+nodes' inventories, which carry each value's parent), and a shard that sees a peer's new
+incarnation does the same, since the peer forgot them. The whole set replaces what the
+peer held from this shard (``Chains.remote_sync``), so links and unlinks lost in a failed
+call are repaired by it too; a failed call's "parent gone / back" messages are sent again.
+Everything here is a hint for eviction order: a message late by a round changes which
+page goes first, never what a read returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from mooncake_ray._private.master.chains import BACK, GONE
+from mooncake_ray._private.naming import master_name
+
+log = logging.getLogger(__name__)
+
+CHAIN_GROUP = "chains"
+
+
+class ChainExchange:
+    """One shard's side of the exchange (see the module docstring)."""
+
+    def __init__(self, shard: int, shards: int, namespace: str, lock, state, incarnation: str,
+                 period_s: float = 0.2, probe_s: float = 2.0, timeout_s: float = 5.0) -> None:
+        self.shard, self.shards = shard, shards
+        self._namespace = namespace
+        self._lock, self._state = lock, state
+        self.incarnation = incarnation
+        self.period_s, self.probe_s, self.timeout_s = period_s, probe_s, timeout_s
+        self._peers = [s for s in range(shards) if s != shard]
+        self._seen: dict[int, str] = {}  # peer -> its incarnation when it last answered
+        self._whole = set(self._peers)  # peers owed every link (this shard, or they, restarted)
+        self._retry: dict[int, list] = {}  # peer -> "gone" / "back" messages a failed call lost
+        self._handles: dict[int, object] = {}
+        self._quiet: dict[int, int] = {}  # peer -> rounds since it was last called
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.period_s):
+            try:
+                self.round()
+            except Exception:  # keep exchanging: one bad round must not end chains across shards
+                log.exception("chain message round failed")
+
+    def round(self) -> None:
+        """Send each peer what it is owed (and probe the quiet ones)."""
+        with self._lock:
+            out = self._state.chain_outbox()
+            whole = {p: self._state.chain_links_to(p) for p in self._whole}
+        probe_every = max(1, round(self.probe_s / self.period_s))
+        calls = {}
+        for peer in self._peers:
+            items = self._retry.pop(peer, []) + out.get(peer, [])
+            links = whole.get(peer)
+            quiet = self._quiet.get(peer, probe_every)
+            if not items and links is None and quiet < probe_every:
+                self._quiet[peer] = quiet + 1
+                continue
+            self._quiet[peer] = 0
+            try:
+                ref = self._handle(peer).chain_links.remote(self.shard, items, links)
+            except Exception:  # not there yet, or restarting
+                self._failed(peer, items)
+                continue
+            calls[peer] = (ref, items, links)
+        for peer, (ref, items, links) in calls.items():
+            try:
+                inc = ray.get(ref, timeout=self.timeout_s)
+            except Exception:
+                self._failed(peer, items)
+                continue
+            if links is not None:
+                self._whole.discard(peer)
+            if self._seen.get(peer, inc) != inc:
+                self._whole.add(peer)  # it restarted: it forgot the links this shard holds
+            self._seen[peer] = inc
+
+    def _failed(self, peer: int, items: list) -> None:
+        self._handles.pop(peer, None)
+        self._whole.add(peer)  # the whole set covers lost links and unlinks
+        kept = [m for m in items if m[0] in (GONE, BACK)]
+        if kept:
+            self._retry[peer] = kept + self._retry.get(peer, [])
+
+    def _handle(self, peer: int):
+        h = self._handles.get(peer)
+        if h is None:
+            h = self._handles[peer] = ray.get_actor(master_name(peer), namespace=self._namespace)
+        return h
