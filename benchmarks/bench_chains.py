@@ -123,18 +123,20 @@ import numpy as np
 from _common import Processes, free_port, git_state, host_info, host_label, local_ray, spread, versions, wait_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = ("chain", "chain-recent", "chain-old", "lru", "mooncake")
+CONFIGS = ("chain", "chain-recent", "chain-old", "lru", "mooncake", "chain-sharded")
+DEFAULT_CONFIGS = CONFIGS[:5]  # chain-sharded: by name (--configs), against chain
 FIXED = ("chain-recent", "chain-old")  # the fixed insertion policies "best fixed" picks from
 # master settings per configuration of ours; "chain" passes no chain_insert: the store's default
 MASTER = {"chain": {"chain_eviction": True},
           "chain-recent": {"chain_eviction": True, "chain_insert": "recent"},
           "chain-old": {"chain_eviction": True, "chain_insert": "old"},
-          "lru": {"chain_eviction": False}}
+          "lru": {"chain_eviction": False},
+          "chain-sharded": {"chain_eviction": True}}  # and master.shards: --shards
 WORKLOADS = ("rounds", "recency", "shift")
 MODEL = "bench/chains"
 MOONCAKE_MIN_SEGMENT = 16 << 20  # mooncake_client: "Total size must be at least 16777216"
 STORE_STATS = ("orphaned_pages", "chain_tail_evictions", "evictions", "evicted_bytes", "keys", "used", "capacity",
-               "puts", "hits", "misses")
+               "puts", "hits", "misses", "chained", "chain_remote_children", "chain_messages")
 
 
 # ====================================================================== workload ==
@@ -564,7 +566,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
             client = mooncake_ray.start({
                 "namespace": ns, "segment_size_bytes": arena, "transport": {"devices": ["lo"]},
                 "master": {**MASTER[cfg], "high_watermark": args.high_watermark, "evict_ratio": args.evict_ratio,
-                           "lease_ttl_s": args.lease_ttl_s}})
+                           "lease_ttl_s": args.lease_ttl_s, **({"shards": args.shards} if cfg == "chain-sharded" else {})}})
             drv = OursDriver(client, KVStore(client, MODEL, geometry, "page_first"), (pool, dpool))
         row["startup_s"] = time.perf_counter() - t_up
 
@@ -613,9 +615,10 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
                              "turn_s": (t_loaded - t0) + (t_end - t1), "load_s": t_loaded - t0, "save_s": t_end - t1,
                              "fill_s": t_fill})
             every += recs
-            orphaned = unreachable = stored_pages = 0
+            orphaned = unreachable = stored_pages = named = 0
             for keys, present in zip(chains.values(), drv.present(list(chains.values()))):
                 stored_pages += sum(present)
+                named += sum(present[1:])  # stored pages that named a parent (each but a chain's first)
                 orphaned += sum(1 for i in range(1, len(keys)) if present[i] and not present[i - 1])
                 first_gap = next((i for i, p in enumerate(present) if not p), len(present))
                 unreachable += sum(present[first_gap:])
@@ -627,6 +630,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
                            "saved_pages": sum(x["saved_pages"] for x in recs),
                            "handoff_pages": sum(h["pages"] for h in hand), "handoff_ok": sum(h["ok"] for h in hand),
                            "orphaned_pages": orphaned, "unreachable_pages": unreachable, "stored_pages": stored_pages,
+                           "named_parent_pages": named,
                            "store": drv.store_stats(), "turn_ms_mean": statistics.mean(turn_ms),
                            "turn_ms_p50": turn_ms[len(turn_ms) // 2], "turn_ms_max": turn_ms[-1],
                            "fill_ms_mean": 1e3 * statistics.mean(x["fill_s"] for x in recs),
@@ -645,6 +649,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
             "handoff_misses": sum(rd["handoff_pages"] - rd["handoff_ok"] for rd in rounds),
             "orphaned_last": rounds[-1]["orphaned_pages"], "unreachable_last": rounds[-1]["unreachable_pages"],
             "store_orphaned_last": rounds[-1]["store"].get("orphaned_pages"),
+            "links_kept_pct": links_kept(rounds) if cfg != "mooncake" else None,
             "turn_ms_mean": statistics.mean(rd["turn_ms_mean"] for rd in rounds),
             "bad_loads": bad_loads, "failures": drv.failures()})
         if kind == "shift":
@@ -656,6 +661,15 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
             mooncake_ray.shutdown(namespace=ns, stop_ray=False)
         if peer is not None:
             peer.stop()
+
+
+def links_kept(rounds: list[dict]) -> float | None:
+    """Of the stored pages that named a parent, the share the store keeps linked (its
+    ``chained``), over every round (the store's count, taken after the probe, may
+    include a page or two put since: capped at 100)."""
+    named = sum(rd["named_parent_pages"] for rd in rounds)
+    linked = sum(min(rd["store"].get("chained") or 0, rd["named_parent_pages"]) for rd in rounds)
+    return 100.0 * linked / named if named else None
 
 
 # ======================================================================== summary ==
@@ -681,17 +695,19 @@ def summarize(rows: list[dict], args) -> dict:
                             "unreachable_last": spread([r["unreachable_last"] for r in runs]),
                             "stored_pages_last": spread([r["rounds"][-1]["stored_pages"] for r in runs]),
                             "store_orphaned_last": spread([r["store_orphaned_last"] for r in runs]),
+                            "links_kept_pct": spread([r["links_kept_pct"] for r in runs
+                                                      if r.get("links_kept_pct") is not None]),
                             "turn_ms_mean": spread([r["turn_ms_mean"] for r in runs]),
                             "runs": len(runs), "skipped": skipped or None}
 
-            def ratio(metric: str, other: str) -> dict | None:
-                """chain over ``other``: of the medians, and paired by repeat."""
-                pa, pb = per.get("chain", {}).get(metric), per.get(other, {}).get(metric)
+            def ratio(metric: str, other: str, mine: str = "chain") -> dict | None:
+                """``mine`` over ``other``: of the medians, and paired by repeat."""
+                pa, pb = per.get(mine, {}).get(metric), per.get(other, {}).get(metric)
                 if not pa or not pb or not pb["median"]:
                     return None
                 paired = []
                 for ra in sel:
-                    if ra["config"] == "chain" and "rounds" in ra:
+                    if ra["config"] == mine and "rounds" in ra:
                         rb = next((r for r in sel if r["config"] == other and "rounds" in r
                                    and r["repeat"] == ra["repeat"]), None)
                         if rb and rb[metric]:
@@ -703,7 +719,8 @@ def summarize(rows: list[dict], args) -> dict:
                 fixed = [c for c in FIXED if per.get(c, {}).get(m)]
                 best = max(fixed, key=lambda c: per[c][m]["median"]) if fixed else None
                 ratios[m] = {"chain_over_mooncake": ratio(m, "mooncake"), "chain_over_lru": ratio(m, "lru"),
-                             "best_fixed": best, "chain_over_best_fixed": ratio(m, best) if best else None}
+                             "best_fixed": best, "chain_over_best_fixed": ratio(m, best) if best else None,
+                             "sharded_over_chain": ratio(m, "chain", "chain-sharded")}
             out[kind][str(frac)] = {"configs": per, "ratios": ratios}
     out["targets"] = targets(out)
     return out
@@ -729,6 +746,13 @@ def targets(summary: dict) -> dict:
             out[f"rounds_chain_ge_1.25x_mooncake_{at}"] = goal(of(r["chain_over_mooncake"]), 1.25)
             out[f"rounds_chain_ge_2x_lru_{at}"] = goal(of(r["chain_over_lru"]), 2.0)
             out[f"rounds_chain_orphaned_zero_{at}"] = goal(orph and orph["max"], zero=True)
+        for kind in WORKLOADS:
+            s = summary.get(kind, {}).get(str(frac))
+            if s and s["configs"].get("chain-sharded", {}).get("runs"):
+                kept = s["configs"]["chain-sharded"]["links_kept_pct"]
+                out[f"{kind}_sharded_links_kept_ge_95pct_{at}"] = goal(kept and kept["min"], 95.0)
+                out[f"{kind}_sharded_ge_0.95x_one_shard_{at}"] = goal(
+                    of(s["ratios"]["served_pct_counted"]["sharded_over_chain"]), 0.95)
         s = summary.get("recency", {}).get(str(frac))
         if s:
             miss = s["configs"].get("chain", {}).get("handoff_misses")
@@ -745,7 +769,7 @@ def targets(summary: dict) -> dict:
 
 # =========================================================================== plot ==
 COLORS = {"chain": "tab:green", "chain-recent": "tab:cyan", "chain-old": "tab:olive", "lru": "tab:red",
-          "mooncake": "tab:blue"}
+          "mooncake": "tab:blue", "chain-sharded": "tab:purple"}
 PHASE_LABELS = {"served_pct_counted": "counted turns", "served_pct_phase1": "phase 1", "served_pct_phase2": "phase 2"}
 
 
@@ -868,7 +892,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--fractions", default="0.25,0.5", help="arena sizes as fractions of the working set")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"of {','.join(CONFIGS)} (chain-sharded: chain with master.shards --shards)")
+    ap.add_argument("--shards", type=int, default=4, help="master shards of config chain-sharded")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-turn", type=int, default=4, help="rounds: the summary's share counts turns from this one")
@@ -1007,10 +1033,13 @@ def main() -> None:
                     v = c[metric]
                     parts.append(f"{cfg} {v['median']:.1f}% [{v['min']:.1f}-{v['max']:.1f}] orph "
                                  f"{c['orphaned_last']['median']:g}"
-                                 + (f" miss {c['handoff_misses']['median']:g}" if c["handoff_pages"]["max"] else ""))
+                                 + (f" miss {c['handoff_misses']['median']:g}" if c["handoff_pages"]["max"] else "")
+                                 + (f" links {c['links_kept_pct']['median']:.1f}%" if cfg == "chain-sharded"
+                                    and c.get("links_kept_pct") else ""))
                 r = s["ratios"][metric]
                 ratios = [(f"chain/{o}", r[f"chain_over_{o}"]) for o in ("mooncake", "lru")]
                 ratios.append((f"chain/best fixed ({r['best_fixed']})", r["chain_over_best_fixed"]))
+                ratios.append((f"chain-sharded/chain", r.get("sharded_over_chain")))
                 print(f"  {kind} @ {frac:.0%}, {PHASE_LABELS[metric]} (unbounded {ideal[key]:.1f}%): "
                       + "; ".join(parts) + "".join(f"; {name} x{x['of_medians']:.2f}" for name, x in ratios if x))
     unmeasured = [name for name, t in summary["targets"].items() if t["met"] is None]

@@ -311,8 +311,9 @@ def test_links_sent_whole_replace_what_a_shard_said_before():
 def test_a_parent_held_by_a_child_on_another_shard_is_evicted_after_it():
     """On the parent's shard: "a" is the least recent value, but a child on shard 0 holds
     it, so eviction takes the next least recent leaf; once the child is unlinked, "a"
-    is a leaf and goes first. On the child's shard: the link goes out with the put, the
-    child is an orphan once its parent is said to be gone, and a tick drops it."""
+    is a leaf and goes first. On the child's shard: the link goes out with the put, and
+    the child goes as soon as its parent is said to be gone (unless being read: then at
+    a later tick)."""
     t, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25, chain_insert="recent",
                     shard=1, shards=2)
     for k in "abch":
@@ -328,10 +329,13 @@ def test_a_parent_held_by_a_child_on_another_shard_is_evicted_after_it():
 
     s, clock = make(n_nodes=1, cap=4 * K, shard=0, shards=2)
     put(s, "d", parent="a")
-    assert s.chain_outbox() == {1: [("link", "a", "d")]}
+    put(s, "e", parent="a")
+    assert s.chain_outbox() == {1: [("link", "a", "d"), ("link", "a", "e")]}
     assert s.stats()["orphaned_pages"] == 0
+    read = s.get("e")
     s.chain_receive(1, [("gone", "a", "")])
-    assert s.stats()["orphaned_pages"] == 1
+    assert not s.exists("d") and s.exists("e") and s.stats()["orphaned_pages"] == 1
+    s.release("e", read.gen, read.lease)
     s.tick()
-    assert not s.exists("d") and s.chain_outbox() == {1: [("unlink", "a", "d")]}
+    assert not s.exists("e") and s.chain_outbox() == {1: [("unlink", "a", "d"), ("unlink", "a", "e")]}
     s.check_invariants()

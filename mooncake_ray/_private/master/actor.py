@@ -129,11 +129,11 @@ class MasterActor:
                  (self._apply_loop, "master-apply"), (self._evict_loop, "master-evict")]
         if shard == 0 and self.cfg.elastic.join and self.cfg.segment_size_bytes:
             loops.append((self._join_loop, "master-join"))
-        self._chains = None
         if self.cfg.master.shards > 1 and self.cfg.master.chain_eviction:
-            self._chains = ChainExchange(shard, self.cfg.master.shards, self.cfg.namespace, self._lock, self.state,
-                                         self.incarnation)
-            loops.append((functools.partial(self._chains.run, self._stop), "master-chains"))
+            chains = ChainExchange(shard, self.cfg.master.shards, self.cfg.namespace, self._lock, self.state,
+                                   self.incarnation)
+            self._lock.chains_wanted = chains.wanted
+            loops.append((functools.partial(chains.run, self._stop), "master-chains"))
         for target, name in loops:
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -757,6 +757,7 @@ class _StateLock:
         self._index = index
         self._deliver = deliver
         self._evict_wanted = evict_wanted
+        self.chains_wanted: threading.Event | None = None  # chain messages to send (chainlinks.py)
         self._depth = 0  # changed only by the thread holding _rlock
 
     def __enter__(self):
@@ -783,6 +784,8 @@ class _StateLock:
                 self._deliver()
             if state.eviction_due():
                 self._evict_wanted.set()
+            if self.chains_wanted is not None and state.chain_messages_due():
+                self.chains_wanted.set()
             self._index.set_next_gen(state._next_gen)
             self._index.set_enabled(not (state._expected and state.recovering))
             self._index.unlock()

@@ -1,9 +1,12 @@
 """Chain messages between master shards (``master.shards > 1``; the links: ``chains.py``).
 
-Each shard runs one thread that, every ``period_s``, takes the messages its state machine
-owes other shards (``MasterState.chain_outbox``) and sends each shard its part in one Ray
-call (``MasterActor.chain_links``, on a concurrency group of its own, so neither the
-heartbeats nor the other calls wait for it). A shard it has nothing for is still called
+Each shard runs one thread that takes the messages its state machine owes other shards
+(``MasterState.chain_outbox``) and sends each shard its part in one Ray call
+(``MasterActor.chain_links``, on a concurrency group of its own, so neither the heartbeats
+nor the other calls wait for it). It wakes as soon as a section of the actor's lock
+leaves messages (``wanted``), and at least every ``period_s``: a link must reach the
+parent's shard before that shard's next eviction could take the parent as a leaf, and
+messages that come while a round is in flight go in the next. A shard it has nothing for is still called
 every ``probe_s``: the answer carries the callee's incarnation, which is how a shard
 notices that another restarted.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 
@@ -47,10 +51,13 @@ class ChainExchange:
         self._whole = set(self._peers)  # peers owed every link (this shard, or they, restarted)
         self._retry: dict[int, list] = {}  # peer -> "gone" / "back" messages a failed call lost
         self._handles: dict[int, object] = {}
-        self._quiet: dict[int, int] = {}  # peer -> rounds since it was last called
+        self._quiet: dict[int, float] = {}  # peer -> when it was last called
+        self.wanted = threading.Event()  # set when a section of the actor's lock leaves messages
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.wait(self.period_s):
+        while not stop.is_set():
+            self.wanted.wait(self.period_s)
+            self.wanted.clear()
             try:
                 self.round()
             except Exception:  # keep exchanging: one bad round must not end chains across shards
@@ -61,16 +68,14 @@ class ChainExchange:
         with self._lock:
             out = self._state.chain_outbox()
             whole = {p: self._state.chain_links_to(p) for p in self._whole}
-        probe_every = max(1, round(self.probe_s / self.period_s))
+        now = time.monotonic()
         calls = {}
         for peer in self._peers:
             items = self._retry.pop(peer, []) + out.get(peer, [])
             links = whole.get(peer)
-            quiet = self._quiet.get(peer, probe_every)
-            if not items and links is None and quiet < probe_every:
-                self._quiet[peer] = quiet + 1
+            if not items and links is None and now - self._quiet.get(peer, 0.0) < self.probe_s:
                 continue
-            self._quiet[peer] = 0
+            self._quiet[peer] = now
             try:
                 ref = self._handle(peer).chain_links.remote(self.shard, items, links)
             except Exception:  # not there yet, or restarting

@@ -938,6 +938,9 @@ class MasterState:
         chains.outbox.clear()
         return out
 
+    def chain_messages_due(self) -> bool:
+        return bool(self._objects.chains.outbox)
+
     def chain_links_to(self, shard: int) -> list[tuple[str, str]]:
         """Every link this shard holds to a parent ``shard`` owns (sent whole when either
         restarted)."""
@@ -958,6 +961,8 @@ class MasterState:
             else:
                 chains.foreign_status(parent, kind == BACK)
         self.counters["chain_messages"] += len(items)
+        if chains.orphans and self.policy.chain_eviction and not self.recovering:
+            self._replicas.drop_orphans(now)  # a parent went on its shard: its tail here goes now
 
     # --------------------------------------------------------------- checking --
     def check_invariants(self, unapplied: set[str] = frozenset()) -> None:
