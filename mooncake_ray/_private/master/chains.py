@@ -56,7 +56,7 @@ class Chains:
     __slots__ = ("parent", "kids", "orphans", "counters", "waiting", "shard", "shards", "remote", "foreign_gone",
                  "outbox", "missing", "grace_s")
 
-    def __init__(self, counters: dict | None = None, shard: int = 0, shards: int = 1, grace_s: float = 1.0) -> None:
+    def __init__(self, counters: dict | None = None, shard: int = 0, shards: int = 1, grace_s: float = 0.25) -> None:
         self.parent: dict[str, str] = {}
         self.kids: dict[str, set[str]] = {}
         self.orphans: set[str] = set()
