@@ -4,7 +4,8 @@ node's arena a shard allocates from, and the store's statistics summed over shar
 With ``master.shards = N`` the store runs N master actors. Each owns the keys whose hash
 falls on it: their index, leases, pins, eviction order, put slabs, and a disjoint,
 page-aligned part of every store node's arena (and 1/N of its spill capacity), so shards
-never allocate the same bytes and never need to talk to each other. Every process routes
+never allocate the same bytes and talk to each other only about KV chains whose links
+cross shards (``master/chainlinks.py``). Every process routes
 a key the same way (``shard_of``: CRC-32 of its UTF-8 bytes, not Python's salted
 ``hash``), and a store node keeps one inventory per shard, mounted on and heartbeating to
 that shard alone: a shard that restarts rebuilds from those inventories while the others

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from mooncake_ray.kv import ConversationHint, KVGeometry, KVStore, PagePool
-from mooncake_ray._private.naming import MASTER_NAME
+from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from tests.conftest import wait_for
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)  # 32 KiB pages
@@ -86,10 +86,12 @@ def test_a_conversation_with_priority_stays_whole(make_store):
         ConversationHint("c", priority="high")
 
 
-def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_store, tmp_path):
+def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_store, ray_cluster, tmp_path):
     """2 x 4 MiB of DRAM over 2 x 4 MiB of disk: chains go to disk and are evicted from
     there too, leaves first; the master is killed; it rebuilds the chains from the
-    nodes' inventories and goes on with none cut."""
+    nodes' inventories and goes on with none cut. Then a store node is killed: its
+    restarted process finds its spilled values with their parents (spill_parents.py)
+    and its DRAM values in its kept arena, so no link is lost either."""
     s = make_store(segment_size_bytes="4mb",
                    spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "4mb"})
     chat = Chat(s, 10, seed=2, system=512)
@@ -111,6 +113,20 @@ def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_sto
         for c in range(10):
             chat.turn(c)
     wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
+    assert chat.gaps() == 0
+
+    victim = ray_cluster.store_node_ids[0]
+    on_disk = [e for e in ray.get(master.node_entries.remote(victim)) if e[3] == "disk" and e[7]]
+    assert len(on_disk) > 10, "the victim holds too few chained values on disk to tell"
+    keys, chained = s.stats()["keys"], s.stats()["chained"]
+    old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
+    ray.kill(ray.get_actor(store_actor_name(victim), namespace=s.config.namespace), no_restart=False)
+
+    def back():
+        inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim)
+        return inc not in (None, old_inc) and s.stats()["keys"] >= keys
+    wait_for(back, timeout_s=60, what="the store node to come back with its values")
+    assert s.stats()["chained"] >= chained, f"{chained - s.stats()['chained']} links lost with the node's restart"
     assert chat.gaps() == 0
 
 

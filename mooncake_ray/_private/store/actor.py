@@ -57,6 +57,7 @@ from mooncake_ray._private.master.types import RESERVED, InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.store.copies import PeerCopier, extent_ok
 from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory, apply_records
+from mooncake_ray._private.store.spill_parents import SpillParents
 from mooncake_ray._private.store.ring import CommitRing
 from mooncake_ray._private.naming import master_name
 
@@ -122,6 +123,7 @@ class StoreNodeActor:
         left = self._open_rings()
         self.readopted = self._readopt(left) if self.arena_file is not None and self.arena_file.reused else None
         self.startup["readopted_s"] = time.time() - self.started_at
+        self._parents = None  # the spilled values' chain parents (spill_parents.py)
         self.tier = self._open_spill()
         self._work: queue.Queue = queue.Queue()
         for link in self._links:
@@ -281,8 +283,12 @@ class StoreNodeActor:
         os.makedirs(directory, exist_ok=True)
         cap = sp.capacity_bytes or int(shutil.disk_usage(directory).free * 0.95)
         tier = SpillTier(directory, cap, queue_depth=sp.queue_depth, use_uring=sp.use_uring)
-        for key, gen, length in tier.keys():  # opening the tier scanned the headers
-            self._link(key).inv.add_disk(InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key)))
+        found = tier.keys()  # opening the tier scanned the headers
+        self._parents = SpillParents(directory)
+        parents = self._parents.load({key: gen for key, gen, _length in found})
+        for key, gen, length in found:
+            self._link(key).inv.add_disk(InventoryEntry(key, gen, length, DISK, 0, disk_length(length, key), 0,
+                                                        parents.get(key, "")))
         log.info("spill tier %s: %d objects found", directory, tier.num_keys)
         return tier
 
@@ -391,16 +397,34 @@ class StoreNodeActor:
                 written = [e] * len(good)
             for i, res in zip(good, written):
                 results[i] = res
-        report = []
+        report, chained = [], []
         for (key, gen, size, _off, _ln), res in zip(offloads, results):
             ok = not isinstance(res, BaseException)
             if ok:
                 with self._lock:
-                    self._link(key).inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
+                    inv = self._link(key).inv
+                    inv.add_disk(InventoryEntry(key, gen, size, DISK, 0, disk_length(size, key)))
+                    parent = inv.entries[(key, DISK)][7]
+                if parent:
+                    chained.append((key, gen, parent))
             degraded = self.tier.degraded if self.tier is not None else "no spill tier"
             report.append([key, gen, disk_length(size, key), ok, "" if ok else (degraded or "")])
+        if chained:
+            self._note_parents(chained)
         self._unreported.extend(report)
         self._send_reports()
+
+    def _note_parents(self, chained: list) -> None:
+        """Keep the chain parents of values just written to disk beside them (a failure
+        costs only their chain position after a restart)."""
+        try:
+            with self._lock:
+                self._parents.record(chained)
+                if self._parents.due():
+                    self._parents.rewrite([(e[0], e[1], e[7]) for link in self._links
+                                           for e in link.inv.entries.values() if e[3] == DISK and e[7]])
+        except OSError:
+            log.exception("recording the parents of spilled values failed")
 
     def _send_reports(self) -> bool:
         """Sends every offload outcome not yet acknowledged (``offload_done`` is idempotent,
