@@ -582,10 +582,14 @@ class ShardedSim:
                     assert holder.parent.get(child) == parent, f"{parent} held for {child}, which names another"
 
     def check(self):
-        n = len(self.sims)
+        self.check_shards()
         self.checks += 1
         if self.checks % 50 == 0 and self.sims[0].chained:
             self.settle_chains()
+            self.check_shards()
+
+    def check_shards(self):
+        n = len(self.sims)
         for shard, sim in enumerate(self.sims):
             sim.check()
             m = sim.m

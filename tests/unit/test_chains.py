@@ -308,23 +308,31 @@ def test_links_sent_whole_replace_what_a_shard_said_before():
     assert t.outbox == [(shard_of(first, 4), "back", "b", "")]
 
 
-def test_a_parent_held_by_a_child_on_another_shard_is_evicted_after_it():
-    """On the parent's shard: "a" is the least recent value, but a child on shard 0 holds
-    it, so eviction takes the next least recent leaf; once the child is unlinked, "a"
-    is a leaf and goes first. On the child's shard: the link goes out with the put, and
-    the child goes as soon as its parent is said to be gone (unless being read: then at
-    a later tick)."""
-    t, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25, chain_insert="recent",
+@pytest.mark.parametrize("insert", ["old", "recent"])
+def test_a_parent_with_a_child_on_another_shard_under_each_insertion(insert):
+    """On the parent's shard, "a" is the least recent value and a child on shard 0 names
+    it. Where new pages go on probation (``old``: many conversations taking turns), that
+    child holds "a" as a local one would: eviction takes the next least recent leaf, and
+    "a" only once the child is unlinked. Where they enter at the recent end (``recent``,
+    LRU), a remote child does not hold its parent: the pass cannot take the child's
+    tail on its own shard first, and keeping its old pages would make it take fresh
+    leaves (a handoff's pages) instead; "a" goes in LRU order and shard 0 is told.
+    On the child's shard: the link goes out with the put, and the child goes as soon as
+    its parent is said to be gone (unless being read: then at a later tick)."""
+    t, clock = make(n_nodes=1, cap=4 * K, high_watermark=1.0, evict_ratio=0.25, chain_insert=insert,
                     shard=1, shards=2)
     for k in "abch":
         put(t, k)
         clock.t += 1
     t.chain_receive(0, [("link", "a", "d")])
     put(t, "i")
-    assert stored(t, "abchi") == "achi"
-    t.chain_receive(0, [("unlink", "a", "d")])
-    put(t, "j")
-    assert stored(t, "achij") == "chij"
+    if insert == "old":
+        assert stored(t, "abchi") == "achi" and t.chain_outbox() == {}
+        t.chain_receive(0, [("unlink", "a", "d")])
+        put(t, "j")
+        assert stored(t, "achij") == "chij"
+    else:
+        assert stored(t, "abchi") == "bchi" and t.chain_outbox() == {0: [("gone", "a", "")]}
     t.check_invariants()
 
     s, clock = make(n_nodes=1, cap=4 * K, shard=0, shards=2)

@@ -54,7 +54,7 @@ class Chains:
     ``shards``: which keys are this master's own (the others' are foreign)."""
 
     __slots__ = ("parent", "kids", "orphans", "counters", "waiting", "shard", "shards", "remote", "foreign_gone",
-                 "outbox", "missing", "grace_s")
+                 "outbox", "missing", "grace_s", "remote_holds")
 
     def __init__(self, counters: dict | None = None, shard: int = 0, shards: int = 1, grace_s: float = 0.25) -> None:
         self.parent: dict[str, str] = {}
@@ -69,6 +69,7 @@ class Chains:
         self.outbox: list[tuple[int, str, str, str]] = []  # (shard, kind, parent, child) to send
         self.missing: dict[str, float] = {}  # own key linked remotely while not stored -> since when
         self.grace_s = grace_s
+        self.remote_holds = True
 
     def foreign(self, key: str) -> bool:
         """Whether another shard owns ``key``."""
@@ -222,6 +223,16 @@ class Chains:
         return [(p, c) for p, kids in self.kids.items()
                 if self.foreign(p) and shard_of(p, self.shards) == shard for c in kids]
 
+    def local_kid_count(self, key: str) -> int:
+        """What holds ``key`` in an eviction pass: its children here and puts in flight
+        naming it, and its children on other shards while ``remote_holds``."""
+        kids = self.kids.get(key)
+        n = (len(kids) if kids else 0) + self.waiting.get(key, 0)
+        if self.remote_holds:
+            remote = self.remote.get(key)
+            n += len(remote) if remote else 0
+        return n
+
     def kid_count(self, key: str) -> int:
         """Children stored (here and on other shards), and puts in flight naming ``key``."""
         kids = self.kids.get(key)
@@ -311,7 +322,7 @@ class Picker:
         yet, and this is its last copy)."""
         c = self.chains
         return (c is not None and last_copy
-                and c.kid_count(key) > self._taken.get(key, 0))
+                and c.local_kid_count(key) > self._taken.get(key, 0))
 
     def hold(self, key: str, item, length: int) -> None:
         self.held[key] = (item, length)
@@ -361,7 +372,7 @@ class Picker:
         for key in sorted((k for k in parents if k in held), key=met.__getitem__):
             if self.freed >= self.need:
                 return
-            if key in held and c.kid_count(key) <= self._taken.get(key, 0):
+            if key in held and c.local_kid_count(key) <= self._taken.get(key, 0):
                 self.take(key, *held.pop(key))
 
     def finish(self, upto: int | None = None) -> None:
@@ -377,7 +388,7 @@ class Picker:
             for key in list(self.held):
                 if self.freed >= upto:
                     return
-                if c.kid_count(key) <= self._taken.get(key, 0):
+                if c.local_kid_count(key) <= self._taken.get(key, 0):
                     self.take(key, *self.held.pop(key))
                     progress = True
 

@@ -178,6 +178,7 @@ class MasterState:
         if now - self._adapted_at >= every_s:
             self._adapted_at = now
             self.insertion.update(sum(a.capacity for a in self._alloc.values()))
+            self._objects.chains.remote_holds = self.insertion.old
 
     # ------------------------------------------------------------------ nodes --
     def mount(self, node: NodeInfo, inventory: list[InventoryEntry] = ()) -> None:
