@@ -78,7 +78,9 @@ store with NO spill tier whose DRAM arena is ``--store-fractions`` (0.25,0.5) of
 working set (every conversation's last-round prompt, in KV bytes: ``kv_bytes_per_token``
 from GEOMETRY). Configurations, per fraction, interleaved over ``--repeats``:
 
-- ``mcr-chain``      ``master.chain_eviction: true``, ``chain_insert: recent`` (the default);
+- ``mcr-chain``      ``master.chain_eviction: true`` and no ``chain_insert`` (the store's
+                     default: adaptive);
+- ``mcr-chain-recent`` the same with ``chain_insert: recent`` (by name: not in the default list);
 - ``mcr-chain-old``  the same with ``chain_insert: old``;
 - ``mcr-lru``        ``master.chain_eviction: false`` (plain LRU);
 - ``mooncake-store`` vLLM's ``MooncakeStoreConnector`` on Mooncake (master + standalone
@@ -147,7 +149,9 @@ FIRST_WORD_ID = 7  # 4 special tokens and 3 role words come first in the tiny vo
 
 MULTITURN = ["vllm", "mcr", "example", "mooncake-store", "mooncake-p2p", "lmcache"]
 CHAIN_CONFIGS = ["mcr-chain", "mcr-chain-old", "mcr-lru", "mooncake-store"]
-CHAIN_MASTER = {"mcr-chain": {"chain_eviction": True, "chain_insert": "recent"},
+CHAIN_EXTRA = ["mcr-chain-recent"]  # by name (--chain-configs)
+CHAIN_MASTER = {"mcr-chain": {"chain_eviction": True},
+                "mcr-chain-recent": {"chain_eviction": True, "chain_insert": "recent"},
                 "mcr-chain-old": {"chain_eviction": True, "chain_insert": "old"},
                 "mcr-lru": {"chain_eviction": False}}
 # --chains: the workload, where the flags are left at their defaults (see the docstring)
@@ -160,13 +164,14 @@ UNIQUE = ["vllm-unique", "mcr-unique"]
 CONNECTOR = {"vllm": None, "mcr": "mooncake-ray", "vllm-unique": None, "mcr-unique": "mooncake-ray",
              "example": "example", "mooncake-store": "mooncake-store", "mooncake-p2p": "mooncake-p2p",
              "lmcache": "lmcache", "mcr-chain": "mooncake-ray", "mcr-chain-old": "mooncake-ray",
-             "mcr-lru": "mooncake-ray"}
+             "mcr-chain-recent": "mooncake-ray", "mcr-lru": "mooncake-ray"}
 LABELS = {"vllm": "vLLM alone", "mcr": "vLLM + MooncakeRayConnector", "example": "vLLM + ExampleConnector",
           "mooncake-store": "vLLM + MooncakeStoreConnector", "mooncake-p2p": "vLLM + MooncakeConnector",
           "lmcache": "vLLM + LMCacheConnectorV1", "vllm-unique": "vLLM alone, no reuse",
           "mcr-unique": "vLLM + MooncakeRayConnector, no reuse",
-          "mcr-chain": "MooncakeRay, chain eviction", "mcr-chain-old": "MooncakeRay, chain eviction, insert old",
-          "mcr-lru": "MooncakeRay, plain LRU"}
+          "mcr-chain": "MooncakeRay, chain eviction (default)",
+          "mcr-chain-old": "MooncakeRay, chain eviction, insert old",
+          "mcr-chain-recent": "MooncakeRay, chain eviction, insert recent", "mcr-lru": "MooncakeRay, plain LRU"}
 
 
 def kv_bytes_per_token(g=GEOMETRY) -> int:
@@ -1060,7 +1065,7 @@ def main() -> None:
     ap.add_argument("--chains", action="store_true",
                     help="the chain-eviction study instead (see the docstring): writes bench_vllm_chains.{json,png}")
     ap.add_argument("--chain-configs", default=",".join(CHAIN_CONFIGS), help="--chains: comma list of "
-                    + ",".join(CHAIN_CONFIGS))
+                    + ",".join(CHAIN_CONFIGS + CHAIN_EXTRA))
     ap.add_argument("--store-fractions", default="0.25,0.5",
                     help="--chains: store DRAM arenas as fractions of the workload's KV working set")
     ap.add_argument("--from-round", type=int, default=None,
@@ -1685,9 +1690,9 @@ def chain_working_set(a) -> dict:
 
 def main_chains(a, ap) -> None:
     configs = [c for c in a.chain_configs.split(",") if c]
-    bad = [c for c in configs if c not in CHAIN_CONFIGS]
+    bad = [c for c in configs if c not in CHAIN_CONFIGS + CHAIN_EXTRA]
     if bad:
-        ap.error(f"unknown --chain-configs {bad}; allowed: {','.join(CHAIN_CONFIGS)}")
+        ap.error(f"unknown --chain-configs {bad}; allowed: {','.join(CHAIN_CONFIGS + CHAIN_EXTRA)}")
     fractions = [float(f) for f in a.store_fractions.split(",") if f]
     if a.from_round is None:
         a.from_round = a.num_rounds // 2
@@ -1850,6 +1855,9 @@ def summarize_chains(results) -> dict:
     s = out["fractions"].get("0.5")
     if s:
         t = {}
+        r = s["ratios"].get("mcr-chain/mooncake-store served")
+        t["mcr-chain served >= 1.25x mooncake-store at 50%"] = {"value": r and r["of_medians"], "goal": 1.25,
+                                                                "met": bool(r and r["of_medians"] >= 1.25)}
         for num in ("mcr-chain", "mcr-chain-old"):
             r = s["ratios"].get(f"{num}/mcr-lru served")
             o = s["configs"].get(num, {}).get("orphaned_last")
@@ -1893,7 +1901,7 @@ def print_chains(results) -> None:
 
 
 CHAIN_COLORS = {"mcr-chain": "tab:green", "mcr-chain-old": "tab:olive", "mcr-lru": "tab:red",
-                "mooncake-store": "tab:blue"}
+                "mooncake-store": "tab:blue", "mcr-chain-recent": "tab:cyan"}
 
 
 def plot_chains(results, path) -> None:
