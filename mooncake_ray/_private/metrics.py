@@ -61,10 +61,12 @@ class MasterMetrics:
         "shadow_refs": "Sampled references counted by the insertion policy's miniature caches",
         "shadow_hits_recent": "Sampled references the miniature cache inserting at the recent end hit",
         "shadow_hits_old": "Sampled references the miniature cache inserting on probation (old end) hit",
+        "chain_messages": "KV chain messages received from other master shards (links, unlinks, parents gone or back)",
     }
     GAUGES = {
         "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
         "chained": "Stored values linked to a parent (KV chains)",
+        "chain_remote_children": "Children other master shards hold of this shard's values (KV chains across shards)",
         "under_replicated_keys": "Values with fewer copies than they had or asked for, waiting for a repair",
         "under_replicated_bytes": "Value bytes of the under-replicated values",
         "insert_old": "1 while new KV pages enter the eviction order on probation (old end), 0 at the recent end",
