@@ -61,6 +61,7 @@ SLAB_GRANT = 16
 PUT_COMMIT = 17
 SLAB_RETURN = 18
 PROMOTE_BEGIN = 19  # a store node asks which promote items are the master's reservations
+CHAIN_LINKS = 20  # a master shard's KV chain messages to another (master/chainlinks.py)
 
 
 def pack(obj: Any) -> bytes:

@@ -46,7 +46,7 @@ from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError, NodeUnavailableError
 from mooncake_ray._private import auth, gcyoung, rpc
 from mooncake_ray._private.auth import role_engine
-from mooncake_ray._private.master.chainlinks import CHAIN_GROUP, ChainExchange
+from mooncake_ray._private.master.chainlinks import ChainExchange
 from mooncake_ray._private.master.fence import Fence, Held
 from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -131,7 +131,7 @@ class MasterActor:
             loops.append((self._join_loop, "master-join"))
         if self.cfg.master.shards > 1 and self.cfg.master.chain_eviction:
             chains = ChainExchange(shard, self.cfg.master.shards, self.cfg.namespace, self._lock, self.state,
-                                   self.incarnation)
+                                   self.incarnation, self.engine)
             self._lock.chains_wanted = chains.wanted
             loops.append((functools.partial(chains.run, self._stop), "master-chains"))
         for target, name in loops:
@@ -161,7 +161,14 @@ class MasterActor:
             rpc.SLAB_GRANT: self._slab_grant,
             rpc.PUT_COMMIT: self._put_commit,
             rpc.SLAB_RETURN: self._return_slabs,
+            rpc.CHAIN_LINKS: self._chain_links,
         }
+
+    def _chain_links(self, shard: int, items: list, links: list | None = None) -> str:
+        """Chain messages from master ``shard`` (chainlinks.py); ``links``: every link it
+        holds to this shard's keys. Returns this master's incarnation."""
+        self.state.chain_receive(shard, items, links)
+        return self.incarnation
 
     def _from_node(self, fn):
         def checked(node_id, items, tag=None):
@@ -664,13 +671,6 @@ class MasterActor:
                 self.state.counters["readopted_keys"] += int(event.get("keys", 0))
                 self.state.counters["readopt_dropped_keys"] += int(event.get("dropped", 0))
 
-    @ray.method(concurrency_group=CHAIN_GROUP)
-    def chain_links(self, shard: int, items: list, links: list | None = None) -> str:
-        """Chain messages from master ``shard`` (chainlinks.py); ``links``: every link it
-        holds to this shard's keys. Returns this master's incarnation."""
-        with self._lock:
-            self.state.chain_receive(shard, items, links)
-        return self.incarnation
 
     def _join_loop(self) -> None:
         """Master shard 0: give a store node to every Ray node that joins (``elastic.join``)."""
@@ -818,4 +818,4 @@ def _serve_rpc(master: MasterActor, data: bytes) -> bytes:
 
 def master_actor_class():
     """The master as a Ray actor class; heartbeats run on a concurrency group of their own."""
-    return ray.remote(concurrency_groups={LIVENESS_GROUP: 1, CHAIN_GROUP: 1})(MasterActor)
+    return ray.remote(concurrency_groups={LIVENESS_GROUP: 1})(MasterActor)
