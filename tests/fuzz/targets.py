@@ -79,7 +79,8 @@ def master_fixture():
     """A fresh ``MasterState`` (deterministic: fixed clock, wall clock 0, seed 1) with
     three nodes, keys ``k0``..``k3`` stored (``k1`` pinned), ``pend`` pending and one slab
     of ``c1``. Returns ``(state, facts)``; facts name generations and ids seeds use."""
-    pol = Policy(allocation_strategy="free_ratio_first")
+    # shard 1 of 2 (its keys k0..k3 fall on it): chain messages from shard 0 are taken
+    pol = Policy(allocation_strategy="free_ratio_first", shards=2, shard=1)
     m = MasterState(pol, clock=_fixed_clock, wall_ns=lambda: 0, seed=1)
     for i in range(NODES):
         m.mount(NodeInfo(f"n{i}", "inc", b"addr", b"rkey", 0, CAP, ray_node_id=f"ray{i}"))
@@ -180,6 +181,7 @@ _ARGS = {  # op -> (argument checks, how many trailing ones are optional)
     rpc.SLAB_GRANT: ((_str, _opt(_str), _int, _list(_int)), 3),
     rpc.PUT_COMMIT: ((_list(_rec(_str, _int, _int, _int, _bool, _str, optional=2)), _str, _list(_int)), 1),
     rpc.SLAB_RETURN: ((_list(_int),), 0),
+    rpc.CHAIN_LINKS: ((_int, _list(_rec(_str, _str, _str)), _opt(_list(_rec(_str, _str)))), 1),
 }
 
 
@@ -256,6 +258,9 @@ def master_rpc_seeds() -> list[bytes]:
         [rpc.SLAB_GRANT, "c2", "ray1", 8192, [slab]],
         [rpc.PUT_COMMIT, [["s1", slab, 0, 100], ["s2", slab, 4096, 10, True]], OWNER, []],
         [rpc.SLAB_RETURN, [slab, 99]],
+        [rpc.CHAIN_LINKS, 0, [["link", "k0", "c5"], ["gone", "x4", ""], ["back", "x4", ""], ["unlink", "k0", "c5"]],
+         [["k2", "c6"]]],
+        [rpc.CHAIN_LINKS, 0, [["link", "k1", "c5"]]],
     ]
     return [rpc.pack(r) for r in reqs]
 

@@ -347,3 +347,26 @@ def test_a_parent_with_a_child_on_another_shard_under_each_insertion(insert):
     s.tick()
     assert not s.exists("e") and s.chain_outbox() == {1: [("unlink", "a", "d"), ("unlink", "a", "e")]}
     s.check_invariants()
+
+
+def test_chain_messages_of_the_wrong_shape_or_shard_are_refused_and_change_nothing():
+    """Shard 1 of 2 takes links to its own parents from shard 0's children, and "gone" /
+    "back" of shard 0's parents; anything else is an InvalidArgumentError naming it, and a
+    refused batch applies none of its messages."""
+    t, _clock = make(n_nodes=1, cap=8 * K, shard=1, shards=2)
+    put(t, "a")
+    for shard, items, links, named in [
+            (1, [], None, "shard 1"),                      # from itself
+            (2, [], None, "shard 2"),                      # no such shard
+            (0, [["link", "a", "d"], ["link", "d", "e"]], None, "'d', 'e'"),  # "d" is not shard 1's
+            (0, [["link", "a", "b"]], None, "'a', 'b'"),   # "b" is not shard 0's
+            (0, [["gone", "a", ""]], None, "'gone', 'a'"),  # "a" is shard 1's own
+            (0, [["hold", "a", "d"]], None, "'hold'"),
+            (0, [["link", "a", 3]], None, "chain message"),
+            (0, [], [["a"]], "chain link")]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            t.chain_receive(shard, items, links)
+    assert t.stats()["chain_remote_children"] == 0 and t.chain_outbox() == {}
+    t.chain_receive(0, [["link", "a", "d"]], [["a", "e"]])
+    assert t.stats()["chain_remote_children"] == 2
+    t.check_invariants()

@@ -47,6 +47,7 @@ from mooncake_ray._private.shards import shard_of
 
 # Messages between shards (``Chains.outbox`` items: ``(shard, kind, parent, child)``).
 LINK, UNLINK, GONE, BACK = "link", "unlink", "gone", "back"
+CHAIN_KINDS = (LINK, UNLINK, GONE, BACK)
 
 
 class Chains:
