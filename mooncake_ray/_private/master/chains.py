@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from mooncake_ray.errors import InvalidArgumentError
+from mooncake_ray._private.checks import check_records
 from mooncake_ray._private.shards import shard_of
 
 # Messages between shards (``Chains.outbox`` items: ``(shard, kind, parent, child)``).
@@ -219,12 +221,37 @@ class Chains:
             self.foreign_gone.add(parent)
             self.orphans.update(kids)
 
+    def check_messages(self, shard, items, links) -> None:
+        """That chain messages (and whole links) from master ``shard`` fit the wire and the
+        shards: a link names this shard's parent and the sender's child, "gone" / "back"
+        the sender's parent.
+
+        Raises:
+            InvalidArgumentError: naming the first that does not.
+        """
+        if type(shard) is not int or not 0 <= shard < self.shards or shard == self.shard:
+            raise InvalidArgumentError(f"chain messages from shard {shard!r}: this is shard {self.shard} "
+                                       f"of {self.shards}")
+        check_records(items, (str, str, str), "chain message")
+        if links is not None:
+            check_records(links, (str, str), "chain link")
+        for m in items:
+            kind, parent, child = m
+            if kind not in CHAIN_KINDS:
+                raise InvalidArgumentError(f"chain message {m!r:.120}: its kind is one of {CHAIN_KINDS}")
+            if (self.foreign(parent) or shard_of(child, self.shards) != shard if kind in (LINK, UNLINK)
+                    else shard_of(parent, self.shards) != shard):
+                raise InvalidArgumentError(f"chain message {m!r:.120} from shard {shard} names keys of other shards")
+        for link in links or ():
+            if self.foreign(link[0]) or shard_of(link[1], self.shards) != shard:
+                raise InvalidArgumentError(f"chain link {link!r:.120} from shard {shard} names keys of other shards")
+
     def foreign_links(self, shard: int) -> list[tuple[str, str]]:
         """Every ``(parent, child)`` link here to a parent ``shard`` owns."""
         return [(p, c) for p, kids in self.kids.items()
                 if self.foreign(p) and shard_of(p, self.shards) == shard for c in kids]
 
-    def local_kid_count(self, key: str) -> int:
+    def kid_count(self, key: str) -> int:
         """What holds ``key`` in an eviction pass: its children here and puts in flight
         naming it, and its children on other shards while ``remote_holds``."""
         kids = self.kids.get(key)
@@ -233,12 +260,6 @@ class Chains:
             remote = self.remote.get(key)
             n += len(remote) if remote else 0
         return n
-
-    def kid_count(self, key: str) -> int:
-        """Children stored (here and on other shards), and puts in flight naming ``key``."""
-        kids = self.kids.get(key)
-        remote = self.remote.get(key)
-        return (len(kids) if kids else 0) + (len(remote) if remote else 0) + self.waiting.get(key, 0)
 
     def wait(self, parent: str) -> bool:
         """A put naming ``parent`` started; True if it is the first thing to hold it."""
@@ -323,7 +344,7 @@ class Picker:
         yet, and this is its last copy)."""
         c = self.chains
         return (c is not None and last_copy
-                and c.local_kid_count(key) > self._taken.get(key, 0))
+                and c.kid_count(key) > self._taken.get(key, 0))
 
     def hold(self, key: str, item, length: int) -> None:
         self.held[key] = (item, length)
@@ -373,7 +394,7 @@ class Picker:
         for key in sorted((k for k in parents if k in held), key=met.__getitem__):
             if self.freed >= self.need:
                 return
-            if key in held and c.local_kid_count(key) <= self._taken.get(key, 0):
+            if key in held and c.kid_count(key) <= self._taken.get(key, 0):
                 self.take(key, *held.pop(key))
 
     def finish(self, upto: int | None = None) -> None:
@@ -389,7 +410,7 @@ class Picker:
             for key in list(self.held):
                 if self.freed >= upto:
                     return
-                if c.local_kid_count(key) <= self._taken.get(key, 0):
+                if c.kid_count(key) <= self._taken.get(key, 0):
                     self.take(key, *self.held.pop(key))
                     progress = True
 

@@ -59,8 +59,7 @@ from mooncake_ray._private.master.adaptive import InsertionPolicy
 from mooncake_ray._private.master.pyindex import REF_GET, PyIndex
 from mooncake_ray._private.master.repairs import Repairs, copies
 from mooncake_ray._private.master.slabs import SlabTable, put_key, slab_key
-from mooncake_ray._private.master.chains import BACK, CHAIN_KINDS, LINK, UNLINK
-from mooncake_ray._private.shards import shard_of
+from mooncake_ray._private.master.chains import BACK, LINK, UNLINK
 from mooncake_ray._private.master.table import ObjectTable
 from mooncake_ray._private.master.tiering import PROMOTE, DiskTier
 from mooncake_ray._private.master.types import (
@@ -958,23 +957,7 @@ class MasterState:
         """
         objects, now = self._objects, self._clock()
         chains = objects.chains
-        if type(shard) is not int or not 0 <= shard < chains.shards or shard == chains.shard:
-            raise InvalidArgumentError(f"chain messages from shard {shard!r}: this is shard {chains.shard} "
-                                       f"of {chains.shards}")
-        check_records(items, (str, str, str), "chain message")
-        if links is not None:
-            check_records(links, (str, str), "chain link")
-        for m in items:
-            kind, parent, child = m
-            if kind not in CHAIN_KINDS:
-                raise InvalidArgumentError(f"chain message {m!r:.120}: its kind is one of {CHAIN_KINDS}")
-            # a link names this shard's parent and the sender's child; gone / back the sender's parent
-            if (chains.foreign(parent) or shard_of(child, chains.shards) != shard if kind in (LINK, UNLINK)
-                    else shard_of(parent, chains.shards) != shard):
-                raise InvalidArgumentError(f"chain message {m!r:.120} from shard {shard} names keys of other shards")
-        for link in links or ():
-            if chains.foreign(link[0]) or shard_of(link[1], chains.shards) != shard:
-                raise InvalidArgumentError(f"chain link {link!r:.120} from shard {shard} names keys of other shards")
+        chains.check_messages(shard, items, links)
         if links is not None:
             objects.remote_sync(shard, links, now)
         for kind, parent, child in items:
