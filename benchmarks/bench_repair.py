@@ -11,17 +11,21 @@ A Ray cluster of a head (no store) and three store nodes, on this machine. Per r
   upserts (1024 keys in turn) and gets of 64 KiB values, timing each completed operation;
 - after ``--before`` seconds one store node is SIGKILLed; Ray restarts it, empty;
 - noticed: the first time the master counts values short of copies
-  (``under_replicated_keys`` > 0, polled every 20 ms); repaired: the first time after
-  that it counts none. The repair's bytes are ``repair_bytes`` of the master's counters;
-- the load's rate between noticed and repaired, over its rate in the ``--before`` seconds
-  before the kill;
+  (``under_replicated_keys`` > 0); copying: from the first repair the master counts to
+  repaired, the first time after that it counts none. The master's counters are polled
+  every 100 ms, before the kill as after, so that both rates bear the polls' cost. The
+  repair's bytes are ``repair_bytes`` of the master's counters;
+- the load's rate while copies run, and between noticed and repaired (the killed node's
+  restart included), over its rate in the ``--before`` seconds before the kill;
 - afterwards every value of the fill reads back with its bytes, and every one has two
   ready copies.
 
-``master.repair_delay_s`` (``--delay``, 0 here) is how long repairs wait after a loss for
-a restarting node to re-adopt its arena (10 s by default): with the default, add it to the
-time to repair. ``master.repair_bytes_per_s`` is the default (256 MiB/s) unless ``--pace``
-says otherwise (with ``--out`` naming the JSON, e.g. bench_repair_pace64m.json).
+``master.repair_delay_s`` is the store's default (10 s) unless ``--delay`` says otherwise:
+repairs wait for it, or until the killed node has mounted again (here empty: nothing more
+can come back), whichever is sooner. ``master.repair_bytes_per_s`` is the default unless
+``--pace`` says otherwise (with ``--out`` naming the JSON, e.g. bench_repair_pace64m.json).
+``--hold S`` makes no repair at all and measures the load for S seconds after the loss is
+noticed: what the loss and the node's restart cost by themselves.
 
     make bench B=benchmarks/bench_repair.py ARGS="--runs 3"
 
@@ -44,6 +48,7 @@ from _common import host_info, host_label, parse_size, spread, store_cluster, wa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD_BYTES = 64 << 10
+POLL_S = 0.1  # the master's counters, before the kill as after (each poll costs it a Ray call)
 
 
 def _load_actor():
@@ -97,8 +102,8 @@ def _load_actor():
     return Load.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
 
 
-def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: float, buf,
-             pace: int | None = None) -> dict:
+def run_once(cluster, fill: int, size: int, segment: int, delay: float | None, before: float, buf,
+             pace: int | None = None, hold: float = 0.0) -> dict:
     import ray
 
     import mooncake_ray
@@ -108,7 +113,8 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
     ns = f"rp{uuid.uuid4().hex[:8]}"
     s = mooncake_ray.start({
         "namespace": ns, "segment_size_bytes": segment, "transport": {"devices": ["lo"]},
-        "master": {"allocation_strategy": "free_ratio_first", "repair_delay_s": delay,
+        "master": {"allocation_strategy": "free_ratio_first",
+                   **({"repair_delay_s": delay} if delay is not None else {}),
                    **({"repair_bytes_per_s": pace} if pace else {})},
         "elastic": {"keep_arena": False}})
     master = ray.get_actor(MASTER_NAME, namespace=ns)
@@ -133,23 +139,32 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
         ray.get(load.seed.remote())
         st0 = ray.get(master.stats.remote())
         total = before + 60.0
-        ref = load.run.remote(total)
-        time.sleep(before)
-        old = {n_["node_id"]: n_["incarnation"] for n_ in ray.get(master.nodes.remote())}[victim]
-        pid = ray.get(ray.get_actor(store_actor_name(victim), namespace=ns).pid.remote())
-        t_kill = time.time()
-        os.kill(pid, 9)
         peak = {"keys": 0, "bytes": 0}
+        began = []  # when the master first counted a repair done
 
         def short() -> int:
             st = ray.get(master.stats.remote())
             peak["keys"] = max(peak["keys"], st["under_replicated_keys"])
             peak["bytes"] = max(peak["bytes"], st["under_replicated_bytes"])
+            if not began and st["repairs"] > st0["repairs"]:
+                began.append(time.time())
             return st["under_replicated_keys"]
 
-        _wait(lambda: short() > 0, timeout_s=60, what="the loss to be noticed")
+        ref = load.run.remote(total)
+        t_end = time.time() + before
+        while time.time() < t_end:  # polled as during the repair, so both rates bear its cost
+            short()
+            time.sleep(POLL_S)
+        old = {n_["node_id"]: n_["incarnation"] for n_ in ray.get(master.nodes.remote())}[victim]
+        pid = ray.get(ray.get_actor(store_actor_name(victim), namespace=ns).pid.remote())
+        t_kill = time.time()
+        os.kill(pid, 9)
+        _wait(lambda: short() > 0, timeout_s=60, interval_s=POLL_S, what="the loss to be noticed")
         t_noticed = time.time()
-        _wait(lambda: short() == 0, timeout_s=120, what="every value back to two copies")
+        if hold:  # no repair (repair_delay_s is an hour): the loss and the node's restart alone
+            time.sleep(hold)
+        else:
+            _wait(lambda: short() == 0, timeout_s=120, interval_s=POLL_S, what="every value back to two copies")
         t_repaired = time.time()
         st1 = ray.get(master.stats.remote())
         remounted = {n_["node_id"]: n_["incarnation"] for n_ in ray.get(master.nodes.remote())}.get(victim)
@@ -168,6 +183,7 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
             return sum(1 for t in ts if a <= t < b) / max(b - a, 1e-9)
 
         window = (t_noticed, max(t_repaired, t_noticed + 0.5))  # at least half a second counted
+        copying = (began[0], max(t_repaired, began[0] + 0.5)) if began else window
         return {
             "value_bytes": size, "fill_bytes": n * size, "keys": n, "victim_keys": on_victim,
             "victim_bytes": on_victim * size, "fill_gbs": 2 * n * size / fill_s / 1e9,
@@ -179,6 +195,9 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float, before: 
             "repair_gbs": (st1["repair_bytes"] - st0["repair_bytes"]) / max(t_repaired - t_noticed, 1e-9) / 1e9,
             "put_rate_before": rate(got["puts"], t_kill - before, t_kill),
             "put_rate_during": rate(got["puts"], *window),
+            "repairs_began_after_kill_s": (began[0] - t_kill) if began else None,
+            "copying_s": copying[1] - copying[0],
+            "put_rate_copying": rate(got["puts"], *copying),
             "get_rate_before": rate(got["gets"], t_kill - before, t_kill),
             "get_rate_during": rate(got["gets"], *window),
             "load_errors": got["n_errors"], "load_error_sample": got["errors"][:5],
@@ -208,12 +227,12 @@ def plot(results: dict, path: Path) -> None:
     a.set_ylabel("seconds")
     a.legend(fontsize=8)
     a.set_title("Re-replication of a lost node's values")
-    for key, lab, off in (("put", "puts", -0.2), ("get", "gets", 0.2)):
-        b.bar([i + off for i in x], [r[f"{key}_rate_during"] / max(r[f"{key}_rate_before"], 1e-9) for r in runs],
-              0.4, label=lab)
+    for key, lab, off in (("put_rate_copying", "while copies run", -0.2),
+                          ("put_rate_during", "noticed -> repaired (restart included)", 0.2)):
+        b.bar([i + off for i in x], [r[key] / max(r["put_rate_before"], 1e-9) for r in runs], 0.4, label=lab)
     b.axhline(0.8, color="k", ls="--", lw=1, label="target")
     b.set_xticks(list(x), [f"run {i + 1}" for i in x])
-    b.set_ylabel("rate during repair / before the loss")
+    b.set_ylabel("load's rate / before the loss")
     b.legend(fontsize=8)
     b.set_title("Client puts and gets meanwhile")
     fig.suptitle(host_label(results["host"]), fontsize=9)
@@ -227,9 +246,12 @@ def main() -> None:
     ap.add_argument("--fill", default="1536m", help="bytes of values (two copies each) over the three nodes")
     ap.add_argument("--value-bytes", default="256k")
     ap.add_argument("--segment", default="1792m", help="arena of each store node (room for the fill, the repairs and the load under the eviction watermark)")
-    ap.add_argument("--delay", type=float, default=0.0, help="master.repair_delay_s")
+    ap.add_argument("--delay", type=float, default=None, help="master.repair_delay_s (default: the store's)")
     ap.add_argument("--before", type=float, default=5.0, help="seconds of load measured before the kill")
     ap.add_argument("--pace", default="", help="master.repair_bytes_per_s (default: the store's default)")
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="no repair: measure the load for this many seconds after the loss is noticed "
+                         "(what the loss and the node's restart cost alone)")
     ap.add_argument("--out", default="bench_repair.json", help="file name under benchmarks/results")
     args = ap.parse_args()
     import mooncake_ray  # noqa: F401 - the whole package first (parse_size alone loads a stub of it)
@@ -240,8 +262,8 @@ def main() -> None:
     results = {"host": host_info(), "args": vars(args), "runs": []}
     try:
         for _ in range(args.runs):
-            r = run_once(cluster, fill, size, segment, args.delay, args.before, buf,
-                         parse_size(args.pace) if args.pace else None)
+            r = run_once(cluster, fill, size, segment, 3600.0 if args.hold else args.delay, args.before, buf,
+                         parse_size(args.pace) if args.pace else None, args.hold)
             print(json.dumps(r), flush=True)
             results["runs"].append(r)
     finally:
@@ -254,6 +276,10 @@ def main() -> None:
         "victim_gb": spread([r["victim_bytes"] / 1e9 for r in runs]),
         "noticed_after_kill_s": spread([r["noticed_after_kill_s"] for r in runs]),
         "repair_s": spread([r["repair_s"] for r in runs]),
+        "repaired_after_kill_s": spread([r["repaired_after_kill_s"] for r in runs]),
+        "repairs_began_after_kill_s": spread([r["repairs_began_after_kill_s"] for r in runs
+                                              if r["repairs_began_after_kill_s"] is not None]),
+        "put_copying_over_before": spread([r["put_rate_copying"] / max(r["put_rate_before"], 1e-9) for r in runs]),
         "repair_gbs": spread([r["repair_gbs"] for r in runs]),
         "put_during_over_before": spread([r["put_rate_during"] / max(r["put_rate_before"], 1e-9) for r in runs]),
         "get_during_over_before": spread([r["get_rate_during"] / max(r["get_rate_before"], 1e-9) for r in runs]),

@@ -249,12 +249,15 @@ class MasterConfig(_Model):
     loses the value, and a value written into a node killed just before is acknowledged."""
     max_key_bytes: int = Field(4096, ge=1, le=65536)
     repair_delay_s: float = Field(10.0, ge=0)
-    """A value left with fewer copies than it had (a store node lost, a put placed while a
-    node was down) is copied to another node again after this long; a store node that Ray
-    restarts re-adopts its arena sooner, and its values need no copy."""
-    repair_bytes_per_s: Size = 256 << 20
+    """A value left with fewer copies than its put asked for (a store node lost, a put
+    placed while a node was down) is copied to another node again after this long, or as
+    soon as every node lost meanwhile has mounted again (a store node that Ray restarts
+    re-adopts its arena within seconds, and its values need no copy; one back empty brings
+    nothing more)."""
+    repair_bytes_per_s: Size = 96 << 20
     """The most bytes per second a store node copies to restore other values' copies
-    (0: no repairs): puts and gets keep their rate meanwhile."""
+    (0: no repairs), a MiB at a time: puts and gets keep their rate meanwhile (0.85x of it
+    on 2 vCPUs, docs/performance.md)."""
     chain_eviction: bool = True
     """Evict KV chains leaves first: a value put with a ``parent`` holds its parent (and so
     its whole prefix) in the store while it is stored or being put; a page whose parent

@@ -162,8 +162,9 @@ void bind_master(nb::module_& m) {
         ix.set_ring(node_id, std::move(r));
       }, "node_id"_a, "incarnation"_a, "addr"_a, "nbytes"_a, "fd"_a, "epoch"_a, "proc_fd"_a = -1)
       .def("drop_ring", &mcr::MasterIndex::drop_ring, "node_id"_a)
-      // [(node_id, incarnation, reserved?, key, gen, size, offset, length, parent), ...]:
-      // see MasterIndex::ring_publish.
+      // [(node_id, incarnation, reserved?, key, gen, size, offset, length, parent[, want]), ...]:
+      // see MasterIndex::ring_publish. ``want`` (the copies the put asked for, 1-255) goes in
+      // the record kind's high bits (store/ring.py reads it back).
       .def("ring_publish", [](mcr::MasterIndex& ix, nb::list items) {
         std::vector<mcr::MasterIndex::RingRecord> recs;
         recs.reserve(items.size());
@@ -179,6 +180,11 @@ void bind_master(nb::module_& m) {
           r.offset = nb::cast<uint64_t>(t[6]);
           r.length = nb::cast<uint64_t>(t[7]);
           r.parent = nb::cast<std::string>(t[8]);
+          if (t.size() > 9) {
+            const uint64_t want = nb::cast<uint64_t>(t[9]);
+            if (want < 1 || want > 255) throw nb::value_error("ring_publish: want is not in 1..255");
+            if (want > 1) r.kind |= uint32_t(want) << 8;
+          }
           recs.push_back(std::move(r));
         }
         return ix.ring_publish(recs);

@@ -374,11 +374,11 @@ def inventory_fixture() -> StoreInventory:
 
 
 def _entry_ok(k, e) -> bool:
-    if not (type(e) is tuple and len(e) == 8):
+    if not (type(e) is tuple and len(e) == 9):
         return False
     e = InventoryEntry(*e)
     return (type(e.key) is str and e.tier in (DRAM, DISK) and k == (e.key, e.tier) and type(e.parent) is str
-            and all(type(x) is int for x in (e.gen, e.size, e.offset, e.length, e.pin)))
+            and all(type(x) is int for x in (e.gen, e.size, e.offset, e.length, e.pin, e.want)) and e.want >= 1)
 
 
 def store_inventory(data: bytes) -> None:
@@ -418,6 +418,7 @@ def inventory_seeds() -> list[bytes]:
     msgs = [
         [1, 2, [[["c", 9, 30, DRAM, 8192, 4096, 0]], [["a", 5, DRAM], ["a", 4, DISK]], [["b", 6, 20, 4096, 4096]]]],
         [1, 2, [[["a", 7, 10, DRAM, 0, 4096, 1]], [], []]],
+        [1, 2, [[["d", 8, 10, DRAM, 0, 4096, 0, "c", 2]], [], []]],  # a value put with replicas=2
         [1, 1, [[], [], []]],
         [2, 1, [[], [["b", 6, DRAM]], []]],
     ]

@@ -383,6 +383,33 @@ def test_a_node_lost_for_good_leaves_every_value_with_two_copies_again(make_stor
     assert f"repairs {st['repairs']}" in format_status(s.stats())
 
 
+def test_a_master_killed_with_a_node_still_repairs_what_the_node_held(make_store, ray_cluster, extra_node):
+    """The master and a store node SIGKILLed together (the node back empty): the new master
+    never saw the loss, but each surviving node's entry of a value says how many copies its
+    put asked for, so the values short of them are found and copied again."""
+    extra_node()
+    s = make_store(elastic={**ELASTIC, "keep_arena": False}, master={**PLACEMENT, "repair_delay_s": 0.5})
+    master = master_of(s)
+    keys = [f"mk{i}" for i in range(120)]
+    assert s.batch_put(keys, [val(i, 16 * KB) for i in range(120)], replicas=2) == [None] * 120
+    assert s.batch_put(["one"], [b"x" * KB], replicas=1) == [None]
+    victim = sorted(mounted(master))[0]
+    on_victim = keys_on(master, keys, victim)
+    assert len(on_victim) > 20
+    ns = s.config.namespace
+    inc, master_pid = ray.get(master.ping.remote()), ray.get(master.pid.remote())
+    node_pid = ray.get(ray.get_actor(store_actor_name(victim), namespace=ns).pid.remote())
+    os.kill(node_pid, 9)
+    os.kill(master_pid, 9)
+    wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
+    wait_for(lambda: victim in mounted(master), timeout_s=60, what="the restarted store node to mount")
+    wait_for(lambda: copies_short(master) == 0 and ray.get(master.stats.remote())["repairs"] >= len(on_victim),
+             timeout_s=60, what="the values the node held back to two copies")
+    where = ray.get(master.where.remote(keys))
+    assert sorted({len({n for n, _t, ready in reps if ready}) for reps in where}) == [2]
+    assert s.batch_get(keys) == [val(i, 16 * KB) for i in range(120)]
+
+
 def test_stopping_the_store_removes_its_arena_files(ray_cluster):
     import mooncake_ray
     from tests.conftest import store_config

@@ -10,6 +10,7 @@ import fcntl
 import os
 
 import msgpack
+import pytest
 
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.fastpath import COMMIT, HELD
@@ -58,7 +59,7 @@ def test_a_commit_is_answered_through_the_ring_of_a_live_node(tmp_path):
     assert rep[0] == rpc.OK and len(rep[1]) == 2  # answered, not held
     assert ix.ring_acks() == 2
     got = node.read()
-    assert got == [("a", rep[1][0], 100, 0, 128, "", False), ("b", rep[1][1], 5000, 4096, 8192, "a", False)]
+    assert got == [("a", rep[1][0], 100, 0, 128, "", False, 1), ("b", rep[1][1], 5000, 4096, 8192, "a", False, 1)]
     assert node.read() == []
     log = ix.drain()[2]
     assert [e[0] for e in log] == [COMMIT, COMMIT]  # applied by Python as before, no HELD
@@ -163,11 +164,14 @@ def test_pythons_commits_and_reservations_go_through_the_ring_all_or_nothing(tmp
     ix = index_with_slab()
     for i, (n, m) in enumerate(zip(nodes, masters)):
         ix.set_ring(f"n{i}", f"i{i}", m.addr, m.nbytes, m.fd, n.new_epoch())
-    recs = [("n0", "i0", False, "v", 7, 100, 4096, 4096, "p"), ("n1", "i1", False, "v", 7, 100, 0, 4096, "p"),
+    # a value put with replicas=2: each record says so (a restarted master finds it short)
+    recs = [("n0", "i0", False, "v", 7, 100, 4096, 4096, "p", 2), ("n1", "i1", False, "v", 7, 100, 0, 4096, "p", 2),
             ("n1", "i1", True, "put/8", 8, 8192, 8192, 8192, "")]
     assert ix.ring_publish(recs)
-    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False)]
-    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False), ("put/8", 8, 8192, 8192, 8192, "", True)]
+    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False, 2)]
+    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False, 2), ("put/8", 8, 8192, 8192, 8192, "", True, 1)]
+    with pytest.raises(ValueError, match="want is not in 1..255"):
+        ix.ring_publish([("n0", "i0", False, "w", 9, 1, 0, 64, "", 0)])
     # one record for a node without a usable ring (another incarnation): none is written
     assert not ix.ring_publish([("n0", "i0", False, "w", 9, 1, 0, 64, ""), ("n1", "old", False, "w", 9, 1, 0, 64, "")])
     assert nodes[0].read() == [] and nodes[1].read() == []

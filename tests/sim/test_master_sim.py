@@ -34,6 +34,7 @@ from mooncake_ray._private.shards import shard_of
 from mooncake_ray._private.master.chains import BACK, GONE
 from mooncake_ray._private.master.fastpath import COMMIT
 from mooncake_ray._private.master.pyindex import PyIndex
+from mooncake_ray._private.master.repairs import copies
 from mooncake_ray._private.master.outbox import plan_mount
 from mooncake_ray._private.master.allocator import ALIGN, extent_length
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -179,6 +180,18 @@ class Sim:
             obj = m._objects.peek(key)
             if obj is not None and obj.gen == gen:
                 assert key in m.repairs.short, f"{key} lost a copy with its node and is not queued for repair"
+
+    def check_short_after_restart(self, wanted):
+        """After a master restart: a value keeps the copies its put asked for (``wanted``:
+        the previous master's ``{key: (gen, want)}``), and each one with fewer is queued."""
+        m = self.m
+        for key, (gen, want) in wanted.items():
+            obj = m._objects.peek(key)
+            if obj is None or obj.gen != gen:
+                continue
+            assert obj.want == want, f"{key} wants {want} copies; the restarted master says {obj.want}"
+            if copies(obj) < want:
+                assert key in m.repairs.short, f"{key} has {copies(obj)} of {want} copies and is not queued"
 
     def _kill_node(self, victim):
         """A store node dies and comes back: DRAM empty, spill files kept."""
@@ -348,10 +361,12 @@ class Sim:
                 self.restarts += 1
                 for k, v in m.counters.items():
                     self.totals[k] = self.totals.get(k, 0) + v
+                wanted = {k: (o.gen, o.want) for k, o in m._objects.items() if o.want > 1}
                 self.m = m = self._new_master()
                 m.begin_recovery(set(self.incs))
                 for n in self.incs:
                     self.remount(n)
+                self.check_short_after_restart(wanted)
                 self.pending.clear()
                 self.owner = f"client{rng.randrange(1 << 30)}"
             elif r < 0.915 and self.slabs:

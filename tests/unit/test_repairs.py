@@ -1,7 +1,12 @@
 """Values short of copies are copied again (master/repairs.py): what is noted short, when
 a repair is planned, from where to where, and what its report does. Literal plans."""
 
+import pytest
+
+from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.master.allocator import ALIGN
+from mooncake_ray._private.master.state import MasterState
+from mooncake_ray._private.store.inventory import StoreInventory, check_delta
 from tests.unit.test_master_state import make, node, put
 
 K = ALIGN
@@ -39,6 +44,35 @@ def test_a_lost_node_leaves_its_values_short_and_they_are_copied_back_after_the_
     assert short(m) == 0 and m.stats()["repairs"] == 1 and m.stats()["repair_bytes"] == 2 * K
     delta = m.drain_effects()[other]  # the new holder records it (a restarted master finds it)
     assert "a" in [e.key for e in delta.adds if e.tier == "dram"]
+    m.check_invariants()
+
+
+def test_repairs_start_once_every_lost_node_is_back_not_after_the_whole_delay():
+    """A lost node that mounts again, empty (a new process without its arena), brings
+    nothing back: what is still short is due at once. While another lost node may still
+    come back, the delay stands; a node that re-adopts takes its values off the list."""
+    m, clock = make(n_nodes=4, cap=64 * K, repair_delay_s=10.0)
+    for i in range(8):
+        put(m, f"v{i}", K, replicas=2)
+    on = {n: {e.key: e for e in m.node_entries(n)} for n in ("n0", "n1", "n2", "n3")}
+    # two nodes that share no value (each value keeps a copy), the others the sources
+    a, b = next((a, b) for a in on for b in on if a < b and on[a] and on[b] and not set(on[a]) & set(on[b]))
+    sources = ("n0", "n1", "n2", "n3")
+    m.unmount(a, "killed")
+    m.unmount(b, "killed")
+    assert short(m) == len(on[a]) + len(on[b])
+    clock.t += 1.0
+    m.mount(node(int(a[1:]), 64 * K, inc="b"))  # back empty
+    assert [p for n in sources for p in m.repair_plan(n, 1 << 20)] == []  # b may still come back
+    m.mount(node(int(b[1:]), 64 * K, inc="b"), [list(e) for e in on[b].values()])  # back with its arena
+    plans = [p for n in sources for p in m.repair_plan(n, 1 << 20)]  # 1 s after the loss, not 10
+    assert sorted(p[0] for p in plans) == sorted(on[a]) and short(m) == len(on[a])
+    m.repair_done([[k, g, dst, off, True] for k, g, _s, _src, dst, off in plans])
+    assert short(m) == 0 and all(len(nodes_of(m, f"v{i}")) == 2 for i in range(8))
+    m.unmount(a, "killed")  # a node lost for good: the delay stands, then repairs go
+    assert short(m) > 0 and [p for n in sources for p in m.repair_plan(n, 1 << 20)] == []
+    clock.t += 10.0
+    assert [p for n in sources for p in m.repair_plan(n, 1 << 20)] != []
     m.check_invariants()
 
 
@@ -149,3 +183,49 @@ def test_a_node_back_after_its_values_were_copied_again_does_not_leave_a_copy_to
     for n in ("n0", "n1", "n2"):  # every node's inventory is what the master holds
         m.drain_effects()
     m.check_invariants()
+
+
+def test_a_restarted_master_finds_the_values_short_of_the_copies_their_puts_asked_for():
+    """Each node's entry of a value says how many copies its put asked for: a master that
+    restarts after a node's loss (the node's entries gone with it) queues what is short,
+    through the store nodes' inventories, as the master that saw the loss would have."""
+    m, clock = make(n_nodes=3, cap=64 * K, repair_delay_s=10.0)
+    for i in range(6):
+        put(m, f"two{i}", K, replicas=2)
+        put(m, f"one{i}", K, replicas=1)
+    put(m, "three", K, replicas=3)
+    inv = {n: StoreInventory() for n in ("n0", "n1", "n2")}
+    for node_id, d in m.drain_effects().items():
+        mount_id, _ = inv[node_id].begin_mount()
+        inv[node_id].apply(mount_id, 1, d.to_wire())
+    lost = "n0"
+    on_lost = {e[0] for e in inv[lost].entries.values()}
+    assert all(e[8] == (2 if e[0].startswith("two") else 3 if e[0] == "three" else 1)
+               for i in inv.values() for e in i.entries.values())
+    m2 = MasterState(m.policy, clock=clock, wall_ns=lambda: 0)  # the master restarts; n0 is gone
+    m2.begin_recovery({"n1", "n2"})
+    for n in ("n1", "n2"):
+        m2.mount(node(int(n[1:]), 64 * K), [e for e in inv[n].entries.values()])
+    expect = sorted(k for k in on_lost if not k.startswith("one"))
+    assert sorted(m2.repairs.short) == expect and "three" in expect
+    plans = [p for n in ("n1", "n2") for p in m2.repair_plan(n, 1 << 20)]  # no lost node to wait for
+    assert sorted(p[0] for p in plans) == [k for k in expect if k != "three"]  # "three": no third node
+    m2.repair_done([[k, g, dst, off, True] for k, g, _s, _src, dst, off in plans])
+    assert all(len(nodes_of(m2, k)) == 2 for k in expect if k != "three")
+    m2.mount(node(0, 64 * K, inc="b"))  # a node without a copy of "three"
+    plans = [p for n in ("n0", "n1", "n2") for p in m2.repair_plan(n, 1 << 20)]
+    assert [(p[0], p[4]) for p in plans] == [("three", "n0")]
+    m2.repair_done([[k, g, dst, off, True] for k, g, _s, _src, dst, off in plans])
+    assert short(m2) == 0 and len(nodes_of(m2, "three")) == 3
+    new = {}  # the copies made after the restart say how many the put asked for, too
+    for node_id, d in m2.drain_effects().items():
+        new.update({e.key: e.want for e in d.adds})
+    assert new and all(w == (3 if k == "three" else 2) for k, w in new.items())
+    m2.check_invariants()
+
+
+def test_an_entry_saved_before_entries_said_how_many_copies_means_one():
+    inv = StoreInventory([("a", 1, K, "dram", 0, K), ("b", 2, K, "dram", K, K, 0, "p")])
+    assert sorted(e[8] for e in inv.entries.values()) == [1, 1]
+    with pytest.raises(InvalidArgumentError, match="malformed inventory entry"):
+        check_delta([[("c", 3, K, "dram", 0, K, 0, "", 0)], [], []])

@@ -631,18 +631,18 @@ class MasterActor:
             self.state.drain_done(node_id, items)
 
     # ------------------------------------------------------------------ repairs --
-    def repair_plan(self, node_id: str, max_bytes: int) -> list:
-        """Copies a store node is to make for values short of copies (``repairs.py``);
-        asked every few hundred milliseconds by each node, answered without the lock while
-        nothing is due."""
-        if not self.state.repairs.due():
+    def repair_round(self, node_id: str, report: list, max_bytes: int) -> list:
+        """A store node's repair step (``repairs.py``): the copies it made since its last
+        step (``[key, gen, dst_node, dst_offset, ok]`` each), then the next ones it is to
+        make, in one call (each Ray call costs both sides about a millisecond of CPU).
+        Asked every few hundred milliseconds by each node; answered without the lock while
+        nothing is reported and nothing is due."""
+        if not report and not self.state.repairs.due():
             return []
         with self._lock:
+            if report:
+                self.state.repair_done(report)
             return self.state.repair_plan(node_id, int(max_bytes))
-
-    def repair_done(self, items: list) -> None:
-        with self._lock:
-            self.state.repair_done(items)
 
     def drain_end(self, node_id: str) -> dict:
         """Finish a drain: unmount the node; returns what was moved and what was lost."""

@@ -11,7 +11,11 @@ the surviving node has recorded it (fence.py), and the lost copy is noted here.
 (a value removed, replaced, or whose node came back and re-adopted it, simply drops out
 when it is next looked at). Repairs wait ``repair_delay_s`` after the loss: a store node
 that Ray restarts re-adopts its arena within seconds (store/arena.py), and copying all
-it held meanwhile would only double the work.
+it held meanwhile would only double the work. They wait no longer than that: once every
+node lost in the last ``repair_delay_s`` has mounted again (with its arena re-adopted,
+or empty: a new process without it, a replaced host), nothing more can come back, and
+what is still short is due at once. (The copies then start after the restarted node's
+own start-up, not on top of it.)
 
 The copy itself is the drain's (drain.py): ``plan`` reserves an extent on a node without
 a copy (where it fits, else evicting there) as a replica that is not readable yet, the
@@ -80,6 +84,7 @@ class Repairs:
         self._copying_keys: set[str] = set()
         self.short_bytes = 0  # value bytes of the records in ``short``
         self._to_prune: list[str] = []
+        self.awaited: dict[str, float] = {}  # lost nodes that may come back with copies: when lost
         counters.update(repairs=0, repair_bytes=0, repair_failures=0, surplus_copies_dropped=0)
 
     # ------------------------------------------------------------------ noting ----
@@ -88,6 +93,22 @@ class Repairs:
         if want > 1 and key not in self.short:
             self.short[key] = _Short(gen, want, size, self._clock())
             self.short_bytes += size
+
+    def lost(self, node_id: str) -> None:
+        """``node_id`` was unmounted; it may come back with its copies (re-adopting its arena)."""
+        self.awaited[node_id] = self._clock()
+
+    def back(self, node_id: str) -> None:
+        """``node_id`` mounted: what it re-adopted is restored, the rest is not coming back."""
+        self.awaited.pop(node_id, None)
+
+    def _horizon(self, now: float) -> float:
+        """Losses up to this time may be repaired: ``repair_delay_s`` ago, or now when
+        every node lost since then has mounted again."""
+        horizon = now - self.policy.repair_delay_s
+        for node_id in [n for n, t in self.awaited.items() if t <= horizon]:
+            del self.awaited[node_id]  # waited for long enough
+        return horizon if self.awaited else now
 
     def _drop(self, key: str) -> None:
         self.short_bytes -= self.short.pop(key).size
@@ -116,15 +137,16 @@ class Repairs:
 
     # ------------------------------------------------------------------- copies ----
     def due(self) -> bool:
-        """Whether a repair may be planned now: the oldest loss is ``repair_delay_s`` old."""
+        """Whether a repair may be planned now: the oldest loss is ``repair_delay_s`` old, or
+        every node lost since then is back (``_horizon``)."""
         first = next(iter(self.short.values()), None)
-        return first is not None and first.since <= self._clock() - self.policy.repair_delay_s
+        return first is not None and first.since <= self._horizon(self._clock())
 
     def plan(self, node_id: str, max_bytes: int) -> list[list]:
         """The next copies ``node_id`` is to make: ``[key, gen, size, src_offset, dst_node,
         dst_offset]`` each, about ``max_bytes`` in all (at least one when one is due)."""
         now = self._clock()
-        horizon = now - self.policy.repair_delay_s
+        horizon = self._horizon(now)
         out, total = [], 0
         for key in list(itertools.islice(self.short, PLAN_SCAN)):
             if total >= max_bytes:

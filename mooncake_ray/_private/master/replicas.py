@@ -149,7 +149,7 @@ class ReplicaTable:
                     self.ring = None
                     return
                 self.ring.append((r.node_id, node.incarnation, False, obj.key, obj.gen, obj.size, r.offset, r.length,
-                                  obj.parent or ""))
+                                  obj.parent or "", obj.want))
 
     def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
                            parent: str = "") -> None:
@@ -183,11 +183,13 @@ class ReplicaTable:
         if obj is None:
             # Readers may still hold leases granted by the previous master: honour them.
             obj = Obj(e.key, e.size, e.gen, [], complete=True, lease_until=now + self.policy.lease_ttl_s,
-                      pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s, parent=e.parent)
+                      pin=Pin(e.pin), pin_until=now + self.policy.soft_pin_ttl_s, parent=e.parent, want=e.want)
             self._objects[e.key] = obj
             self._objects.touch(e.key)
             if obj.pin is not Pin.NONE:
                 self.pinned[e.key] = obj
+        elif e.want > obj.want:
+            obj.want = e.want  # each node's entry says how many copies the put asked for
         # Not the put's placement as far as this master knows: a new id (see Replica.placed).
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self.new_placement()))
         node.tier_keys[tier.value] += 1

@@ -107,6 +107,7 @@ class MasterState:
         self._gens = Generations(wall_ns)
         self._next_lease = 0
         self._expected: set[str] = set()
+        self._short_scan_due = False  # a restarted master looks for values short of copies once
         self._recovery_deadline = 0.0
         self._restarted_at = 0.0
         self._alloc_gate_until = 0.0
@@ -198,6 +199,7 @@ class MasterState:
         # process rejoining brings what the actor's plan_mount reconciled with what it was
         # owed.)
         gone = self._gone.pop(node.node_id, None)
+        self.repairs.back(node.node_id)
         vouched = None if gone is None or gone[1] == node.incarnation else gone[2]
         had = {} if vouched is None else gone[3]  # copies a value had when the node was lost
         node.last_heartbeat = now
@@ -221,6 +223,8 @@ class MasterState:
             hold = {"slab": self.policy.put_slab_ttl_s, "put": self.policy.put_timeout_s}
             self._slab_table.adopt(node.node_id, reserved, hold, now)
         self._expected.discard(node.node_id)
+        if not self._expected:
+            self._find_short()
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,
                   spill_degraded: str | None = None) -> bool:
@@ -257,6 +261,8 @@ class MasterState:
         self._drains.forget(node_id)
         if node is None:
             return 0
+        if reason != "drained":  # a drained node does not come back with its copies
+            self.repairs.lost(node_id)
         self._had = had
         try:
             return self._replicas.forget_node(node, reason)
@@ -329,12 +335,30 @@ class MasterState:
         self._restarted_at = self._clock()
         self._recovery_deadline = self._restarted_at + self.policy.recovery_timeout_s
         self._alloc_gate_until = self._restarted_at + self.policy.put_slab_ttl_s
+        self._short_scan_due = True
+        if not self._expected:
+            self._find_short()
 
     @property
     def recovering(self) -> bool:
         if self._expected and self._clock() >= self._recovery_deadline:
+            for node_id in self._expected:  # may still come back with its copies
+                self.repairs.lost(node_id)
             self._expected.clear()
+            self._find_short()
         return bool(self._expected)
+
+    def _find_short(self) -> None:
+        """A restarted master, once the nodes it waited for have mounted (or the wait timed
+        out): every value with fewer copies than its put asked for (each node's entry says
+        how many) is queued for repair, as if this master had seen the loss. Such values
+        are held as objects (``ObjectTable.flush``), so the scan is of those only."""
+        if not self._short_scan_due:
+            return
+        self._short_scan_due = False
+        for key, obj in self._objects.hot_items():
+            if obj.want > 1 and obj.complete and copies(obj) < obj.want:
+                self.repairs.note(key, obj.gen, obj.want, obj.size)
 
     def _ready(self) -> None:
         if self._expected and self.recovering:
@@ -439,7 +463,7 @@ class MasterState:
             raise NoCapacityError(
                 f"no room for {size} bytes of {key!r}: every store node is full of pinned, leased or pending objects")
         obj = Obj(key, size, self._gens.new(), placed, put_deadline=now + self.policy.put_timeout_s, owner=owner,
-                  parent=parent)
+                  parent=parent, want=want)
         if len(placed) < want:
             self.repairs.note(key, obj.gen, want, size)  # fewer usable nodes than copies asked for
         self._pending[key] = obj

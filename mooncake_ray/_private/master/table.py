@@ -6,8 +6,8 @@ memory. So every complete object has one record in the index (``MasterIndex`` in
 ``PyIndex`` its reference), which is also the recency list eviction walks, and Python
 holds an ``Obj`` only while it needs one:
 
-- **cold** records are plain values (one replica, ready in DRAM or on disk, not pinned,
-  at most two read leases held): the index is their only copy, grants and releases their
+- **cold** records are plain values (one replica, ready in DRAM or on disk, one copy
+  asked for, not pinned, at most two read leases held): the index is their only copy, grants and releases their
   leases natively, and lists them to eviction with what it needs to drop them;
 - **hot** objects are held here in ``_hot``, and the state machine is their authority
   (anything unusual: a put being replaced, an offload or promotion in flight, pins, more
@@ -254,7 +254,7 @@ class ObjectTable:
         for key in self._dirty:
             obj = hot.get(key)
             if (obj is None or obj.pin is not Pin.NONE or len(obj.replicas) != 1 or not obj.complete
-                    or chains is not None and chains.holds(key)):
+                    or obj.want > 1 or chains is not None and chains.holds(key)):
                 continue
             r = obj.replicas[0]
             held = obj.leases

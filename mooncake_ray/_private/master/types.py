@@ -64,6 +64,7 @@ class Obj:
     owner: str = ""
     failed: str = ""  # why a pending put can no longer be published (a replica's node died)
     parent: str = ""  # the key its put named as its parent (chains.py); "" none
+    want: int = 1  # the copies its put asked for (repairs.py); kept in every node's entry of it
 
     def dram(self) -> list[Replica]:
         return [r for r in self.replicas if r.tier is Tier.DRAM]
@@ -88,11 +89,13 @@ class InventoryEntry(NamedTuple):
     length: int
     pin: int = 0
     parent: str = ""  # the key its put named as its parent (chains.py)
+    want: int = 1  # the copies its put asked for: a restarted master knows a value short of them
 
 
 def inventory_entry(obj: Obj, r: Replica) -> InventoryEntry:
     """The entry a node keeps for replica ``r`` of ``obj``."""
-    return InventoryEntry(obj.key, obj.gen, obj.size, r.tier._value_, r.offset, r.length, int(obj.pin), obj.parent)
+    return InventoryEntry(obj.key, obj.gen, obj.size, r.tier._value_, r.offset, r.length, int(obj.pin), obj.parent,
+                          obj.want)
 
 
 class NodeDelta:

@@ -68,6 +68,7 @@ _REPORT_RETRY_S = 0.25  # first wait before resending an unacknowledged offload 
 _REPORT_RETRY_MAX_S = 5.0
 REPAIR_POLL_S = 0.5  # how often a node asks the master shards for repairs to make
 REPAIR_BATCH_BYTES = 16 << 20  # bytes of copies per master call
+REPAIR_STEP_BYTES = 1 << 20  # bytes copied at a time, each followed by its share of the pace
 
 
 
@@ -75,6 +76,18 @@ REPAIR_BATCH_BYTES = 16 << 20  # bytes of copies per master call
 def _promote_item_ok(item, capacity: int) -> bool:
     return (isinstance(item, list) and len(item) == 4 and type(item[0]) is str and type(item[1]) is int
             and extent_ok(item[2], item[3], capacity))
+
+
+def _parts(plan: list, step: int) -> list[list]:
+    """``plan``'s copies (``[key, gen, size, ...]``) in runs of about ``step`` bytes."""
+    out, cur, n = [], [], 0
+    for p in plan:
+        cur.append(p)
+        n += p[2]
+        if n >= step:
+            out.append(cur)
+            cur, n = [], 0
+    return out + [cur] if cur else out
 
 
 class _ShardLink:
@@ -188,8 +201,8 @@ class StoreNodeActor:
         of the master is applied, so a later drop or replacement applies after them."""
         if link.ring is None or not link.ring.pending():
             return
-        adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent)
-                for key, gen, size, offset, length, parent, reserved in link.ring.read()]
+        adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want)
+                for key, gen, size, offset, length, parent, reserved, want in link.ring.read()]
         apply_records(link.inv.entries, adds, (), disk_drops=False)
         self._journal((adds, (), ()))  # a ring lives beside a kept arena: there is a journal
 
@@ -202,18 +215,20 @@ class StoreNodeActor:
         cap, kept, dropped, good = self.arena.length, 0, 0, []
         entries = {rec[0]: rec for rec in self.arena_file.load_index()}
         for recs in ring_left:
-            for key, gen, size, offset, length, parent, reserved in recs:
+            for key, gen, size, offset, length, parent, reserved, want in recs:
                 if reserved:  # a range handed out for writing: kept as the journal keeps them
                     continue
                 if extent_ok(offset, length, cap) and 0 <= size <= length:
-                    entries[key] = (key, gen, size, offset, length, 0, parent, self.arena_file.checksum(offset, size))
+                    entries[key] = (key, gen, size, offset, length, 0, parent, self.arena_file.checksum(offset, size),
+                                    want)
         for rec in entries.values():
-            key, gen, size, offset, length, pin, parent, crc = rec
+            key, gen, size, offset, length, pin, parent, crc = rec[:8]
+            want = rec[8] if len(rec) > 8 else 1  # saved before entries said how many copies
             if not (extent_ok(offset, length, cap) and 0 <= size <= length) or self.arena_file.checksum(
                     offset, size) != crc:
                 dropped += 1
                 continue
-            self._link(key).inv.entries[(key, DRAM)] = (key, gen, size, DRAM, offset, length, pin, parent)
+            self._link(key).inv.entries[(key, DRAM)] = (key, gen, size, DRAM, offset, length, pin, parent, want)
             self._sums[(key, gen, offset)] = crc
             good.append(list(rec))
             kept += 1
@@ -235,7 +250,7 @@ class StoreNodeActor:
             if e[3] == DRAM:
                 crc = sums[(e[0], e[1], e[4])] = checksum(e[4], e[2])
                 out.append([e[0], e[1], e[2], e[4], e[5], e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "",
-                            crc])
+                            crc, e[8] if len(e) > 8 else 1])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
         if out or gone:
             self.arena_file.journal(out, gone)
@@ -253,7 +268,7 @@ class StoreNodeActor:
                     continue
                 with self._lock:
                     sums = self._sums
-                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4]))]
+                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4])), e[8]]
                            for link in self._links for e in link.inv.entries.values() if e[3] == DRAM]
                     live = {(e[0], e[1], e[3]) for e in out}
                     for stale in [k for k in sums if k not in live]:  # values dropped since
@@ -692,19 +707,24 @@ class StoreNodeActor:
             for link in self._links:
                 if link.left or not link.mounted.is_set():
                     continue
+                report: list = []
                 try:
                     master = self._master_handle(link)
-                    while not self._stop.is_set():
-                        plan = ray.get(master.repair_plan.remote(self.node_id, batch), timeout=60)
+                    while True:  # each step reports the last batch and takes the next
+                        plan = ray.get(master.repair_round.remote(self.node_id, report, batch), timeout=60)
+                        report = []
                         if not plan:
                             break
-                        t0 = time.monotonic()
                         copier.connect(master, plan)
-                        report = copier.finish(plan, *copier.start(plan), timeout)
-                        ray.get(master.repair_done.remote(report), timeout=60)
-                        # pace: this batch's bytes at the configured rate
-                        self._stop.wait(max(0.0, sum(p[2] for p in plan) / rate - (time.monotonic() - t0)))
-                except Exception as e:  # master restarting or unreachable: next round
+                        # Copied a few MiB at a time at the configured rate, not in one
+                        # burst per batch: clients' calls keep finding a CPU meanwhile.
+                        for part in _parts(plan, REPAIR_STEP_BYTES):
+                            t0 = time.monotonic()
+                            report += copier.finish(part, *copier.start(part), timeout)
+                            if self._stop.wait(max(0.0, sum(p[2] for p in part) / rate - (time.monotonic() - t0))):
+                                break
+                except Exception as e:  # master restarting or unreachable: next round (copies
+                    # not reported are dropped at their deadline and planned again)
                     log.info("repairs with master shard %d paused (%s)", link.shard, e)
 
     def wait_mounted(self, timeout_s: float = 60.0) -> bool:

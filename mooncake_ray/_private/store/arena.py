@@ -169,7 +169,8 @@ class ArenaFile:
 
     def load_index(self) -> list[tuple]:
         """The entries the previous process saved (its snapshot, then its journal):
-        ``(key, gen, size, offset, length, pin, parent, crc)`` each."""
+        ``(key, gen, size, offset, length, pin, parent, crc, want)`` each (without ``want``
+        where an earlier version saved them: one copy)."""
         entries: dict[str, tuple] = {}
         try:
             with open(self.index_path, "rb") as f:

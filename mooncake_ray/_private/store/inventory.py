@@ -30,10 +30,12 @@ STALE = b"stale"
 
 def _entry(e) -> tuple:
     """An entry as the inventory keeps it: a plain tuple in ``InventoryEntry``'s field
-    order, pin included. Not the named tuple: CPython's collector stops tracking a plain
-    tuple of strings and ints, but walks every named tuple at each full collection, which
-    with millions of entries cost a store node most of its time."""
-    return tuple(e) if len(e) == 8 else (*e, "") if len(e) == 7 else (*e, 0, "")
+    order, pin, parent and copies wanted included. Not the named tuple: CPython's
+    collector stops tracking a plain tuple of strings and ints, but walks every named
+    tuple at each full collection, which with millions of entries cost a store node most
+    of its time."""
+    n = len(e)
+    return tuple(e) if n == 9 else (*e, 1) if n == 8 else (*e, "", 1) if n == 7 else (*e, 0, "", 1)
 
 
 def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[str, int]]:
@@ -54,7 +56,9 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
         if e is not None and e[1] <= gen:
             del entries[k]
     for e in adds:  # _entry inline (tuple() of a tuple, as unpacked, is that tuple: no copy)
-        entries[(e[0], e[3])] = tuple(e) if len(e) == 8 else (*e, "") if len(e) == 7 else (*e, 0, "")
+        n = len(e)
+        entries[(e[0], e[3])] = (tuple(e) if n == 9 else (*e, 1) if n == 8 else (*e, "", 1) if n == 7
+                                 else (*e, 0, "", 1))
     return files
 
 
@@ -78,11 +82,11 @@ def check_delta(delta) -> None:
         raise InvalidArgumentError(f"an inventory delta is [adds, drops, offloads], got {delta!r:.200}")
     adds, drops, offloads = delta
     ok_seq, ok_ints = (list, tuple), int
-    for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin[, parent]]
-        if not (isinstance(e, ok_seq) and 6 <= len(e) <= 8 and type(e[0]) is str and e[3] in _TIERS
+    for e in adds:  # InventoryEntry: key, gen, size, tier, offset, length[, pin[, parent[, want]]]
+        if not (isinstance(e, ok_seq) and 6 <= len(e) <= 9 and type(e[0]) is str and e[3] in _TIERS
                 and type(e[1]) is ok_ints and type(e[2]) is ok_ints and type(e[4]) is ok_ints
                 and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)
-                and (len(e) < 8 or type(e[7]) is str)):
+                and (len(e) < 8 or type(e[7]) is str) and (len(e) < 9 or type(e[8]) is ok_ints and e[8] >= 1)):
             raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
     for d in drops:  # key, gen, tier
         if not (type(d) in ok_seq and len(d) == 3 and type(d[0]) is str and type(d[1]) is ok_ints
@@ -98,7 +102,7 @@ class StoreInventory:
     thread-safe: the store node actor holds its lock around every call."""
 
     def __init__(self, entries=()) -> None:
-        # (key, tier) -> (key, gen, size, tier, offset, length, pin, parent): see _entry
+        # (key, tier) -> (key, gen, size, tier, offset, length, pin, parent, want): see _entry
         self.entries: dict[tuple[str, str], tuple] = {}
         for e in entries:
             e = _entry(e)
@@ -138,10 +142,9 @@ class StoreInventory:
 
     def add_disk(self, e: InventoryEntry) -> None:
         e = _entry(e)
-        if not e[7]:  # an offloaded value keeps the parent its DRAM entry names
-            dram = self.entries.get((e[0], DRAM))
-            if dram is not None and dram[1] == e[1] and dram[7]:
-                e = (*e[:7], dram[7])
+        dram = self.entries.get((e[0], DRAM))
+        if dram is not None and dram[1] == e[1]:  # an offloaded value keeps the parent and
+            e = (*e[:7], e[7] or dram[7], max(e[8], dram[8]))  # the copies its DRAM entry names
         self.entries[(e[0], DISK)] = e
 
     def drop_disk(self, key: str, gen: int) -> None:

@@ -119,7 +119,9 @@ class CommitRing:
 
     def read(self) -> list[tuple]:
         """Every record published since the last read, in order, as
-        ``(key, gen, size, offset, length, parent, reserved)``; they count as read."""
+        ``(key, gen, size, offset, length, parent, reserved, want)``; they count as read.
+        (A record's kind carries in its high bits how many copies the put asked for; the
+        index's own commits, of one copy, leave them 0.)"""
         w = self._words
         head, tail = w[2], w[3]
         if head == tail:
@@ -133,12 +135,13 @@ class CommitRing:
             n, kind = struct.unpack_from("<II", mm, pos)
             if n < 8 or n % 8 or n > cap:
                 raise ValueError(f"commit ring {self.path}: bad record length {n} at {tail}")
+            want, kind = kind >> 8 or 1, kind & 0xFF
             if kind == COMMIT or kind == RESERVED:
                 _n, _k, gen, size, offset, length, klen, plen = _REC.unpack_from(mm, pos)
                 body = pos + _REC.size
                 key = mm[body:body + klen].decode()
                 parent = mm[body + klen:body + klen + plen].decode()
-                out.append((key, gen, size, offset, length, parent, kind == RESERVED))
+                out.append((key, gen, size, offset, length, parent, kind == RESERVED, want))
             tail += n
         w[3] = tail
         return out

@@ -127,9 +127,10 @@ struct IndexSlab {
 // Layout: 64-byte header (magic, epoch = a number the node draws at each mount, head =
 // bytes the master has written, tail = bytes the node has read; the last two only grow),
 // then the data area.
-// A record: u32 length (with padding, a multiple of 8), u32 kind (1 commit, 2 padding to
-// the end of the area, 3 a range reserved for a client's write), u64 gen, size, offset, length, u32 key bytes, u32 parent bytes,
-// the key, the parent.
+// A record: u32 length (with padding, a multiple of 8), u32 kind (low byte: 1 commit, 2
+// padding to the end of the area, 3 a range reserved for a client's write; bits 8-15: the
+// copies a commit's put asked for, 0 for one), u64 gen, size, offset, length, u32 key
+// bytes, u32 parent bytes, the key, the parent.
 struct CommitRing {
   uint8_t* base = nullptr;
   uint64_t bytes = 0;  // the whole mapping
