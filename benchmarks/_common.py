@@ -246,3 +246,20 @@ def store_cluster(n_store_nodes: int = 2):
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     return cluster
+
+
+def put_from_buffer(s, keys: list[str], size: int, buf, **kw) -> tuple[list, float]:
+    """Put ``size``-byte values for ``keys`` with ``batch_put_from``, cycling over views of
+    ``buf`` (a registered buffer of at least ``min(64, 64 MiB / size)`` values), in calls of
+    up to 64 MiB; ``kw`` goes to each call (``replicas=2``). Returns each key's view and the
+    seconds it took. Raises RuntimeError naming the first failed put."""
+    import time
+
+    per = max(1, min(64, (64 << 20) // size))
+    views = [buf[(i % per) * size:(i % per + 1) * size] for i in range(len(keys))]
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), per):
+        bad = [e for e in s.batch_put_from(keys[i:i + per], views[i:i + per], **kw) if e is not None]
+        if bad:
+            raise RuntimeError(f"put failed: {bad[0]!r}")
+    return views, time.perf_counter() - t0

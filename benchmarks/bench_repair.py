@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import host_info, host_label, parse_size, spread, store_cluster, wait_for as _wait
+from _common import host_info, host_label, parse_size, put_from_buffer, spread, store_cluster, wait_for as _wait
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD_BYTES = 64 << 10
@@ -120,17 +120,9 @@ def run_once(cluster, fill: int, size: int, segment: int, delay: float | None, b
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     try:
         s.register_buffer(buf)
-        per = max(1, min(64, (64 << 20) // size))
         n = fill // size
         keys = [f"v{i}" for i in range(n)]
-        views = [buf[(i % per) * size:(i % per + 1) * size] for i in range(n)]
-        t0 = time.perf_counter()
-        for i in range(0, n, per):
-            errs = s.batch_put_from(keys[i:i + per], views[i:i + per], replicas=2)
-            bad = [e for e in errs if e is not None]
-            if bad:
-                raise RuntimeError(f"fill failed: {bad[0]!r}")
-        fill_s = time.perf_counter() - t0
+        views, fill_s = put_from_buffer(s, keys, size, buf, replicas=2)
         nodes = sorted(n_["node_id"] for n_ in ray.get(master.nodes.remote()))
         victim = nodes[0]
         where = ray.get(master.where.remote(keys))
