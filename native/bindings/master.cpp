@@ -106,6 +106,7 @@ void bind_master(nb::module_& m) {
       }, "after"_a, "node_id"_a, "now"_a, "need"_a)
       .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a)
       .def("keys", &mcr::MasterIndex::keys, "prefix"_a)
+      .def("hot_keys_recent_first", &mcr::MasterIndex::hot_keys_recent_first)
       .def("cold_count", &mcr::MasterIndex::cold_count)
       .def("drop", &mcr::MasterIndex::drop, "key"_a)
       .def("drop_many", &mcr::MasterIndex::drop_many, "keys"_a)

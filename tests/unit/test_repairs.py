@@ -229,3 +229,31 @@ def test_an_entry_saved_before_entries_said_how_many_copies_means_one():
     assert sorted(e[8] for e in inv.entries.values()) == [1, 1]
     with pytest.raises(InvalidArgumentError, match="malformed inventory entry"):
         check_delta([[("c", 3, K, "dram", 0, K, 0, "", 0)], [], []])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_lost_nodes_values_are_copied_most_recently_used_first(native):
+    """Within one loss, the values read last are whole again first (the read index's
+    recency order, Python's reference index and the native one alike)."""
+    from mooncake_ray._private.master.state import Policy
+    from mooncake_ray._private.master.pyindex import PyIndex
+    from mooncake_ray._private.native import _native
+    from tests.unit.test_master_state import Clock
+
+    clock = Clock()
+    m = MasterState(Policy(allocation_strategy="free_ratio_first", repair_delay_s=0.0), clock=clock,
+                    wall_ns=lambda: 0, seed=1, index=_native.MasterIndex() if native else PyIndex())
+    for i in range(3):
+        m.mount(node(i, 64 * K))
+    keys = [f"v{i}" for i in range(9)]
+    for k in keys:
+        put(m, k, K, replicas=2)
+    on_lost = [k for k in keys if "n0" in nodes_of(m, k)]
+    assert len(on_lost) >= 4
+    read = [on_lost[2], on_lost[0], on_lost[3], on_lost[1]]  # the last read is the most recent
+    for k in read:
+        m.get(k)
+    m.unmount("n0", "killed")
+    assert list(m.repairs.short)[:4] == list(reversed(read))
+    firsts = {p[0][0] for p in (m.repair_plan(n, 1) for n in ("n1", "n2")) if p}  # one copy a call
+    assert read[-1] in firsts

@@ -230,6 +230,9 @@ class PyIndex:
     def keys(self, prefix) -> list:
         return [k for k in self._order() if k.startswith(prefix)]
 
+    def hot_keys_recent_first(self) -> list:
+        return [k for k in reversed(self._order()) if self._map[k].hot]
+
     def cold_count(self) -> int:
         return sum(not r.hot for r in self._map.values())
 

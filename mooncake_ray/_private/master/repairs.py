@@ -24,7 +24,7 @@ peer's mapped arena on one host, a UCX put across hosts) and reports each copy
 (``done``): the new replica becomes readable and is recorded in its node's inventory.
 Never two copies on one node. Each store node asks for the repairs it is the source of,
 in bounded batches (``StoreNodeActor``'s repair loop paces them, so puts and gets keep
-their rate); oldest loss first.
+their rate); oldest loss first, and within one loss the most recently used values first.
 
 A value never keeps more copies than it had: a lost node that comes back (Ray restarted it,
 it re-adopts its arena) after its values were copied again has its returning copy dropped
@@ -93,6 +93,17 @@ class Repairs:
         if want > 1 and key not in self.short:
             self.short[key] = _Short(gen, want, size, self._clock())
             self.short_bytes += size
+
+    def recent_first(self, start: int) -> None:
+        """Order the records noted since ``short`` had ``start`` of them (one loss's) most
+        recently used first, as the read index orders the values (they are hot objects):
+        the values being read are whole again first."""
+        if len(self.short) - start < 2:
+            return
+        fresh = set(itertools.islice(self.short, start, None))
+        for key in self._objects.index.hot_keys_recent_first():
+            if key in fresh:
+                self.short[key] = self.short.pop(key)  # to the end, in this order
 
     def lost(self, node_id: str) -> None:
         """``node_id`` was unmounted; it may come back with its copies (re-adopting its arena)."""

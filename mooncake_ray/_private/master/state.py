@@ -264,10 +264,12 @@ class MasterState:
         if reason != "drained":  # a drained node does not come back with its copies
             self.repairs.lost(node_id)
         self._had = had
+        start = len(self.repairs.short)
         try:
             return self._replicas.forget_node(node, reason)
         finally:
             self._had = None
+            self.repairs.recent_first(start)
 
     def _on_short(self, key: str, gen: int, want: int, size: int) -> None:
         """A value left with fewer copies than ``want`` (a node lost; ``ReplicaTable``)."""
@@ -356,9 +358,11 @@ class MasterState:
         if not self._short_scan_due:
             return
         self._short_scan_due = False
+        start = len(self.repairs.short)
         for key, obj in self._objects.hot_items():
             if obj.want > 1 and obj.complete and copies(obj) < obj.want:
                 self.repairs.note(key, obj.gen, obj.want, obj.size)
+        self.repairs.recent_first(start)
 
     def _ready(self) -> None:
         if self._expected and self.recovering:

@@ -230,6 +230,9 @@ class MasterIndex {
   std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id);
   // Every key starting with ``prefix``, least recent first.
   std::vector<std::string> keys(const std::string& prefix);
+  // The hot records' keys, most recently used first (the order repairs copy a lost node's
+  // values in: master/repairs.py).
+  std::vector<std::string> hot_keys_recent_first();
   size_t cold_count();
   // The shared record of a node incarnation (made on first use).
   std::shared_ptr<const IndexNode> node(const std::string& node_id, const std::string& ray_node_id,

@@ -551,6 +551,14 @@ std::vector<std::string> MasterIndex::keys(const std::string& prefix) {
   return out;
 }
 
+std::vector<std::string> MasterIndex::hot_keys_recent_first() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<std::string> out;
+  for (IndexRecord* r = newest_; r != nullptr; r = r->older)
+    if (r->hot) out.push_back(*r->key);
+  return out;
+}
+
 size_t MasterIndex::cold_count() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   return cold_;
