@@ -107,7 +107,10 @@ class Repairs:
 
     def lost(self, node_id: str) -> None:
         """``node_id`` was unmounted; it may come back with its copies (re-adopting its arena)."""
-        self.awaited[node_id] = self._clock()
+        now = self._clock()
+        for n in [n for n, t in self.awaited.items() if t <= now - self.policy.repair_delay_s]:
+            del self.awaited[n]  # waited for long enough
+        self.awaited[node_id] = now
 
     def back(self, node_id: str) -> None:
         """``node_id`` mounted: what it re-adopted is restored, the rest is not coming back."""
@@ -115,11 +118,10 @@ class Repairs:
 
     def _horizon(self, now: float) -> float:
         """Losses up to this time may be repaired: ``repair_delay_s`` ago, or now when
-        every node lost since then has mounted again."""
+        every node lost since then has mounted again. Reads ``awaited`` only (``due`` runs
+        without the actor's lock)."""
         horizon = now - self.policy.repair_delay_s
-        for node_id in [n for n, t in self.awaited.items() if t <= horizon]:
-            del self.awaited[node_id]  # waited for long enough
-        return horizon if self.awaited else now
+        return horizon if any(t > horizon for t in tuple(self.awaited.values())) else now
 
     def _drop(self, key: str) -> None:
         self.short_bytes -= self.short.pop(key).size

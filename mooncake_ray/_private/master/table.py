@@ -7,8 +7,9 @@ memory. So every complete object has one record in the index (``MasterIndex`` in
 holds an ``Obj`` only while it needs one:
 
 - **cold** records are plain values (one replica, ready in DRAM or on disk, one copy
-  asked for, not pinned, at most two read leases held): the index is their only copy, grants and releases their
-  leases natively, and lists them to eviction with what it needs to drop them;
+  asked for, not pinned, at most two read leases held): the index is their only copy,
+  grants and releases their leases natively, and lists them to eviction with what it
+  needs to drop them;
 - **hot** objects are held here in ``_hot``, and the state machine is their authority
   (anything unusual: a put being replaced, an offload or promotion in flight, pins, more
   replicas, a third lease); the record keeps only what a GET answers.

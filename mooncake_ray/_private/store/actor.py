@@ -716,13 +716,15 @@ class StoreNodeActor:
                         if not plan:
                             break
                         copier.connect(master, plan)
-                        # Copied a few MiB at a time at the configured rate, not in one
-                        # burst per batch: clients' calls keep finding a CPU meanwhile.
+                        # Copied a MiB at a time at the configured rate, not in one burst
+                        # per batch: clients' calls keep finding a CPU meanwhile.
                         for part in _parts(plan, REPAIR_STEP_BYTES):
                             t0 = time.monotonic()
                             report += copier.finish(part, *copier.start(part), timeout)
                             if self._stop.wait(max(0.0, sum(p[2] for p in part) / rate - (time.monotonic() - t0))):
                                 break
+                        if self._stop.is_set():
+                            return  # what was not reported expires at its deadline
                 except Exception as e:  # master restarting or unreachable: next round (copies
                     # not reported are dropped at their deadline and planned again)
                     log.info("repairs with master shard %d paused (%s)", link.shard, e)
