@@ -11,6 +11,7 @@ from mooncake_ray.errors import (
     MasterUnavailableError,
     NoCapacityError,
     NodeUnavailableError,
+    ObjectNotFoundError,
     OffloadPendingError,
     TransferError,
 )
@@ -23,6 +24,13 @@ from mooncake_ray._private.master.allocator import extent_length
 
 PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
 SLABS_PER_BATCH = 2  # a batch needing more slab room than this many slabs takes PUT_START / PUT_END
+
+
+class _PutLost(MasterUnavailableError):
+    """A two-call put whose pending allocation the master no longer has at PUT_END (a
+    master restarted in between, or the put outlived ``put_timeout_s``): the put is made
+    again; after PUT_ATTEMPTS rounds the caller gets it as the retryable
+    MasterUnavailableError it is."""
 
 
 class Writer:
@@ -87,14 +95,15 @@ class Writer:
                 if isinstance(res, (OffloadPendingError, NoCapacityError)) and not backoff.expired():
                     # DRAM frees up as offloads to disk complete and leases end: wait
                     nxt.append(i)
-                elif isinstance(res, (NodeUnavailableError, TransferError)) and failures + 1 < PUT_ATTEMPTS:
+                elif isinstance(res, (NodeUnavailableError, TransferError, _PutLost)) and failures + 1 < PUT_ATTEMPTS:
                     nxt.append(i)
                     transfer_failed = True
             failures += transfer_failed
             todo = nxt
             if todo and not transfer_failed:
                 backoff.sleep()
-        return results
+        return [MasterUnavailableError(f"{r} (put {PUT_ATTEMPTS} times)") if isinstance(r, _PutLost) else r
+                for r in results]
 
     def _put_slabbed(self, keys, srcs, upsert, results, parents=None) -> list[int]:
         """Put what fits into this client's slab with one master call for all of them
@@ -193,7 +202,10 @@ class Writer:
             done = self._master.call(rpc.PUT_END, [e for _, e in ends])
             for (i, _), r in zip(ends, done):
                 if rpc.is_err(r):
-                    results[i] = rpc.to_exc(r)
+                    exc = rpc.to_exc(r)
+                    # The master no longer has the pending put (it restarted since PUT_START,
+                    # or put_timeout_s revoked it): nothing was published, so put it again.
+                    results[i] = _PutLost(str(exc)) if isinstance(exc, ObjectNotFoundError) else exc
                 else:
                     self.moved += srcs[i][1]
                     a = allocs[i]

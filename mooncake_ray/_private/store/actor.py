@@ -248,7 +248,12 @@ class StoreNodeActor:
         out, sums, checksum = [], self._sums, self.arena_file.checksum
         for e in adds:
             if e[3] == DRAM:
-                crc = sums[(e[0], e[1], e[4])] = checksum(e[4], e[2])
+                # A value committed through the ring was checksummed when the ring was read;
+                # the master's message for it carries the same (key, gen, place): the same bytes.
+                at = (e[0], e[1], e[4])
+                crc = sums.get(at)
+                if crc is None:
+                    crc = sums[at] = checksum(e[4], e[2])
                 out.append([e[0], e[1], e[2], e[4], e[5], e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "",
                             crc, e[8] if len(e) > 8 else 1])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
