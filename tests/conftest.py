@@ -20,6 +20,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 STORE_RESOURCE = "mooncake_store"
+SCRAPE_S = "5s"  # the test Prometheus's scrape interval and timeout (running_prometheus)
 
 
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"):
@@ -126,7 +127,13 @@ def prometheus(ray_cluster, tmp_path):
 
 @contextlib.contextmanager
 def running_prometheus(targets: list[str], tmp_path):
-    """A real Prometheus scraping ``targets`` (``host:port``) every second; yields its URL."""
+    """A real Prometheus scraping ``targets`` (``host:port``) every ``SCRAPE_S``; yields its URL.
+
+    A scrape must be answered within its interval (Prometheus's timeout is the interval
+    when that is shorter than 10 s), and a Ray node's metrics agent renders its page in
+    about a second on a 2-vCPU host while vLLM engines run (0.98 s measured on an AVX2
+    host): at a 1 s interval the head node's scrapes timed out (``up`` 0) and counters its
+    processes exported never reached Prometheus."""
     import httpx
 
     exe = shutil.which("prometheus")
@@ -134,7 +141,7 @@ def running_prometheus(targets: list[str], tmp_path):
         pytest.fail("prometheus is not installed (make test installs Debian's prometheus)")
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "global": {"scrape_interval": SCRAPE_S, "scrape_timeout": SCRAPE_S, "evaluation_interval": SCRAPE_S},
         "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
     }))
     port = _free_port()
@@ -149,6 +156,24 @@ def running_prometheus(targets: list[str], tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def scrapes(url: str) -> str:
+    """Each target's last scrape, for a failure message: ``instance up=0|1 (seconds)``."""
+    try:
+        took = {r["metric"]["instance"]: float(r["value"][1]) for r in query(url, "scrape_duration_seconds")}
+        return ", ".join(f"{r['metric']['instance']} up={r['value'][1]} ({took.get(r['metric']['instance'], 0):.2f}s)"
+                         for r in query(url, "up"))
+    except Exception as e:  # noqa: BLE001 - only a diagnostic
+        return f"unknown ({e!r})"
+
+
+def wait_for_series(url: str, predicate, timeout_s: float, what: str, interval_s: float = 1.0):
+    """``wait_for`` on a Prometheus query; a timeout names each target's last scrape."""
+    try:
+        return wait_for(predicate, timeout_s=timeout_s, interval_s=interval_s, what=what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; scrapes: {scrapes(url)}") from None
 
 
 def query(url: str, expr: str) -> list:

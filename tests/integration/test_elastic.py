@@ -303,6 +303,34 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
         deploy.store_stats(s.config.namespace))
 
 
+def test_a_pin_set_before_its_node_heard_of_the_put_survives_the_nodes_restart(make_store, ray_cluster):
+    """Values committed through their node's commit ring and pinned before the master's
+    message about them reached the node (one message then says both): the node journaled
+    them from the ring unpinned, and must journal the pin too; after a SIGKILL the restarted
+    node gives them back pinned."""
+    s = make_store(elastic=ELASTIC, master={"allocation_strategy": "free_ratio_first"})
+    master = master_of(s)
+    s.put("first", val(0, 8 * KB))
+    victim = s._slabs.current.node_id  # this client's small puts go into its slab there
+    node = ray.get_actor(store_actor_name(victim), namespace=s.config.namespace)
+    ray.get(node.debug_stall_inventory.remote(3.0))
+    s.put("warm", val(1, 8 * KB))  # answered through the ring; the master's message waits at the node
+    keys = [f"pin{i}" for i in range(8)]
+    assert s.batch_put(keys, [val(10 + i, 8 * KB) for i in range(8)]) == [None] * 8
+    for k in keys:
+        s.pin(k, hard=True)
+
+    def pinned_at_node():
+        return {e[0] for e in ray.get(node.inventory_snapshot.remote()) if e[0] in keys and e[6]}
+
+    wait_for(lambda: pinned_at_node() == set(keys), timeout_s=30, what="the node to hear of the pins")
+    assert keys_on(master, keys, victim) == keys
+    sigkill_and_wait(s, master, victim)
+    entries = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
+    assert [k for k in keys if not entries[k][6]] == []
+    assert s.batch_get(keys) == [val(10 + i, 8 * KB) for i in range(8)]
+
+
 def test_a_removed_value_does_not_come_back_with_its_restarted_node(make_store, ray_cluster):
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
     master, victim = master_of(s), ray_cluster.store_node_ids[1]

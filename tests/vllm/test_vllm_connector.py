@@ -20,7 +20,7 @@ import ray
 
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from mooncake_ray.integrations.tiny_model import words
-from tests.conftest import prometheus, query, store_config, wait_for  # noqa: F401 - fixture
+from tests.conftest import prometheus, query, store_config, wait_for, wait_for_series  # noqa: F401 - fixture
 from tests.vllm.harness import BLOCK, start_engines
 
 pytestmark = pytest.mark.timeout(900)
@@ -254,10 +254,10 @@ def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
     wait_for(lambda: stored(client, block_keys(m)), what="the writer's saves")
     assert reader.generate([m])[0]["cached"] == full_blocks(300)
     for name in ("hit_tokens", "lookup_tokens", "loaded_bytes", "saved_bytes"):
-        wait_for(lambda: sum(float(r["value"][1]) for r in query(prometheus, f"ray_mooncake_connector_{name}_total")) > 0,
-                 timeout_s=60, interval_s=1, what=f"connector counter {name}")
-    wait_for(lambda: query(prometheus, 'ray_mooncake_connector_transfer_seconds_bucket{op="load"}'),
-             timeout_s=60, interval_s=1, what="connector latency histogram")
+        wait_for_series(prometheus, lambda: sum(float(r["value"][1]) for r in query(
+            prometheus, f"ray_mooncake_connector_{name}_total")) > 0, timeout_s=60, what=f"connector counter {name}")
+    wait_for_series(prometheus, lambda: query(prometheus, 'ray_mooncake_connector_transfer_seconds_bucket{op="load"}'),
+                    timeout_s=60, what="connector latency histogram")
     # every connector panel of the Grafana dashboard has data (rates: once two scrapes saw a change)
     from tests.integration.test_metrics import CONNECTOR_EXPRS
 
@@ -266,7 +266,8 @@ def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
         reader.generate([m])
         return [e for e in CONNECTOR_EXPRS if not query(prometheus, e)]
 
-    wait_for(lambda: not panels_empty(), timeout_s=90, interval_s=2, what="every connector panel's query")
+    wait_for_series(prometheus, lambda: not panels_empty(), timeout_s=90, interval_s=2,
+                    what="every connector panel's query")
 
 
 def test_master_killed_mid_load_recomputes(env):

@@ -133,6 +133,10 @@ class StoreNodeActor:
         self._report_retry_at = 0.0
         self._report_delay = _REPORT_RETRY_S
         self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
+        # (key, gen, offset) -> (pin, parent, copies) of DRAM values journaled from a commit
+        # ring whose add the master's message has not brought yet: that add, when it says
+        # the same, is not journaled again
+        self._ring_journaled: dict[tuple, tuple] = {}
         left = self._open_rings()
         self.readopted = self._readopt(left) if self.arena_file is not None and self.arena_file.reused else None
         self.startup["readopted_s"] = time.time() - self.started_at
@@ -204,7 +208,7 @@ class StoreNodeActor:
         adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want)
                 for key, gen, size, offset, length, parent, reserved, want in link.ring.read()]
         apply_records(link.inv.entries, adds, (), disk_drops=False)
-        self._journal((adds, (), ()))  # a ring lives beside a kept arena: there is a journal
+        self._journal((adds, (), ()), from_ring=True)  # a ring lives beside a kept arena: there is a journal
 
     def _readopt(self, ring_left: list[list[tuple]]) -> dict:
         """Take back the values the previous process of this node left in the arena: each
@@ -240,22 +244,27 @@ class StoreNodeActor:
                     kept, dropped)
         return report
 
-    def _journal(self, delta) -> None:
-        """Record one applied inventory message in the arena's journal, each added DRAM
-        value with the checksum of its bytes (under the lock: in the order applied; before
-        the master hears it applied)."""
+    def _journal(self, delta, from_ring: bool = False) -> None:
+        """Record one applied inventory message (or the records read from a commit ring)
+        in the arena's journal, each added DRAM value with the checksum of its bytes (under
+        the lock: in the order applied; before the master hears it applied). A value
+        committed through the ring was journaled and checksummed when the ring was read:
+        the master's message adding it (the same key, gen and place, so the same bytes) is
+        journaled again only if it changes the entry (a pin set meanwhile)."""
         adds, drops, _offloads = delta
-        out, sums, checksum = [], self._sums, self.arena_file.checksum
+        out, sums, checksum, ringed = [], self._sums, self.arena_file.checksum, self._ring_journaled
         for e in adds:
             if e[3] == DRAM:
-                # A value committed through the ring was checksummed when the ring was read;
-                # the master's message for it carries the same (key, gen, place): the same bytes.
                 at = (e[0], e[1], e[4])
+                rest = (e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "", e[8] if len(e) > 8 else 1)
+                if from_ring:
+                    ringed[at] = rest
+                elif ringed.pop(at, None) == rest:
+                    continue
                 crc = sums.get(at)
                 if crc is None:
                     crc = sums[at] = checksum(e[4], e[2])
-                out.append([e[0], e[1], e[2], e[4], e[5], e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "",
-                            crc, e[8] if len(e) > 8 else 1])
+                out.append([e[0], e[1], e[2], e[4], e[5], rest[0], rest[1], crc, rest[2]])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
         if out or gone:
             self.arena_file.journal(out, gone)
@@ -278,6 +287,8 @@ class StoreNodeActor:
                     live = {(e[0], e[1], e[3]) for e in out}
                     for stale in [k for k in sums if k not in live]:  # values dropped since
                         del sums[stale]
+                    for stale in [k for k in self._ring_journaled if k not in live]:  # adds no master will send
+                        del self._ring_journaled[stale]
                     self.arena_file.rotate_journal()
                 snapshot_bytes = self.arena_file.save_index([e for e in out if e[7] is not None])
                 last = time.monotonic()
@@ -534,6 +545,8 @@ class StoreNodeActor:
         with self._lock:  # from here on, messages of earlier mounts are refused
             self._read_ring(link)
             mount_id, entries = link.inv.begin_mount()
+            # the master mounted now sends no add for what its rings held: it reads the inventory
+            self._ring_journaled = {at: v for at, v in self._ring_journaled.items() if self._link(at[0]) is not link}
             if link.ring is not None:
                 info.update(commit_ring=link.ring.path, commit_ring_epoch=link.ring.new_epoch(), pid=os.getpid(),
                             pid_ns=arena.pid_namespace())

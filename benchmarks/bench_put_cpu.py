@@ -1,0 +1,149 @@
+"""Where a put's CPU goes: the client, the master and the store node, per key and per GB.
+
+On a small host every process of the store shares the same cores, so CPU a store node
+spends after a put (applying the master's message about it, journaling it for its kept
+arena, checksumming its bytes) is CPU the next puts do not get. This measures it.
+
+Workload: one store node (its own Ray node, ``--segment`` of DRAM, kept arena, durable
+acknowledgements: the defaults), one client (this process). For each size of
+``--sizes``, ``--keys`` puts of new keys one at a time from one registered buffer
+(``put_from``: the zero-copy path, into the client's put slab when the value fits half of
+it), then a settle of ``--settle`` seconds for the node to finish what the puts left it,
+then the keys are removed. CPU seconds (utime + stime) of the three processes are read
+from ``/proc`` around puts and settle; reported per key (us) and per GB put (s), with the
+put rate (GB/s, keys/s). ``--rounds`` rounds, sizes interleaved; medians and [min-max].
+
+``--label`` names the code measured (runs of two versions of the code are compared by
+running the script on each, into one ``--out`` file: runs are added under their label).
+
+    make bench B=benchmarks/bench_put_cpu.py ARGS="--label current"
+
+Writes benchmarks/results/bench_put_cpu.json and bench_put_cpu.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from _common import RESULTS, git_state, host_info, host_label, parse_size, spread, store_cluster
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_size(s, pids: dict, size: int, n: int, settle_s: float, tag: str) -> dict:
+    import numpy as np
+
+    buf = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    s.register_buffer(buf)
+    keys = [f"cpu/{tag}/{size}/{i}" for i in range(n)]
+    try:
+        before = {role: cpu_s(pid) for role, pid in pids.items()}
+        t0 = time.perf_counter()
+        for k in keys:
+            err = s.put_from(k, buf)
+            if err is not None:
+                raise RuntimeError(f"put of {k} failed: {err!r}")
+        wall = time.perf_counter() - t0
+        time.sleep(settle_s)
+        after = {role: cpu_s(pid) for role, pid in pids.items()}
+    finally:
+        s.remove_prefix(f"cpu/{tag}/{size}/")
+        s.unregister_buffer(buf)
+    gb = n * size / 1e9
+    out = {"gb_per_s": gb / wall, "keys_per_s": n / wall}
+    for role in pids:
+        used = after[role] - before[role]
+        out[f"{role}_us_per_key"] = used / n * 1e6
+        out[f"{role}_s_per_gb"] = used / gb
+    return out
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(doc["runs"])
+    sizes = doc["params"]["sizes"]
+    roles = ("client", "master", "node")
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        width = 0.8 / max(1, len(labels))
+        for j, label in enumerate(labels):
+            summ = doc["runs"][label]["summary"].get(str(size), {})
+            vals = [(summ.get(f"{r}_us_per_key") or {}).get("median", 0) for r in roles]
+            ax.bar([i + j * width for i in range(len(roles))], vals, width, label=label)
+        ax.set_xticks([i + width * (len(labels) - 1) / 2 for i in range(len(roles))], roles)
+        ax.set_title(f"{size // 1024} KiB puts: CPU us per key")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Put CPU by process, median of rounds ({host_label(doc['host'])})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4k,64k,4m")
+    ap.add_argument("--keys", default="4k=20000,64k=4000,4m=150", help="puts per round, per size")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds after the puts still counted")
+    ap.add_argument("--segment", default="1gb")
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--out", default=str(RESULTS / "bench_put_cpu.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG of --out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.replot:
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return
+    import ray  # before parse_size: the package itself, not _common's light import of it
+
+    import mooncake_ray
+    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+
+    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    counts = {parse_size(k): int(v) for k, v in (kv.split("=") for kv in args.keys.split(","))}
+
+    store_cluster(1)
+    ns = f"cpu{uuid.uuid4().hex[:6]}"
+    s = mooncake_ray.start({"namespace": ns, "segment_size_bytes": args.segment})
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    node_id = ray.get(master.nodes.remote())[0]["node_id"]
+    node = ray.get_actor(store_actor_name(node_id), namespace=ns)
+    pids = {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for size in (sizes if r % 2 == 0 else sizes[::-1]):
+            row[str(size)] = one_size(s, pids, size, counts.get(size, 1000), args.settle, f"{r}")
+            print(f"round {r} {size // 1024} KiB: " + ", ".join(f"{k} {v:.3g}" for k, v in row[str(size)].items()),
+                  flush=True)
+        rounds.append(row)
+    summary = {str(size): {k: spread([rd[str(size)][k] for rd in rounds]) for k in rounds[0][str(size)]}
+               for size in sizes}
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    if doc.get("params", {}).get("sizes") not in (None, sizes):
+        doc = {}
+    doc.update(benchmark="bench_put_cpu", host=host_info(), params={"sizes": sizes, "keys": counts,
+                                                                    "segment": args.segment, "settle_s": args.settle})
+    doc.setdefault("runs", {})[args.label] = {"commit": git_state(), "rounds": rounds, "summary": summary,
+                                              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out.write_text(json.dumps(doc, indent=1))
+    plot(doc, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    mooncake_ray.shutdown(ns)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
