@@ -33,9 +33,13 @@ MODELS = {
     # gemma2: vLLM keeps a sliding-window group's blocks cached only while they are in the
     # window, so its own hit ends in the first prompt's last window (4 blocks of 32).
     # qwen3_next: vLLM splits the first prompt's prefill at 320 (a block boundary) and keeps
-    # the recurrent state there.
+    # the recurrent state there. The block size is given: vLLM would derive it from the state's
+    # page size, which differs by host (float32 state on AVX-512 BF16 hosts, 160 tokens a
+    # block; bfloat16 elsewhere, 96 tokens, and then the split falls at 384, past the prefix
+    # the two prompts share).
     "gemma2": (TinyModelSpec(arch="gemma2", layers=4, sliding_window=64), {"block_size": 32}, 32, (142, 130, 128)),
-    "qwen3_next": (TinyModelSpec(arch="qwen3_next", layers=4), {"mamba_cache_mode": "align"}, 160, (430, 360, 320)),
+    "qwen3_next": (TinyModelSpec(arch="qwen3_next", layers=4), {"mamba_cache_mode": "align", "block_size": 160},
+                   160, (430, 360, 320)),
 }
 OTHER_KIND = {"gemma2": "swa64", "qwen3_next": "ssm"}  # the kind besides full attention (its tag in keys)
 
