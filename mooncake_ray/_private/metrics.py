@@ -64,7 +64,7 @@ class MasterMetrics:
         "chain_messages": "KV chain messages received from other master shards (links, unlinks, parents gone or back)",
     }
     GAUGES = {
-        "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick)",
+        "orphaned_pages": "Stored KV pages whose parent is not stored (dropped at the next eviction or tick; held while the parent may come back with its store node)",
         "chained": "Stored values linked to a parent (KV chains)",
         "chain_remote_children": "Children other master shards hold of this shard's values (KV chains across shards)",
         "under_replicated_keys": "Values with fewer copies than they had or asked for, waiting for a repair",

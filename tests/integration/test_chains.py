@@ -2,7 +2,10 @@
 into arenas far smaller than they are, with and without a spill tier; conversation hints;
 the master killed with chains stored."""
 
+import os
 import random
+import signal
+import time
 
 import pytest
 import ray
@@ -89,9 +92,11 @@ def test_a_conversation_with_priority_stays_whole(make_store):
 def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_store, ray_cluster, tmp_path):
     """2 x 4 MiB of DRAM over 2 x 4 MiB of disk: chains go to disk and are evicted from
     there too, leaves first; the master is killed; it rebuilds the chains from the
-    nodes' inventories and goes on with none cut. Then a store node is killed: its
-    restarted process finds its spilled values with their parents (spill_parents.py)
-    and its DRAM values in its kept arena, so no link is lost either."""
+    nodes' inventories and goes on with none cut. Then a store node stops (SIGSTOP) for
+    longer than ``node_ttl_s``, so the master unmounts it, and is killed: its restarted
+    process finds its spilled values with their parents (spill_parents.py) and its DRAM
+    values in its kept arena, so no link is lost either; meanwhile the pages on the other
+    node whose parents went with it are held, not dropped as orphans."""
     s = make_store(segment_size_bytes="4mb",
                    spill={"enabled": True, "directory": str(tmp_path / "spill"), "capacity_bytes": "4mb"})
     chat = Chat(s, 10, seed=2, system=512)
@@ -120,7 +125,16 @@ def test_chains_in_a_full_arena_with_a_spill_tier_and_the_master_killed(make_sto
     assert len(on_disk) > 10, "the victim holds too few chained values on disk to tell"
     keys, chained = s.stats()["keys"], s.stats()["chained"]
     old_inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}[victim]
-    ray.kill(ray.get_actor(store_actor_name(victim), namespace=s.config.namespace), no_restart=False)
+    pid = ray.get(ray.get_actor(store_actor_name(victim), namespace=s.config.namespace).pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: victim not in {n["node_id"] for n in ray.get(master.nodes.remote())}, timeout_s=30,
+                 what="the master to unmount the stopped node")
+        time.sleep(1.0)  # ticks pass: orphans of the values that went with it would be dropped now
+        st = s.stats()
+        assert st["keys"] < keys and st["orphaned_pages"] > 0, st  # cut off, held
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
     def back():
         inc = {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim)

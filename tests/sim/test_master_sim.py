@@ -425,14 +425,15 @@ class Sim:
 
     def check_tails(self):
         """After a tick (chain_eviction on): no stored value whose parent is gone, but
-        those held by a reader, a hard pin or a move in flight (their tail goes later)."""
+        those held by a reader, a hard pin or a move in flight (their tail goes later), and
+        those whose parent went with an unmounted node that may bring it back."""
         m, now = self.m, self.clock.t
         if m.recovering:
             return
         for key in m._objects.chains.orphans:
             obj = m._objects.peek(key)
             assert obj is not None, f"orphan {key} is not stored"
-            assert (obj.leased(now) or obj.effective_pin(now) == 2
+            assert (obj.leased(now) or obj.effective_pin(now) == 2 or m._objects.chains.held(key)
                     or any(r.offloading or not r.ready for r in obj.replicas)), \
                 f"{key} outlived its parent {m._objects.chains.parent[key]} past a tick"
 
@@ -569,7 +570,8 @@ class ShardedSim:
     def settle_chains(self):
         """Messages exchanged until none is left, a parent linked while missing given its
         grace: then every link a child's shard holds is known to its parent's shard, and
-        a child is an orphan exactly when its parent is not stored."""
+        a child is an orphan exactly when its parent is not stored (nor held as lost with
+        a node that may bring it back)."""
         for _ in range(2):
             for _ in range(4):
                 self.exchange(lossy=False)
@@ -588,7 +590,9 @@ class ShardedSim:
                 for child in kids:
                     assert child in owner.chains.remote.get(parent, ()), \
                         f"{child} (shard {shard}) names {parent}, which its shard does not know"
-                    stored = parent in owner and parent not in owner.chains.missing
+                    # a parent that went with an unmounted node is held until the node
+                    # remounts or is given up (chains.py: lost): not said to be gone
+                    stored = (parent in owner or parent in owner.chains.lost) and parent not in owner.chains.missing
                     assert (child in chains.orphans) == (not stored), \
                         f"{child} (shard {shard}): orphan {child in chains.orphans}, parent {parent} stored {stored}"
             for parent, kids in chains.remote.items():

@@ -370,3 +370,70 @@ def test_chain_messages_of_the_wrong_shape_or_shard_are_refused_and_change_nothi
     t.chain_receive(0, [["link", "a", "d"]], [["a", "e"]])
     assert t.stats()["chain_remote_children"] == 2
     t.check_invariants()
+
+
+def test_a_chain_cut_by_a_lost_node_waits_for_the_node():
+    """The parent's node misses its heartbeats and is unmounted: its child on the other node
+    is an orphan, held (not dropped at a tick: the parent may come back with the node's
+    kept arena or spill directory). The node's restarted process remounts with it and the
+    chain is whole. Unmounted again and not back within GONE_TTL_S: the tail goes."""
+    from mooncake_ray._private.master.state import GONE_TTL_S
+
+    m, clock = make(n_nodes=1, cap=10 * K, node_ttl_s=3.0)
+    put(m, "a")
+    m.mount(node(1, 100 * K))
+    put(m, "b", parent="a")
+    put(m, "c", parent="b")
+    assert {e.key for e in m.node_entries("n1")} == {"b", "c"}
+    held = m.node_entries("n0")
+
+    def tick(dt):
+        clock.t += dt
+        m.heartbeat("n1", "a")
+        return m.tick()
+
+    assert tick(5.0)["unmounted"] == ["n0"]
+    assert stored(m, "abc") == "bc" and m.stats()["orphaned_pages"] == 1
+    for _ in range(3):
+        assert tick(10.0)["tails_dropped"] == 0
+    assert stored(m, "abc") == "bc"
+    m.check_invariants()
+    m.mount(node(0, 10 * K, inc="b"), held)  # the restarted process re-adopted its arena
+    assert stored(m, "abc") == "abc" and m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+    assert tick(5.0)["unmounted"] == ["n0"]
+    tick(GONE_TTL_S - 10.0)
+    assert stored(m, "abc") == "bc"
+    assert tick(20.0)["tails_dropped"] == 2  # no longer waited for: b, then c hanging from it
+    assert stored(m, "abc") == "" and m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+
+def test_other_shards_hear_a_lost_parent_went_only_once_its_node_is_not_waited_for():
+    """A parent with a child on another shard goes with its unmounted node: the child's
+    shard is told nothing while the node may bring it back, "back" when it does, and
+    "gone" only when the master stops waiting."""
+    from mooncake_ray._private.master.state import GONE_TTL_S
+
+    t, clock = make(n_nodes=1, cap=10 * K, node_ttl_s=3.0, shard=1, shards=2)
+    put(t, "a")
+    t.chain_receive(0, [("link", "a", "d")])
+    t.mount(node(1, 100 * K))
+    held = t.node_entries("n0")
+
+    def tick(dt):
+        clock.t += dt
+        t.heartbeat("n1", "a")
+        return t.tick()
+
+    assert tick(5.0)["unmounted"] == ["n0"] and not t.exists("a")
+    assert t.chain_outbox() == {}
+    t.mount(node(0, 10 * K, inc="b"), held)
+    assert t.exists("a") and t.chain_outbox() == {0: [("back", "a", "")]}
+    assert tick(5.0)["unmounted"] == ["n0"]
+    tick(GONE_TTL_S - 10.0)
+    assert t.chain_outbox() == {}
+    tick(20.0)
+    assert t.chain_outbox() == {0: [("gone", "a", "")]}
+    t.check_invariants()

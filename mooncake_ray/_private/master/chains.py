@@ -11,7 +11,12 @@ for the values stored now,
 - ``orphans``: stored keys whose parent is not stored. Nothing can reach them through a
   prefix lookup, so eviction takes them first (``eviction.take_orphans``) and
   ``ReplicaTable.drop_orphans`` drops them at each eviction and tick;
-- ``waiting``: keys named by puts in flight (a put holds its parent as a child does).
+- ``waiting``: keys named by puts in flight (a put holds its parent as a child does);
+- ``lost``: keys that went with a store node the master unmounted (missed heartbeats) and
+  that may come back with it (its kept arena, its spill directory): their orphans are held,
+  not dropped at a tick, and other shards are not told they went, until the node remounts
+  or the master stops waiting for it (``MasterState.unmount``). Eviction still takes such
+  orphans first when it needs room.
 
 With ``master.chain_eviction`` on, an eviction pass takes leaves first (``Picker``): a value
 is held while a child of it is stored, and the pass takes the least recent leaf each time.
@@ -57,7 +62,7 @@ class Chains:
     ``shards``: which keys are this master's own (the others' are foreign)."""
 
     __slots__ = ("parent", "kids", "orphans", "counters", "waiting", "shard", "shards", "remote", "foreign_gone",
-                 "outbox", "missing", "grace_s", "remote_holds")
+                 "outbox", "missing", "grace_s", "remote_holds", "lost")
 
     def __init__(self, counters: dict | None = None, shard: int = 0, shards: int = 1, grace_s: float = 0.25) -> None:
         self.parent: dict[str, str] = {}
@@ -73,6 +78,7 @@ class Chains:
         self.missing: dict[str, float] = {}  # own key linked remotely while not stored -> since when
         self.grace_s = grace_s
         self.remote_holds = True
+        self.lost: set[str] = set()  # went with an unmounted node that may bring them back
 
     def foreign(self, key: str) -> bool:
         """Whether another shard owns ``key``."""
@@ -85,6 +91,7 @@ class Chains:
         old = self.parent.get(key)
         if old is not None and old != parent:
             self._unlink(key, old)
+        self.lost.discard(key)
         kids = self.kids.get(key)
         if kids:
             self.orphans.difference_update(kids)  # their parent is back
@@ -121,7 +128,7 @@ class Chains:
         kids = self.kids.get(key)
         if kids:
             self.orphans.update(kids)
-        if key in self.remote:
+        if key in self.remote and key not in self.lost:
             self._tell(key, GONE)
         parent = self.parent.pop(key, None)
         if parent is None:
@@ -205,8 +212,22 @@ class Chains:
         for parent, since in list(self.missing.items()):
             if now - since >= self.grace_s:
                 del self.missing[parent]
-                if parent in self.remote and not is_stored(parent):
+                if parent in self.remote and not is_stored(parent) and parent not in self.lost:
                     self._tell(parent, GONE)
+
+    def held(self, key: str) -> bool:
+        """Whether orphan ``key`` waits for its parent to come back with a store node."""
+        return self.parent.get(key) in self.lost
+
+    def release_lost(self, keys, is_stored: Callable[[str], bool]) -> None:
+        """The node that took ``keys`` remounted (those it brought back are stored again)
+        or is no longer waited for: the rest went for good, and other shards holding their
+        children are told."""
+        for key in keys:
+            if key in self.lost:
+                self.lost.discard(key)
+                if key in self.remote and not is_stored(key):
+                    self._tell(key, GONE)
 
     def foreign_status(self, parent: str, stored: bool) -> None:
         """The shard owning ``parent`` says it went (its children here become orphans)
@@ -309,6 +330,8 @@ class Chains:
                 assert self.parent.get(k) == parent, f"{k!r} listed under {parent!r} but names another"
         for k in self.orphans:
             assert k in self.parent, f"orphan {k!r} names no parent"
+        for k in self.lost:
+            assert not is_stored(k), f"{k!r} is stored but held as lost with a node"
 
 
 class Picker:

@@ -430,12 +430,16 @@ class ReplicaTable:
     def drop_orphans(self, now: float) -> int:
         """A chain's tail goes with it: drop every stored value whose parent is gone (no
         prefix lookup reaches it), on any node, and theirs in turn; those being read,
-        moved or hard-pinned stay orphans until a later eviction. Returns how many went."""
+        moved or hard-pinned stay orphans until a later eviction, and so do those whose
+        parent went with an unmounted node that may bring it back (``Chains.lost``).
+        Returns how many went."""
         chains, objects, n = self._objects.chains, self._objects, 0
         todo = list(chains.orphans)
         tried = set(todo)
         while todo:
             for key in todo:
+                if chains.held(key):  # its parent may come back with its node (chains.py: lost)
+                    continue
                 obj = objects.get(key)
                 if (obj is None or not obj.complete or obj.leased(now) or obj.effective_pin(now) is Pin.HARD
                         or any(r.offloading or not r.ready for r in obj.replicas)):

@@ -79,7 +79,8 @@ from mooncake_ray._private.wire import Extent, PutAlloc, ReadGrant, ReplicaLoc, 
 
 GONE_TTL_S = 120.0
 """How long the master remembers what an unmounted node held in DRAM, for the node's
-restarted process to re-adopt (``mount``)."""
+restarted process to re-adopt (``mount``), and holds the chain tails its loss cut off
+(``Chains.lost``)."""
 
 
 class MasterState:
@@ -115,6 +116,7 @@ class MasterState:
         # node id -> (when, incarnation, {key: gen}) of the DRAM values an unmounted node's
         # process held (mount).
         self._gone: dict[str, tuple[float, str, dict[str, int], dict[str, int]]] = {}
+        self._held: dict[str, set[str]] = {}  # node id -> keys lost with it, held (chains.py: lost)
         # Replies the read index logged (held until durable, fence.py): (token, reply bytes,
         # the key of each item, [(key, gen, nodes), ...]); the actor takes them.
         self.held: list = []
@@ -222,6 +224,7 @@ class MasterState:
         if reserved:
             hold = {"slab": self.policy.put_slab_ttl_s, "put": self.policy.put_timeout_s}
             self._slab_table.adopt(node.node_id, reserved, hold, now)
+        self._release_held(node.node_id)
         self._expected.discard(node.node_id)
         if not self._expected:
             self._find_short()
@@ -249,11 +252,17 @@ class MasterState:
         """Drop a node and every replica on it; keys with no replica left become misses.
         Returns the number of objects lost. Idempotent."""
         had: dict[str, int] = {}
+        chains, held = self._objects.chains, None
         if node_id in self._nodes:  # what it held in DRAM, should it come back (mount), and
             # how many copies each value of several had then (filled by _on_short as the
             # node's replicas go): one repaired meanwhile does not take the returning copy
+            entries = self.node_entries(node_id)
             self._gone[node_id] = (self._clock(), self._nodes[node_id].incarnation,
-                                   {e.key: e.gen for e in self.node_entries(node_id) if e.tier == "dram"}, had)
+                                   {e.key: e.gen for e in entries if e.tier == "dram"}, had)
+            if reason != "drained":  # chains cut by its loss wait for it (chains.py: lost)
+                held = {e.key for e in entries if e.key not in chains.lost and (e.key in chains.kids or
+                                                                                 e.key in chains.remote)}
+                chains.lost.update(held)
         node = self._nodes.pop(node_id, None)
         self._alloc.pop(node_id, None)
         self._replicas.effects.pop(node_id, None)
@@ -270,6 +279,17 @@ class MasterState:
         finally:
             self._had = None
             self.repairs.recent_first(start)
+            if held:
+                kept = {k for k in held if k in self._objects}  # copies elsewhere: not lost
+                chains.lost.difference_update(kept)
+                self._held[node_id] = self._held.get(node_id, set()) | (held - kept)
+
+    def _release_held(self, node_id: str) -> None:
+        """``node_id`` remounted, or the master stopped waiting for it: what it did not
+        bring back went for good; the orphans of those keys go at the next tick."""
+        keys = self._held.pop(node_id, None)
+        if keys:
+            self._objects.chains.release_lost(keys, lambda k: k in self._objects)
 
     def _on_short(self, key: str, gen: int, want: int, size: int) -> None:
         """A value left with fewer copies than ``want`` (a node lost; ``ReplicaTable``)."""
@@ -881,6 +901,7 @@ class MasterState:
         self.repairs.prune()
         for node_id in [n for n, (t, _i, _v, _h) in self._gone.items() if now - t > GONE_TTL_S]:
             del self._gone[node_id]
+            self._release_held(node_id)
         slabs = self._slab_table.expire(now)
         expired = [(k, o.gen) for k, o in self._pending.items() if o.put_deadline <= now]
         for key, gen in expired:

@@ -105,6 +105,8 @@ class ObjectTable:
     # ------------------------------------------------------------------ chains --
     def _linked(self, key: str, parent: str) -> None:
         chains = self.chains
+        if chains.lost:
+            chains.lost.discard(key)  # back (with its node, or put again)
         if parent or chains.holds(key) or key in chains.parent:
             first = chains.stored(key, parent, self.__contains__)
             if self.hold_parents:  # hot from now on (flush keeps a parent hot)
