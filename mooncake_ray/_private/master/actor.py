@@ -44,7 +44,7 @@ import ray
 
 from mooncake_ray.config import StoreConfig
 from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError, NodeUnavailableError
-from mooncake_ray._private import auth, gcyoung, rpc
+from mooncake_ray._private import auth, gcyoung, logs, rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.chainlinks import ChainExchange
 from mooncake_ray._private.master.fence import Fence, Held
@@ -74,6 +74,7 @@ FENCE_PROBE_S = 0.1  # a node this slow to record puts that wait on it is checke
 
 class MasterActor:
     def __init__(self, config: dict, shard: int = 0):
+        logs.configure()
         self.cfg = StoreConfig.model_validate(config)
         self.shard = shard  # which of master.shards this is (shards.py: its keys, its part of each arena)
         self._inventory_rpc = rpc.node_inventory_rpc(shard)

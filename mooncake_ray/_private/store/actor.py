@@ -48,7 +48,7 @@ from mooncake_ray.errors import (
     MooncakeRayError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import auth, gcyoung, preflight, rpc, shards
+from mooncake_ray._private import auth, gcyoung, logs, preflight, rpc, shards
 from mooncake_ray._private.store import arena
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.drain import FROM_DISK
@@ -108,6 +108,7 @@ class _ShardLink:
 
 class StoreNodeActor:
     def __init__(self, config: dict, node_id: str):
+        logs.configure()
         self.started_at = time.time()  # this process's start (benchmarks: restart timings)
         gcyoung.raise_young_threshold()  # inventory messages: many records, each short-lived
         self.cfg = StoreConfig.model_validate(config)
