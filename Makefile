@@ -20,7 +20,7 @@ CLUSTER_APT_PKGS := openssh-server rsync sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 NATIVE_SRC := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: all setup build demo test test-fast test-inner demo-inner bench clean sysdeps test-cluster
+.PHONY: all setup build bytecode demo test test-fast test-inner demo-inner bench clean sysdeps test-cluster
 
 all: build
 
@@ -57,7 +57,10 @@ UCX_OTHER := $(if $(filter cu13,$(UCX)),cu12,cu13)
 	$(PIP) install -q $(call EXTRA,vllm)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PIP) uninstall -q -y libucx-$(UCX_OTHER) 2>/dev/null || true
-	uv pip install -q -p $(PY) -r pyproject.toml --extra dev --extra integrations --extra $(UCX)
+	@# --compile-bytecode: uv, unlike pip, leaves no .pyc; where PYTHONDONTWRITEBYTECODE is set
+	@# (this machine kind, many container images) every process then compiles Ray from source:
+	@# about 1 s of CPU for each Ray worker, actor, agent and CLI call.
+	uv pip install -q --compile-bytecode -p $(PY) -r pyproject.toml --extra dev --extra integrations --extra $(UCX)
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	@# SGLang imports torchvision, whose PyPI build cannot load its CUDA-linked ops on a CPU
 	@# torch and, in site-packages, breaks vLLM's imports: kept aside for the SGLang tests only.
@@ -75,7 +78,12 @@ setup: .venv/.env
 	@$(PY) -c "import mooncake_ray._private.native as n; print('native module ok, UCX', n._native.ucx_version())"
 	@touch $@
 
-build: .venv/.built
+build: .venv/.built bytecode
+
+# The package's own modules, which every store actor imports: compiled ahead (compileall
+# rewrites only what changed), for the same reason.
+bytecode: .venv/.built
+	@$(PY) -m compileall -q mooncake_ray
 
 # --- run ---------------------------------------------------------------------------
 test: build
@@ -97,7 +105,7 @@ demo-inner:
 # Run a benchmark in the namespace: make bench B=benchmarks/bench_store.py ARGS=...
 # The peers the figures compare against come with it (the `peers` extra).
 .venv/.peers: .venv/.env pyproject.toml
-	uv pip install -q -p $(PY) $(call EXTRA,peers)
+	uv pip install -q --compile-bytecode -p $(PY) $(call EXTRA,peers)
 	@touch $@
 
 bench: build .venv/.peers
