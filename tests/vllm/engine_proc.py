@@ -2,6 +2,8 @@
 
     python engine_proc.py '<json: model dir, kv_role or null, extra config, ...>'
 
+or forked from ``zygote.py`` (what the tests do: vLLM is imported once), which calls ``main(spec)``.
+
 Each stdin line is a JSON command; each answer is one stdout line ``MCR-RESULT <json>``
 (vLLM logs go to stderr). Commands: ``generate`` (greedy; returns token ids and
 ``num_cached_tokens`` per prompt), ``reset`` (drops vLLM's own prefix cache, so the next
@@ -20,9 +22,9 @@ import os
 import sys
 import traceback
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+for _k, _v in ENV_DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
 
 
 def reply(obj) -> None:
@@ -95,8 +97,8 @@ def arm_remove(marker: str) -> None:
     _vllm_worker.KVTransfer._load = load_after_remove
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def main(spec: dict | None = None) -> None:
+    spec = spec if spec is not None else json.loads(sys.argv[1])
     sys.stdout = sys.stderr  # keep stdout for answers
     try:
         llm = make_llm(spec)
