@@ -1,8 +1,8 @@
-"""The README's OpenAI-server command with the connector: two servers
-(``python -m vllm.entrypoints.openai.api_server --kv-transfer-config '{...}'``), started side
-by side on a real Ray cluster and store; the first answers a prompt and is stopped, then the
-second, which never saw the prompt, loads the first's KV through the store and answers with
-the same tokens."""
+"""The README's OpenAI-server command with the connector
+(``python -m vllm.entrypoints.openai.api_server --kv-transfer-config '{...}'``) on a real Ray
+cluster and store, beside a vLLM engine in another process (``harness.Engine``, the same
+connector): the server answers a prompt it never saw from the KV the engine saved, with the
+engine's tokens, and the engine answers the server's prompt from the KV the server saved."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ import httpx
 import pytest
 
 from tests.conftest import store_config, wait_for
-from tests.vllm.harness import BLOCK, ROOT, tiny_model
+from tests.vllm.harness import BLOCK, ROOT, Engine, tiny_model
+
+# vLLM reserves a core when a connector is set; both sides compute with the same thread count
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,8 +42,7 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
                 "--block-size", str(BLOCK), "--max-model-len", "1024", "--enable-prompt-tokens-details",
                 "--kv-transfer-config", json.dumps(kv)]
-        env = {**os.environ, "RAY_ADDRESS": ray_address, "PYTHONPATH": ROOT, "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+        env = {**os.environ, "RAY_ADDRESS": ray_address, "PYTHONPATH": ROOT, "VLLM_CPU_KVCACHE_SPACE": "1", **ENV}
         self.log = tmp_path / f"{name}.log"
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -60,11 +62,12 @@ class Server:
 
     def complete(self, ids: list[int], max_tokens: int = 8) -> dict:
         r = httpx.post(f"http://127.0.0.1:{self.port}/v1/completions", timeout=120, json={
-            "model": tiny_model(), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1})
+            "model": tiny_model(), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "return_tokens_as_token_ids": True})
         r.raise_for_status()
         body = r.json()
         choice = body["choices"][0]
-        return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
+        return {"tokens": [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]],
                 "cached": (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
     def stop(self) -> None:
@@ -78,33 +81,43 @@ class Server:
         self._log.close()
 
 
-def test_second_server_loads_the_first_servers_kv(ray_cluster, tmp_path):
+def test_server_and_engine_load_each_others_kv(ray_cluster, tmp_path):
     import mooncake_ray
     from mooncake_ray._private import deploy
 
     cfg = store_config()
     client = mooncake_ray.start(cfg)
     model = tiny_model()
-    ids = [7 + (i * 37) % 900 for i in range(300)]  # 300 tokens: 9 full blocks of 32
-    servers = []
+    # 300 tokens each (9 full blocks of 32), no block in common
+    a = [7 + (i * 37) % 900 for i in range(300)]
+    b = [11 + (i * 53) % 900 for i in range(300)]
+    full = (300 - 1) // BLOCK * BLOCK  # every full block but the last token's
+    server = engine = None
     try:
-        first = Server("first", model, ray_cluster.address, cfg["namespace"], tmp_path)
-        servers.append(first)
-        second = Server("second", model, ray_cluster.address, cfg["namespace"], tmp_path)
-        servers.append(second)
-        first.wait_ready()
-        second.wait_ready()
-        keys0 = client.stats()["keys"]
-        a = first.complete(ids)
-        assert a["cached"] == 0
-        wait_for(lambda: client.stats()["keys"] >= keys0 + 300 // BLOCK,
-                 what="the first server's saves")
-        first.stop()
-        b = second.complete(ids)
-        assert b["cached"] == (300 - 1) // BLOCK * BLOCK  # every full block but the last token's, from the store
-        assert b["tokens"] == a["tokens"]
+        server = Server("server", model, ray_cluster.address, cfg["namespace"], tmp_path)
+        engine = Engine("engine", "kv_both", {"namespace": cfg["namespace"]}, ray_cluster.address, ENV)
+        assert engine.wait_ready().get("ready")
+        server.wait_ready()
+
+        def saved(n0: int, what: str) -> int:
+            wait_for(lambda: client.stats()["keys"] >= n0 + 300 // BLOCK, what=what)
+            return client.stats()["keys"]
+
+        keys = client.stats()["keys"]
+        ea = engine.generate([{"prompt_token_ids": a}], max_tokens=8)[0]
+        assert ea["cached"] == 0
+        keys = saved(keys, "the engine's saves")
+        sa = server.complete(a)
+        assert sa["cached"] == full and sa["tokens"] == ea["tokens"]  # loaded from the store
+        sb = server.complete(b)
+        assert sb["cached"] == 0
+        saved(keys, "the server's saves")
+        eb = engine.generate([{"prompt_token_ids": b}], max_tokens=8)[0]
+        assert eb["cached"] == full and eb["tokens"] == sb["tokens"]
     finally:
-        for s in servers:
-            s.stop()
+        if engine is not None:
+            engine.close()
+        if server is not None:
+            server.stop()
         client.close()
         deploy.teardown(cfg["namespace"])
