@@ -8,8 +8,9 @@ modules in memory, as vLLM's own multiprocessing workers do by default (they are
 after the same imports). Nothing here initialises Ray, torch's thread pools or an engine:
 each child connects to Ray and builds its engine itself, after taking its environment.
 
-Each request on the socket (a ``SOCK_SEQPACKET`` pair) is one JSON message ``{"spec", "env", "cwd"}`` sent with three file
-descriptors (the child's stdin, stdout and stderr); the answer is ``{"pid"}``. Children are
+Each request on the socket (a ``SOCK_SEQPACKET`` pair) is one JSON message ``{"spec", "env",
+"cwd"}`` sent with three file descriptors (the child's stdin, stdout and stderr); the answer
+is ``{"pid"}``. Children are
 reaped by the kernel (SIGCHLD ignored here, restored in the child), so a finished engine's
 pid disappears and ``os.kill(pid, 0)`` tells whether it runs. The zygote exits when the
 socket closes.
