@@ -39,6 +39,13 @@ replica before the engine starts):
 
 Ray resolves a connector's backend by the ``kv_connector`` name through a registry kept in
 the cluster's GCS; :func:`register` puts ours there (the builders call it).
+
+The builders also give every LLM config without a ``callback_config`` of its own
+:class:`LocalModelCallback`: Ray starts each engine replica with a task per node of its
+placement group that resolves the model's files. For a model with no cloud mirror (a local
+path, a Hugging Face id) that task returns the name it was given, after importing torch,
+transformers and Ray Serve LLM in a fresh worker: 10-15 s of CPU on the replica's critical
+path. The callback skips it where every bundle of the replica is on its own node.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from __future__ import annotations
 import copy
 import logging
 
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     BaseConnectorBackend,
     DefaultPDProtocolMixin,
@@ -144,6 +153,56 @@ class MooncakeRayConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):
                 namespace)
 
 
+class LocalModelCallback(CallbackBase):
+    """Skips Ray Serve LLM's model-resolving task where it would only return the model's name:
+    no cloud mirror, not a remote path, every bundle of the replica's placement group on this
+    node. It still creates torch's ``kernels`` cache directory, as that task does."""
+
+    async def on_before_node_init(self) -> None:
+        import os
+
+        import ray
+
+        ec = self.llm_config.get_engine_config()
+        pg = self.ctx.placement_group
+        nodes = set(ray.util.placement_group_table(pg)["bundles_to_node_id"].values()) if pg else None
+        if not resolves_to_itself(ec.actual_hf_model_id, ec.mirror_config, nodes,
+                                  ray.get_runtime_context().get_node_id()):
+            return
+        import torch
+
+        os.makedirs(os.path.join(torch.hub._get_torch_home(), "kernels"), exist_ok=True)
+        self.ctx.run_init_node = False
+        log.info("model %s has no cloud mirror: not running the model-resolving task",
+                 ec.actual_hf_model_id)
+
+
+def resolves_to_itself(model: str | None, mirror_config, bundle_nodes: set | None, node: str) -> bool:
+    """Whether Ray Serve LLM's model-resolving task would only return ``model``, on this node
+    alone: no cloud mirror, not a remote path, every bundle (if a placement group is given) on
+    ``node``."""
+    from ray.llm._internal.common.utils.cloud_utils import is_remote_path
+
+    if mirror_config is not None or not model or is_remote_path(model):
+        return False
+    return bundle_nodes is None or bundle_nodes == {node}
+
+
+CALLBACK_PATH = "mooncake_ray.integrations.ray_serve_llm:LocalModelCallback"
+
+
+def _with_callback(cfg):
+    """``cfg`` (an LLM config: dict, ``LLMConfig`` or a file's path) with
+    :class:`LocalModelCallback` where it names no callback of its own."""
+    if isinstance(cfg, dict):
+        if not cfg.get("callback_config"):
+            cfg["callback_config"] = {"callback_class": CALLBACK_PATH}
+    elif isinstance(cfg, LLMConfig) and cfg.callback_config.callback_class is CallbackBase \
+            and cfg._callback_instance is None:
+        cfg.callback_config.callback_class = CALLBACK_PATH
+    return cfg
+
+
 def register() -> None:
     """Register the backend under the connector's name in Ray Serve LLM's registry (kept in
     the cluster's GCS, so every replica finds it). Needs Ray initialised; idempotent."""
@@ -172,6 +231,11 @@ def _prepare(args: dict | None) -> dict:
             raise ValueError("tiny_model needs out_dir (where to build the model; the LLM "
                              "configs' model_source should name the same path)")
         build(out_dir, TinyModelSpec(**tiny))
+    if isinstance(args.get("llm_configs"), list):
+        args["llm_configs"] = [_with_callback(c) for c in args["llm_configs"]]
+    for key in ("prefill_config", "decode_config"):
+        if key in args:
+            args[key] = _with_callback(args[key])
     register()
     return args
 

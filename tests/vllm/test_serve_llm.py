@@ -21,7 +21,8 @@ scraping it) serves, one after the other:
      the store (cached tokens reported, and counted in Prometheus), and no request fails;
    - Ctrl-C stops ``serve run``, and ``mooncake-ray stop`` removes the store.
 
-2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store):
+2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store),
+   whose engines start without Ray's model-resolving task (a local model):
    the same two-turn chat answers exactly as the aggregated app did, reports cached tokens
    on turn two, and its decode engine read the prefill's KV from the prefill engine's
    memory. It runs first (each app is stopped, with its store, before the next starts).
@@ -398,6 +399,11 @@ def disaggregated(head, tmp_path_factory):  # first, on a head with nothing else
         out = two_turn_chat(s.url, head, "pd")
     finally:
         out_stop = run.stop()
+    with open(s.log_path) as f:
+        log = f.read()
+    # the builder's callback skipped Ray's model-resolving task for both engines (a local model)
+    assert log.count("not running the model-resolving task") == 2, log[-3000:]
+    assert "Running tasks to download model files" not in log
     print(f"\ndisaggregated: usage {out['usage']}, texts {out['texts']}, store hits/keys "
           f"{[(st['hits'], st['keys']) for st in out['stats']]}, stopped in {out_stop['stopped_in']:.1f} s")
     return {**out, **out_stop}
