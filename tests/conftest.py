@@ -63,8 +63,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     users = {module(i) for i in items if _uses_cluster(i)}
     items[:] = [i for i in items if module(i) in users] + [i for i in items if module(i) not in users]
-    last = [i for i in items if _uses_cluster(i)][-1:]
-    config.stash[_LAST_CLUSTER_TEST] = last[0].nodeid if last else None
+    config.stash[_LAST_CLUSTER_TEST] = next((i.nodeid for i in reversed(items) if _uses_cluster(i)), None)
 
 
 _LAST_CLUSTER_TEST = pytest.StashKey[str]()

@@ -401,8 +401,8 @@ def disaggregated(head, tmp_path_factory):  # first, on a head with nothing else
         out_stop = run.stop()
     with open(s.log_path) as f:
         log = f.read()
-    # the builder's callback skipped Ray's model-resolving task for both engines (a local model)
-    # (Ray prints a line that several processes log alike once, so: at least once)
+    # the builder's callback skipped Ray's model-resolving task (a local model); Ray may print
+    # the two engines' alike lines once
     assert "not running the model-resolving task" in log, log[-3000:]
     assert "Running tasks to download model files" not in log
     print(f"\ndisaggregated: usage {out['usage']}, texts {out['texts']}, store hits/keys "
