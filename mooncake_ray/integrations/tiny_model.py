@@ -21,6 +21,7 @@ benchmarks build prompts of exact token counts with :func:`words`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -101,17 +102,38 @@ def _model(spec: TinyModelSpec):
 
 def build(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     """Write the model (safetensors, bf16) and the tokenizer into ``out_dir``; returns it.
-    Skips the work when ``out_dir`` already holds a build of the same spec."""
-    marker = os.path.join(out_dir, "mooncake_ray_tiny_model.json")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == asdict(spec):
-                return out_dir
+    Skips the work when ``out_dir`` already holds a build of the same spec. Processes that
+    build the same directory at once take turns (a lock file beside it): none reads a file
+    another is still writing."""
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
         raise ValueError(f"hidden {spec.hidden} must divide by heads {spec.heads}, and heads by "
                          f"kv_heads {spec.kv_heads}")
     if spec.arch not in ARCHS:
         raise ValueError(f"arch {spec.arch!r} not known; allowed: {', '.join(ARCHS)}")
+    marker = os.path.join(out_dir, "mooncake_ray_tiny_model.json")
+    if _built(marker, spec):
+        return out_dir
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with open(os.path.abspath(out_dir).rstrip("/") + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(marker, spec):
+            if os.path.exists(marker):
+                os.remove(marker)  # another spec's build: not complete once a file is rewritten
+            _write(out_dir, spec)
+            with open(marker, "w") as f:
+                json.dump(asdict(spec), f)
+    return out_dir
+
+
+def _built(marker: str, spec: TinyModelSpec) -> bool:
+    try:
+        with open(marker) as f:
+            return json.load(f) == asdict(spec)
+    except (OSError, ValueError):
+        return False
+
+
+def _write(out_dir: str, spec: TinyModelSpec) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -134,9 +156,6 @@ def build(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
                                    eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
-    with open(marker, "w") as f:
-        json.dump(asdict(spec), f)
-    return out_dir
 
 
 def main(argv=None) -> None:
