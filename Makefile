@@ -87,18 +87,11 @@ bytecode: .venv/.built
 	@$(PY) -m compileall -q mooncake_ray
 
 # --- run ---------------------------------------------------------------------------
-# The suite runs as two pytest processes at once, each in namespaces of its own
-# (tests/shards.sh): the `engines` modules beside the rest. SHARDS=1: one process, in order.
-SHARDS ?= 2
 test: build
-ifeq ($(SHARDS),1)
 	$(NS) '$(NS_PRE) exec $(MAKE) --no-print-directory test-inner'
-else
-	bash tests/shards.sh '$(NS_PRE)' '$(MAKE)'
-endif
 
 test-inner:
-	$(PY) -m pytest -x -q -p no:cacheprovider --durations=25 $(if $(SHARD),--shard=$(SHARD)) $(if $(BASETEMP),--basetemp="$(BASETEMP)") tests $(PYTEST_ARGS)
+	$(PY) -m pytest -x -q -p no:cacheprovider --durations=25 tests $(PYTEST_ARGS)
 
 # Quick iteration: unit, simulation and native tests (no Ray cluster), under a minute.
 test-fast: build

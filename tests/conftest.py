@@ -49,40 +49,6 @@ def no_event_feed_left():
     assert not left, f"{len(left)} KV event feed thread(s) left running by this module"
 
 
-# The modules that start vLLM engines, Ray Serve apps or the demo. `make test` runs them in one
-# pytest process and the rest in another, at once (tests/shards.sh, `--shard`): these keep a
-# core busy starting processes that import torch and vLLM, the rest mostly wait on Ray,
-# actors and I/O. Their items carry the `engines` marker.
-ENGINE_MODULES = ("tests/vllm/", "tests/integration/test_serve.py", "tests/integration/test_serve_configs.py",
-                  "tests/integration/test_demo.py")
-
-
-def pytest_addoption(parser):
-    parser.addoption("--shard", choices=("engines", "store"), default=None,
-                     help="collect only the engine modules (conftest.ENGINE_MODULES) or only the rest")
-
-
-def _engine_path(config, path) -> bool | None:
-    """Whether ``path`` is an engine module (or a folder of them); None for a folder holding
-    both kinds, or outside the tests."""
-    rel = os.path.relpath(str(path), str(config.rootpath)).replace(os.sep, "/")
-    if path.is_dir():
-        rel += "/"
-        if any(m.startswith(rel) for m in ENGINE_MODULES if m != rel):
-            return None  # holds engine modules, and perhaps others
-    return any(rel.startswith(m) for m in ENGINE_MODULES)
-
-
-def pytest_ignore_collect(collection_path, config):
-    shard = config.getoption("--shard")
-    if shard is None:
-        return None
-    engine = _engine_path(config, collection_path)
-    if engine is None:
-        return None
-    return True if engine != (shard == "engines") else None
-
-
 def _uses_cluster(item) -> bool:
     return "ray_cluster" in getattr(item, "fixturenames", ())
 
@@ -95,9 +61,6 @@ def pytest_collection_modifyitems(session, config, items):
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 
-    for i in items:
-        if any(module(i).startswith(m) for m in ENGINE_MODULES):
-            i.add_marker("engines")
     users = {module(i) for i in items if _uses_cluster(i)}
     items[:] = [i for i in items if module(i) in users] + [i for i in items if module(i) not in users]
     config.stash[_LAST_CLUSTER_TEST] = next((i.nodeid for i in reversed(items) if _uses_cluster(i)), None)

@@ -1,4 +1,4 @@
-"""The tiny model's build when several processes (two test shards, two Serve replicas on one
+"""The tiny model's build when several processes (two Serve replicas or test processes on one
 host) ask for the same directory at once: one writes, the others wait and read a complete
 build. Threads stand in for processes (``flock`` locks an open file, not a process)."""
 
