@@ -65,6 +65,9 @@ from mooncake_ray.kv import page_hashes
 log = logging.getLogger(__name__)
 
 ROUTER_CLASS = "mooncake_ray.integrations.kv_router:MooncakeKVRouter"
+# Calls of ``choose_replicas`` for one request that offer only the best replica (while it
+# has room): Serve's queue-length probes of it then get 0.1, 0.2, 0.4 s before the others.
+BEST_TRIES = 4
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
@@ -601,8 +604,8 @@ class MooncakeKVRouter(_router_base()):
         self._load: dict[str, kvi.Load] = {}
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         # internal request id -> (decision, seconds it took, the load it holds on its best
-        # replica until routed: (replica, tokens) or None)
-        self._pending: dict[str, tuple[kvi.Decision, float, tuple | None]] = {}
+        # replica until routed: (replica, tokens) or None, how many times Serve asked)
+        self._pending: dict[str, tuple[kvi.Decision, float, tuple | None, int]] = {}
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ replicas ----
@@ -677,22 +680,43 @@ class MooncakeKVRouter(_router_base()):
         if not candidate_replicas:
             return []
         t0 = time.perf_counter()
+        key = before = None
+        if pending_request is not None:
+            key = pending_request.metadata.internal_request_id
+            # Serve calls again for the same request when no replica offered took it: its
+            # earlier hold goes before deciding again
+            before = self._pending.pop(key, None)
+            if before is not None:
+                self._release(before[2])
         try:
             dec = await self._decide(candidate_replicas, pending_request)
         except Exception as e:  # noqa: BLE001 - never fail a request for want of a signal
             self._warn_once(f"err{type(e).__name__}", "routing by load after an error: %r", e)
             dec = self._by_load(candidate_replicas, "error")
-        if pending_request is not None:
-            if len(self._pending) >= 10_000:  # requests cancelled before they were routed
-                self._release(self._pending.pop(next(iter(self._pending)))[2])
-            # Decisions made side by side (each awaits its store lookup) must see each
-            # other: the best replica holds this request's work from now, not only once Serve
-            # reports it routed, or requests sent together all go to the same replica.
-            best = dec.ranked[0] if dec.ranked else None
-            held = None if best is None else self._hold(best.key, dec.prompt_tokens - best.hit_tokens)
-            self._pending[pending_request.metadata.internal_request_id] = (dec, time.perf_counter() - t0, held)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        return [[by_id[o.key]] for o in dec.ranked if o.key in by_id]
+        ranked = [[by_id[o.key]] for o in dec.ranked if o.key in by_id]
+        if key is None:
+            return ranked
+        tries = 1 if before is None else before[3] + 1
+        if len(self._pending) >= 10_000:  # requests cancelled before they were routed
+            self._release(self._pending.pop(next(iter(self._pending)))[2])
+        # Decisions made side by side (each awaits its store lookup) must see each
+        # other: the best replica holds this request's work from now, not only once Serve
+        # reports it routed, or requests sent together all go to the same replica.
+        best = dec.ranked[0] if dec.ranked else None
+        room = best is not None and best.key in by_id and (
+            (self._load.get(best.key) or kvi.Load()).requests < getattr(by_id[best.key], "max_ongoing_requests", 1 << 30))
+        held = None if best is None else self._hold(best.key, dec.prompt_tokens - best.hit_tokens)
+        self._pending[key] = (dec, time.perf_counter() - t0, held, tries)
+        # Serve asks each offered replica for its queue length, 0.1 s at first, doubling on
+        # each later try, and takes the next one offered when it does not answer in time. A
+        # busy replica answers late, and the next one would lose the cache the decision
+        # chose: the best is offered alone for its first BEST_TRIES - 1 tries while it has room
+        # by this router's count (a replica full by the count of other routers answers
+        # that it is full, at once).
+        if tries < BEST_TRIES and room:
+            return ranked[:1]
+        return ranked
 
     def _check_silent(self) -> None:
         """Engines whose events stopped though requests that must store blocks went there
@@ -779,7 +803,7 @@ class MooncakeKVRouter(_router_base()):
     def on_request_routed(self, pending_request, replica_id, result):
         rid = replica_id.to_full_id_str()
         key = pending_request.metadata.internal_request_id
-        dec, seconds, held = self._pending.pop(key, (None, 0.0, None))
+        dec, seconds, held, _tries = self._pending.pop(key, (None, 0.0, None, 0))
         self._release(held)
         if dec is None:
             return

@@ -57,3 +57,36 @@ def test_requests_decided_together_are_spread_and_the_hold_moves_to_where_serve_
         r.on_request_completed(reps[0].replica_id, f"req{i}")
     r.on_request_completed(reps[1].replica_id, "req0")
     assert {k: (v.requests, v.tokens) for k, v in r._load.items()} == {"a": (0, 0), "b": (0, 0)}
+
+
+def test_the_best_replica_is_offered_alone_while_serve_retries_and_nothing_is_held_twice(router):
+    """Serve takes the next replica offered when the first does not answer its queue-length
+    probe within 0.1 s (a busy replica): the best is offered alone for the first tries."""
+    from mooncake_ray.integrations.kv_router import BEST_TRIES
+
+    r = router
+    reps = [fake_replica("a"), fake_replica("b")]
+    req = fake_request(0)
+    offered = [asyncio.run(r.choose_replicas(reps, req)) for _ in range(BEST_TRIES + 1)]
+    best = offered[0][0][0].replica_id.to_full_id_str()
+    assert [len(o) for o in offered] == [1] * (BEST_TRIES - 1) + [2, 2], offered
+    assert all(o[0][0].replica_id.to_full_id_str() == best for o in offered)
+    # every try held the request's work once, not once per try
+    assert {k: v.requests for k, v in r._load.items() if v.requests} == {best: 1}
+    other = reps[1] if best == "a" else reps[0]
+    r.on_request_routed(req, other.replica_id, None)  # Serve took the second after all
+    assert {k: v.requests for k, v in r._load.items() if v.requests} == {other.replica_id.to_full_id_str(): 1}
+    r.on_request_completed(other.replica_id, "req0")
+    assert all((v.requests, v.tokens) == (0, 0) for v in r._load.values())
+
+
+def test_a_best_replica_full_by_this_routers_count_is_not_offered_alone(router):
+    r = router
+    reps = [fake_replica("a"), fake_replica("b")]
+    for rep in reps:
+        rep.max_ongoing_requests = 2
+    r._hold("a", 10), r._hold("a", 10)  # two requests in flight there: full
+    r._hold("b", 5000), r._hold("b", 5000)
+    r._load["b"].requests = 1  # b: room, but far more work queued, so "a" ranks first
+    got = asyncio.run(r.choose_replicas(reps, fake_request(0)))
+    assert [g[0].replica_id.to_full_id_str() for g in got] == ["a", "b"]
