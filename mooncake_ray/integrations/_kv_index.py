@@ -210,7 +210,7 @@ class Load:
     """Work a replica has in hand, as the router sees it."""
 
     tokens: int = 0  # prompt tokens still to compute of the requests routed to it, in flight
-    requests: int = 0  # requests in flight (the larger of ours and Serve's queue length)
+    requests: int = 0  # requests in flight (ours, and other routers' seen at the replica lately)
 
 
 @dataclass

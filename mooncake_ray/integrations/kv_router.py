@@ -15,7 +15,9 @@ deployment's router is the one that matters.) Per request it weighs, for every r
 - what the mooncake-ray store holds, which every replica can load: one batched lookup of
   the prompt's chained block hashes (the keys the connector stores blocks under);
 - the prefill work the replica has in hand (prompt tokens of the requests routed to it and
-  not finished) and its requests in flight;
+  not finished) and its requests in flight; with several ingress replicas (a router each),
+  the requests of the others too, as the replica reports them when it accepts one of this
+  router's, each counted for one mean request time from that report;
 
 and sends the request to the replica of least cost (``_kv_index.choose``: tokens to
 compute + ``load_cost`` x tokens to load from the store + queued tokens +
@@ -603,6 +605,16 @@ class MooncakeKVRouter(_router_base()):
         self._client = None
         self._load: dict[str, kvi.Load] = {}
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
+        # Other routers' requests (other ingress replicas): a replica reports its requests in
+        # flight when it accepts one of ours (Serve's queue-length answer); what it holds
+        # beyond ours then counts for one mean request time from the report. (Serve's own
+        # queue-length cache keeps them until ten seconds after its last update: it never
+        # sees another router's requests finish.)
+        self._queue_report: dict[str, tuple[int, float]] = {}  # replica -> (requests it reported, when)
+        self._others: dict[str, tuple[int, float]] = {}  # replica -> (others' requests, when seen)
+        self._routed_at: dict[str, float] = {}  # internal request id -> when routed
+        self._mean_s = 1.0  # a request's mean time from routed to finished (moving average)
+        self._mean_tokens: float | None = None  # a request's mean prompt tokens to compute (moving average)
         # internal request id -> (decision, seconds it took, the load it holds on its best
         # replica until routed: (replica, tokens) or None, how many times Serve asked)
         self._pending: dict[str, tuple[kvi.Decision, float, tuple | None, int]] = {}
@@ -625,6 +637,8 @@ class MooncakeKVRouter(_router_base()):
 
     def _forget(self, rid: str) -> None:
         self._expect.pop(rid, None)
+        self._others.pop(rid, None)
+        self._queue_report.pop(rid, None)
         self._records.pop(rid, None)
         self._missing.discard(rid)
         self._load.pop(rid, None)
@@ -663,8 +677,10 @@ class MooncakeKVRouter(_router_base()):
         self._tok_loading = True
 
         def load():
+            t0 = time.monotonic()
             try:
                 self._tok = Tokenizer(source, chat_template)
+                log.info("MooncakeKVRouter: tokenizer %r loaded in %.1f s", source, time.monotonic() - t0)
             except Exception as e:  # noqa: BLE001
                 self._warn_once("tok", "cannot load tokenizer %r (%s): routing by load only", source, e)
 
@@ -743,13 +759,19 @@ class MooncakeKVRouter(_router_base()):
 
     def _loads(self, candidates) -> dict:
         out = {}
-        cache = self._replica_queue_len_cache
+        now = time.monotonic()
         for r in candidates:
             rid = r.replica_id.to_full_id_str()
             mine = self._load.get(rid) or kvi.Load()
-            q = cache.get(r.replica_id) if cache is not None else None
-            out[rid] = kvi.Load(mine.tokens, max(mine.requests, q or 0))
+            n, seen = self._others.get(rid, (0, 0.0))
+            if n and now - seen > self._mean_s:
+                n = 0  # most likely finished by now
+            out[rid] = kvi.Load(int(mine.tokens + n * (self._mean_tokens or 0)), mine.requests + n)
         return out
+
+    def on_new_queue_len_info(self, replica_id, num_ongoing_requests):
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        self._queue_report[replica_id.to_full_id_str()] = (int(num_ongoing_requests), time.monotonic())
 
     async def _decide(self, candidates, pending_request) -> kvi.Decision:
         if self._missing and time.monotonic() - self._looked_at > 1.0:
@@ -757,6 +779,8 @@ class MooncakeKVRouter(_router_base()):
             self._find_records()
         got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
         if got is None or self._tok is None or self._block_size is None:
+            if got is not None:
+                self._warn_once("notyet", "no %s yet: routing by load", "tokenizer" if self._block_size else "replica records")
             return self._by_load(candidates, "no_prompt")
         tokens = self._tok(*got)
         if not tokens:
@@ -807,10 +831,15 @@ class MooncakeKVRouter(_router_base()):
         self._release(held)
         if dec is None:
             return
+        self._routed_at[key] = time.monotonic()
         opt = next((o for o in dec.ranked if o.key == rid), None)
         reason = dec.reason if opt is dec.best else "load"
         compute = dec.prompt_tokens - (opt.hit_tokens if opt else 0)
         self._inflight[key] = self._hold(rid, compute)
+        self._mean_tokens = compute if self._mean_tokens is None else self._mean_tokens + 0.2 * (compute - self._mean_tokens)
+        report = self._queue_report.pop(rid, None)  # the replica's answer as it accepted this one
+        if report is not None and time.monotonic() - report[1] < 1.0:
+            self._others[rid] = (max(report[0] - self._load[rid].requests, 0), report[1])
         if self._block_size and compute >= self._block_size and rid in self._records:
             e = self._expect.get(rid)  # its engine will store at least one block: a batch is due
             if e is None:
@@ -825,6 +854,9 @@ class MooncakeKVRouter(_router_base()):
 
     def on_request_completed(self, replica_id, internal_request_id):
         self._release(self._inflight.pop(internal_request_id, None))
+        routed = self._routed_at.pop(internal_request_id, None)
+        if routed is not None:
+            self._mean_s += 0.2 * (time.monotonic() - routed - self._mean_s)
         pending = self._pending.pop(internal_request_id, None)
         if pending is not None:
             self._release(pending[2])

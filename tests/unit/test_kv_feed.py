@@ -188,7 +188,7 @@ def _router(silent_s: float):
 
         dec = kvi.choose(prompt_tokens, BS, {rid: 0}, None, {}, r._model)
         key = f"req{i}"
-        r._pending[key] = (dec, 0.0, None)
+        r._pending[key] = (dec, 0.0, None, 1)
         req = types.SimpleNamespace(metadata=types.SimpleNamespace(internal_request_id=key))
         r.on_request_routed(req, types.SimpleNamespace(to_full_id_str=lambda: rid), None)
 

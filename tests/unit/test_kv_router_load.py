@@ -1,6 +1,7 @@
 """The KV router's load accounting between a decision and Serve's report that the request
-was routed: decisions made side by side see each other (no Serve, no Ray: the router's
-own methods on fake replicas)."""
+was routed: decisions made side by side see each other, and other routers' requests (other
+ingress replicas) count while they likely run (no Serve, no Ray: the router's own methods on
+fake replicas, called as Serve calls them)."""
 
 import asyncio
 import types
@@ -24,6 +25,7 @@ def router():
     r = MooncakeKVRouter.__new__(MooncakeKVRouter)  # Serve's base needs a running controller
     r.initialize_state()
     r._replica_queue_len_cache = None
+    r._use_replica_queue_len_cache = False  # Serve's own cache: off (its base methods then do nothing)
     r._ties = lambda candidates: {c.replica_id.to_full_id_str(): 0.0 for c in candidates}  # no luck
 
     async def decide(candidates, pending_request):
@@ -90,3 +92,36 @@ def test_a_best_replica_full_by_this_routers_count_is_not_offered_alone(router):
     r._load["b"].requests = 1  # b: room, but far more work queued, so "a" ranks first
     got = asyncio.run(r.choose_replicas(reps, fake_request(0)))
     assert [g[0].replica_id.to_full_id_str() for g in got] == ["a", "b"]
+
+
+def test_other_routers_requests_count_for_one_mean_request_time_after_the_replica_reported_them(router):
+    """Serve's queue-length cache keeps another router's request until ten seconds after its
+    last update (it never sees it finish): with two ingress replicas a conversation's holder
+    looked busy and its later turns went elsewhere. The router counts the replica's report
+    beyond its own requests, and only for one mean request time."""
+    r = router
+    reps = [fake_replica("a"), fake_replica("b")]
+    req = fake_request(0)
+    asyncio.run(r.choose_replicas(reps, req))
+    a = reps[0].replica_id
+    r.on_new_queue_len_info(a, 3)  # "a" accepts it, with two of another router's in flight
+    r.on_request_routed(req, a, None)
+    loads = r._loads(reps)
+    assert (loads["a"].requests, loads["b"].requests) == (3, 0)
+    assert loads["a"].tokens == 3 * r._load["a"].tokens  # each counted as a mean request of ours
+    r.on_request_completed(a, "req0")
+    assert r._loads(reps)["a"].requests == 2  # ours finished; theirs likely still run
+    n, seen = r._others["a"]
+    r._others["a"] = (n, seen - r._mean_s - 0.01)  # one mean request time later
+    assert r._loads(reps)["a"] == kvi.Load(0, 0)
+
+
+def test_a_report_not_from_accepting_a_request_of_ours_is_not_taken_for_others(router):
+    r = router
+    reps = [fake_replica("a"), fake_replica("b")]
+    r.on_new_queue_len_info(reps[1].replica_id, 5)  # a probe's or a rejection's answer, no request routed
+    req = fake_request(0)
+    asyncio.run(r.choose_replicas(reps, req))
+    r._queue_report["b"] = (5, r._queue_report["b"][1] - 2.0)  # two seconds old
+    r.on_request_routed(req, reps[1].replica_id, None)
+    assert r._loads(reps)["b"].requests == 1

@@ -4,14 +4,16 @@ requests over HTTP, Ctrl-C, ``mooncake-ray stop``. One Ray head (with a real Pro
 scraping it) serves, one after the other:
 
 1. ``serve_configs/vllm-aggregated.yaml`` at two replicas (two engines, kv_both, one store
-   the engines deploy themselves), behind its ``MooncakeKVRouter``:
+   the engines deploy themselves) and two ingress replicas, each with its own
+   ``MooncakeKVRouter``:
 
    - a two-turn chat (greedy) reuses turn one's KV on turn two;
    - the test watches the engines as the router does, with its own :class:`EventFeed` on
      both engines' KV events (their endpoints from the records the replicas publish), so
      which engine served a request is a fact, not a guess: the one whose cache gained the
      prompt's blocks. First turns sent at once are spread over both engines, every later
-     turn of a conversation goes to the engine that holds its earlier turns, and the
+     turn of a conversation goes to the engine that holds its earlier turns whichever ingress
+     replica takes it (their access logs say which did; both do), and the
      router's expected cached tokens match what the engines report;
    - events lost (a subscription closed while the engines publish) are replayed from the
      engine's replay socket, to the same index as a feed that lost nothing;
@@ -49,7 +51,7 @@ pytestmark = pytest.mark.timeout(1500)
 
 MODEL_ID = "tiny-llama"
 # Logical CPUs for Serve LLM: a {CPU: 2} placement group per engine replica, {CPU: 1} for
-# the ingress (two replicas: 5; P/D: 5), as the configs' comments tell users.
+# each ingress replica (two engine and two ingress replicas: 6; P/D: 5), as the configs' comments tell users.
 HEAD_CPUS = 8
 TURN1 = 100  # words (= tokens) of the two-turn chat's first message: three full 32-token blocks
 TURN2 = 40
@@ -67,6 +69,11 @@ PY_RECORDS = ("import json, ray; ray.init(logging_level='ERROR', log_to_driver=F
 PY_RUNNING = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
               "d = serve.status().applications['vllm-agg'].deployments['LLMServer:" + MODEL_ID + "']; "
               "print(d.replica_states.get('RUNNING', 0))")
+PY_INGRESS = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
+              "print(serve.status().applications['vllm-agg'].deployments['OpenAiIngress'].replica_states.get('RUNNING', 0))")
+PY_SESSION = ("import ray; ray.init(logging_level='ERROR', log_to_driver=False); "
+              "print(ray._private.worker.global_worker.node.get_session_dir_path())")
+INGRESS_LINE = re.compile(r"vllm-agg_OpenAiIngress (\w+) (conv\d+-turn\d+) -- POST /v1/chat/completions 200")
 PY_KILL = ("import sys, ray; ray.init(logging_level='ERROR', log_to_driver=False); "
            "ray.kill(ray.get_actor(sys.argv[1], namespace='serve'))")
 
@@ -144,6 +151,21 @@ class App:
     def __init__(self, head, s, recs=None):
         self.head, self.s, self.recs, self.stopped = head, s, recs, None
         self.base: dict[str, float] = {}
+        self.session = ""  # the head's Ray session directory
+
+    def ingress_of(self, rids: list[str]) -> dict[str, str]:
+        """Which ingress replica answered each request (its access log in the session's logs)."""
+        import glob
+
+        def read():
+            got = {}
+            for path in glob.glob(os.path.join(self.session, "logs", "serve", "replica_vllm-agg_OpenAiIngress_*.log")):
+                with open(path, errors="replace") as f:
+                    for m in INGRESS_LINE.finditer(f.read()):
+                        got[m.group(2)] = m.group(1)
+            return got if all(r in got for r in rids) else None
+
+        return wait_for(read, 30, f"the ingress access log lines of {rids}")
 
     def stop(self) -> dict:
         if self.stopped is None:
@@ -170,6 +192,8 @@ def app(head, tmp_path_factory, disaggregated):
     rrc = llm["deployment_config"]["request_router_config"]
     assert rrc["request_router_class"] == "mooncake_ray.integrations.kv_router:MooncakeKVRouter", rrc
     llm["deployment_config"]["num_replicas"] = 2
+    # two ingress replicas, each with its own router: Serve's proxy picks one per request
+    cfg["applications"][0]["args"]["ingress_deployment_config"] = {"num_replicas": 2}
     path = os.path.join(tmp, "two-replicas.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -180,6 +204,8 @@ def app(head, tmp_path_factory, disaggregated):
         assert MODEL_ID in [m["id"] for m in models["data"]], models
         # /v1/models answers once one replica runs: wait for the second engine too
         wait_for(lambda: py(head, PY_RUNNING) == "2", 600, "two running replicas")
+        wait_for(lambda: py(head, PY_INGRESS) == "2", 120, "two running ingress replicas")
+        run.session = py(head, PY_SESSION)
         seen = []
 
         def records():
@@ -250,7 +276,22 @@ def conversations(app, watched, aggregated):  # after the two-turn chat: its tur
             convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
                          {"role": "user", "content": words(range(1000 * c + 1500 + NEXT * turn,
                                                                  1000 * c + 1500 + NEXT * (turn + 1)))}]
-    return {"convs": convs, "where": where, "usage": usage}
+    # Serve's proxy picks an ingress replica at random for each request: more turns until
+    # both ingress replicas (their routers) have taken later turns (1 in 2^7 runs needs any)
+    ingress = app.ingress_of([f"conv{c}-turn{t}" for c in range(CONVS) for t in range(TURNS)])
+    extra = 0
+    while len({ingress[f"conv{c}-turn{t}"] for c in range(CONVS) for t in range(1, len(where[c]))}) < 2:
+        assert extra < 24, ingress  # 2^-31
+        c, extra = extra % CONVS, extra + 1
+        rid = f"conv{c}-turn{len(where[c])}"
+        out = chat(s.url, convs[c], rid)
+        where[c].append(served_by(feed, page_hashes(tok("messages", convs[c]), bs)))
+        usage[c].append(out["usage"])
+        convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": words(range(1000 * c + 1800 + NEXT * extra,
+                                                             1000 * c + 1800 + NEXT * (extra + 1)))}]
+        ingress.update(app.ingress_of([rid]))
+    return {"convs": convs, "where": where, "usage": usage, "ingress": ingress}
 
 
 def test_aggregated_chat_reuses_turn_one(aggregated):
@@ -260,13 +301,14 @@ def test_aggregated_chat_reuses_turn_one(aggregated):
     assert cached(u2) >= 96, u2  # turn 1's three full blocks, at least
 
 
-def test_later_turns_go_to_the_engine_holding_the_conversation(conversations):
-    where, usage = conversations["where"], conversations["usage"]
-    print("\nserved by:", [[w.rsplit("#", 1)[1] for w in ws] for ws in where])
+def test_later_turns_go_to_the_engine_holding_the_conversation_whichever_ingress_takes_them(conversations):
+    where, usage, ingress = conversations["where"], conversations["usage"], conversations["ingress"]
+    print("\nserved by (engine/ingress):",
+          [[f"{w.rsplit('#', 1)[1]}/{ingress[f'conv{c}-turn{t}']}" for t, w in enumerate(ws)] for c, ws in enumerate(where)])
     assert len({ws[0] for ws in where}) == 2, where  # the first turns were spread over both engines
     for c in range(CONVS):
         assert len(set(where[c])) == 1, (c, where[c])  # every later turn on the first turn's engine
-        for t in range(1, TURNS):
+        for t in range(1, len(where[c])):
             # the engine reused the whole previous prompt's full blocks (at least)
             assert cached(usage[c][t]) >= usage[c][t - 1]["prompt_tokens"] // 32 * 32, usage[c]
 
