@@ -2,11 +2,14 @@
 bytes while the master's lookup is in flight, and keeps them only if the master's answer
 names that same placement. On a real 3-node cluster, with tcp and with shared memory."""
 
+import os
+
 import numpy as np
 import pytest
 
 import mooncake_ray
 from mooncake_ray import ObjectNotFoundError
+from mooncake_ray._private import rpc
 from mooncake_ray._private.client.locations import Loc
 
 MB = 1 << 20
@@ -43,6 +46,12 @@ def test_reads_of_own_puts_overlap_the_lookup(make_store, protocol):
     # over the network every read here overlaps its lookup; a same-host mapped copy only from
     # 64 KiB (a shorter memcpy is over before an asynchronous call would pay off)
     overlapped = [n for n in sizes if protocol == "tcp" or n >= 64 << 10]
+    if protocol == "shm":  # every store node's arena mapped here, from its file in /dev/shm
+        nodes = s._shards[0].reads._nodes
+        paths = {nid: (nodes.peek(nid).region.read_path, info["arena_file"], os.path.exists(info["arena_file"]))
+                 for nid, info in ((n["node_id"], n) for n in s._shards[0].master.call(rpc.NODES))
+                 if nodes.peek(nid) is not None}
+        assert paths and all(p[0] == "memcpy" for p in paths.values()), paths
     assert early(s) == (len(overlapped) + 1, 0)
     # a client that never saw the keys reads them the usual way, then knows them
     other = mooncake_ray.connect(config=s.config)

@@ -137,3 +137,40 @@ def test_files_of_another_host_or_pid_namespace_are_left_alone(shm):
         with open(owner, "w") as f:
             json.dump({**rec, field: "elsewhere"}, f)
         assert arena.collect_garbage(shm) == 0 and os.path.exists(a.path)
+
+
+def test_a_live_nodes_owner_file_rewritten_while_another_node_collects_is_never_removed(shm, monkeypatch):
+    """Store nodes of one host start together: each collects garbage while the others
+    write their owner files. An owner read half-written must not pass for an unreadable
+    one (whose arena is removed): the live node's clients would lose their mapping."""
+    import json
+    import multiprocessing
+
+    a = arena.ArenaFile(shm, "ns", "live", MB)
+    with open(a.stem + ".owner") as f:
+        rec = json.load(f)
+    monkeypatch.setattr(arena, "_raylet_alive", lambda pid: pid == rec["raylet_pid"])
+    stop = multiprocessing.get_context("fork").Event()
+
+    def rewrite():
+        while not stop.is_set():
+            arena._write_owner(a.stem, rec)
+
+    writer = multiprocessing.get_context("fork").Process(target=rewrite, daemon=True)
+    writer.start()
+    try:
+        removed = sum(arena.collect_garbage(shm) for _ in range(3000))
+    finally:
+        stop.set()
+        writer.join(10)
+    assert removed == 0 and os.path.exists(a.path) and os.path.exists(a.index_path)
+
+
+def test_an_unreadable_owner_file_is_judged_only_once_old(shm, monkeypatch):
+    monkeypatch.setattr(arena, "_raylet_alive", lambda pid: True)
+    a = arena.ArenaFile(shm, "ns", "torn", MB)
+    open(a.stem + ".owner", "w").close()  # torn by a crash of an older version
+    assert arena.collect_garbage(shm) == 0 and os.path.exists(a.path)
+    old = os.stat(a.path).st_mtime - arena.UNREADABLE_OWNER_S - 1
+    os.utime(a.stem + ".owner", (old, old))
+    assert arena.collect_garbage(shm) == 1 and not os.path.exists(a.path)

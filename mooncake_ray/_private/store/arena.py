@@ -28,6 +28,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 import zlib
 
 from mooncake_ray.errors import ConfigError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 PREFIX = "mooncake-ray."
 _MADV_POPULATE_WRITE = 23
 _INDEX_MAGIC = b"MCRIDX1\n"
+UNREADABLE_OWNER_S = 60.0  # an owner file that does not parse is judged only when this old
 
 
 def boot_id() -> str:
@@ -84,7 +86,17 @@ def collect_garbage(directory: str) -> int:
         try:
             with open(stem + ".owner") as f:
                 owner = json.load(f)
+        except FileNotFoundError:
+            continue  # removed meanwhile
         except (OSError, ValueError):
+            # Owner files are written whole (``_write_owner``), so one that does not parse
+            # was torn by a crash or an older version: removed once it is old, never while
+            # it may still be a live node's.
+            try:
+                if time.time() - os.stat(stem + ".owner").st_mtime < UNREADABLE_OWNER_S:
+                    continue
+            except OSError:
+                continue
             owner = {}
         if owner and (owner.get("boot_id") != boot_id() or owner.get("pid_ns", "") != pid_namespace()):
             continue  # another host's or container's: not ours to judge
@@ -95,9 +107,19 @@ def collect_garbage(directory: str) -> int:
     return n
 
 
+def _write_owner(stem: str, owner: dict) -> None:
+    """``<stem>.owner``, whole or not at all: another store node starting on the host may
+    read it at any moment (``collect_garbage``), and a file caught between its creation and
+    its write would read as unreadable."""
+    tmp = stem + ".owner.tmp"
+    with open(tmp, "w") as f:
+        json.dump(owner, f)
+    os.replace(tmp, stem + ".owner")
+
+
 def remove_files(stem: str) -> None:
     rings = glob.glob(glob.escape(stem) + ".ring[0-9]*")  # commit rings, one per master shard
-    for path in [stem + ext for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".index.tmp")] + rings:
+    for path in [stem + ext for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".owner.tmp", ".index.tmp")] + rings:
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -156,9 +178,8 @@ class ArenaFile:
                 for off in range(0, size, mmap.PAGESIZE):
                     view[off] = view[off]
                 view.release()
-        with open(self.stem + ".owner", "w") as f:
-            json.dump({"namespace": namespace, "node_id": node_id, "raylet_pid": os.getppid(),
-                       "boot_id": boot_id(), "pid_ns": pid_namespace(), "size": size}, f)
+        _write_owner(self.stem, {"namespace": namespace, "node_id": node_id, "raylet_pid": os.getppid(),
+                                 "boot_id": boot_id(), "pid_ns": pid_namespace(), "size": size})
         if not self.reused:
             self.save_index([])
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
