@@ -283,6 +283,12 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
     assert len(on_victim) > 20
     entries = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
     bad = on_victim[3]
+    # A node takes a value's checksum when it records the value (from its commit ring, or
+    # the master's message), which may come after the put was answered: bytes changed before
+    # then would be checksummed as they are. Corrupt a value the node has recorded.
+    node = ray.get_actor(store_actor_name(victim), namespace=s.config.namespace)
+    wait_for(lambda: bad in {e[0] for e in ray.get(node.inventory_snapshot.remote()) if e[3] == "dram"},
+             timeout_s=30, interval_s=0.2, what=f"the victim node to record {bad!r}")
     path = _arena_file(master, victim)
     assert path.startswith("/dev/shm/")
     with open(path, "r+b") as f:  # flip bytes of one value inside the arena
