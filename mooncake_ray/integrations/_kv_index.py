@@ -232,6 +232,9 @@ class CostModel:
     load_cost: float = 0.4  # loading a token from the store / computing one (measured, docs/performance.md)
     request_cost: float = 64.0  # per request in flight (its decode steps, scheduling)
     min_hit_blocks: int = 1  # a replica's hit shorter than this counts as none
+    # replica -> its engine's own load_cost, learned from its steps (``_step_costs``); the
+    # others are weighed by ``load_cost``
+    load_costs: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not 0 <= self.load_cost <= 1:
@@ -279,7 +282,8 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
         hit = min((e + s) * block_size, limit)
         loaded = max(hit - e * block_size, 0)
         ld = load.get(r) or Load()
-        cost = (prompt_tokens - hit) + model.load_cost * loaded + ld.tokens + model.request_cost * ld.requests
+        cost = (prompt_tokens - hit) + model.load_costs.get(r, model.load_cost) * loaded + ld.tokens \
+            + model.request_cost * ld.requests
         opts.append(Option(r, e, s, cost, hit, loaded))
     tie = tie or {}
     opts.sort(key=lambda o: (o.cost, tie.get(o.key, 0)))

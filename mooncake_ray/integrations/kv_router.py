@@ -29,8 +29,14 @@ Nothing here fails a request: no tokenizer, no events, events lost and not repla
 store that does not answer -- each only takes that signal out of the cost, down to plain
 load balancing. A replica that dies leaves the index.
 
+Each engine learns its own price of a loaded token over a computed one from its steps'
+times (``_step_costs``: the connector fits step seconds to the tokens each step computed
+and loaded) and publishes it in its record every ``COSTS_EVERY_S``; the router weighs that
+replica's loads by it, and by ``load_cost`` until the engine has loaded enough to know.
+
 Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
-docs/performance.md), ``request_cost`` (64), ``stale_s`` (5.0:
+docs/performance.md; the starting value), ``learn_costs`` (true: each engine's learned
+price replaces it; false: ``load_cost`` for every replica), ``request_cost`` (64), ``stale_s`` (5.0:
 how long an index whose events were lost counts as empty), ``lookup_timeout_s`` (0.5),
 ``tokenizer`` (a path or model id, when the model source is not one), ``silent_s`` (30:
 an engine sent two or more requests that must store new blocks, and not one event batch
@@ -46,7 +52,7 @@ tokenize; error), ``mooncake_router_prompt_tokens``,
 connector's ``mooncake_connector_engine_hit_tokens`` and ``mooncake_connector_hit_tokens``,
 what the engines then reported), ``mooncake_router_event_batches``,
 ``mooncake_router_event_gaps{outcome=replayed|lost|silent}``, ``mooncake_router_index_blocks{replica}``,
-``mooncake_router_decision_seconds``.
+``mooncake_router_load_cost{replica}`` (the learned price in use), ``mooncake_router_decision_seconds``.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ ROUTER_CLASS = "mooncake_ray.integrations.kv_router:MooncakeKVRouter"
 # Calls of ``choose_replicas`` for one request that offer only the best replica (while it
 # has room): Serve's queue-length probes of it then get 0.1, 0.2, 0.4 s before the others.
 BEST_TRIES = 4
+# How often an engine publishes its token costs (``_step_costs``) and a router reads them.
+COSTS_EVERY_S = 5.0
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
@@ -478,12 +486,16 @@ class _Metrics:
         self.totals = RunningTotals(self.TOTALS)
         self.blocks = metrics.Gauge("mooncake_router_index_blocks", "Blocks indexed per replica",
                                     tag_keys=("replica",))
+        self.load_costs = metrics.Gauge("mooncake_router_load_cost",
+                                        "Price of a token loaded from the store over one computed, per replica "
+                                        "(learned from its engine's steps)", tag_keys=("replica",))
         self.seconds = metrics.Histogram("mooncake_router_decision_seconds",
                                          "Time to choose a replica (tokenize, hash, store lookup, cost)",
                                          boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0])
         self._lock = threading.Lock()
         self._seconds: list[float] = []
         self._blocks: dict[str, int] = {}
+        self._load_costs: dict[str, float] = {}
         _flush_every(self, 1.0, "mooncake-router-metrics")
 
     def decided(self, reason: str, prompt: int, engine: int, store: int, seconds: float) -> None:
@@ -507,14 +519,21 @@ class _Metrics:
     def gap(self, outcome: str) -> None:
         self.totals.add("router_event_gaps", 1, {"outcome": outcome})
 
+    def load_cost(self, rid: str, value: float) -> None:
+        with self._lock:
+            self._load_costs[rid] = value
+
     def flush(self) -> None:
         with self._lock:
             seconds, self._seconds = self._seconds, []
             blocks = dict(self._blocks)
+            load_costs = dict(self._load_costs)
         for v in seconds:
             self.seconds.observe(v)
         for rid, n in blocks.items():
             self.blocks.set(n, tags={"replica": rid})
+        for rid, v in load_costs.items():
+            self.load_costs.set(v, tags={"replica": rid})
         self.totals.export()
 
 
@@ -576,10 +595,15 @@ class MooncakeKVRouter(_router_base()):
 
     def initialize_state(self, load_cost: float = 0.4, request_cost: float = 64.0, stale_s: float = 5.0,
                          lookup_timeout_s: float = 0.5, tokenizer: str | None = None, silent_s: float = 30.0,
-                         **_unknown):
+                         learn_costs: bool = True, **_unknown):
         if _unknown:
             raise ValueError(f"MooncakeKVRouter: unknown request_router_kwargs {sorted(_unknown)}; allowed: "
-                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer, silent_s")
+                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer, silent_s, learn_costs")
+        if not isinstance(learn_costs, bool):
+            raise ValueError(f"MooncakeKVRouter: learn_costs must be true or false, got {learn_costs!r}")
+        self._learn_costs = learn_costs
+        self._costs_read_at = 0.0  # when the engines' costs were last read (every COSTS_EVERY_S)
+        self._costs_reading = False
         if not silent_s > 0:
             raise ValueError(f"MooncakeKVRouter: silent_s must be > 0, got {silent_s!r}")
         self._silent_s = float(silent_s)
@@ -642,6 +666,7 @@ class MooncakeKVRouter(_router_base()):
         self._records.pop(rid, None)
         self._missing.discard(rid)
         self._load.pop(rid, None)
+        self._model.load_costs.pop(rid, None)
         self._feed.remove(rid)
 
     def _find_records(self) -> None:
@@ -773,10 +798,32 @@ class MooncakeKVRouter(_router_base()):
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)
         self._queue_report[replica_id.to_full_id_str()] = (int(num_ongoing_requests), time.monotonic())
 
+    def _read_costs(self) -> None:
+        """Each engine's ``load_cost`` as it learned it (its record's ``costs`` part), in a
+        thread: the routing path never waits on the GCS for it."""
+        try:
+            for rid in list(self._records):
+                try:
+                    rec = get_record(rid, "costs")
+                except Exception as e:  # noqa: BLE001
+                    self._warn_once("gcs-costs", "cannot read the engines' token costs from the GCS: %s", e)
+                    return
+                lc = (rec or {}).get("load_cost")
+                if isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
+                    self._model.load_costs[rid] = float(lc)
+                    if self._metrics is not None:
+                        self._metrics.load_cost(rid, float(lc))
+        finally:
+            self._costs_reading = False
+
     async def _decide(self, candidates, pending_request) -> kvi.Decision:
-        if self._missing and time.monotonic() - self._looked_at > 1.0:
-            self._looked_at = time.monotonic()
+        now = time.monotonic()
+        if self._missing and now - self._looked_at > 1.0:
+            self._looked_at = now
             self._find_records()
+        if self._learn_costs and self._records and not self._costs_reading and now - self._costs_read_at > COSTS_EVERY_S:
+            self._costs_read_at, self._costs_reading = now, True
+            threading.Thread(target=self._read_costs, name="mooncake-router-costs", daemon=True).start()
         got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
         if got is None or self._tok is None or self._block_size is None:
             if got is not None:

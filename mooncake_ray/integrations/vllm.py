@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -48,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mooncake_ray.config import _explain
 from mooncake_ray.errors import ConfigError, InvalidArgumentError
 from mooncake_ray.integrations import _store
+from mooncake_ray.integrations._step_costs import StepCosts
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_groups import FULL, Kind, is_plain, kinds_of
 from mooncake_ray.integrations._vllm_plan import HybridPlan, SchedulerPlan, StepPlan
@@ -221,8 +223,13 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefixes = [self._prefix(t, p) for t in range(self.tp_size) for p in range(self.pp_size)]
             self._local_hits: dict[str, int] = {}
             self.transfer = None
+            self._costs = StepCosts()
+            self._sync_loads: set[str] = set()  # requests whose hit is loaded inside their step's forward
+            self._step_loaded = 0  # tokens of the step being scheduled loaded that way
+            self._costs_stop = threading.Event()
             if self.cfg.router_key:
                 self._publish_router_record()
+                threading.Thread(target=self._publish_costs, name="mooncake-connector-costs", daemon=True).start()
         else:
             self.plan = None
             self.transfer: KVTransfer | None = None
@@ -237,6 +244,22 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
         put_record(self.cfg.router_key, "store", {
             "namespace": self.cfg.namespace, "prefixes": prefixes, "block_size": self.block_size,
             "model_id": self.model_id})
+
+    def _publish_costs(self) -> None:
+        """This engine's prices of a computed and a loaded token (``StepCosts``), in its
+        router record (part ``costs``) every ``COSTS_EVERY_S`` once known and when changed."""
+        from mooncake_ray.integrations.kv_router import COSTS_EVERY_S, put_record
+
+        last = None
+        while not self._costs_stop.wait(COSTS_EVERY_S):
+            est = self._costs.estimate()
+            if est is None or est == last:
+                continue
+            try:
+                put_record(self.cfg.router_key, "costs", est)
+                last = est
+            except Exception as e:  # noqa: BLE001 - the router keeps its configured load_cost
+                log.debug("cannot publish the engine's token costs: %s", e)
 
     def _prefix(self, tp_rank: int, pp_rank: int) -> str:
         return key_prefix(self.model_id, self.geometry, self.layout, tp_rank, self.tp_size, pp_rank, self.pp_size)
@@ -326,6 +349,9 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
         return MooncakeRayKVStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        stop = getattr(self, "_costs_stop", None)
+        if stop is not None:
+            stop.set()
         if self.transfer is not None:
             self.transfer.close()
             self.transfer = None
@@ -357,6 +383,8 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
         return n
 
     def update_connector_output(self, connector_output) -> None:
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._costs.load_finished(req_id, 0.0, ok=False)  # computed instead: not a load's time
         # A hybrid request whose load failed is computed whole when vLLM schedules it again:
         # a value the lookup finds but the load cannot read would otherwise fail it forever.
         if self.hybrid:
@@ -376,7 +404,12 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             direct = ((request.kv_transfer_params or {}).get("mooncake_ray") or {}).get("direct")
             self.plan.direct_source(request.request_id, direct)
         hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens, self._present)
-        return hit, hit > 0 and (self.cfg.load_mode == "async" or direct is not None)
+        asynchronous = self.cfg.load_mode == "async" or direct is not None
+        if hit and not asynchronous:
+            self._sync_loads.add(request.request_id)
+        else:
+            self._sync_loads.discard(request.request_id)
+        return hit, hit > 0 and asynchronous
 
     def _note_hint(self, request: "Request") -> None:
         """A conversation hint in the request's ``kv_transfer_params["mooncake_ray"]``
@@ -403,10 +436,17 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             self.plan.allocated(request.request_id, ids if self.hybrid else ids[0], num_external_tokens)
             self._add_stat("hit_tokens", num_external_tokens)
             self.metrics.add("hit_tokens", num_external_tokens)
+            if request.request_id in self._sync_loads:
+                self._step_loaded += num_external_tokens
+            else:
+                self._costs.load_started(request.request_id, num_external_tokens, time.monotonic())
+        self._sync_loads.discard(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         scheduled = []
+        now = time.monotonic()
         for new in scheduler_output.scheduled_new_reqs:
+            self._costs.load_finished(new.req_id, now)  # its load (if it waited for one) is over
             req = self._reqs.get(new.req_id)
             if req is not None:
                 n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -419,6 +459,9 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
                 n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
                 scheduled.append((req_id, req.all_token_ids, req.num_prompt_tokens, cached.num_computed_tokens[i], n))
         preempted = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        self._costs.step(now, scheduler_output.total_num_scheduled_tokens, self._step_loaded,
+                         scheduler_output.num_scheduled_tokens, cached.req_ids)
+        self._step_loaded = 0
         return MooncakeRayMetadata(self.plan.step(scheduled, self._block_ids, preempted))
 
     def _count_lookup(self, req) -> None:
@@ -440,6 +483,7 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         if not self.hybrid:
             return self.request_finished(request, block_ids[0])
+        self._costs.load_finished(request.request_id, 0.0, ok=False)  # a load still timed: not finished
         self._reqs.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         self.plan.finished(request.request_id)  # saves are synchronous: nothing outlives the request
@@ -450,6 +494,7 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
         return False, params
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._costs.load_finished(request.request_id, 0.0, ok=False)  # a load still timed: not finished
         self._reqs.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         params, direct = None, None

@@ -55,8 +55,8 @@ def env(ray_cluster, tmp_path_factory):
     addr = ray_cluster.address
     engines = start_engines({
         "base": (None, None, addr),
-        "writer": ("kv_both", {**extra, "device_path": "staged"}, addr),
-        "reader": ("kv_both", {**extra, "load_mode": "layerwise"}, addr),
+        "writer": ("kv_both", {**extra, "device_path": "staged", "router_key": f"{ns}/writer"}, addr),
+        "reader": ("kv_both", {**extra, "load_mode": "layerwise", "router_key": f"{ns}/reader"}, addr),
         "prefill": ("kv_producer", extra, addr),
         "decode": ("kv_consumer", extra, addr),
         "staged_decode": ("kv_consumer", {**extra, "device_path": "staged"}, addr),
@@ -268,6 +268,39 @@ def test_connector_metrics_reach_prometheus_and_the_dashboard(env, prometheus):
 
     wait_for_series(prometheus, lambda: not panels_empty(), timeout_s=90, interval_s=2,
                     what="every connector panel's query")
+
+
+def test_engines_price_their_tokens_from_their_own_steps(env):
+    """An engine with a router key learns what a computed and a loaded token cost it and
+    publishes the ratio for the KV router (``_step_costs``): the layer-wise reader from its
+    steps' times (its loads run inside them), the writer from its asynchronous loads' own
+    times. Each generate call is its own prefill step."""
+    from mooncake_ray.integrations.kv_router import COSTS_EVERY_S, get_record
+
+    engines, client, ns = env
+    writer, reader = engines["writer"], engines["reader"]
+    texts = [prompt(40 + i, 120 + 23 * i) for i in range(9)]
+    for t in texts:
+        writer.generate([t])  # computed: prefill steps of the writer
+    wait_for(lambda: all(stored(client, block_keys(t)) for t in texts), what="the writer's saves")
+    for i, t in enumerate(texts):
+        reader.generate([prompt(60 + i, 100 + 29 * i)])  # computed by the reader
+        assert reader.generate([t])[0]["cached"] == full_blocks(120 + 23 * i)  # loaded inside a step
+    assert writer.call(op="reset") is True  # its own cache dropped: the store is where its KV is
+    for t in texts:
+        assert writer.generate([t])[0]["cached"] > 0  # loaded before its step
+
+    def costs(name):
+        c = get_record(f"{ns}/{name}", "costs")
+        return c if c and c["load_cost"] is not None else None
+
+    got = {n: wait_for(lambda n=n: costs(n), timeout_s=3 * COSTS_EVERY_S, interval_s=0.5, what=f"the {n}'s token costs")
+           for n in ("reader", "writer")}
+    for c in got.values():
+        assert c["compute_s_per_token"] > 0 and 0 <= c["load_cost"] <= 1, got
+        assert c["load_s_per_token"] == pytest.approx(c["load_cost"] * c["compute_s_per_token"]) or c["load_cost"] == 1
+    print(f"\ntoken costs: {got}")
+    assert got["reader"]["loads"] == 0 and got["writer"]["loads"] >= 8, got
 
 
 def test_master_killed_mid_load_recomputes(env):
