@@ -105,12 +105,17 @@ Metrics, per router and repeat (``runs``), then median and range over repeats (`
   store_hit_rate, and, as cross-checks, the store clients' read bytes
   (``ray_mooncake_client_bytes_total{direction="read"}``) and vLLM's own
   ``ray_vllm_external_prefix_cache_hits_total`` (``log_engine_metrics: true``);
-- ``router_metrics`` (``mooncake`` only): MooncakeKVRouter's own counters (decisions by
-  reason, the cached tokens it expected from engines and from the store);
+- ``router_metrics`` (``mooncake*`` only): MooncakeKVRouter's own counters (decisions by
+  reason, the cached tokens it expected from engines and from the store), and
+  ``engine_costs``: what each engine learned its tokens cost (the ``costs`` part of its
+  router record: seconds per computed and per loaded token, their ratio ``load_cost``);
+  ``mooncake-fixed`` is the same router with ``learn_costs: false`` (``load_cost`` 0.4 for
+  every replica);
 - ``per_replica``: vLLM's counters per Serve replica (requests, prompt tokens by source:
   computed, local cache, external = loaded by the connector), i.e. how the router spread
   the load;
-- ratios ``mooncake/prefix`` and ``mooncake/default`` (and ``prefix/default``) of mean TTFT
+- ratios ``mooncake/prefix``, ``mooncake/default``, ``mooncake/mooncake-fixed`` (and
+  ``prefix/default``, ``mooncake-fixed/prefix``) of mean TTFT
   and of input throughput: of the medians, and paired per repeat.
 
 Run (always through ``make bench``: Ray gets a private network namespace, loopback only):
@@ -174,9 +179,13 @@ ROUTERS = {
     "default": None,
     "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "mooncake": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
+    "mooncake-fixed": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "kvaware": "ray.serve.llm.request_router:KVAwareRouter",
 }
-COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "kvaware": "tab:purple"}
+# request_router_kwargs a router name stands for (``--router-kwargs`` adds to them)
+ROUTER_KWARGS = {"mooncake-fixed": {"learn_costs": False}}
+COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "mooncake-fixed": "tab:olive",
+          "kvaware": "tab:purple"}
 QUICK = dict(system_prompts=6, conversations=12, turns=3, active=6, repeats=1)
 
 
@@ -608,12 +617,18 @@ def per_replica(delta: dict) -> dict:
     return reps
 
 
+def router_kwargs(a, router: str) -> dict | None:
+    kw = {**ROUTER_KWARGS.get(router, {}), **(a.router_kwargs.get(router) or {})}
+    return kw or None
+
+
 def app_args(a, router: str, shape: dict) -> dict:
     deployment = {"num_replicas": 2}
     if ROUTERS[router]:
         rrc = {"request_router_class": ROUTERS[router]}
-        if router in a.router_kwargs:
-            rrc["request_router_kwargs"] = a.router_kwargs[router]
+        kwargs = router_kwargs(a, router)
+        if kwargs:
+            rrc["request_router_kwargs"] = kwargs
         deployment["request_router_config"] = rrc
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": a.omp_bind}
     if a.reserved_cpus is not None:
@@ -665,7 +680,7 @@ def child(spec_path: str) -> None:
     shape = workload_shape(a)
     work = Path(tempfile.mkdtemp(prefix="bkr-", dir="/tmp"))
     res: dict = {"router": router, "repeat": rep, "router_class": ROUTERS[router], "ok": False,
-                 "router_kwargs": a.router_kwargs.get(router), "loadavg_start": os.getloadavg(), "work_dir": str(work)}
+                 "router_kwargs": router_kwargs(a, router), "loadavg_start": os.getloadavg(), "work_dir": str(work)}
     # Ray reads its auth settings when imported: set them before
     os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(work / "ray-auth-token"),
                        "RAY_USAGE_STATS_ENABLED": "0"})
@@ -752,9 +767,17 @@ def child(spec_path: str) -> None:
         res["store_hit_rate"] = st["hit_tokens"] / prompt if prompt else None
         res["local_hit_rate"] = (stats["hit_rate"] - res["store_hit_rate"]) if prompt else None
         res["per_replica"] = per_replica(delta)
-        if router == "mooncake":  # what MooncakeKVRouter decided and expected (its own Ray metrics)
+        if router.startswith("mooncake"):  # what MooncakeKVRouter decided and expected (its own Ray metrics)
             res["router_metrics"] = {k: v for k, v in delta.items() if k.startswith("ray_mooncake_router_")}
             res["store"]["engine_hit_tokens"] = metric_sum(delta, "ray_mooncake_connector_engine_hit_tokens_total")
+            try:  # what each engine learned its tokens cost (its router record's costs part)
+                from mooncake_ray.integrations.kv_router import list_records
+
+                res["engine_costs"] = {rid: {k: rec.get(k) for k in ("compute_s_per_token", "load_s_per_token",
+                                                                        "load_cost", "steps", "loads")}
+                                       for rid, rec in list_records().items() if rid.startswith(f"SERVE_REPLICA::{APP}#")}
+            except Exception as e:  # noqa: BLE001
+                res["engine_costs"] = {"error": f"{type(e).__name__}: {e}"}
         res["metrics_delta"] = delta
         cpu0 = {p["pid"]: p["cpu_s"] for p in procs0}
         for p in procs1:
@@ -1052,6 +1075,9 @@ def summarize(results) -> dict:
                                              reverse=True) for r in rs]
         c["engine_busy_fraction"] = [[p.get("busy_fraction") for p in r.get("engine_procs", [])
                                       if "Worker" in p.get("title", "")] for r in rs]
+        learned = [v.get("load_cost") for r in rs for v in (r.get("engine_costs") or {}).values() if isinstance(v, dict)]
+        if any(x is not None for x in learned):  # the prices the engines learned (mooncake* routers)
+            c["learned_load_cost"] = spread([x for x in learned if x is not None])
         out["routers"][name] = c
 
     def ratio(num, den, key):
@@ -1063,7 +1089,8 @@ def summarize(results) -> dict:
                   and d[r["repeat"]].get(key)]
         return {"of_medians": pn["median"] / pd["median"], "paired": spread(paired)}
 
-    for num, den in (("mooncake", "prefix"), ("mooncake", "default"), ("prefix", "default")):
+    for num, den in (("mooncake", "prefix"), ("mooncake", "default"), ("prefix", "default"),
+                     ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix")):
         for key, short in (("mean_ttft_s", "mean_ttft"), ("input_throughput_tok_s", "input_throughput"),
                            ("p90_ttft_s", "p90_ttft")):
             out["ratios"][f"{num}/{den} {short}"] = ratio(num, den, key)
