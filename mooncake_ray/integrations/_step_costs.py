@@ -97,3 +97,23 @@ class StepCosts:
         return {"compute_s_per_token": compute_s, "load_s_per_token": load_s,
                 "load_cost": None if load_s is None else min(load_s / compute_s, 1.0), "steps": len(rows),
                 "loads": len(loads)}
+
+
+class NoCosts:
+    """``StepCosts`` for an engine no router reads prices from: its scheduler steps keep
+    nothing."""
+
+    def step(self, now: float, computed: int, loaded: int, req_ids, continuing) -> None:
+        pass
+
+    def load_started(self, req_id: str, tokens: int, now: float) -> None:
+        pass
+
+    def load_finished(self, req_id: str, now: float, ok: bool = True) -> None:
+        pass
+
+    def samples(self) -> int:
+        return 0
+
+    def estimate(self) -> None:
+        return None

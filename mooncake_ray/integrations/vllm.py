@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mooncake_ray.config import _explain
 from mooncake_ray.errors import ConfigError, InvalidArgumentError
 from mooncake_ray.integrations import _store
-from mooncake_ray.integrations._step_costs import StepCosts
+from mooncake_ray.integrations._step_costs import NoCosts, StepCosts
 from mooncake_ray.integrations._vllm_direct import publish
 from mooncake_ray.integrations._vllm_groups import FULL, Kind, is_plain, kinds_of
 from mooncake_ray.integrations._vllm_plan import HybridPlan, SchedulerPlan, StepPlan
@@ -223,7 +223,8 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefixes = [self._prefix(t, p) for t in range(self.tp_size) for p in range(self.pp_size)]
             self._local_hits: dict[str, int] = {}
             self.transfer = None
-            self._costs = StepCosts()
+            # steps are timed only where a router reads the prices (a replica it serves)
+            self._costs = StepCosts() if self.cfg.router_key else NoCosts()
             self._sync_loads: set[str] = set()  # requests whose hit is loaded inside their step's forward
             self._step_loaded = 0  # tokens of the step being scheduled loaded that way
             self._costs_stop = threading.Event()

@@ -9,7 +9,7 @@ import pytest
 
 from mooncake_ray.integrations import _kv_index as kvi
 from mooncake_ray.integrations import kv_router
-from mooncake_ray.integrations._step_costs import StepCosts
+from mooncake_ray.integrations._step_costs import NoCosts, StepCosts
 
 COMPUTE_S, LOAD_S, OVERHEAD_S = 2e-4, 3e-5, 4e-3  # a token computed, a token loaded, a step
 
@@ -52,6 +52,14 @@ def test_the_prices_are_those_the_steps_took():
     assert est["compute_s_per_token"] == pytest.approx(COMPUTE_S, rel=0.1)
     assert est["load_s_per_token"] == pytest.approx(LOAD_S, rel=0.25)
     assert est["load_cost"] == pytest.approx(LOAD_S / COMPUTE_S, rel=0.25)
+
+
+def test_an_engine_no_router_reads_keeps_no_steps():
+    c = NoCosts()  # the connector's, without a router key
+    run(c, mixed(300))
+    c.load_started("r", 64, 1.0)
+    c.load_finished("r", 2.0)
+    assert c.samples() == 0 and c.estimate() is None
 
 
 def test_intervals_across_a_wait_for_work_are_not_steps():

@@ -23,11 +23,14 @@ scraping it) serves, one after the other:
      the store (cached tokens reported, and counted in Prometheus), and no request fails;
    - Ctrl-C stops ``serve run``, and ``mooncake-ray stop`` removes the store.
 
-2. ``serve_configs/vllm-disaggregated.yaml`` (kv_producer -> kv_consumer, its own store),
-   whose engines start without Ray's model-resolving task (a local model):
-   the same two-turn chat answers exactly as the aggregated app did, reports cached tokens
-   on turn two, and its decode engine read the prefill's KV from the prefill engine's
-   memory. It runs first (each app is stopped, with its store, before the next starts).
+2. ``serve_configs/vllm-disaggregated.yaml`` (a pool of two kv_producer replicas, routed by
+   ``MooncakeKVRouter``, -> one kv_consumer; its own store), whose engines start without
+   Ray's model-resolving task (a local model): the same two-turn chat answers exactly as the
+   aggregated app did, reports cached tokens on turn two, and its decode engine read the
+   prefill's KV from the prefill engine's memory; the router's conversations, watched on
+   both prefill engines' KV events: first turns spread over the pool, every later turn to
+   the prefill replica that computed the earlier ones, and every full block reaching the
+   decode engine. It runs first (each app is stopped, with its store, before the next starts).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ pytestmark = pytest.mark.timeout(1500)
 
 MODEL_ID = "tiny-llama"
 # Logical CPUs for Serve LLM: a {CPU: 2} placement group per engine replica, {CPU: 1} for
-# each ingress replica (two engine and two ingress replicas: 6; P/D: 5), as the configs' comments tell users.
+# each ingress replica (two engine and two ingress replicas: 6; P/D, two prefill, one decode and
+# the ingress: 7), as the configs' comments tell users.
 HEAD_CPUS = 8
 TURN1 = 100  # words (= tokens) of the two-turn chat's first message: three full 32-token blocks
 TURN2 = 40
@@ -69,6 +73,9 @@ PY_RECORDS = ("import json, ray; ray.init(logging_level='ERROR', log_to_driver=F
 PY_RUNNING = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
               "d = serve.status().applications['vllm-agg'].deployments['LLMServer:" + MODEL_ID + "']; "
               "print(d.replica_states.get('RUNNING', 0))")
+PY_PD_PREFILL = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
+                 "ds = serve.status().applications['vllm-pd'].deployments; "
+                 "print(sum(d.replica_states.get('RUNNING', 0) for n, d in ds.items() if n.startswith('Prefill')))")
 PY_INGRESS = ("import ray; from ray import serve; ray.init(logging_level='ERROR', log_to_driver=False); "
               "print(serve.status().applications['vllm-agg'].deployments['OpenAiIngress'].replica_states.get('RUNNING', 0))")
 PY_SESSION = ("import ray; ray.init(logging_level='ERROR', log_to_driver=False); "
@@ -206,18 +213,8 @@ def app(head, tmp_path_factory, disaggregated):
         wait_for(lambda: py(head, PY_RUNNING) == "2", 600, "two running replicas")
         wait_for(lambda: py(head, PY_INGRESS) == "2", 120, "two running ingress replicas")
         run.session = py(head, PY_SESSION)
-        seen = []
-
-        def records():
-            seen.append(json.loads(py(head, PY_RECORDS)))
-            # this app's replicas (the P/D app's records outlive its replicas in the GCS)
-            r = {k: v for k, v in seen[-1].items() if k.startswith("SERVE_REPLICA::vllm-agg#")}
-            return r if len(r) == 2 and all("prefixes" in v and "endpoint" in v for v in r.values()) else None
-
-        try:
-            run.recs = wait_for(records, 120, "both replicas' records")
-        except AssertionError as e:
-            raise AssertionError(f"{e}; last seen: {seen[-1:]}") from None
+        # this app's replicas (the P/D app's records outlive its replicas in the GCS)
+        run.recs = replica_records(head, "SERVE_REPLICA::vllm-agg#", 2)
         run.base = {expr: prom_total(prom, expr) for expr in ROUTER_TOTALS}  # the P/D app's processes are gone
         yield run
     finally:
@@ -232,17 +229,39 @@ def aggregated(app):
     return out
 
 
-@pytest.fixture(scope="module")
-def watched(app):
-    """The test's own feed on both engines, and the model's tokenizer as the router loads it."""
+def watch(recs: dict):
+    """The test's own feed on the engines of ``recs`` (the records their replicas
+    published), the model's tokenizer as the router loads it, and the block size."""
     from mooncake_ray.integrations.kv_router import EventFeed, Tokenizer
 
     feed = EventFeed(stale_s=2.0)
-    bs = {rid: int(r["block_size"]) for rid, r in app.recs.items()}
-    for rid, r in app.recs.items():
+    bs = {rid: int(r["block_size"]) for rid, r in recs.items()}
+    for rid, r in recs.items():
         feed.add(rid, r, bs[rid])
-    tok = Tokenizer(next(iter(app.recs.values()))["model_source"])
-    yield feed, tok, next(iter(bs.values()))
+    return feed, Tokenizer(next(iter(recs.values()))["model_source"]), next(iter(bs.values()))
+
+
+def replica_records(head, prefix: str, n: int) -> dict:
+    """The records of the ``n`` replicas whose ids start with ``prefix``, once each names
+    its engine's event endpoint and its store prefixes."""
+    seen = []
+
+    def records():
+        seen.append(json.loads(py(head, PY_RECORDS)))
+        r = {k: v for k, v in seen[-1].items() if k.startswith(prefix)}
+        return r if len(r) == n and all("prefixes" in v and "endpoint" in v for v in r.values()) else None
+
+    try:
+        return wait_for(records, 120, f"{n} records of {prefix}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last seen: {seen[-1:]}") from None
+
+
+@pytest.fixture(scope="module")
+def watched(app):
+    """The test's own feed on both engines."""
+    feed, tok, bs = watch(app.recs)
+    yield feed, tok, bs
     feed.close()
 
 
@@ -252,13 +271,12 @@ def served_by(feed, hashes: list[str], timeout_s: float = 20.0) -> str:
                     timeout_s, "an engine to cache the prompt's blocks")
 
 
-@pytest.fixture(scope="module")
-def conversations(app, watched, aggregated):  # after the two-turn chat: its turn one must find nothing cached
+def converse(url: str, feed, tok, bs: int, tag: str = "conv") -> dict:
+    """``CONVS`` conversations of ``TURNS`` turns, the first turns sent at once; which
+    replica's engine served each turn (``served_by``) and each turn's usage."""
     from mooncake_ray.integrations.tiny_model import words
     from mooncake_ray.kv import page_hashes
 
-    s = app.s
-    feed, tok, bs = watched
     convs = [[{"role": "user", "content": words(range(1000 * c + 1000, 1000 * c + 1000 + FIRST))}]
              for c in range(CONVS)]
     where: list[list[str]] = [[] for _ in range(CONVS)]
@@ -266,9 +284,9 @@ def conversations(app, watched, aggregated):  # after the two-turn chat: its tur
     for turn in range(TURNS):
         if turn == 0:  # first turns at once: nothing cached anywhere, the router spreads them
             with ThreadPoolExecutor(CONVS) as pool:
-                outs = list(pool.map(lambda c: chat(s.url, convs[c], f"conv{c}-turn0"), range(CONVS)))
+                outs = list(pool.map(lambda c: chat(url, convs[c], f"{tag}{c}-turn0"), range(CONVS)))
         for c in range(CONVS):
-            out = outs[c] if turn == 0 else chat(s.url, convs[c], f"conv{c}-turn{turn}")
+            out = outs[c] if turn == 0 else chat(url, convs[c], f"{tag}{c}-turn{turn}")
             prompt = tok("messages", convs[c])
             assert out["usage"]["prompt_tokens"] == len(prompt), (out["usage"], len(prompt))
             where[c].append(served_by(feed, page_hashes(prompt, bs)))
@@ -276,6 +294,29 @@ def conversations(app, watched, aggregated):  # after the two-turn chat: its tur
             convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
                          {"role": "user", "content": words(range(1000 * c + 1500 + NEXT * turn,
                                                                  1000 * c + 1500 + NEXT * (turn + 1)))}]
+    return {"convs": convs, "where": where, "usage": usage}
+
+
+def assert_later_turns_stay(where: list[list[str]], usage: list[list[dict]]) -> None:
+    """The first turns were spread over both replicas, and every later turn of a
+    conversation went to the replica of its first turn, whose engine reused the whole
+    previous prompt's full blocks (at least)."""
+    assert len({ws[0] for ws in where}) == 2, where
+    for c in range(CONVS):
+        assert len(set(where[c])) == 1, (c, where[c])
+        for t in range(1, len(where[c])):
+            assert cached(usage[c][t]) >= usage[c][t - 1]["prompt_tokens"] // 32 * 32, usage[c]
+
+
+@pytest.fixture(scope="module")
+def conversations(app, watched, aggregated):  # after the two-turn chat: its turn one must find nothing cached
+    from mooncake_ray.integrations.tiny_model import words
+    from mooncake_ray.kv import page_hashes
+
+    s = app.s
+    feed, tok, bs = watched
+    out = converse(s.url, feed, tok, bs)
+    convs, where, usage = out["convs"], out["where"], out["usage"]
     # Serve's proxy picks an ingress replica at random for each request: more turns until
     # both ingress replicas (their routers) have taken later turns (1 in 2^7 runs needs any)
     ingress = app.ingress_of([f"conv{c}-turn{t}" for c in range(CONVS) for t in range(TURNS)])
@@ -305,12 +346,7 @@ def test_later_turns_go_to_the_engine_holding_the_conversation_whichever_ingress
     where, usage, ingress = conversations["where"], conversations["usage"], conversations["ingress"]
     print("\nserved by (engine/ingress):",
           [[f"{w.rsplit('#', 1)[1]}/{ingress[f'conv{c}-turn{t}']}" for t, w in enumerate(ws)] for c, ws in enumerate(where)])
-    assert len({ws[0] for ws in where}) == 2, where  # the first turns were spread over both engines
-    for c in range(CONVS):
-        assert len(set(where[c])) == 1, (c, where[c])  # every later turn on the first turn's engine
-        for t in range(1, len(where[c])):
-            # the engine reused the whole previous prompt's full blocks (at least)
-            assert cached(usage[c][t]) >= usage[c][t - 1]["prompt_tokens"] // 32 * 32, usage[c]
+    assert_later_turns_stay(where, usage)
 
 
 def test_lost_events_are_replayed_from_a_real_engine(app, watched, conversations):
@@ -435,11 +471,18 @@ def disaggregated(head, tmp_path_factory):  # first, on a head with nothing else
     tmp = str(tmp_path_factory.mktemp("vllm-pd"))
     s = ServeRun(head, os.path.join(CONFIGS, "vllm-disaggregated.yaml"), tmp)
     run = App(head, s)
+    feed = None
     try:
         models = s.wait_ready("/v1/models", timeout_s=600)
         assert MODEL_ID in [m["id"] for m in models["data"]], models
+        wait_for(lambda: py(head, PY_PD_PREFILL) == "2", 600, "two running prefill replicas")
+        recs = replica_records(head, "SERVE_REPLICA::vllm-pd#Prefill", 2)
         out = two_turn_chat(s.url, head, "pd")
+        feed, tok, bs = watch(recs)
+        out["pool"] = converse(s.url, feed, tok, bs, "pd")  # which prefill engine took each turn
     finally:
+        if feed is not None:
+            feed.close()
         out_stop = run.stop()
     with open(s.log_path) as f:
         log = f.read()
@@ -464,6 +507,17 @@ def test_pd_answers_as_aggregated(aggregated, disaggregated):
     assert [u["completion_tokens"] for u in disaggregated["usage"]] == \
         [u["completion_tokens"] for u in aggregated["usage"]]
     assert cached(disaggregated["usage"][1]) > 0, disaggregated["usage"][1]
+
+
+def test_pd_later_turns_go_to_the_prefill_replica_holding_the_conversation(disaggregated):
+    where, usage = disaggregated["pool"]["where"], disaggregated["pool"]["usage"]
+    print("\nP/D prefill replica of each turn:", [[w.rsplit("#", 1)[1] for w in ws] for ws in where])
+    assert_later_turns_stay(where, usage)
+    # every full block of every turn's prompt came to the decode engine (its own cache, or
+    # read from the prefill engine that computed it): it computed only the last block
+    for us in usage:
+        for u in us:
+            assert cached(u) >= (u["prompt_tokens"] - 1) // 32 * 32, us
 
 
 def test_pd_decode_read_the_prefill_engines_kv(aggregated, disaggregated):
