@@ -77,6 +77,42 @@ def pytest_runtest_teardown(item, nextitem):
         _shutdown_cluster()
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """The host's busy and total CPU ticks since boot (``/proc/stat``, every CPU)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4], sum(v)  # less idle and iowait
+
+
+_IDLE = pytest.StashKey[list]()
+IDLE_REPORT = 15  # the tests (set-up, call and teardown together) that left the CPUs idle longest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Per test, how much of the host's CPU time went unused while it ran: on a 2-vCPU host
+    the suite's time is its CPU work plus its waits (start-ups, timeouts, heartbeats), and
+    these are the waits."""
+    t0, (b0, n0) = time.monotonic(), _cpu_ticks()
+    yield
+    wall, (b1, n1) = time.monotonic() - t0, _cpu_ticks()
+    if n1 > n0:
+        idle_cpu_s = wall * (os.cpu_count() or 1) * (1 - (b1 - b0) / (n1 - n0))
+        item.config.stash.setdefault(_IDLE, []).append((idle_cpu_s, wall, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rows = sorted(config.stash.get(_IDLE, []), reverse=True)
+    if not rows:
+        return
+    total_idle, total_wall = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    tr = terminalreporter
+    tr.write_sep("=", f"CPU left idle: {total_idle:.0f} CPU-s of {total_wall * (os.cpu_count() or 1):.0f} "
+                      f"({os.cpu_count()} CPUs x {total_wall:.0f} s); the {IDLE_REPORT} tests that left the most")
+    for idle, wall, nodeid in rows[:IDLE_REPORT]:
+        tr.write_line(f"{idle:8.1f} CPU-s idle of {wall:7.1f} s  {nodeid}")
+
+
 def _shutdown_cluster() -> None:
     cluster = _CLUSTER.pop("cluster", None)
     if cluster is None:
