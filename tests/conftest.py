@@ -85,6 +85,7 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 _IDLE = pytest.StashKey[list]()
+_CPUS = os.cpu_count() or 1
 IDLE_REPORT = 15  # the tests (set-up, call and teardown together) that left the CPUs idle longest
 
 
@@ -97,7 +98,7 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     wall, (b1, n1) = time.monotonic() - t0, _cpu_ticks()
     if n1 > n0:
-        idle_cpu_s = wall * (os.cpu_count() or 1) * (1 - (b1 - b0) / (n1 - n0))
+        idle_cpu_s = wall * _CPUS * (1 - (b1 - b0) / (n1 - n0))
         item.config.stash.setdefault(_IDLE, []).append((idle_cpu_s, wall, item.nodeid))
 
 
@@ -107,8 +108,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     total_idle, total_wall = sum(r[0] for r in rows), sum(r[1] for r in rows)
     tr = terminalreporter
-    tr.write_sep("=", f"CPU left idle: {total_idle:.0f} CPU-s of {total_wall * (os.cpu_count() or 1):.0f} "
-                      f"({os.cpu_count()} CPUs x {total_wall:.0f} s); the {IDLE_REPORT} tests that left the most")
+    tr.write_sep("=", f"CPU left idle: {total_idle:.0f} CPU-s of {total_wall * _CPUS:.0f} "
+                      f"({_CPUS} CPUs x {total_wall:.0f} s); the {IDLE_REPORT} tests that left the most")
     for idle, wall, nodeid in rows[:IDLE_REPORT]:
         tr.write_line(f"{idle:8.1f} CPU-s idle of {wall:7.1f} s  {nodeid}")
 

@@ -275,7 +275,6 @@ def converse(url: str, feed, tok, bs: int, tag: str = "conv") -> dict:
     """``CONVS`` conversations of ``TURNS`` turns, the first turns sent at once; which
     replica's engine served each turn (``served_by``) and each turn's usage."""
     from mooncake_ray.integrations.tiny_model import words
-    from mooncake_ray.kv import page_hashes
 
     convs = [[{"role": "user", "content": words(range(1000 * c + 1000, 1000 * c + 1000 + FIRST))}]
              for c in range(CONVS)]
@@ -289,12 +288,22 @@ def converse(url: str, feed, tok, bs: int, tag: str = "conv") -> dict:
             out = outs[c] if turn == 0 else chat(url, convs[c], f"{tag}{c}-turn{turn}")
             prompt = tok("messages", convs[c])
             assert out["usage"]["prompt_tokens"] == len(prompt), (out["usage"], len(prompt))
-            where[c].append(served_by(feed, page_hashes(prompt, bs)))
-            usage[c].append(out["usage"])
-            convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": words(range(1000 * c + 1500 + NEXT * turn,
-                                                                 1000 * c + 1500 + NEXT * (turn + 1)))}]
+            record_turn(out, prompt, convs[c], where[c], usage[c], feed, bs,
+                        range(1000 * c + 1500 + NEXT * turn, 1000 * c + 1500 + NEXT * (turn + 1)))
     return {"convs": convs, "where": where, "usage": usage}
+
+
+def record_turn(out: dict, prompt: list[int], conv: list, where: list, usage: list, feed, bs: int, next_words) -> None:
+    """A turn answered: the replica whose engine holds its prompt (``prompt``, its token
+    ids) and its usage are recorded, and the reply and the next message (``next_words``)
+    join the conversation."""
+    from mooncake_ray.integrations.tiny_model import words
+    from mooncake_ray.kv import page_hashes
+
+    where.append(served_by(feed, page_hashes(prompt, bs)))
+    usage.append(out["usage"])
+    conv += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+             {"role": "user", "content": words(next_words)}]
 
 
 def assert_later_turns_stay(where: list[list[str]], usage: list[list[dict]]) -> None:
@@ -310,9 +319,6 @@ def assert_later_turns_stay(where: list[list[str]], usage: list[list[dict]]) -> 
 
 @pytest.fixture(scope="module")
 def conversations(app, watched, aggregated):  # after the two-turn chat: its turn one must find nothing cached
-    from mooncake_ray.integrations.tiny_model import words
-    from mooncake_ray.kv import page_hashes
-
     s = app.s
     feed, tok, bs = watched
     out = converse(s.url, feed, tok, bs)
@@ -326,11 +332,8 @@ def conversations(app, watched, aggregated):  # after the two-turn chat: its tur
         c, extra = extra % CONVS, extra + 1
         rid = f"conv{c}-turn{len(where[c])}"
         out = chat(s.url, convs[c], rid)
-        where[c].append(served_by(feed, page_hashes(tok("messages", convs[c]), bs)))
-        usage[c].append(out["usage"])
-        convs[c] += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": words(range(1000 * c + 1800 + NEXT * extra,
-                                                             1000 * c + 1800 + NEXT * (extra + 1)))}]
+        record_turn(out, tok("messages", convs[c]), convs[c], where[c], usage[c], feed, bs,
+                    range(1000 * c + 1800 + NEXT * extra, 1000 * c + 1800 + NEXT * (extra + 1)))
         ingress.update(app.ingress_of([rid]))
     return {"convs": convs, "where": where, "usage": usage, "ingress": ingress}
 
