@@ -79,6 +79,7 @@ BEST_TRIES = 4
 # How often an engine publishes its token costs (``_step_costs``) and a router reads them.
 COSTS_EVERY_S = 5.0
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
+PROBE_S = 1.0  # until a subscription delivers its first live batch, the replay is asked this often
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
 
@@ -206,6 +207,17 @@ class _Sub:
         self.replay: list[tuple[int, bytes]] = []
         self.live: list[tuple[int, bytes]] = []  # held while a replay runs
         self.want_from = 0  # the first batch the running replay asked for
+        # Until the subscription has delivered a live batch, a batch published as it was
+        # being made can be lost to it (ZMQ's slow joiner) with nothing to show the gap
+        # until the engine's next batch, which a quiet engine may not publish for long: the
+        # replay socket is asked again every PROBE_S for batches after the last applied.
+        self.live_seen = False
+        self.probing = False  # the running replay is such a probe
+        self.probe_at = 0.0
+
+    def probe_due(self, now: float) -> bool:
+        return (not self.live_seen and not self.replaying_until and 0 < self.probe_at <= now
+                and self.index.next_seq is not None)
 
     def close(self) -> None:
         for s in (self.sub, self.dealer):
@@ -331,9 +343,15 @@ class EventFeed:
                                 break
                             except ValueError:
                                 continue
+                            sub.live_seen = True
                             self._on_live(ctx, poller, sub, int.from_bytes(seq_b, "big"), payload)
                     if sub.replaying_until and now > sub.replaying_until:
-                        self._end_replay(sub, complete=False)
+                        if sub.probing:
+                            self._drop_probe(poller, sub)
+                        else:
+                            self._end_replay(sub, complete=False)
+                    if sub.probe_due(now):
+                        self._ask_replay(ctx, poller, sub, sub.index.next_seq, probe=True)
         except Exception:  # noqa: BLE001 - the router degrades to load balancing
             log.exception("KV event feed stopped; routing goes on without engine residency")
             with self.lock:
@@ -357,7 +375,7 @@ class EventFeed:
             except queue.Empty:
                 return
 
-    def _ask_replay(self, ctx, poller, sub: _Sub, start: int) -> None:
+    def _ask_replay(self, ctx, poller, sub: _Sub, start: int, probe: bool = False) -> None:
         import zmq
 
         rep = sub.rec.get("replay_endpoint")
@@ -371,6 +389,7 @@ class EventFeed:
             sub.dealer.connect(rep)
             poller.register(sub.dealer, zmq.POLLIN)
         sub.replay, sub.replaying_until, sub.want_from = [], time.monotonic() + self.replay_timeout_s, start
+        sub.probing = probe
         sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
 
     def _on_live(self, ctx, poller, sub: _Sub, seq: int, payload: bytes) -> None:
@@ -403,21 +422,33 @@ class EventFeed:
                 return
             sub.replay.append((int.from_bytes(seq_b, "big"), payload))
 
+    def _drop_probe(self, poller, sub: _Sub) -> None:
+        """A probe not answered in time (a busy engine): nothing is lost, so nothing is
+        reset; its late answer goes with the closed socket, and the probe runs again later."""
+        poller.unregister(sub.dealer)
+        sub.dealer.close(linger=0)
+        sub.dealer, sub.replaying_until, sub.replay, sub.probing = None, 0.0, [], False
+        sub.probe_at = time.monotonic() + PROBE_S
+        self._drain(sub)
+
     def _end_replay(self, sub: _Sub, complete: bool) -> None:
         """The replay answered (``complete``) or timed out: apply what came, then the live
         batches held meanwhile. Batches from ``want_from`` on that neither brought are lost."""
-        want, got = sub.want_from, sorted(sub.replay)
-        sub.replaying_until, sub.replay = 0.0, []
+        want, got, probe = sub.want_from, sorted(sub.replay), sub.probing
+        sub.replaying_until, sub.replay, sub.probing = 0.0, [], False
+        if not sub.live_seen:
+            sub.probe_at = time.monotonic() + PROBE_S
         first = got[0][0] if got else (min(sub.live)[0] if sub.live else None)
         if not complete or (first is not None and first > want):
             self._lost(sub)
         else:
-            if want > 0:
+            if (want > 0 or probe) and (got or not probe):  # a probe that found nothing is no gap
                 self._count_gap("replayed")
             if not got:
                 # the engine had nothing from ``want`` on: that is the next batch, so one
-                # published before this subscription took (a slow joiner's loss) shows as
-                # a gap when the next arrives, and is replayed then
+                # published before this subscription took (a slow joiner's loss) is
+                # brought by a probe (``_Sub.live_seen``) or shows as a gap when the next
+                # arrives, and is replayed then
                 with self.lock:
                     if sub.index.next_seq is None:
                         sub.index.next_seq = want

@@ -1,12 +1,14 @@
 """A bounded fuzzing run of every target (``targets.py``) under atheris, inside
-``make test``: a fixed number of libFuzzer runs each, from seeds of valid messages, about 40 s
-for all of them. A crash fails the test and prints the input and the traceback.
-Longer runs: ``tests/fuzz/run.py``."""
+``make test``: a fixed number of libFuzzer runs each, from seeds of valid messages, as many
+targets at once as the host has CPUs (about 15 s for all of them on 2 vCPUs). A crash
+fails the test and prints the input and the traceback. Longer runs: ``tests/fuzz/run.py``."""
 
 from __future__ import annotations
 
 import base64
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,10 @@ pytest.importorskip("atheris")
 from mooncake_ray._private import rpc  # noqa: E402
 from tests.fuzz import targets  # noqa: E402
 from tests.fuzz.run import fuzz  # noqa: E402
-from tests.native.transport_util import require_private_netns  # noqa: E402
+from tests.native.transport_util import in_private_netns, require_private_netns  # noqa: E402
 
-# Runs per target, sized for ~40 s in all on 2 shared vCPUs (each process also takes ~2 s
-# to start); -max_total_time caps a slow machine.
+# Runs per target (each process also takes ~2 s to start); -max_total_time caps a slow
+# machine.
 RUNS = {"master_rpc": 40_000, "pyindex": 30_000, "native_index": 30_000, "store_inventory": 30_000,
         "store_promote": 30_000, "transport": 15_000}
 CAP_S = 8
@@ -52,11 +54,22 @@ def test_seeds_are_handled():
             targets.run_one(name, s)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every target's run, started at the first test that asks, as many at once as the host
+    has CPUs: each libFuzzer process is single-threaded (on 2 vCPUs, one at a time left a
+    CPU idle for the ~70 s the six take)."""
+    workdir = tmp_path_factory.mktemp("fuzz")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield {name: pool.submit(fuzz, name, workdir, runs=RUNS[name], seconds=CAP_S) for name in targets.TARGETS
+               if name != "transport" or in_private_netns()}  # it opens sockets
+
+
 @pytest.mark.parametrize("name", list(targets.TARGETS))
-def test_fuzz(name, tmp_path):
+def test_fuzz(name, runs):
     if name == "transport":
         require_private_netns()
-    r = fuzz(name, tmp_path, runs=RUNS[name], seconds=CAP_S)
+    r = runs[name].result()
     report = [f"{name}: {r['executions']} runs in {r['wall_s']} s, cov {r['cov']} ft {r['features']}"]
     for p in r["crashes"]:
         data = Path(p).read_bytes()

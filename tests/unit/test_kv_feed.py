@@ -1,6 +1,7 @@
 """The router's event feed against vLLM's own ZMQ publisher (``ZmqEventPublisher``: PUB
 for live batches, ROUTER for replays), on loopback: batches published before the feed
-connects are replayed, and so are those missed while disconnected, on reconnecting;
+connects are replayed, and so are those missed while disconnected, on reconnecting, and
+those a subscription missed as it was being made;
 batches the publisher no longer keeps leave the index reset and stale."""
 
 from __future__ import annotations
@@ -117,6 +118,28 @@ def test_after_an_empty_first_replay_the_feed_expects_batch_zero(feed):
             eng.block(i)
         assert wait_for(lambda: feed.match("r1", H) == 3)
         assert feed.gaps == {"replayed": 0, "lost": 0, "silent": 0}
+    finally:
+        eng.close()
+
+
+def test_batches_a_subscription_missed_as_it_was_made_come_by_probe_without_a_later_batch(feed):
+    """ZMQ's slow joiner: batches published while the live subscription is still being
+    made are lost to it, and a quiet engine may publish nothing after them that would show
+    the gap (in a two-ingress Serve app, a router made at its first request subscribed as
+    the engine stored that request's blocks; the conversation's next turn went elsewhere).
+    Until a live batch arrives, the feed asks the replay socket again every second. Here
+    the live endpoint never answers, so every batch can only come that way."""
+    eng = Engine()
+    try:
+        rec = {**eng.rec, "endpoint": f"tcp://127.0.0.1:{free_port()}"}  # a subscription that never takes
+        feed.add("r1", rec, BS)
+        assert wait_for(lambda: feed.indexes["r1"].next_seq == 0)  # the first, empty, replay answered
+        for i in range(3):
+            eng.block(i)
+        assert wait_for(lambda: feed.match("r1", H) == 3, 5), feed.match("r1", H)
+        time.sleep(2.2)  # probes that find nothing new count as no gap
+        assert feed.gaps == {"replayed": 1, "lost": 0, "silent": 0}
+        assert feed.match("r1", H) == 3 and not feed.indexes["r1"].stale
     finally:
         eng.close()
 
