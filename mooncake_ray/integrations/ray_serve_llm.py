@@ -248,9 +248,23 @@ def build_pd_app(args: dict):
     return build_pd_openai_app(_prepare(args))
 
 
+WARM_INGRESS = "mooncake_ray.integrations._serve_ingress:OpenAiIngress"
+
+
 def build_app(args: dict):
     """``import_path`` for an aggregated app: ``args`` as Ray's ``build_openai_app``
-    (``llm_configs``, ...) plus optional ``tiny_model``."""
+    (``llm_configs``, ...) plus optional ``tiny_model``. Where an LLM deployment routes
+    with ``MooncakeKVRouter`` and no ``ingress_cls_config`` is given, the ingress makes its
+    routers as it starts (:mod:`mooncake_ray.integrations._serve_ingress`)."""
+    from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
     from ray.serve.llm import build_openai_app
 
-    return build_openai_app(_prepare(args))
+    from mooncake_ray.integrations.kv_router import uses_router
+
+    args = _prepare(args)
+    routed = any(uses_router(c.get("deployment_config") if isinstance(c, dict) else
+                             c.deployment_config if isinstance(c, LLMConfig) else None)  # (a file's path: not read)
+                 for c in args.get("llm_configs") or [])
+    if routed and "ingress_cls_config" not in args and not RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING:
+        args["ingress_cls_config"] = {"ingress_cls": WARM_INGRESS}
+    return build_openai_app(args)

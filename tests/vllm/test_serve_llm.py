@@ -352,6 +352,22 @@ def test_later_turns_go_to_the_engine_holding_the_conversation_whichever_ingress
     assert_later_turns_stay(where, usage)
 
 
+def test_each_ingress_replica_made_its_router_as_it_started(app, conversations):
+    """Serve LLM's ingress makes its handle to the engines (and the handle its router) at
+    its first request; ours as it starts, so no ingress replica's first requests are routed
+    by a router that has not yet subscribed to the engines' events. A handle made at a
+    request is logged with that request's id."""
+    import glob
+
+    made = {}
+    for path in glob.glob(os.path.join(app.session, "logs", "serve", "replica_vllm-agg_OpenAiIngress_*.log")):
+        with open(path, errors="replace") as f:
+            for m in re.finditer(r"vllm-agg_OpenAiIngress (\w+) (\S+ )?-- Initialized DeploymentHandle \w+ "
+                                 r"for Deployment\(name='LLMServer", f.read()):
+                made[m.group(1)] = m.group(2)
+    assert len(made) == 2 and not any(made.values()), made  # each replica's, at no request
+
+
 def test_lost_events_are_replayed_from_a_real_engine(app, watched, conversations):
     from mooncake_ray.integrations.kv_router import EventFeed
     from mooncake_ray.integrations.tiny_model import words

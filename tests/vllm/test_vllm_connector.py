@@ -47,7 +47,9 @@ def env(ray_cluster, tmp_path_factory):
     from mooncake_ray._private import deploy
 
     spill = tmp_path_factory.mktemp("vllm-spill")
-    cfg = store_config(segment_size_bytes="32mb",
+    # no joins: the store node the last test kills stays gone (the master would start a new
+    # one on its Ray node, which would re-adopt the killed one's arena and bring its values back)
+    cfg = store_config(segment_size_bytes="32mb", elastic={"join": False},
                        spill={"enabled": True, "directory": str(spill), "capacity_bytes": "512mb"})
     client = mooncake_ray.start(cfg)
     ns = cfg["namespace"]
@@ -373,7 +375,9 @@ def test_store_node_killed_requests_still_served(env):
     expect, keys = written(env, s)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
     node = ray.get(master.where.remote(keys[:1]))[0][0][0]
-    ray.kill(ray.get_actor(store_actor_name(node), namespace=ns), no_restart=False)
+    # For good: a store node Ray restarts re-adopts its arena, and its values stay (without
+    # a moment missing when it mounts before the master's node_ttl_s runs out)
+    ray.kill(ray.get_actor(store_actor_name(node), namespace=ns), no_restart=True)
     # (until the master notices, a same-host reader still maps the dead node's memory and
     # reads intact bytes under a valid lease; wait for the loss to be known)
     wait_for(lambda: not client.exists(keys[0]), timeout_s=60, what="the node's keys to be dropped")
