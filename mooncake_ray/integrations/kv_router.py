@@ -442,7 +442,7 @@ class EventFeed:
         if not complete or (first is not None and first > want):
             self._lost(sub)
         else:
-            if (want > 0 or probe) and (got or not probe):  # a probe that found nothing is no gap
+            if got if probe else want > 0:  # a probe that found nothing is no gap
                 self._count_gap("replayed")
             if not got:
                 # the engine had nothing from ``want`` on: that is the next batch, so one
