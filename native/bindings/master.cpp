@@ -1,10 +1,13 @@
 // nanobind layer over mcr::MasterIndex (the master's object table and native fast path).
 // The Python side (mooncake_ray/_private/master/table.py, fastpath.py) keeps it in step
 // with the state machine.
+#include <cstring>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "mcr/master_index.h"
@@ -53,6 +56,33 @@ void bind_master(nb::module_& m) {
         ix.set_cold(key, c);
       }, "key"_a, "size"_a, "gen"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "disk"_a, "offset"_a,
          "length"_a, "placed"_a, "lease_until"_a, "leases"_a)
+      // Many new cold records on one node, each with one DRAM replica and no lease held
+      // (a mounting node's plain values): keys, and ``cols`` the bytes of n x 4 native
+      // int64s (gen, size, offset, length per key); placed ids ``placed``, ``placed`` + 1,
+      // ... in that order. Added at the recent end in the order given.
+      .def("set_cold_many", [](mcr::MasterIndex& ix, const std::vector<std::string>& keys, nb::bytes cols,
+                               const std::string& node_id, const std::string& ray_node_id,
+                               const std::string& incarnation, uint64_t placed, double lease_until) {
+        if (cols.size() != keys.size() * 4 * sizeof(int64_t))
+          throw nb::value_error("set_cold_many: cols must hold 4 int64s per key");
+        const char* c = cols.c_str();
+        mcr::ColdRecord rec;
+        rec.rep.node = ix.node(node_id, ray_node_id, incarnation);
+        rec.disk = false;
+        rec.lease_until = lease_until;
+        for (size_t i = 0; i < keys.size(); ++i, c += sizeof(int64_t[4])) {
+          int64_t v[4];
+          std::memcpy(v, c, sizeof v);  // bytes' data need not be 8-aligned
+          if (v[0] < 0 || v[1] < 0 || v[2] < 0 || v[3] < 0)
+            throw nb::value_error("set_cold_many: a negative generation, size, offset or length");
+          rec.gen = static_cast<uint64_t>(v[0]);
+          rec.size = static_cast<uint64_t>(v[1]);
+          rec.rep.offset = static_cast<uint64_t>(v[2]);
+          rec.rep.length = static_cast<uint64_t>(v[3]);
+          rec.rep.placed = placed + i;
+          ix.set_cold(keys[i], rec);
+        }
+      }, "keys"_a, "cols"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a, "placed"_a, "lease_until"_a)
       // -> (size, gen, node_id, disk, offset, length, placed, lease_until, [leases]) or None;
       // hydrate makes the record hot, peek_cold leaves it cold.
       .def("hydrate", [](mcr::MasterIndex& ix, const std::string& key) -> nb::object {
@@ -105,6 +135,7 @@ void bind_master(nb::module_& m) {
                               e.stop.empty() ? nb::object(nb::none()) : nb::object(nb::str(e.stop.c_str(), e.stop.size())));
       }, "after"_a, "node_id"_a, "now"_a, "need"_a)
       .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a)
+      .def("cold_gens_on_node", &mcr::MasterIndex::cold_gens_on_node, "node_id"_a)
       .def("keys", &mcr::MasterIndex::keys, "prefix"_a)
       .def("hot_keys_recent_first", &mcr::MasterIndex::hot_keys_recent_first)
       .def("cold_count", &mcr::MasterIndex::cold_count)

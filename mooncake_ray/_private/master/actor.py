@@ -560,14 +560,15 @@ class MasterActor:
         reach it; store nodes fetch it before they mount)."""
         return self._node_key
 
-    def mount(self, info: dict, inventory: list, mount_id: int = 0) -> str:
+    def mount(self, info: dict, inventory: list | dict, mount_id: int = 0) -> str:
         """A store node (re)joins with what it holds. Returns this master's incarnation.
 
         A node this master unmounted (silent past ``node_ttl_s``) that comes back as the
         same incarnation is first brought up to date: whatever it was owed and may not have
         applied (puts acknowledged, values dropped meanwhile) is applied to its inventory
         here and sent to it again, so its keys come back and nothing dropped returns.
-        A repeat of an older mount of the same incarnation is ignored."""
+        A repeat of an older mount of the same incarnation is ignored. ``inventory``:
+        entry lists, or their packed form (``store.inventory.pack``, what nodes send)."""
         ring = (info.pop("commit_ring", ""), info.pop("commit_ring_epoch", 0), info.pop("pid", 0),
                 info.pop("pid_ns", ""))
         node = NodeInfo(**info)
@@ -589,7 +590,8 @@ class MasterActor:
             self._attach_ring(node, *ring)
         rejoined = old is not None and old.incarnation == node.incarnation and not known
         log.info("mounted store node %s (%d bytes, %d objects, mount %d%s)", node.node_id, node.capacity,
-                 len(inventory), mount_id, ", rejoining" if rejoined else "")
+                 len(inventory["keys"]) + len(inventory["rest"]) if isinstance(inventory, dict) else len(inventory),
+                 mount_id, ", rejoining" if rejoined else "")
         return self.incarnation
 
     @ray.method(concurrency_group=LIVENESS_GROUP)

@@ -147,6 +147,50 @@ class ExtentAllocator:
             self._add_run(offset + length, tail)
         self.used += length
 
+    def reserve_all(self, offsets, lengths, beside=((), ())) -> bool:
+        """Mark many extents used at once, on an allocator with nothing used yet (a store
+        node's inventory as it mounts): the free runs are rebuilt as the gaps between them,
+        in one pass over the extents sorted by offset, where ``reserve`` costs a search and
+        two sorted-container updates per extent. ``offsets`` and ``lengths``: int sequences
+        of the same length (numpy arrays or lists).
+
+        ``beside``: ``(offsets, lengths)`` of extents the caller reserves one by one
+        afterwards; they are checked with these, not reserved.
+
+        Returns False, changing nothing, if the allocator is in use, or any extent is
+        misaligned, out of range or overlaps another (the caller then reserves them one by
+        one, deciding which of two overlapping extents to trust)."""
+        import numpy as np
+
+        off = np.asarray(offsets, dtype=np.int64)
+        ln = np.asarray(lengths, dtype=np.int64)
+        if self.used or off.shape != ln.shape or off.ndim != 1 or len(beside[0]) != len(beside[1]):
+            return False
+        if not off.size:
+            return True
+        lo, hi = self.origin, self.origin + self.capacity
+        all_off = np.concatenate((off, np.asarray(beside[0], dtype=np.int64)))
+        all_ln = np.concatenate((ln, np.asarray(beside[1], dtype=np.int64)))
+        if ((all_off % GRANULE) | (all_ln % GRANULE)).any() or (all_ln <= 0).any() or (all_off < lo).any() \
+                or (all_off + all_ln > hi).any():
+            return False
+        order = np.argsort(all_off, kind="stable")
+        if ((all_off + all_ln)[order][:-1] > all_off[order][1:]).any():
+            return False
+        order = np.argsort(off, kind="stable")
+        off, ln = off[order], ln[order]
+        end = off + ln
+        # The gaps: before the first extent, between neighbours, after the last.
+        starts = np.concatenate(([lo], end))
+        stops = np.concatenate((off, [hi]))
+        keep = stops > starts
+        runs = list(zip(starts[keep].tolist(), (stops - starts)[keep].tolist()))
+        self._by_size = SortedList((length, start) for start, length in runs)
+        self._start = SortedDict(runs)
+        self._end = {start + length: start for start, length in runs}
+        self.used = int(ln.sum())
+        return True
+
     def release(self, offset: int, length: int) -> None:
         """Return an extent; merges with free neighbours.
 

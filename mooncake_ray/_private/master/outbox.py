@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.types import NodeDelta
-from mooncake_ray._private.store.inventory import STALE, reconcile
+from mooncake_ray._private.store.inventory import STALE, reconcile, unpack
 
 MESSAGE_MAX_ITEMS = 20_000  # records per message: a node applies one under its lock
 
@@ -133,7 +133,7 @@ def plan_mount(old: NodeOutbox | None, incarnation: str, mount_id: int, known: b
     if same:
         owed = old.owed()
         if not known:
-            inventory = reconcile(inventory, owed)
+            inventory = reconcile(unpack(inventory) if isinstance(inventory, dict) else inventory, owed)
             kept = NodeDelta()
             kept.merge(owed, offloads=False)
             owed = kept

@@ -12,6 +12,7 @@ through this one. GET answers are ``wire.ReadGrant`` records; PUT_COMMIT items a
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 
 import msgpack
@@ -101,6 +102,17 @@ class PyIndex:
         self._resize(key, size)
         self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, incarnation, offset, length, placed),
                               disk=disk, lease_until=float(lease_until), leases=leases)
+
+    def set_cold_many(self, keys, cols, node_id, ray_node_id, incarnation, placed, lease_until) -> None:
+        if len(cols) != len(keys) * 32:
+            raise ValueError("set_cold_many: cols must hold 4 int64s per key")
+        vals = struct.unpack(f"<{4 * len(keys)}q", cols)
+        if any(v < 0 for v in vals):
+            raise ValueError("set_cold_many: a negative generation, size, offset or length")
+        for i, key in enumerate(keys):
+            gen, size, offset, length = vals[4 * i:4 * i + 4]
+            self.set_cold(key, size, gen, node_id, ray_node_id, incarnation, False, offset, length, placed + i,
+                          lease_until, [])
 
     def hydrate(self, key):
         r = self._map.get(key)
@@ -226,6 +238,9 @@ class PyIndex:
 
     def cold_on_node(self, node_id) -> list:
         return [(k, r.disk) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
+
+    def cold_gens_on_node(self, node_id) -> list:
+        return [(k, r.disk, r.gen) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
 
     def keys(self, prefix) -> list:
         return [k for k in self._order() if k.startswith(prefix)]

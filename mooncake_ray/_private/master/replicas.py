@@ -30,10 +30,52 @@ from mooncake_ray._private.master.types import (
 )
 
 COPY_LEASE_BASE = 1 << 50  # lease ids of copies node to node (the readers' stay far below)
+_DRAM_TIER = Tier.DRAM.value
 
-if TYPE_CHECKING:
-    from mooncake_ray._private.master.fastpath import ReadMirror
-    from mooncake_ray._private.master.table import ObjectTable
+
+def split_inventory(inventory, known: Callable[[str], bool] | None, vouched: dict | None,
+                    had: dict) -> tuple[tuple[list, bytes], list]:
+    """A mounting node's inventory (entry lists, or ``inventory.pack``'s form) as
+    ``((keys, cols), rest)``. Plain entries are the common case: DRAM values of one copy
+    asked for, unpinned, naming no parent, not in the table (``known``; None: the table is
+    empty), vouched for by what the master lost with the node (when ``vouched`` is given)
+    and not short of copies (``had``); they come back as their keys and ``cols`` (4 int64s
+    each: gen, size, offset, length), to become cold records in bulk (``restore_plain``).
+    The rest are entry lists for ``restore``, one by one. A key listed twice (another
+    tier) leaves every entry of it to ``restore``."""
+    import numpy as np
+
+    if isinstance(inventory, dict):
+        keys, cols, rest = inventory["keys"], inventory["cols"], list(inventory["rest"])
+    else:
+        keys, flat, rest = [], [], []
+        for e in inventory:
+            n = len(e)
+            if e[3] == _DRAM_TIER and (n < 7 or not e[6]) and (n < 8 or not e[7]) and (n < 9 or e[8] <= 1):
+                keys.append(e[0])
+                flat += (e[1], e[2], e[4], e[5])
+            else:
+                rest.append(e)
+        cols = np.array(flat, dtype="<i8").tobytes()
+    if not keys:
+        return ([], b""), rest
+    table = np.frombuffer(cols, dtype="<i8").reshape(-1, 4)
+    if len(table) != len(keys):
+        raise ValueError(f"a packed inventory of {len(keys)} keys has {len(table)} rows")
+    others = {e[0] for e in rest}
+    if known is not None or vouched is not None or had or others:
+        gens = table[:, 0].tolist()
+        keep = [not (known is not None and known(k) or vouched is not None and vouched.get(k) != g
+                     or k in had or k in others) for k, g in zip(keys, gens)]
+        if not all(keep):
+            row = table.tolist()
+            rest += [[k, r[0], r[1], _DRAM_TIER, r[2], r[3]] for k, r, ok in zip(keys, row, keep) if not ok]
+            others = {e[0] for e in rest}  # a key now in rest by two entries takes the other one with it
+            keep = [ok and k not in others for k, ok in zip(keys, keep)]
+            mask = np.array(keep, dtype=bool)
+            keys = [k for k, ok in zip(keys, keep) if ok]
+            cols = table[mask].tobytes()
+    return (keys, cols), rest
 
 
 class ReplicaTable:
@@ -194,6 +236,23 @@ class ReplicaTable:
         obj.replicas.append(Replica(node.node_id, tier, e.offset, e.length, placed=self.new_placement()))
         node.tier_keys[tier.value] += 1
         self._mirror.key(e.key)
+
+    def restore_plain(self, node: NodeInfo, plain: tuple[list, bytes], now: float) -> None:
+        """Take in a mounting node's plain DRAM values (``split_inventory``'s ``(keys,
+        cols)``) whose extents the caller has reserved: each becomes a cold record, as
+        ``restore`` followed by the section's ``flush`` would leave it (one replica, the
+        previous master's leases honoured, a new placement id), in the order listed, in
+        one call to the read index and without a Python object per value. A plain value
+        that holds a stored child is made hot by the chain links."""
+        keys, cols = plain
+        if not keys:
+            return
+        placed = self.new_placement()
+        self._last_placed = placed + len(keys) - 1
+        self._objects.index.set_cold_many(keys, cols, node.node_id, node.ray_node_id, node.incarnation, placed,
+                                          now + self.policy.lease_ttl_s)
+        node.tier_keys["dram"] += len(keys)
+        self._objects.restored_plain(keys)
 
     def grant_lease(self, obj: Obj, lease: int, now: float, touch: bool = True) -> float:
         """Lease ``lease`` on ``obj`` for ``lease_ttl_s`` from ``now``, with a recency

@@ -158,6 +158,15 @@ class ObjectTable:
         the insertion policy put it)."""
         self._linked(key, parent)
 
+    def restored_plain(self, keys: list[str]) -> None:
+        """These keys came back cold with a mounting node, naming no parent
+        (``ReplicaTable.restore_plain``): their chain links, where any refer to them
+        (children waiting for them, links another shard holds, keys lost with a node)."""
+        chains = self.chains
+        if chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent:
+            for key in keys:
+                self._linked(key, "")
+
     def dropped_natively(self, keys: list[str]) -> None:
         """The read index dropped these keys (its eviction)."""
         if self.chains.parent or self.chains.kids or self.chains.remote:
@@ -227,6 +236,10 @@ class ObjectTable:
             yield from items
             if after is None:
                 return
+
+    def cold_gens_on_node(self, node_id: str) -> list[tuple[str, bool, int]]:
+        """``(key, on disk, gen)`` of the cold records with their replica on ``node_id``."""
+        return self.index.cold_gens_on_node(node_id)
 
     def cold_on_node(self, node_id: str) -> list[str]:
         """Keys of the cold records with their replica on ``node_id``."""

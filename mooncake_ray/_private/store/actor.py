@@ -545,7 +545,7 @@ class StoreNodeActor:
         info = self.info(link.shard)
         with self._lock:  # from here on, messages of earlier mounts are refused
             self._read_ring(link)
-            mount_id, entries = link.inv.begin_mount()
+            mount_id, entries = link.inv.begin_mount(packed=True)
             # the master mounted now sends no add for what its rings held: it reads the inventory
             self._ring_journaled = {at: v for at, v in self._ring_journaled.items() if self._link(at[0]) is not link}
             if link.ring is not None:

@@ -20,6 +20,9 @@ compute what a remounting node holds once it has applied what it was owed.
 
 from __future__ import annotations
 
+import array
+import sys
+
 from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.master.types import RESERVED, InventoryEntry, NodeDelta
 
@@ -110,12 +113,13 @@ class StoreInventory:
         self.mount_id = 0
         self.applied_seq = 0
 
-    def begin_mount(self) -> tuple[int, list[list]]:
+    def begin_mount(self, packed: bool = False) -> tuple[int, list[list] | dict]:
         """A new mount: messages of earlier mounts are refused from now on. Returns the
-        new ``mount_id`` and the inventory to send with it."""
+        new ``mount_id`` and the inventory to send with it (with ``packed``, in ``pack``'s
+        form)."""
         self.mount_id += 1
         self.applied_seq = 0
-        return self.mount_id, self.snapshot()
+        return self.mount_id, pack(self.entries.values()) if packed else self.snapshot()
 
     def snapshot(self) -> list[list]:
         return [list(e) for e in self.entries.values()]
@@ -157,6 +161,36 @@ class StoreInventory:
         dram = [e for e in self.entries.values() if e[3] == DRAM]
         disk = sum(e[3] == DISK for e in self.entries.values())
         return {"used": sum(e[5] for e in dram), "keys": len(dram), "disk_keys": disk}
+
+
+def pack(entries) -> dict:
+    """An inventory as a node sends it when it mounts: ``{"keys", "cols", "rest"}``, the plain
+    DRAM values (one copy asked for, unpinned, no parent: most of them) as their keys and the
+    bytes of 4 little-endian int64s each (gen, size, offset, length), the rest as entry
+    lists. A million entries pickle in about a tenth of the time as lists, and the master
+    takes the plain ones in bulk (``replicas.split_inventory``)."""
+    keys, flat, rest = [], array.array("q"), []
+    add_key, add = keys.append, flat.extend
+    for e in entries:
+        if e[3] == DRAM and not e[6] and not e[7] and e[8] <= 1:
+            add_key(e[0])
+            add((e[1], e[2], e[4], e[5]))
+        else:
+            rest.append(list(e))
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return {"keys": keys, "cols": flat.tobytes(), "rest": rest}
+
+
+def unpack(packed: dict) -> list[list]:
+    """``pack``'s form as entry lists."""
+    flat = array.array("q")
+    flat.frombytes(packed["cols"])
+    if sys.byteorder != "little":
+        flat.byteswap()
+    out = [[k, flat[4 * i], flat[4 * i + 1], DRAM, flat[4 * i + 2], flat[4 * i + 3], 0, "", 1]
+           for i, k in enumerate(packed["keys"])]
+    return out + [list(e) for e in packed["rest"]]
 
 
 def reconcile(snapshot: list, owed: NodeDelta) -> list[list]:

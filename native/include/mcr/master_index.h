@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -228,6 +229,8 @@ class MasterIndex {
   Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need);
   // Cold records on a node (any incarnation): (key, on disk).
   std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id);
+  // The same, with each record's generation: (key, disk, gen).
+  std::vector<std::tuple<std::string, bool, uint64_t>> cold_gens_on_node(const std::string& node_id);
   // Every key starting with ``prefix``, least recent first.
   std::vector<std::string> keys(const std::string& prefix);
   // The hot records' keys, most recently used first (the order repairs copy a lost node's

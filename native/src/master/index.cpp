@@ -543,6 +543,14 @@ std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::s
   return out;
 }
 
+std::vector<std::tuple<std::string, bool, uint64_t>> MasterIndex::cold_gens_on_node(const std::string& node_id) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<std::tuple<std::string, bool, uint64_t>> out;
+  for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
+    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(*r->key, r->disk, r->gen);
+  return out;
+}
+
 std::vector<std::string> MasterIndex::keys(const std::string& prefix) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::string> out;
