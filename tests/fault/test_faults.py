@@ -352,8 +352,9 @@ def test_puts_answered_through_the_commit_ring_survive_a_master_kill(make_store,
 
 
 def test_puts_answered_through_the_commit_ring_survive_their_nodes_restart(make_store, ray_cluster):
-    """The same, with the node SIGKILLed instead (the kept arena): the restarted process
-    reads what the previous one left in its ring, and the master takes those values back."""
+    """The same, with the node SIGKILLed instead (the kept arena), twice: the restarted
+    process reads what the previous one left in its ring, and the master takes those values
+    back; a third process finds them in the files the second left."""
     s = make_store(master={"put_slab_bytes": "8mb"})
     ns = s.config.namespace
     nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
@@ -361,11 +362,19 @@ def test_puts_answered_through_the_commit_ring_survive_their_nodes_restart(make_
     victim = s._slabs.current.node_id
     actor = ray.get_actor(store_actor_name(victim), namespace=ns)
     master = ray.get_actor(MASTER_NAME, namespace=ns)
-    old = ray.get(actor.ping.remote())
-    os.kill(ray.get(actor.pid.remote()), 9)
-    wait_for(lambda: ray.get(actor.ping.remote()) != old, timeout_s=60, what="the store node to restart")
-    wait_for(lambda: {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim)
-             == ray.get(actor.ping.remote()), timeout_s=30, what="the restarted node to remount")
+
+    def restart():
+        old = ray.get(actor.ping.remote())
+        os.kill(ray.get(actor.pid.remote()), 9)
+        wait_for(lambda: ray.get(actor.ping.remote()) != old, timeout_s=60, what="the store node to restart")
+        wait_for(lambda: {n["node_id"]: n["incarnation"] for n in ray.get(master.nodes.remote())}.get(victim)
+                 == ray.get(actor.ping.remote()), timeout_s=30, what="the restarted node to remount")
+
+    restart()
+    # Killed again before it applies any message: what it took from the previous process's
+    # ring is in its arena's files only as its re-adoption journaled it.
+    ray.get(actor.debug_stall_inventory.remote(20.0))
+    restart()
     ray.get([n_.debug_stall_inventory.remote(0.0) for n_ in nodes])
     got = s.batch_get(keys)
     assert [k for k, v in zip(keys, got) if v != val(keys.index(k), 4 * KB)] == []

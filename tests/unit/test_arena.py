@@ -1,7 +1,10 @@
 """A store node's arena in named shared memory (store/arena.py) and the master's check of
 what a restarted node re-adopts (MasterState.mount): no Ray."""
 
+import json
 import os
+import struct
+import zlib
 
 import pytest
 
@@ -39,6 +42,28 @@ def test_a_reopened_arena_keeps_its_bytes_and_its_index(shm):
     b.save_index(state)  # ... and the snapshot is written: the rotated journal goes
     assert not os.path.exists(b.journal_path + ".old")
     assert sorted(e[0] for e in arena.ArenaFile(shm, "ns", "node1", MB).load_index()) == ["k", "late"]
+
+
+def test_the_snapshot_keeps_every_field_and_an_earlier_versions_json_snapshot_still_reads(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    entries = [["k", 7, 5, 4096, 4096, 1, "", 123, 2], ["é/\"x\"\n", 8, 64, 64, 64, 0, "k", 2**32 - 1, 1],
+               ["old", 9, 1, 128, 64, 0, "p", 5]]  # without copies wanted: one
+    a.save_index(entries)
+    with open(a.index_path, "rb") as f:
+        assert f.read(8) == b"MCRIDX2\n"
+    want = sorted([tuple(entries[0]), tuple(entries[1]), (*entries[2], 1)])
+    assert sorted(a.load_index()) == want
+    body = json.dumps(entries).encode()  # what the previous version wrote
+    with open(a.index_path, "wb") as f:
+        f.write(b"MCRIDX1\n" + body + struct.pack("<I", zlib.crc32(body)))
+    assert sorted(a.load_index()) == sorted(map(tuple, entries))
+    # A body whose CRC holds but whose parts do not add up is ignored, as a corrupt one is.
+    head = struct.pack("<QQQ", 2, 2, 2)
+    body = head + b"[]" + b"[]"
+    with open(a.index_path, "wb") as f:
+        f.write(b"MCRIDX2\n" + body + struct.pack("<I", zlib.crc32(body)))
+    os.unlink(a.journal_path)
+    assert a.load_index() == []
 
 
 def test_a_snapshot_never_written_keeps_both_journals(shm):

@@ -117,7 +117,7 @@ def run(native: bool, seed: int, bulk: bool, monkeypatch) -> tuple[dict, int]:
         m.mount(node(0), sent(inventory(rng, 300, overlap=seed % 2 == 0)))
         m.mount(node(1), sent(inventory(rng, 300, overlap=False)))
     elif case == 1:  # some keys are in the table already (another node holds them)
-        m.mount(node(0), sent(inventory(rng, 200, overlap=False)))
+        m.mount(node(0), sent(inventory(rng, 200 if seed % 2 else 60, overlap=False)))  # 60: looked up as a set
         m.mount(node(1), sent(inventory(rng, 300, overlap=seed % 2 == 0)))
     else:  # a node's new process comes back with its kept arena: the lost values are vouched for
         m.mount(node(0), sent(inventory(rng, 300, overlap=False)))

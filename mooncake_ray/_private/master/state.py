@@ -211,8 +211,14 @@ class MasterState:
         alloc = self._alloc[node.node_id] = ExtentAllocator(node.capacity, node.part_offset)
         # The plain values (most of them) in bulk: their extents reserved at once, cold
         # records without a Python object each, if no two extents of the inventory overlap.
-        plain, inventory = split_inventory(inventory, self._objects.__contains__ if len(self._objects) else None,
-                                           vouched, had)
+        held = len(self._objects)
+        if not held:
+            known = None
+        elif held * 4 < (len(inventory["keys"]) if isinstance(inventory, dict) else len(inventory)):
+            known = set(self._objects).__contains__  # a few keys held: one call for all, not one per entry
+        else:
+            known = self._objects.__contains__
+        plain, inventory = split_inventory(inventory, known, vouched, had)
         if plain[0]:
             cols = np.frombuffer(plain[1], dtype="<i8").reshape(-1, 4)
             beside = [(e[4], e[5]) for e in inventory if e[3] == "dram"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import json
 import logging
 import mmap
@@ -37,7 +38,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "mooncake-ray."
 _MADV_POPULATE_WRITE = 23
-_INDEX_MAGIC = b"MCRIDX1\n"
+_INDEX_MAGIC = b"MCRIDX1\n"  # a snapshot as one JSON list of entries (read, no longer written)
+_INDEX_MAGIC2 = b"MCRIDX2\n"  # columns: see save_index
+_HEAD2 = struct.Struct("<QQQ")  # entries, bytes of the keys' JSON, bytes of the parents' JSON
 UNREADABLE_OWNER_S = 60.0  # an owner file that does not parse is judged only when this old
 
 
@@ -126,6 +129,25 @@ def remove_files(stem: str) -> None:
             pass
 
 
+def _parse_json(body) -> dict[str, tuple]:
+    return {e[0]: tuple(e) for e in json.loads(bytes(body))}
+
+
+def _parse_columns(body) -> dict[str, tuple]:
+    """``save_index``'s columns as entries by key."""
+    import numpy as np
+
+    n, nk, np_ = _HEAD2.unpack_from(body)
+    at = _HEAD2.size
+    keys = json.loads(bytes(body[at:at + nk]))
+    parents = json.loads(bytes(body[at + nk:at + nk + np_]))
+    cols = np.frombuffer(body, dtype="<i8", count=7 * n, offset=at + nk + np_).reshape(n, 7)
+    if len(keys) != n or len(parents) != n or len(body) != at + nk + np_ + 56 * n:
+        raise ValueError(f"{n} entries, {len(keys)} keys, {len(parents)} parents, {len(body)} bytes")
+    gen, size, off, length, pin, crc, want = (c.tolist() for c in cols.T)
+    return dict(zip(keys, zip(keys, gen, size, off, length, pin, parents, crc, want)))
+
+
 class ArenaFile:
     """The arena of one store node, mapped from ``<arena_dir>/mooncake-ray.<ns>.<node>.arena``.
 
@@ -188,23 +210,25 @@ class ArenaFile:
         """CRC32C of ``size`` bytes at ``offset`` of the arena (hardware, GIL released)."""
         return self._crc(self.addr + offset, size, 0) if size else 0
 
-    def load_index(self) -> list[tuple]:
-        """The entries the previous process saved (its snapshot, then its journal):
-        ``(key, gen, size, offset, length, pin, parent, crc, want)`` each (without ``want``
-        where an earlier version saved them: one copy)."""
+    def load_index_by_key(self) -> dict[str, tuple]:
+        """``load_index``'s entries by key."""
         entries: dict[str, tuple] = {}
         try:
             with open(self.index_path, "rb") as f:
                 data = f.read()
         except OSError:
             data = b""
-        if data.startswith(_INDEX_MAGIC) and len(data) >= len(_INDEX_MAGIC) + 4:
-            body, (crc,) = data[len(_INDEX_MAGIC):-4], struct.unpack("<I", data[-4:])
-            if zlib.crc32(body) == crc:
-                for e in json.loads(body):
-                    entries[e[0]] = tuple(e)
-            else:
-                log.warning("arena index %s is corrupt: ignored", self.index_path)
+        for magic, parse in ((_INDEX_MAGIC2, _parse_columns), (_INDEX_MAGIC, _parse_json)):
+            if data.startswith(magic) and len(data) >= len(magic) + 4:
+                body, (crc,) = memoryview(data)[len(magic):-4], struct.unpack("<I", data[-4:])
+                if zlib.crc32(body) == crc:
+                    try:
+                        entries = parse(body)
+                    except (ValueError, struct.error) as e:
+                        log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
+                else:
+                    log.warning("arena index %s is corrupt: ignored", self.index_path)
+                break
         lines = []
         for path in (self.journal_path + ".old", self.journal_path):  # rotated, then current
             try:
@@ -225,7 +249,13 @@ class ArenaFile:
                     del entries[key]
             for e in adds:
                 entries[e[0]] = tuple(e)
-        return list(entries.values())
+        return entries
+
+    def load_index(self) -> list[tuple]:
+        """The entries the previous process saved (its snapshot, then its journal):
+        ``(key, gen, size, offset, length, pin, parent, crc, want)`` each (without ``want``
+        where an earlier version saved them: one copy)."""
+        return list(self.load_index_by_key().values())
 
     def journal(self, adds: list, drops: list) -> None:
         """Append what one inventory message changed: ``adds`` as ``load_index`` returns
@@ -250,13 +280,28 @@ class ArenaFile:
             os.replace(self.journal_path, old)
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
-    def save_index(self, entries: list) -> None:
+    def save_index(self, entries: list) -> int:
         """Replace the snapshot with ``entries`` (as ``load_index`` returns them: the state
-        when the journal was last rotated), atomically; the rotated journal goes."""
-        body = json.dumps(entries, separators=(",", ":")).encode()
+        when the journal was last rotated), atomically; the rotated journal goes. Returns
+        the snapshot's size in bytes.
+
+        Format (``_INDEX_MAGIC2``): the magic, then a body of ``_HEAD2`` (n, and the bytes
+        of the next two parts), the keys as a JSON list, the parents as a JSON list, and n
+        rows of 7 little-endian int64s (gen, size, offset, length, pin, crc, copies wanted);
+        then the body's CRC-32. A million entries write in about a third and read in about
+        a fifth of the time one JSON list of entries took (``_parse_json``: still read)."""
+        import numpy as np
+
+        n = len(entries)
+        keys = json.dumps([e[0] for e in entries], separators=(",", ":")).encode()
+        parents = json.dumps([e[6] for e in entries], separators=(",", ":")).encode()
+        cols = np.fromiter(itertools.chain.from_iterable(
+            (e[1], e[2], e[3], e[4], e[5], e[7], e[8] if len(e) > 8 else 1) for e in entries),
+            dtype="<i8", count=7 * n).tobytes()
+        body = b"".join((_HEAD2.pack(n, len(keys), len(parents)), keys, parents, cols))
         tmp = self.index_path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(_INDEX_MAGIC + body + struct.pack("<I", zlib.crc32(body)))
+            f.write(_INDEX_MAGIC2 + body + struct.pack("<I", zlib.crc32(body)))
         os.replace(tmp, self.index_path)
         try:
             os.unlink(self.journal_path + ".old")
