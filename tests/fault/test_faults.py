@@ -106,6 +106,12 @@ def test_master_killed_all_keys_readable_after_it_returns(make_store):
     assert all(v == val(i, 10 * KB) for i, v in enumerate(got))
     st = s.stats()
     assert st["keys"] == 60 and not st["recovering"]
+    # The restarted master asked every store node to heartbeat at once (no node waits out
+    # its period before it remounts).
+    nodes = [ray.get_actor(store_actor_name(n["node_id"]), namespace=s.config.namespace)
+             for n in ray.get(master.nodes.remote())]
+    wait_for(lambda: all(ray.get(n.stats.remote())["woken"] >= 1 for n in nodes), timeout_s=30,
+             what="every store node to be woken by the restarted master")
     # Puts resume at once (the nodes recorded every slab: the new master allocates around
     # them); the client's slab from the old master is refused at commit and those values
     # go the two-call way.

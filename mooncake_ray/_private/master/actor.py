@@ -52,7 +52,7 @@ from mooncake_ray._private.master.outbox import NodeOutbox, plan_mount
 from mooncake_ray._private.master.state import MasterState, Policy
 from mooncake_ray._private.master.types import NodeInfo
 from mooncake_ray._private.metrics import MasterMetrics
-from mooncake_ray._private.naming import store_actor_ids
+from mooncake_ray._private.naming import store_actor_ids, store_actor_name
 from mooncake_ray._private.store.arena import boot_id, pid_namespace
 from mooncake_ray._private.store.ring import CommitRing
 from mooncake_ray._private.store_nodes import join_new_nodes
@@ -103,10 +103,13 @@ class MasterActor:
         ctx = ray.get_runtime_context()
         if ctx.was_current_actor_reconstructed:
             # A restart: rebuild the index from the store nodes' inventories. They notice
-            # through their heartbeat (this master does not know them) and remount.
+            # through their heartbeat (this master does not know them) and remount; each is
+            # told at once too, so none waits out its heartbeat period.
             expected = set(store_actor_ids(self.cfg.namespace))
             self.state.begin_recovery(expected)
             log.warning("master shard %d restarted; waiting for store nodes %s to remount", shard, sorted(expected))
+            threading.Thread(target=_wake_nodes, args=(self.cfg.namespace, sorted(expected), shard), daemon=True,
+                             name="master-wake-nodes").start()
         self._table = self._rpc_table()
         self._stop = threading.Event()
         self._outboxes: dict[str, NodeOutbox] = {}  # node_id -> what it is owed
@@ -745,6 +748,17 @@ class MasterActor:
                 self._metrics.update(stats)
             except Exception:  # keep ticking: a bug here must not stop liveness checks
                 log.exception("master tick failed")
+
+
+def _wake_nodes(namespace: str, node_ids: list[str], shard: int) -> None:
+    """Ask each store node to heartbeat master shard ``shard`` now (and so remount): a
+    restarted master's rebuild then starts without waiting out the nodes' heartbeat period.
+    Best effort: a node not told still remounts at its next heartbeat."""
+    for node_id in node_ids:
+        try:
+            ray.get_actor(store_actor_name(node_id), namespace=namespace).heartbeat_now.remote(shard)
+        except Exception as e:  # noqa: BLE001 - gone, or the GCS busy: its heartbeat will do
+            log.info("could not wake store node %s: %s", node_id, e)
 
 
 class _StateLock:

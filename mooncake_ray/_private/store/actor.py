@@ -96,6 +96,7 @@ class _ShardLink:
 
     def __init__(self, shard: int, part: tuple[int, int], channel: MasterChannel) -> None:
         self.shard = shard
+        self.wake = threading.Event()  # heartbeat now (a restarted master asks: heartbeat_now)
         self.part_offset, self.part_length = part
         self.inv = StoreInventory()
         self.node_key: bytes | None = None  # from the master, before each mount (auth.py)
@@ -117,6 +118,7 @@ class StoreNodeActor:
         t = self.cfg.transport
         self.engine = role_engine(self.cfg, f"store-{node_id[:8]}", server=True)
         self.startup = {"engine_s": time.time() - self.started_at}  # seconds from the process's start
+        self.woken = 0  # heartbeat_now calls (restarted master shards asking for a remount)
         self.arena_file, self.arena = self._open_arena()
         self.startup["arena_s"] = time.time() - self.started_at
         self._lock = threading.Lock()
@@ -282,28 +284,51 @@ class StoreNodeActor:
     def _index_loop(self) -> None:
         """Compact the arena's journal into a snapshot once it has grown as large as the
         last snapshot (at least 4 MiB; amortized, a value is written a bounded number of
-        times), or 30 s after its last change. The state is taken and the journal rotated
-        under the lock; the snapshot is written outside it."""
+        times), or 30 s after its last change (``_compact``)."""
         last, snapshot_bytes = time.monotonic(), 0
         while not self._stop.wait(1.0):
             try:
                 size = self.arena_file.journal_bytes()
                 if size < max(4 << 20, snapshot_bytes) and not (size and time.monotonic() - last > 30.0):
                     continue
-                with self._lock:
-                    sums = self._sums
-                    out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4])), e[8]]
-                           for link in self._links for e in link.inv.entries.values() if e[3] == DRAM]
-                    live = {(e[0], e[1], e[3]) for e in out}
-                    for stale in [k for k in sums if k not in live]:  # values dropped since
-                        del sums[stale]
-                    for stale in [k for k in self._ring_journaled if k not in live]:  # adds no master will send
-                        del self._ring_journaled[stale]
-                    self.arena_file.rotate_journal()
-                snapshot_bytes = self.arena_file.save_index([e for e in out if e[7] is not None])
+                snapshot_bytes = self._compact()
                 last = time.monotonic()
             except Exception:  # never stop: a later round compacts it
                 log.exception("compacting the arena index failed")
+
+    def _compact(self) -> int:
+        """Write the arena's index snapshot; returns its size. Under the lock only what
+        must be taken at one moment: copies of the entries and the checksums (plain tuples
+        and ints), and the journal's rotation; the snapshot is built and written outside it
+        (holding the lock for the whole build held a node of a million values for over a
+        second, and with it the master's messages and a mount). Checksums of values dropped
+        meanwhile go afterwards, under the lock again, each only if its value is still not
+        stored (one dropped and added back since with the same generation and place keeps
+        it)."""
+        with self._lock:
+            values = [list(link.inv.entries.values()) for link in self._links]
+            sums = dict(self._sums)
+            ringed = list(self._ring_journaled)
+            self.arena_file.rotate_journal()
+        out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4])), e[8]]
+               for part in values for e in part if e[3] == DRAM]
+        live = {(e[0], e[1], e[3]) for e in out}
+        stale_sums = [k for k in sums if k not in live]  # values dropped since
+        stale_ringed = [k for k in ringed if k not in live]  # adds no master will send
+        del values, sums, live
+        if stale_sums or stale_ringed:
+            with self._lock:
+                for at in stale_sums + stale_ringed:
+                    e = self._link(at[0]).inv.entries.get((at[0], DRAM))
+                    if e is None or (e[1], e[4]) != (at[1], at[2]):
+                        self._sums.pop(at, None)
+                        self._ring_journaled.pop(at, None)
+        return self.arena_file.save_index([e for e in out if e[7] is not None])
+
+    def debug_compact(self) -> int:
+        """Write the arena's index snapshot now (tests); returns its size in bytes, 0 with
+        no kept arena."""
+        return self._compact() if self.arena_file is not None else 0
 
     @property
     def inv(self) -> StoreInventory:
@@ -596,7 +621,8 @@ class StoreNodeActor:
                 if isinstance(e, ValueError):
                     link.handle = None
             beats += 1
-            self._stop.wait(period)
+            link.wake.wait(period)
+            link.wake.clear()
 
     # ------------------------------------------------------------------- drain --
     def _drain_watch_loop(self) -> None:
@@ -773,7 +799,7 @@ class StoreNodeActor:
         counts = {k: sum(p[k] for p in parts) for k in parts[0]}
         out = {"node_id": self.node_id, "capacity": self.arena.length, **counts,
                "left": self._left.is_set(), "drain": self.drain_report, "started_at": self.started_at,
-               "readopted": self.readopted, "startup": self.startup}
+               "readopted": self.readopted, "startup": self.startup, "woken": self.woken}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}
@@ -788,12 +814,23 @@ class StoreNodeActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def heartbeat_now(self, shard: int) -> None:
+        """Heartbeat master shard ``shard`` now, not at the end of the period (its restarted
+        actor asks, so the node remounts at once)."""
+        if 0 <= shard < len(self._links):
+            self.woken += 1
+            self._links[shard].wake.set()
+
     def shutdown(self) -> None:
         self._stop.set()
+        for link in self._links:
+            link.wake.set()
 
     def release(self) -> None:
         """The store is being stopped: delete the arena's files (the mapping lives on
         until the process ends)."""
         self._stop.set()
+        for link in self._links:
+            link.wake.set()
         if self.arena_file is not None:
             self.arena_file.remove()
