@@ -80,6 +80,7 @@ BEST_TRIES = 4
 COSTS_EVERY_S = 5.0
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
 PROBE_S = 1.0  # until a subscription delivers its first live batch, the replay is asked this often
+MEAN_S = 1.0  # a request's time from routed to finished, until this router has measured one
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
 
@@ -668,7 +669,14 @@ class MooncakeKVRouter(_router_base()):
         self._queue_report: dict[str, tuple[int, float]] = {}  # replica -> (requests it reported, when)
         self._others: dict[str, tuple[int, float]] = {}  # replica -> (others' requests, when seen)
         self._routed_at: dict[str, float] = {}  # internal request id -> when routed
-        self._mean_s = 1.0  # a request's mean time from routed to finished (moving average)
+        # A request's mean time from routed to finished: the first one measured, then a
+        # moving average (MEAN_S until one is measured). Started at a guess instead, the
+        # average kept the guess for many requests: with requests of 0.25 s, another
+        # router's request counted as running for 0.85 s after it was reported, and a
+        # conversation's later turn went past the idle engine holding it.
+        self._mean_s: float | None = None
+        # Equal costs go round the replicas (``_ties``), from a point of this router's own.
+        self._turn = random.randrange(1 << 30)
         self._mean_tokens: float | None = None  # a request's mean prompt tokens to compute (moving average)
         # internal request id -> (decision, seconds it took, the load it holds on its best
         # replica until routed: (replica, tokens) or None, how many times Serve asked)
@@ -811,7 +819,15 @@ class MooncakeKVRouter(_router_base()):
         return dec
 
     def _ties(self, candidates) -> dict:
-        return {r.replica_id.to_full_id_str(): random.random() for r in candidates}
+        """What breaks equal costs: the replicas in a fixed order, rotated by one at each
+        decision. New conversations (nothing cached anywhere, engines idle) then spread
+        over the engines even when they reach this router one after another; a random
+        pick sent four such first turns to one engine one time in eight. Each router
+        starts at a point of its own, so several routers do not move in step."""
+        ids = sorted(r.replica_id.to_full_id_str() for r in candidates)
+        self._turn += 1
+        n = len(ids)
+        return {rid: (i - self._turn) % n for i, rid in enumerate(ids)}
 
     def _loads(self, candidates) -> dict:
         out = {}
@@ -820,7 +836,7 @@ class MooncakeKVRouter(_router_base()):
             rid = r.replica_id.to_full_id_str()
             mine = self._load.get(rid) or kvi.Load()
             n, seen = self._others.get(rid, (0, 0.0))
-            if n and now - seen > self._mean_s:
+            if n and now - seen > (MEAN_S if self._mean_s is None else self._mean_s):
                 n = 0  # most likely finished by now
             out[rid] = kvi.Load(int(mine.tokens + n * (self._mean_tokens or 0)), mine.requests + n)
         return out
@@ -934,7 +950,8 @@ class MooncakeKVRouter(_router_base()):
         self._release(self._inflight.pop(internal_request_id, None))
         routed = self._routed_at.pop(internal_request_id, None)
         if routed is not None:
-            self._mean_s += 0.2 * (time.monotonic() - routed - self._mean_s)
+            took = time.monotonic() - routed
+            self._mean_s = took if self._mean_s is None else self._mean_s + 0.2 * (took - self._mean_s)
         pending = self._pending.pop(internal_request_id, None)
         if pending is not None:
             self._release(pending[2])

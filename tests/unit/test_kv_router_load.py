@@ -109,6 +109,7 @@ def test_other_routers_requests_count_for_one_mean_request_time_after_the_replic
     loads = r._loads(reps)
     assert (loads["a"].requests, loads["b"].requests) == (3, 0)
     assert loads["a"].tokens == 3 * r._load["a"].tokens  # each counted as a mean request of ours
+    r._routed_at["req0"] -= 1.0  # ours took a second
     r.on_request_completed(a, "req0")
     assert r._loads(reps)["a"].requests == 2  # ours finished; theirs likely still run
     n, seen = r._others["a"]
@@ -125,3 +126,48 @@ def test_a_report_not_from_accepting_a_request_of_ours_is_not_taken_for_others(r
     r._queue_report["b"] = (5, r._queue_report["b"][1] - 2.0)  # two seconds old
     r.on_request_routed(req, reps[1].replica_id, None)
     assert r._loads(reps)["b"].requests == 1
+
+
+def test_equal_choices_go_round_the_replicas_one_decision_after_another():
+    """First turns of new conversations reaching a router one after another (each finished
+    before the next is decided): nothing cached, engines idle, every cost equal. They
+    alternate over the engines; a random pick sent four of them to one engine in a CI run
+    (one time in eight)."""
+    r = MooncakeKVRouter.__new__(MooncakeKVRouter)
+    r.initialize_state()
+    r._replica_queue_len_cache = None
+    r._use_replica_queue_len_cache = False
+    try:
+        reps = [fake_replica("b"), fake_replica("a"), fake_replica("c")]
+        firsts = []
+        for i in range(6):
+            req = fake_request(i)
+            got = asyncio.run(r.choose_replicas(reps, req))  # no prompt: by load
+            rid = got[0][0].replica_id
+            r.on_request_routed(req, rid, None)
+            r.on_request_completed(rid, f"req{i}")
+            firsts.append(rid.to_full_id_str())
+        assert sorted(firsts[:3]) == ["a", "b", "c"] and firsts[3:] == firsts[:3], firsts
+    finally:
+        r._feed.close()
+
+
+def test_the_mean_request_time_is_the_first_measured_until_more_come(router):
+    """Another router's request is counted for one mean request time after the replica
+    reported it. The mean starts at the first request this router measured, not at a guess
+    that an average would keep for many requests."""
+    import time as _time
+
+    r = router
+    reps = [fake_replica("a"), fake_replica("b")]
+    assert r._mean_s is None
+    req = fake_request(0)
+    asyncio.run(r.choose_replicas(reps, req))
+    r.on_new_queue_len_info(reps[0].replica_id, 2)  # one of another router's in flight there
+    r.on_request_routed(req, reps[0].replica_id, None)
+    r._routed_at["req0"] = _time.monotonic() - 0.25  # ours took 0.25 s
+    r.on_request_completed(reps[0].replica_id, "req0")
+    assert r._mean_s == pytest.approx(0.25, abs=0.05)
+    n, seen = r._others["a"]
+    r._others["a"] = (n, seen - 0.5)  # half a second after the report: that request is done
+    assert r._loads(reps)["a"] == kvi.Load(0, 0)
