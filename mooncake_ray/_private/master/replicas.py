@@ -45,18 +45,11 @@ def split_inventory(inventory, known: Callable[[str], bool] | None, vouched: dic
     tier) leaves every entry of it to ``restore``."""
     import numpy as np
 
-    if isinstance(inventory, dict):
-        keys, cols, rest = inventory["keys"], inventory["cols"], list(inventory["rest"])
-    else:
-        keys, flat, rest = [], [], []
-        for e in inventory:
-            n = len(e)
-            if e[3] == _DRAM_TIER and (n < 7 or not e[6]) and (n < 8 or not e[7]) and (n < 9 or e[8] <= 1):
-                keys.append(e[0])
-                flat += (e[1], e[2], e[4], e[5])
-            else:
-                rest.append(e)
-        cols = np.array(flat, dtype="<i8").tobytes()
+    from mooncake_ray._private.store.inventory import _entry, pack
+
+    if not isinstance(inventory, dict):
+        inventory = pack(_entry(e) for e in inventory)
+    keys, cols, rest = inventory["keys"], inventory["cols"], list(inventory["rest"])
     if not keys:
         return ([], b""), rest
     table = np.frombuffer(cols, dtype="<i8").reshape(-1, 4)

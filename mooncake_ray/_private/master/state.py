@@ -221,8 +221,8 @@ class MasterState:
         plain, inventory = split_inventory(inventory, known, vouched, had)
         if plain[0]:
             cols = np.frombuffer(plain[1], dtype="<i8").reshape(-1, 4)
-            beside = [(e[4], e[5]) for e in inventory if e[3] == "dram"]
-            if alloc.reserve_all(cols[:, 2], cols[:, 3], ([b[0] for b in beside], [b[1] for b in beside])):
+            beside = [e for e in inventory if e[3] == "dram"]
+            if alloc.reserve_all(cols[:, 2], cols[:, 3], ([e[4] for e in beside], [e[5] for e in beside])):
                 self._gens.seen(int(cols[:, 0].max()) + 1)
                 self._replicas.restore_plain(node, plain, now)
             else:
