@@ -15,6 +15,10 @@ put rate (GB/s, keys/s). ``--rounds`` rounds, sizes interleaved; medians and [mi
 
 ``--label`` names the code measured (runs of two versions of the code are compared by
 running the script on each, into one ``--out`` file: runs are added under their label).
+``--ab-checksum`` measures, in the same run and the same store, puts whose client takes
+each value's CRC-32C in its copy (``client.checksum_in_copy``, the default; label
+``<label>-crc-in-copy``) against puts whose store node reads the value back to checksum it
+(``<label>-crc-by-node``), alternating in every round.
 
     make bench B=benchmarks/bench_put_cpu.py ARGS="--label current"
 
@@ -99,6 +103,8 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=1.0, help="seconds after the puts still counted")
     ap.add_argument("--segment", default="1gb")
     ap.add_argument("--label", default="current")
+    ap.add_argument("--ab-checksum", action="store_true",
+                    help="each round twice: checksums taken in the client's copy, and by the node")
     ap.add_argument("--out", default=str(RESULTS / "bench_put_cpu.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG of --out")
     args = ap.parse_args()
@@ -121,23 +127,31 @@ def main() -> None:
     node_id = ray.get(master.nodes.remote())[0]["node_id"]
     node = ray.get_actor(store_actor_name(node_id), namespace=ns)
     pids = {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
-    rounds = []
+    writers = [shard.writes for shard in s._shards]
+    variants = {f"{args.label}-crc-in-copy": True, f"{args.label}-crc-by-node": False} if args.ab_checksum \
+        else {args.label: None}
+    rounds: dict[str, list] = {label: [] for label in variants}
     for r in range(args.rounds):
-        row = {}
-        for size in (sizes if r % 2 == 0 else sizes[::-1]):
-            row[str(size)] = one_size(s, pids, size, counts.get(size, 1000), args.settle, f"{r}")
-            print(f"round {r} {size // 1024} KiB: " + ", ".join(f"{k} {v:.3g}" for k, v in row[str(size)].items()),
-                  flush=True)
-        rounds.append(row)
-    summary = {str(size): {k: spread([rd[str(size)][k] for rd in rounds]) for k in rounds[0][str(size)]}
-               for size in sizes}
+        for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            if variants[label] is not None:
+                for w in writers:
+                    w._checksums = variants[label]
+            row = {}
+            for size in (sizes if r % 2 == 0 else sizes[::-1]):
+                row[str(size)] = one_size(s, pids, size, counts.get(size, 1000), args.settle, f"{r}")
+                print(f"round {r} {label} {size // 1024} KiB: "
+                      + ", ".join(f"{k} {v:.3g}" for k, v in row[str(size)].items()), flush=True)
+            rounds[label].append(row)
     doc = json.loads(out.read_text()) if out.exists() else {}
     if doc.get("params", {}).get("sizes") not in (None, sizes):
         doc = {}
     doc.update(benchmark="bench_put_cpu", host=host_info(), params={"sizes": sizes, "keys": counts,
                                                                     "segment": args.segment, "settle_s": args.settle})
-    doc.setdefault("runs", {})[args.label] = {"commit": git_state(), "rounds": rounds, "summary": summary,
-                                              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for label, rows in rounds.items():
+        summary = {str(size): {k: spread([rd[str(size)][k] for rd in rows]) for k in rows[0][str(size)]}
+                   for size in sizes}
+        doc.setdefault("runs", {})[label] = {"commit": git_state(), "rounds": rows, "summary": summary,
+                                             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps(doc, indent=1))
     plot(doc, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

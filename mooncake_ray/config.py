@@ -298,6 +298,12 @@ class ClientConfig(_Model):
     host buffer of ``local_buffer_size_bytes``, copies on a stream of its own overlapped
     with the transfers; forced, it stages registered host memory too), ``auto`` (direct
     where the transport's UCX can register CUDA memory, else staged)."""
+    checksum_in_copy: bool = True
+    """Where a put's bytes are copied by the client itself (a store node's arena mapped
+    from this host's shared memory), take the value's CRC-32C in that copy and hand it to
+    the master with the commit, so the store node journals it without reading the value
+    back (``docs/internals.md``, "Checksums taken in the copy"). Off: the node checksums
+    the value from its arena, as it does for values that came over the network."""
     early_read_max_bytes: Size = 1 << 20
     """A single get of a key whose location this client knows (it wrote or read it) reads
     the bytes while the master's lookup is in flight, when they are mapped from this host's

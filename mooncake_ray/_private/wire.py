@@ -72,6 +72,7 @@ class Commit(NamedTuple):
     size: int
     upsert: bool = False
     parent: str = ""  # its KV chain's previous value (master/chains.py)
+    crc: int | None = None  # the CRC-32C of its bytes, taken in the client's copy (store/ring.py)
 
 
 def read_grant(d) -> ReadGrant:

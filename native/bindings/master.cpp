@@ -194,7 +194,7 @@ void bind_master(nb::module_& m) {
         ix.set_ring(node_id, std::move(r));
       }, "node_id"_a, "incarnation"_a, "addr"_a, "nbytes"_a, "fd"_a, "epoch"_a, "proc_fd"_a = -1)
       .def("drop_ring", &mcr::MasterIndex::drop_ring, "node_id"_a)
-      // [(node_id, incarnation, reserved?, key, gen, size, offset, length, parent[, want]), ...]:
+      // [(node_id, incarnation, reserved?, key, gen, size, offset, length, parent[, want[, crc]]), ...]:
       // see MasterIndex::ring_publish. ``want`` (the copies the put asked for, 1-255) goes in
       // the record kind's high bits (store/ring.py reads it back).
       .def("ring_publish", [](mcr::MasterIndex& ix, nb::list items) {
@@ -216,6 +216,12 @@ void bind_master(nb::module_& m) {
             const uint64_t want = nb::cast<uint64_t>(t[9]);
             if (want < 1 || want > 255) throw nb::value_error("ring_publish: want is not in 1..255");
             if (want > 1) r.kind |= uint32_t(want) << 8;
+          }
+          if (t.size() > 10 && !t[10].is_none()) {  // the value's CRC-32C, taken by its writer
+            const uint64_t crc = nb::cast<uint64_t>(t[10]);
+            if (crc > 0xffffffffull) throw nb::value_error("ring_publish: crc is not a u32");
+            r.crc = uint32_t(crc);
+            r.has_crc = true;
           }
           recs.push_back(std::move(r));
         }

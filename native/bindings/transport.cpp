@@ -16,6 +16,7 @@
 #include <optional>
 
 #include "mcr/master_index.h"
+#include "mcr/spill_crc32c.h"
 #include "mcr/transport.h"
 
 namespace nb = nanobind;
@@ -52,6 +53,11 @@ double timeout_or_forever(std::optional<double> t) { return t ? *t : -1.0; }
 // ops naming it; ints of other types (numpy's) go through nanobind's.
 class OpParser {
  public:
+  // want_crc: every op asks for the checksum of its bytes (IoOp::want_crc); item_of()
+  // then says which Python op each IoOp came from (a multi-range value gives several).
+  explicit OpParser(bool want_crc = false) : want_crc_(want_crc) {}
+  const std::vector<uint32_t>& item_of() const { return item_of_; }
+
   std::vector<mcr::IoOp> parse(nb::handle ops) {
     nb::object seq = nb::steal(PySequence_Fast(ops.ptr(), "transfer ops must be a sequence of ops"));
     if (!seq.is_valid()) {
@@ -119,15 +125,23 @@ class OpParser {
         if (!pair_or_quad(rg, 2) || !u64(at(rg, 0), &a) || !u64(at(rg, 1), &m))
           bad(item, i, "its ranges are not (address, length) pairs of non-negative ints");
         m = std::min(m, len - done);
-        out_.push_back(mcr::IoOp{last_rr_, off + done, uintptr_t(a), m});
+        push(mcr::IoOp{last_rr_, off + done, uintptr_t(a), m}, i);
         done += m;
       }
       return;
     }
     if (!u64(local, &addr)) bad(item, i, kShape);
-    out_.push_back(mcr::IoOp{last_rr_, off, uintptr_t(addr), len});
+    push(mcr::IoOp{last_rr_, off, uintptr_t(addr), len}, i);
   }
 
+  void push(mcr::IoOp&& io, size_t i) {
+    io.want_crc = want_crc_;
+    out_.push_back(std::move(io));
+    if (want_crc_) item_of_.push_back(uint32_t(i));
+  }
+
+  const bool want_crc_;
+  std::vector<uint32_t> item_of_;
   std::vector<mcr::IoOp> out_;
   PyObject* last_obj_ = nullptr;
   std::shared_ptr<mcr::RemoteRegion> last_rr_;
@@ -346,6 +360,32 @@ void bind_transport(nb::module_& m) {
         auto op = e.submit(v, is_read);
         wait_op(*op, timeout_or_forever(timeout_s), is_read ? "read" : "write");
       }, "ops"_a, "is_read"_a, "timeout_s"_a = nb::none())
+      // A write that also returns, per op, the CRC-32C of the bytes written where this
+      // process copied them itself (a same-host arena: the checksum is taken in the copy),
+      // else None (UCX moved them; an op of no bytes: 0).
+      .def("write_checksummed", [](mcr::Engine& e, nb::handle ops, std::optional<double> timeout_s) {
+        OpParser parser(true);
+        auto v = parser.parse(ops);
+        const size_t n = size_t(PySequence_Size(ops.ptr()));
+        std::vector<uint32_t> crc(n, 0);
+        std::vector<char> ok(n, 1);
+        {
+          nb::gil_scoped_release nogil;
+          auto op = e.submit(v, false);
+          wait_op(*op, timeout_or_forever(timeout_s), "write");
+          std::vector<char> seen(n, 0);
+          for (size_t k = 0; k < v.size(); ++k) {  // a value's ranges in order: CRC-32C is linear
+            const size_t i = parser.item_of()[k];
+            if (v[k].length == 0) continue;
+            if (!v[k].crc_ok) ok[i] = 0;
+            else crc[i] = seen[i] ? mcr::spill::crc32c_combine(crc[i], v[k].crc, v[k].length) : v[k].crc;
+            seen[i] = 1;
+          }
+        }
+        nb::list out;
+        for (size_t i = 0; i < n; ++i) out.append(ok[i] ? nb::object(nb::int_(crc[i])) : nb::none());
+        return out;
+      }, "ops"_a, "timeout_s"_a = nb::none())
       .def("transfer_async", [](mcr::Engine& e, nb::handle ops, bool is_read) {
         auto v = parse_ops(ops);
         nb::gil_scoped_release nogil;

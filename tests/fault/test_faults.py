@@ -196,13 +196,13 @@ def test_a_put_whose_master_restarts_between_its_two_calls_is_put_again(make_sto
     master = ray.get_actor(MASTER_NAME, namespace=s.config.namespace)
     writes, write = [], s._writes._write
 
-    def kill_the_master_then_write(ops, owners):
+    def kill_the_master_then_write(ops, owners, *sums):
         writes.append(len(ops))
         if len(writes) == 1:
             inc = ray.get(master.ping.remote())
             os.kill(ray.get(master.pid.remote()), 9)
             wait_for(lambda: ray.get(master.ping.remote()) != inc, timeout_s=60, what="the master to restart")
-        return write(ops, owners)
+        return write(ops, owners, *sums)
 
     s._writes._write = kill_the_master_then_write
     assert s.batch_put(["a", "b"], [val(1, 96 * KB), val(2, 8 * KB)]) == [None, None]

@@ -232,3 +232,75 @@ def test_thirty_two_clients_the_store_evicts_only_once_values_fill_it(make_store
     assert max(slab_share) <= 0.05, f"put slabs held {max(slab_share):.0%} of the arena unused"
     assert first_eviction is not None, "the store never evicted"
     assert first_eviction > 0.85, f"eviction started with values at {first_eviction:.0%} of the arena"
+
+
+def _node_checksums(s) -> tuple[int, int]:
+    """(values journaled with their client's checksum, values checksummed from the arena),
+    over every store node."""
+    nodes = [ray.get_actor(store_actor_name(n["node_id"]), namespace=s.config.namespace)
+             for n in s._master.call(rpc.NODES)]
+    stats = ray.get([n.stats.remote() for n in nodes])
+    return sum(st["checksums_given"] for st in stats), sum(st["checksums_read"] for st in stats)
+
+
+def test_a_put_hands_the_checksum_of_its_copy_to_the_master_and_a_bad_one_is_refused(make_store):
+    """On this host the client copies each value into the mapped arena itself and takes the
+    CRC-32C of every value of 64 KiB or more in that copy: one-call commits and two-call
+    PUT_ENDs carry it, and the store nodes journal it from their commit rings without
+    reading those values back (smaller ones they checksum themselves). A checksum that is
+    not a CRC-32C is refused with a typed error naming it, and nothing stored is lost."""
+    from mooncake_ray._private.client.writes import CHECKSUM_IN_COPY_MIN
+    from mooncake_ray._private.native import _native
+
+    s = make_store()
+    sent: list = []
+    real = s._master.call
+
+    def call(op, *args):
+        if op in (rpc.PUT_COMMIT, rpc.PUT_END):
+            sent.extend(args[0])
+        return real(op, *args)
+
+    s._master.call = call
+    values = {f"c{i}": rand(n, i) for i, n in enumerate([100, 4096, 64 * KB, 300 * KB, MB + 3])}
+    for k, v in values.items():
+        s.put(k, v)
+    twice = {f"t{i}": rand(n, 10 + i) for i, n in enumerate([5000, 2 * MB])}
+    for k, v in twice.items():
+        s.put(k, v, replicas=2)  # PUT_START, two copies written, PUT_END
+    everything = {**values, **twice}
+
+    def crc(v: bytes) -> int:
+        a = np.frombuffer(v, dtype=np.uint8)
+        return _native.spill_crc32c(a.ctypes.data, len(v), 0)
+
+    by_key = {it[0]: it for it in sent}
+    assert set(by_key) == set(everything)
+    given = read = 0
+    for k, v in everything.items():
+        one_call, copies = k in values, 1 if k in values else 2
+        if len(v) >= CHECKSUM_IN_COPY_MIN:  # [key, slab, offset, size, upsert, parent, crc] / [key, gen, crc]
+            assert len(by_key[k]) == (7 if one_call else 3) and by_key[k][-1] == crc(v), k
+            given += copies
+        else:
+            assert len(by_key[k]) == (5 if one_call else 2), k
+            read += copies
+    wait_for(lambda: sum(_node_checksums(s)) >= given + read, timeout_s=30, what="the nodes to journal every copy")
+    assert _node_checksums(s) == (given, read)
+
+    for op, item in ((rpc.PUT_COMMIT, ["bad1", 1, 0, 10, False, "", 1 << 32]), (rpc.PUT_END, ["bad2", 1, "x"])):
+        args = ([item], s._writes._owner) if op == rpc.PUT_COMMIT else ([item],)
+        got = real(op, *args)
+        with pytest.raises(mooncake_ray.InvalidArgumentError, match="checksum .* is not a CRC-32C"):
+            raise rpc.to_exc(got[0])
+    assert s.batch_get(list(everything)) == list(everything.values())
+
+
+def test_with_checksums_in_the_copy_off_the_nodes_read_the_values_back(make_store):
+    s = make_store(client={"checksum_in_copy": False})
+    values = {f"o{i}": rand(n, i) for i, n in enumerate([100, 300 * KB])}
+    for k, v in values.items():
+        s.put(k, v)
+    wait_for(lambda: _node_checksums(s)[1] >= len(values), timeout_s=30, what="the nodes to journal every value")
+    assert _node_checksums(s) == (0, len(values))
+    assert s.batch_get(list(values)) == list(values.values())

@@ -59,7 +59,8 @@ def test_a_commit_is_answered_through_the_ring_of_a_live_node(tmp_path):
     assert rep[0] == rpc.OK and len(rep[1]) == 2  # answered, not held
     assert ix.ring_acks() == 2
     got = node.read()
-    assert got == [("a", rep[1][0], 100, 0, 128, "", False, 1), ("b", rep[1][1], 5000, 4096, 8192, "a", False, 1)]
+    assert got == [("a", rep[1][0], 100, 0, 128, "", False, 1, None),
+                   ("b", rep[1][1], 5000, 4096, 8192, "a", False, 1, None)]
     assert node.read() == []
     log = ix.drain()[2]
     assert [e[0] for e in log] == [COMMIT, COMMIT]  # applied by Python as before, no HELD
@@ -168,8 +169,9 @@ def test_pythons_commits_and_reservations_go_through_the_ring_all_or_nothing(tmp
     recs = [("n0", "i0", False, "v", 7, 100, 4096, 4096, "p", 2), ("n1", "i1", False, "v", 7, 100, 0, 4096, "p", 2),
             ("n1", "i1", True, "put/8", 8, 8192, 8192, 8192, "")]
     assert ix.ring_publish(recs)
-    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False, 2)]
-    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False, 2), ("put/8", 8, 8192, 8192, 8192, "", True, 1)]
+    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False, 2, None)]
+    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False, 2, None),
+                               ("put/8", 8, 8192, 8192, 8192, "", True, 1, None)]
     with pytest.raises(ValueError, match="want is not in 1..255"):
         ix.ring_publish([("n0", "i0", False, "w", 9, 1, 0, 64, "", 0)])
     # one record for a node without a usable ring (another incarnation): none is written
@@ -178,3 +180,41 @@ def test_pythons_commits_and_reservations_go_through_the_ring_all_or_nothing(tmp
     assert ix.ring_acks() == 3
     for r in masters + nodes:
         r.close()
+
+
+def test_a_commit_carries_the_clients_checksum_into_the_ring(tmp_path):
+    """A PUT_COMMIT item's seventh field (the CRC-32C the client took in its copy) goes into
+    the value's ring record, so the node journals it without reading the value; None or
+    an absent field: no checksum. A checksum that is not a u32 is not the native side's to
+    answer (Python refuses it with a typed error). The PyIndex reference takes the same."""
+    node, master, ix = attached(tmp_path)
+    req = [rpc.PUT_COMMIT, [["a", 1, 0, 100, False, "", 0xDEADBEEF], ["b", 1, 4096, 5000, False, "a", 0],
+                            ["c", 1, 16384, 10, False, "", None], ["d", 1, 20480, 10, False]], "c1"]
+    rep = msgpack.unpackb(ix.serve(msgpack.packb(req, use_bin_type=True), True))
+    assert rep[0] == rpc.OK and len(rep[1]) == 4
+    got = node.read()
+    assert [(r[0], r[5], r[8]) for r in got] == [("a", "", 0xDEADBEEF), ("b", "a", 0), ("c", "", None), ("d", "", None)]
+    for bad in (1 << 32, -1, "x", 1.5):
+        req = [rpc.PUT_COMMIT, [["e", 1, 24576, 10, False, "", bad]], "c1"]
+        assert ix.serve(msgpack.packb(req, use_bin_type=True), True) is None, bad
+    assert node.read() == []
+    # Python's commits (PUT_END) carry it the same way
+    assert ix.ring_publish([("n0", "i0", False, "f", 9, 10, 0, 64, "", 1, 7), ("n0", "i0", False, "g", 9, 10, 64, 64, "", 1, None)])
+    assert [(r[0], r[8]) for r in node.read()] == [("f", 7), ("g", None)]
+    with pytest.raises(ValueError, match="crc is not a u32"):
+        ix.ring_publish([("n0", "i0", False, "h", 9, 10, 0, 64, "", 1, 1 << 32)])
+
+    from mooncake_ray._private.master.pyindex import PyIndex
+
+    py = PyIndex()
+    py.set_enabled(True)
+    py.set_commits(True)
+    py.set_next_gen(1 << 62)
+    py.set_slab(1, "c1", "n0", "ray0", "i0", [(0, 1 << 30)])
+    req = [rpc.PUT_COMMIT, [["a", 1, 0, 100, False, "", 0xDEADBEEF], ["c", 1, 16384, 10, False, "", None]], "c1"]
+    assert msgpack.unpackb(py.serve(msgpack.packb(req, use_bin_type=True)))[0] == rpc.OK
+    for bad in (1 << 32, -1, "x"):
+        req = [rpc.PUT_COMMIT, [["e", 1, 24576, 10, False, "", bad]], "c1"]
+        assert py.serve(msgpack.packb(req, use_bin_type=True)) is None, bad
+    master.close()
+    node.close()

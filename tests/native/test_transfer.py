@@ -357,3 +357,45 @@ def test_op_lists_of_every_shape_are_read_alike(peers, expected, engines):
         assert not dst.any(), bad  # nothing moved
     reg.close()
     reg2.close()
+
+
+
+@pytest.mark.parametrize("protocol,write_mode", [("shm", "auto"), ("shm", "put"), ("tcp", "auto")])
+def test_a_checksummed_write_returns_the_crc_of_each_value_it_copied(peers, engines, protocol, write_mode):
+    """``write_checksummed``: where the engine copies the bytes itself (the peer's arena
+    mapped here; small writes gathered into staging) each op's CRC-32C is taken in that
+    copy and equals the CRC of the bytes; where UCX moves them from the caller's memory it
+    is None. Sizes cover the cached copy, the streamed one (256 KiB and up), the copy
+    striped over helper threads, a multi-range value, and an op of no bytes."""
+    from mooncake_ray._private.native import _native
+
+    peer = peers(protocol)
+    eng = engines(protocol=protocol, write_mode=write_mode)
+    rr = peer.remote(eng, "scratch")
+    mapped = rr.write_path == "memcpy"
+    assert mapped == (protocol == "shm" and write_mode == "auto")
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 16 * MIB, dtype=np.uint8)
+    reg = eng.register(src)
+    base = addr_of(src)
+    ops, want, roff, loff = [], [], 0, 0
+    for n in [1, 7, 4096, 5000, 60 << 10, 256 << 10, (1 << 20) + 3, 3 * MIB + 4097, 9 * MIB]:
+        ops.append((rr, roff, base + loff, n))
+        want.append((roff, bytes(src[loff:loff + n])))
+        roff += n  # consecutive: over UCX the first five (up to 64 KiB each) are gathered
+        loff = (loff + n + 13) % (4 * MIB)
+    ranges = ((100, 3000), (9000, 70000), (MIB, 300 << 10))
+    ops.append((rr, roff + 8192, tuple((base + a, m) for a, m in ranges), sum(m for _, m in ranges)))
+    want.append((roff + 8192, b"".join(bytes(src[a:a + m]) for a, m in ranges)))
+    ops.append((rr, 0, base, 0))
+    got = eng.write_checksummed(ops, timeout_s=30)
+    assert len(got) == len(ops) and got[-1] == 0  # nothing written: the CRC of no bytes
+    for k, ((off, data), g) in enumerate(zip(want, got)):
+        assert peer.sha("scratch", off, len(data)) == hashlib.sha256(data).hexdigest(), (off, len(data))
+        staged = np.frombuffer(data, dtype=np.uint8)
+        crc = _native.spill_crc32c(addr_of(staged), len(data), 0)
+        if mapped or k < 5:
+            assert g == crc, (k, len(data))
+        else:
+            assert g is None, (k, len(data))
+    reg.close()

@@ -43,7 +43,7 @@ import time
 import ray
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import MasterUnavailableError, MooncakeRayError, NodeUnavailableError
+from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, MooncakeRayError, NodeUnavailableError
 from mooncake_ray._private import auth, gcyoung, logs, rpc
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.chainlinks import ChainExchange
@@ -146,7 +146,7 @@ class MasterActor:
         """The master's RPC operations and their handlers (``rpc.serve_request``)."""
         return {
             rpc.PUT_START: self._put_start,
-            rpc.PUT_END: lambda items: rpc.per_key(self.state.put_end, items),
+            rpc.PUT_END: lambda items: rpc.per_key(self._put_end, items),
             rpc.PUT_REVOKE: lambda items: rpc.per_key(self.state.put_revoke, items),
             rpc.GET: self._get,
             rpc.RELEASE: self._release,
@@ -298,8 +298,15 @@ class MasterActor:
         self._return_slabs(returns)  # the caller's used-up slabs, piggybacked
         return self.state.slab_grant(owner, client_node, need)
 
+    def _put_end(self, key, gen, crc=None):
+        _check_crc(key, crc)
+        return self.state.put_end(key, gen, crc)
+
     def _put_commit(self, items, owner, returns=()):
-        def one(key, slab_id, offset, size, upsert=False, parent=""):
+        def one(key, slab_id, offset, size, upsert=False, parent="", crc=None):
+            _check_crc(key, crc)
+            # The checksum is carried only by the native commit's ring record; on this path
+            # the store node takes it from the arena when it journals the value.
             return self.state.put_commit(key, slab_id, offset, size, upsert, owner, parent)
 
         out = rpc.per_key(one, items)
@@ -808,6 +815,12 @@ class _StateLock:
             self._index.unlock()
         self._depth -= 1
         self._rlock.release()
+
+
+def _check_crc(key, crc) -> None:
+    """A put's checksum (the CRC-32C its client took in its copy) is None or a u32."""
+    if crc is not None and not (type(crc) is int and 0 <= crc < 1 << 32):
+        raise InvalidArgumentError(f"put {key!r}: checksum {crc!r} is not a CRC-32C (an int below 2**32)")
 
 
 def _serve_rpc(master: MasterActor, data: bytes) -> bytes:

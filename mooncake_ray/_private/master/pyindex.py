@@ -396,16 +396,17 @@ class PyIndex:
             return None
         items = []
         for it in req[1]:
-            if not (isinstance(it, list) and len(it) in (4, 5, 6) and type(it[0]) is str
+            if not (isinstance(it, list) and len(it) in (4, 5, 6, 7) and type(it[0]) is str
                     and all(type(x) is int and x >= 0 for x in it[1:4])
-                    and (len(it) == 4 or type(it[4]) is bool) and (len(it) < 6 or type(it[5]) is str)):
+                    and (len(it) == 4 or type(it[4]) is bool) and (len(it) < 6 or type(it[5]) is str)
+                    and (len(it) < 7 or it[6] is None or (type(it[6]) is int and 0 <= it[6] < 1 << 32))):
                 return None
             items.append(Commit(*it))
         if not self._enabled or not self._commits or len(self._log) + len(items) > self._max_log:
             return None
         scratch: dict[int, dict] = {}
         seen: set[str] = set()
-        for key, slab_id, offset, size, _upsert, parent in items:
+        for key, slab_id, offset, size, _upsert, parent, _crc in items:
             nbytes = len(key.encode("utf-8", "surrogatepass"))
             if not key or nbytes > self._max_key_bytes or key in seen:
                 return None
@@ -421,7 +422,7 @@ class PyIndex:
         for slab_id, free in scratch.items():
             self._slabs[slab_id] = (*self._slabs[slab_id][:4], free)
         now, wall, gens = self.clock(), self.wall_ns(), []
-        for key, slab_id, offset, size, _upsert, parent in items:
+        for key, slab_id, offset, size, _upsert, parent, _crc in items:
             self._next_gen = gen = max(self._next_gen + 1, wall)
             _o, node_id, ray_node_id, inc, _f = self._slabs[slab_id]
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))

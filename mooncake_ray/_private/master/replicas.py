@@ -121,7 +121,7 @@ class ReplicaTable:
         self.fenced: list | None = None
         # Beside it, the commit-ring records (store/ring.py) that would make those values
         # durable without the round trip: (node_id, incarnation, reserved?, key, gen, size,
-        # offset, length, parent) each; None when one of them cannot go that way.
+        # offset, length, parent[, want, crc]) each; None when one of them cannot go that way.
         self.ring: list | None = None
         # Told (key, gen, copies it had, size) of each value a lost node leaves short of copies
         # (repairs.py; set by the state machine).
@@ -129,8 +129,9 @@ class ReplicaTable:
         # Called with ``now`` before an eviction round (the insertion policy catches up).
         self.before_evict: Callable[[float], None] | None = None
 
-    def publish(self, obj: Obj, now: float) -> None:
-        """Make a written value visible, replacing the key's old value if any."""
+    def publish(self, obj: Obj, now: float, crc: int | None = None) -> None:
+        """Make a written value visible, replacing the key's old value if any (``crc``: as
+        ``settled``)."""
         key = obj.key
         old = self._objects.get(key)
         if old is not None:
@@ -144,7 +145,7 @@ class ReplicaTable:
             self._nodes[r.node_id].tier_keys[r.tier._value_] += 1
             self.delta(r.node_id).add(inventory_entry(obj, r))
         if self.fenced is not None:
-            self.settled(obj)
+            self.settled(obj, crc)
 
     def note_reserved(self, node_id: str, key: str, gen: int, offset: int, length: int) -> None:
         """Tell the node a range of its arena is handed out for writing (a put slab, a
@@ -168,9 +169,10 @@ class ReplicaTable:
         if node_id in self._nodes:
             self.delta(node_id).drop(key, gen, RESERVED)
 
-    def settled(self, obj: Obj) -> None:
+    def settled(self, obj: Obj, crc: int | None = None) -> None:
         """A call answers for ``obj``'s value (published now, or again on a retry): its
-        reply waits until the nodes holding it have recorded it (fence.py)."""
+        reply waits until the nodes holding it have recorded it (fence.py). ``crc``: the
+        CRC-32C of the value its writer took in its copy, for the ring records."""
         if self.fenced is not None:
             self.fenced.append((obj.key, obj.gen, tuple({r.node_id for r in obj.replicas})))
             if self.ring is None:
@@ -184,7 +186,7 @@ class ReplicaTable:
                     self.ring = None
                     return
                 self.ring.append((r.node_id, node.incarnation, False, obj.key, obj.gen, obj.size, r.offset, r.length,
-                                  obj.parent or "", obj.want))
+                                  obj.parent or "", obj.want, crc))
 
     def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
                            parent: str = "") -> None:

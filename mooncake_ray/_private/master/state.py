@@ -520,8 +520,10 @@ class MasterState:
         node has a new one)."""
         return [Extent(r.node_id, r.offset, r.length, self._nodes[r.node_id].incarnation) for r in reps]
 
-    def put_end(self, key: str, gen: int) -> None:
+    def put_end(self, key: str, gen: int, crc: int | None = None) -> None:
         """Publish a pending put. Idempotent: ending an already published ``gen`` is a no-op.
+        ``crc``: the CRC-32C of the value the client took in its copy, carried into the
+        commit-ring records (``store/ring.py``) so the nodes need not read the value back.
 
         Raises:
             ObjectNotFoundError: no put of ``key``/``gen`` is pending (revoked or timed out).
@@ -532,7 +534,7 @@ class MasterState:
         if obj is None or obj.gen != gen:
             done = self._objects.get(key)
             if done is not None and done.gen == gen:
-                self._replicas.settled(done)
+                self._replicas.settled(done, crc)
                 return
             raise ObjectNotFoundError(f"no pending put of {key!r} (gen {gen}): it was revoked or timed out")
         if obj.failed or not obj.replicas:
@@ -541,7 +543,7 @@ class MasterState:
         del self._pending[key]
         self._mirror.pending(key)
         self._unreserve(obj)
-        self._replicas.publish(obj, self._clock())
+        self._replicas.publish(obj, self._clock(), crc)
         self._objects.unwait_child(obj.parent)
 
     def _unreserve(self, obj: Obj) -> None:

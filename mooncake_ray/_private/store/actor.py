@@ -119,6 +119,8 @@ class StoreNodeActor:
         self.engine = role_engine(self.cfg, f"store-{node_id[:8]}", server=True)
         self.startup = {"engine_s": time.time() - self.started_at}  # seconds from the process's start
         self.woken = 0  # heartbeat_now calls (restarted master shards asking for a remount)
+        # values journaled with the checksum their writer took in its copy / read back here
+        self.sums_given = self.sums_read = 0
         self.arena_file, self.arena = self._open_arena()
         self.startup["arena_s"] = time.time() - self.started_at
         self._lock = threading.Lock()
@@ -208,8 +210,12 @@ class StoreNodeActor:
         of the master is applied, so a later drop or replacement applies after them."""
         if link.ring is None or not link.ring.pending():
             return
-        adds = [(key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want)
-                for key, gen, size, offset, length, parent, reserved, want in link.ring.read()]
+        adds, sums = [], self._sums
+        for key, gen, size, offset, length, parent, reserved, want, crc in link.ring.read():
+            adds.append((key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want))
+            if crc is not None and not reserved:  # taken in the client's copy: not read back here
+                sums[(key, gen, offset)] = crc
+                self.sums_given += 1
         apply_records(link.inv.entries, adds, (), disk_drops=False)
         self._journal((adds, (), ()), from_ring=True)  # a ring lives beside a kept arena: there is a journal
 
@@ -227,12 +233,14 @@ class StoreNodeActor:
         cap, kept, dropped, bad, ringed = self.arena.length, 0, 0, [], {}
         entries = self.arena_file.load_index_by_key()
         for recs in ring_left:
-            for key, gen, size, offset, length, parent, reserved, want in recs:
+            for key, gen, size, offset, length, parent, reserved, want, crc in recs:
                 if reserved:  # a range handed out for writing: kept as the journal keeps them
                     continue
                 if extent_ok(offset, length, cap) and 0 <= size <= length:
+                    # With the client's checksum the bytes are checked below like the
+                    # journal's; without, they are taken as they are now.
                     entries[key] = ringed[key] = (key, gen, size, offset, length, 0, parent,
-                                                  self.arena_file.checksum(offset, size), want)
+                                                  self.arena_file.checksum(offset, size) if crc is None else crc, want)
         checksum, sums, one = self.arena_file.checksum, self._sums, len(self._links) == 1
         inv = self._links[0].inv.entries if one else None
         for rec in entries.values():
@@ -276,6 +284,7 @@ class StoreNodeActor:
                 crc = sums.get(at)
                 if crc is None:
                     crc = sums[at] = checksum(e[4], e[2])
+                    self.sums_read += 1
                 out.append([e[0], e[1], e[2], e[4], e[5], rest[0], rest[1], crc, rest[2]])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
         if out or gone:
@@ -799,7 +808,8 @@ class StoreNodeActor:
         counts = {k: sum(p[k] for p in parts) for k in parts[0]}
         out = {"node_id": self.node_id, "capacity": self.arena.length, **counts,
                "left": self._left.is_set(), "drain": self.drain_report, "started_at": self.started_at,
-               "readopted": self.readopted, "startup": self.startup, "woken": self.woken}
+               "readopted": self.readopted, "startup": self.startup, "woken": self.woken,
+               "checksums_given": self.sums_given, "checksums_read": self.sums_read}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}

@@ -395,6 +395,15 @@ class Engine:
         t = self.default_timeout_s if timeout_s is None else timeout_s
         self._native.transfer(ops, False, t)
 
+    def write_checksummed(self, ops: Iterable[TransferOp], timeout_s: float | None = None) -> list[int | None]:
+        """``write``, returning per op the CRC-32C of the bytes written where this process
+        copied them itself (a peer's arena mapped on this host, a gathered staging piece):
+        the checksum is taken in the copy, each piece of the source read once. None where
+        UCX moved the bytes (over the network, from device memory); 0 for an op of no bytes.
+        Same errors as ``write``."""
+        t = self.default_timeout_s if timeout_s is None else timeout_s
+        return self._native.write_checksummed(ops, t)
+
     def read(self, ops: Iterable[TransferOp], timeout_s: float | None = None) -> None:
         """Reads remote bytes into local memory; same ops and errors as ``write``."""
         t = self.default_timeout_s if timeout_s is None else timeout_s

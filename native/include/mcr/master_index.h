@@ -130,8 +130,11 @@ struct IndexSlab {
 // then the data area.
 // A record: u32 length (with padding, a multiple of 8), u32 kind (low byte: 1 commit, 2
 // padding to the end of the area, 3 a range reserved for a client's write; bits 8-15: the
-// copies a commit's put asked for, 0 for one), u64 gen, size, offset, length, u32 key
-// bytes, u32 parent bytes, the key, the parent.
+// copies a commit's put asked for, 0 for one; bit 16: the record carries the value's
+// CRC-32C), u64 gen, size, offset, length, u32 key bytes, u32 parent bytes, the key, the
+// parent, u32 the CRC-32C of the value's bytes (taken by the writing client in its copy;
+// read only with bit 16).
+
 struct CommitRing {
   uint8_t* base = nullptr;
   uint64_t bytes = 0;  // the whole mapping
@@ -296,10 +299,13 @@ class MasterIndex {
     std::string key;
     uint64_t gen = 0, size = 0, offset = 0, length = 0;
     std::string parent;
+    uint32_t crc = 0;  // with has_crc: the value's CRC-32C, taken by its writer
+    bool has_crc = false;
   };
   bool ring_publish(const std::vector<RingRecord>& recs);
   static constexpr uint64_t kRingHeader = 64;
   static constexpr uint32_t kRingCommit = 1, kRingPad = 2, kRingReserved = 3;
+  static constexpr uint32_t kRingHasCrc = 1u << 16;  // kind flag: the u32 after the parent is the value's CRC-32C
   static constexpr uint64_t kRingMagic = 0x31474e4952524d43ull;  // "MCRRING1"
 
  private:
@@ -315,7 +321,7 @@ class MasterIndex {
   static uint64_t ring_record_bytes(const std::string& key, const std::string& parent);
   static void ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uint64_t size, uint64_t offset,
                          uint64_t length, const std::string& key, const std::string& parent,
-                         uint32_t kind = kRingCommit);
+                         uint32_t kind = kRingCommit, const uint32_t* crc = nullptr);
 
   IndexRecord* find(const std::string& key);
   IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one

@@ -80,6 +80,13 @@ struct IoOp {
   uint64_t remote_offset = 0;
   uintptr_t local_addr = 0;
   uint64_t length = 0;
+  // Writes with want_crc: where this process copies the bytes itself (the peer's arena
+  // mapped here, or a gathered staging piece), the CRC-32C of the bytes is taken in that
+  // copy and left in crc (crc_ok true) when submit returns. UCX transfers, device memory
+  // and reads leave crc_ok false.
+  bool want_crc = false;
+  bool crc_ok = false;
+  uint32_t crc = 0;
 };
 
 // One call of Engine::call_many, and its outcome.

@@ -721,14 +721,21 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     std::string key;
     uint64_t slab = 0, offset = 0, size = 0;
     std::string parent;  // its KV chain's previous value ("" none)
+    uint64_t crc = 0;    // the CRC-32C of its bytes, taken by the client in its copy
+    bool has_crc = false;
   };
   std::vector<Item> items(nitems);
   for (auto& it : items) {
     uint32_t m;
     bool upsert = false;  // of a key not stored: a plain put
-    if (!r.array(&m) || m < 4 || m > 6 || !r.str(&it.key) || !r.uint(&it.slab) || !r.uint(&it.offset) ||
-        !r.uint(&it.size) || (m >= 5 && !r.boolean(&upsert)) || (m == 6 && !r.str(&it.parent)))
+    if (!r.array(&m) || m < 4 || m > 7 || !r.str(&it.key) || !r.uint(&it.slab) || !r.uint(&it.offset) ||
+        !r.uint(&it.size) || (m >= 5 && !r.boolean(&upsert)) || (m >= 6 && !r.str(&it.parent)))
       return false;
+    if (m == 7) {
+      if (r.nil()) continue;
+      if (!r.uint(&it.crc) || it.crc > 0xffffffffull) return false;
+      it.has_crc = true;
+    }
   }
   std::string owner;
   if (!r.str(&owner)) return false;
@@ -787,7 +794,9 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     note(kRefPut, it.key, &r, it.size, !it.parent.empty());
     if (by_ring) {
       CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
-      ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent);
+      const uint32_t crc = uint32_t(it.crc);
+      ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent,
+                 kRingCommit, it.has_crc ? &crc : nullptr);
     }
     log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size, std::move(it.parent)});
     w.uint(gen);
@@ -869,11 +878,12 @@ bool MasterIndex::ring_publish_heads(const std::unordered_map<CommitRing*, uint6
 }
 
 uint64_t MasterIndex::ring_record_bytes(const std::string& key, const std::string& parent) {
-  return (48 + key.size() + parent.size() + 7) / 8 * 8;
+  return (48 + key.size() + parent.size() + 4 + 7) / 8 * 8;  // room for a CRC after the parent
 }
 
 void MasterIndex::ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uint64_t size, uint64_t offset,
-                             uint64_t length, const std::string& key, const std::string& parent, uint32_t kind) {
+                             uint64_t length, const std::string& key, const std::string& parent, uint32_t kind,
+                             const uint32_t* crc) {
   uint8_t* area = ring.base + kRingHeader;
   const uint64_t cap = ring.bytes - kRingHeader;
   const uint64_t n = ring_record_bytes(key, parent);
@@ -885,7 +895,7 @@ void MasterIndex::ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uin
     pos = 0;
   }
   uint8_t* p = area + pos;
-  const uint32_t h[2] = {uint32_t(n), kind};
+  const uint32_t h[2] = {uint32_t(n), crc != nullptr ? kind | kRingHasCrc : kind};
   const uint64_t f[4] = {gen, size, offset, length};
   const uint32_t lens[2] = {uint32_t(key.size()), uint32_t(parent.size())};
   std::memcpy(p, h, 8);
@@ -893,6 +903,8 @@ void MasterIndex::ring_write(CommitRing& ring, uint64_t* head, uint64_t gen, uin
   std::memcpy(p + 40, lens, 8);
   std::memcpy(p + 48, key.data(), key.size());
   std::memcpy(p + 48 + key.size(), parent.data(), parent.size());
+  const uint32_t c = crc != nullptr ? *crc : 0;
+  std::memcpy(p + 48 + key.size() + parent.size(), &c, 4);
   *head += n;
 }
 
@@ -908,7 +920,8 @@ bool MasterIndex::ring_publish(const std::vector<RingRecord>& recs) {
   if (!ring_room(need, &heads)) return false;
   for (auto& r : recs) {
     CommitRing* ring = usable_ring(r.node_id, r.incarnation);
-    ring_write(*ring, &heads[ring], r.gen, r.size, r.offset, r.length, r.key, r.parent, r.kind);
+    ring_write(*ring, &heads[ring], r.gen, r.size, r.offset, r.length, r.key, r.parent, r.kind,
+               r.has_crc ? &r.crc : nullptr);
   }
   const bool alive = ring_publish_heads(heads);
   if (alive) ring_acks_ += recs.size();

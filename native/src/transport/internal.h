@@ -223,6 +223,9 @@ struct Stats {
 // Plain and non-temporal copies (copy.cpp).
 void copy_plain(char* dst, const char* src, size_t len);
 void copy_stream(char* dst, const char* src, size_t len);
+// copy_plain / copy_stream that also return the standard CRC-32C of the bytes, each piece
+// checksummed from the source while it is in cache (copy.cpp).
+uint32_t copy_crc(char* dst, const char* src, size_t len, bool stream);
 constexpr size_t kStreamMinBytes = 256u << 10;  // smaller writes stay in cache
 
 // Splits large memcpy transfers over helper threads (copy.cpp).
@@ -230,8 +233,9 @@ class CopyPool {
  public:
   explicit CopyPool(int helpers);
   ~CopyPool();
-  // stream: non-temporal stores (writes into a peer's arena).
-  void copy(char* dst, const char* src, size_t len, bool stream);
+  // stream: non-temporal stores (writes into a peer's arena). crc: if given, the standard
+  // CRC-32C of the bytes, taken in the copy (each piece's, combined in order).
+  void copy(char* dst, const char* src, size_t len, bool stream, uint32_t* crc = nullptr);
 
  private:
   struct Piece {
@@ -240,9 +244,11 @@ class CopyPool {
     size_t len = 0;
     std::atomic<int>* left = nullptr;
     bool stream = false;
+    uint32_t* crc = nullptr;  // where this piece's CRC goes (null: none wanted)
   };
   void start_locked();
   void run();
+  static void do_piece(const Piece& p);
   const int helpers_;
   std::mutex mu_;
   std::condition_variable cv_;

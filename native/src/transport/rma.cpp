@@ -442,7 +442,13 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       if (so < 0) continue;  // sent one by one below
       char* sp = reinterpret_cast<char*>(staging.region()->addr()) + so;
       for (size_t k = i, off = 0; k < j; off += items[k].io->length, ++k) {
-        memcpy(sp + off, reinterpret_cast<const char*>(items[k].io->local_addr), items[k].io->length);
+        IoOp& g = *items[k].io;
+        if (g.want_crc) {
+          g.crc = copy_crc(sp + off, reinterpret_cast<const char*>(g.local_addr), g.length, false);
+          g.crc_ok = true;
+        } else {
+          memcpy(sp + off, reinterpret_cast<const char*>(g.local_addr), g.length);
+        }
         gathered[k] = 1;
       }
       const IoOp& first = *items[i].io;
@@ -496,10 +502,14 @@ std::shared_ptr<Op> EngineCore::submit(std::vector<IoOp>& ops, bool is_read) {
       }
       // Writes land in fresh arena space this process will not read: streamed past the cache.
       const bool stream = !is_read && len >= kStreamMinBytes;
+      uint32_t* crc = !is_read && io.want_crc ? &io.crc : nullptr;  // a put's checksum, taken in its copy
       if (copier && len >= cfg.stripe_min_bytes)
-        copier->copy(dst, src, len, stream);  // striped over helper threads, like lanes
+        copier->copy(dst, src, len, stream, crc);  // striped over helper threads, like lanes
+      else if (crc != nullptr)
+        *crc = copy_crc(dst, src, len, stream);
       else
         (stream ? copy_stream : copy_plain)(dst, src, len);
+      io.crc_ok = crc != nullptr;
       memcpy_bytes += len;
       continue;
     }
