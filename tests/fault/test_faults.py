@@ -17,6 +17,7 @@ from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from tests.conftest import wait_for
 
 KB = 1024
+MB = 1 << 20
 
 
 def val(i, n=64 * KB):
@@ -384,3 +385,42 @@ def test_puts_answered_through_the_commit_ring_survive_their_nodes_restart(make_
     ray.get([n_.debug_stall_inventory.remote(0.0) for n_ in nodes])
     got = s.batch_get(keys)
     assert [k for k, v in zip(keys, got) if v != val(keys.index(k), 4 * KB)] == []
+
+
+def test_a_ring_value_changed_in_the_arena_before_its_node_read_it_is_dropped_at_restart(make_store, ray_cluster):
+    """Values of 1 MiB answered through the commit ring carry the checksum their client took
+    in its copy. The node, its applier stalled, has not read the ring yet when one value's
+    bytes are changed in the arena and the node is SIGKILLed: the restarted process checks
+    the ring's values against their checksums and drops the changed one (a miss), where it
+    used to take the bytes as they were; the others read back intact."""
+    s = make_store(master={"put_slab_bytes": "16mb"})
+    ns = s.config.namespace
+    nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    assert s.put("warm", b"x") is None  # the client's slab exists
+    victim = s._slabs.current.node_id
+    actor = ray.get_actor(store_actor_name(victim), namespace=ns)
+    ray.get([n_.debug_stall_inventory.remote(20.0) for n_ in nodes])
+    keys = [f"big{i}" for i in range(3)]
+    for i, k in enumerate(keys):
+        assert s.put(k, val(i, MB)) is None
+    where = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
+    assert set(keys) <= set(where)  # all in the client's slab, on the victim
+    path = next(n for n in ray.get(master.nodes.remote()) if n["node_id"] == victim)["arena_file"]
+    with open(path, "r+b") as f:  # flip bytes of keys[1] in the arena
+        f.seek(where[keys[1]][4] + 4096)
+        f.write(bytes(b ^ 0xFF for b in f.read(16)))
+    old = ray.get(actor.ping.remote())
+    os.kill(ray.get(actor.pid.remote()), 9)
+    wait_for(lambda: ray.get(actor.ping.remote()) != old, timeout_s=60, what="the store node to restart")
+
+    def readopted():
+        got = [e for e in ray.get(master.events.remote())
+               if e["event"] == "readopted" and e.get("node_id") == victim]  # this store's first
+        return got[-1] if got else None
+
+    ev = wait_for(readopted, timeout_s=30, what="the re-adoption event")
+    assert ev["dropped"] == 1, ev
+    ray.get([n_.debug_stall_inventory.remote(0.0) for n_ in nodes])
+    wait_for(lambda: s.get(keys[0]) is not None, timeout_s=30, what="the restarted node to serve")
+    assert s.batch_get(keys) == [val(0, MB), None, val(2, MB)]

@@ -279,7 +279,7 @@ def _arena_file(master, node_id):
 def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss(make_store, ray_cluster):
     s = make_store(elastic=ELASTIC, master=PLACEMENT)
     master, victim = master_of(s), ray_cluster.store_node_ids[0]
-    keys, on_victim = stored_on(s, master, "r", 200, 64 * KB, victim)
+    keys, on_victim = stored_on(s, master, "r", 200, 32 * KB, victim)
     assert len(on_victim) > 20
     entries = {e[0]: e for e in ray.get(master.node_entries.remote(victim))}
     bad = on_victim[3]
@@ -289,12 +289,6 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
     node = ray.get_actor(store_actor_name(victim), namespace=s.config.namespace)
     wait_for(lambda: bad in {e[0] for e in ray.get(node.inventory_snapshot.remote()) if e[3] == "dram"},
              timeout_s=30, interval_s=0.2, what=f"the victim node to record {bad!r}")
-    # The client (on this host: the arena mapped here) took each value's checksum in its
-    # copy and the node journaled it from the commit ring without reading the value back;
-    # a wrong one would drop the value at the re-adoption below.
-    st = ray.get(node.stats.remote())
-    print("checksums given / read:", st["checksums_given"], st["checksums_read"])
-    assert st["checksums_given"] >= len(on_victim)
     # The index compacted into a snapshot now (the values are read back from it, not from
     # the journal), then some of them removed (journaled after the snapshot).
     assert ray.get(node.debug_compact.remote()) > 0
@@ -312,7 +306,7 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
     kept = len(on_victim) - 1 - len(gone)
     assert readopted["dropped"] == 1 and readopted["keys"] == kept
     got = s.batch_get(keys)
-    assert [k for i, (k, v) in enumerate(zip(keys, got)) if k not in gone + [bad] and v != val(i, 64 * KB)] == []
+    assert [k for i, (k, v) in enumerate(zip(keys, got)) if k not in gone + [bad] and v != val(i, 32 * KB)] == []
     assert [got[keys.index(k)] for k in gone + [bad]] == [None] * (len(gone) + 1)
     assert len(keys_on(master, keys, victim)) == kept
     stats = ray.get(master.stats.remote())
@@ -330,7 +324,7 @@ def test_a_sigkilled_store_node_readopts_its_arena_and_a_corrupt_value_is_a_miss
     again = wait_for(readoptions, timeout_s=30, what="the second re-adoption event")[-1]
     assert (again["keys"], again["dropped"]) == (kept, 0)
     got = s.batch_get(keys)
-    assert [k for i, (k, v) in enumerate(zip(keys, got)) if k not in gone + [bad] and v != val(i, 64 * KB)] == []
+    assert [k for i, (k, v) in enumerate(zip(keys, got)) if k not in gone + [bad] and v != val(i, 32 * KB)] == []
     assert [got[keys.index(k)] for k in gone + [bad]] == [None] * (len(gone) + 1)
 
 

@@ -245,7 +245,7 @@ def _node_checksums(s) -> tuple[int, int]:
 
 def test_a_put_hands_the_checksum_of_its_copy_to_the_master_and_a_bad_one_is_refused(make_store):
     """On this host the client copies each value into the mapped arena itself and takes the
-    CRC-32C of every value of 64 KiB or more in that copy: one-call commits and two-call
+    CRC-32C of every value of 1 MiB or more in that copy: one-call commits and two-call
     PUT_ENDs carry it, and the store nodes journal it from their commit rings without
     reading those values back (smaller ones they checksum themselves). A checksum that is
     not a CRC-32C is refused with a typed error naming it, and nothing stored is lost."""
@@ -262,7 +262,7 @@ def test_a_put_hands_the_checksum_of_its_copy_to_the_master_and_a_bad_one_is_ref
         return real(op, *args)
 
     s._master.call = call
-    values = {f"c{i}": rand(n, i) for i, n in enumerate([100, 4096, 64 * KB, 300 * KB, MB + 3])}
+    values = {f"c{i}": rand(n, i) for i, n in enumerate([100, 4096, 300 * KB, MB, 3 * MB + 3])}
     for k, v in values.items():
         s.put(k, v)
     twice = {f"t{i}": rand(n, 10 + i) for i, n in enumerate([5000, 2 * MB])}
@@ -298,7 +298,7 @@ def test_a_put_hands_the_checksum_of_its_copy_to_the_master_and_a_bad_one_is_ref
 
 def test_with_checksums_in_the_copy_off_the_nodes_read_the_values_back(make_store):
     s = make_store(client={"checksum_in_copy": False})
-    values = {f"o{i}": rand(n, i) for i, n in enumerate([100, 300 * KB])}
+    values = {f"o{i}": rand(n, i) for i, n in enumerate([100, 2 * MB])}
     for k, v in values.items():
         s.put(k, v)
     wait_for(lambda: _node_checksums(s)[1] >= len(values), timeout_s=30, what="the nodes to journal every value")

@@ -9,8 +9,8 @@
 // arena space this process will not read, so streaming it past the cache skips the
 // read-for-ownership of every line (cold 4 MiB copies: ~2x here, see copy_stream).
 //
-// A put's checksum is taken in its copy (copy_crc): each piece of the source is read by
-// the CRC and then copied while it is still in cache, so the value is read from memory
+// A put's checksum is taken in its copy (copy_crc, spill::crc32c_copy_src_raw): each line
+// of the source is loaded once, stored and fed to the CRC, so the value is read from memory
 // once, and the store node need not read it back to journal it (store/ring.py).
 #include <emmintrin.h>
 #include <sched.h>
@@ -24,7 +24,6 @@ namespace mcr {
 
 namespace {
 constexpr size_t kPiece = 512u << 10;
-constexpr size_t kCrcPiece = 48u << 10;  // checksummed, then copied while in L1/L2
 }  // namespace
 
 void copy_stream(char* dst, const char* src, size_t len) {
@@ -48,17 +47,7 @@ void copy_stream(char* dst, const char* src, size_t len) {
 }
 
 uint32_t copy_crc(char* dst, const char* src, size_t len, bool stream) {
-  uint32_t reg = ~0u;
-  while (len) {
-    const size_t k = len < kCrcPiece ? len : kCrcPiece;
-    reg = spill::crc32c_raw(reg, src, k);
-    if (stream)
-      copy_stream(dst, src, k);
-    else
-      memcpy(dst, src, k);
-    dst += k, src += k, len -= k;
-  }
-  return ~reg;
+  return ~spill::crc32c_copy_src_raw(~0u, dst, src, len, stream);
 }
 
 CopyPool::CopyPool(int helpers) : helpers_(helpers) {}
