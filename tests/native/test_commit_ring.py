@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.fastpath import COMMIT, HELD
+from mooncake_ray._private.master.fastpath import COMMIT, COMMIT_RINGED, HELD
 from mooncake_ray._private.native import _native
 from mooncake_ray._private.store.ring import CommitRing
 
@@ -59,11 +59,12 @@ def test_a_commit_is_answered_through_the_ring_of_a_live_node(tmp_path):
     assert rep[0] == rpc.OK and len(rep[1]) == 2  # answered, not held
     assert ix.ring_acks() == 2
     got = node.read()
-    assert got == [("a", rep[1][0], 100, 0, 128, "", False, 1, None),
-                   ("b", rep[1][1], 5000, 4096, 8192, "a", False, 1, None)]
+    # the native index's commits: no message of the master will add them ("alone")
+    assert got == [("a", rep[1][0], 100, 0, 128, "", False, 1, None, True),
+                   ("b", rep[1][1], 5000, 4096, 8192, "a", False, 1, None, True)]
     assert node.read() == []
     log = ix.drain()[2]
-    assert [e[0] for e in log] == [COMMIT, COMMIT]  # applied by Python as before, no HELD
+    assert [e[0] for e in log] == [COMMIT_RINGED, COMMIT_RINGED]  # applied by Python, no message to the node, no HELD
     master.close()
     node.close()
 
@@ -169,9 +170,9 @@ def test_pythons_commits_and_reservations_go_through_the_ring_all_or_nothing(tmp
     recs = [("n0", "i0", False, "v", 7, 100, 4096, 4096, "p", 2), ("n1", "i1", False, "v", 7, 100, 0, 4096, "p", 2),
             ("n1", "i1", True, "put/8", 8, 8192, 8192, 8192, "")]
     assert ix.ring_publish(recs)
-    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False, 2, None)]
-    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False, 2, None),
-                               ("put/8", 8, 8192, 8192, 8192, "", True, 1, None)]
+    assert nodes[0].read() == [("v", 7, 100, 4096, 4096, "p", False, 2, None, False)]
+    assert nodes[1].read() == [("v", 7, 100, 0, 4096, "p", False, 2, None, False),
+                               ("put/8", 8, 8192, 8192, 8192, "", True, 1, None, False)]
     with pytest.raises(ValueError, match="want is not in 1..255"):
         ix.ring_publish([("n0", "i0", False, "w", 9, 1, 0, 64, "", 0)])
     # one record for a node without a usable ring (another incarnation): none is written

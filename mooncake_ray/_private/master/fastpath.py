@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.slabs import Slab
     from mooncake_ray._private.master.table import ObjectTable
 
-GRANT, RELEASE, COMMIT, HELD = 0, 1, 2, 3
+GRANT, RELEASE, COMMIT, HELD, COMMIT_RINGED = 0, 1, 2, 3, 4  # COMMIT_RINGED: COMMIT whose node has its ring record only
 FIRST_LEASE = 1 << 40  # native lease ids; the state machine's own counter stays far below
 
 

@@ -311,7 +311,7 @@ class PyIndex:
         self._next_gen = gen
 
     def wait_commits(self, timeout_s: float) -> bool:
-        return any(e[0] == COMMIT for e in self._log)
+        return any(e[0] == COMMIT for e in self._log)  # (COMMIT_RINGED is the native index's: rings)
 
     def __len__(self) -> int:
         return len(self._map)

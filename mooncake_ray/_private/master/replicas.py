@@ -189,13 +189,17 @@ class ReplicaTable:
                                   obj.parent or "", obj.want, crc))
 
     def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
-                           parent: str = "") -> None:
+                           parent: str = "", message: bool = True) -> None:
         """The bookkeeping of a value the read index committed (its record is in the
-        table already, cold): what ``publish`` does besides the record."""
+        table already, cold): what ``publish`` does besides the record. ``message=False``:
+        the index answered it through the node's commit ring, whose record is all the node
+        gets of the value (the node reads its ring before any later message, so a drop or
+        replacement of the value still applies after it)."""
         self.counters["puts"] += 1
         self.counters["put_bytes"] += size
         self._nodes[node_id].tier_keys["dram"] += 1
-        self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0, parent))
+        if message:
+            self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0, parent))
 
     def restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
         """Take in one entry of a mounting node's inventory (newest first)."""

@@ -264,16 +264,17 @@ class SlabTable:
         return None
 
     def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float,
-                     parent: str = "") -> str:
+                     parent: str = "", message: bool = True) -> str:
         """A commit the read index answered (its checks made, its pieces carved there):
         ``commit`` without the watermark check, which the caller makes once the whole log is
-        applied (see ``fastpath.py``). Returns the slab's node."""
+        applied (see ``fastpath.py``). Returns the slab's node. ``message=False``: the
+        commit went through the node's commit ring, which is all the node gets of it."""
         slab = self.slabs[slab_id]
         length = extent_length(size)
         taken = carve(slab.free, offset, length)
         assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
         self._gens.seen(gen)
-        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length, parent)
+        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length, parent, message)
         self._objects.stored_natively(key, parent)
         return slab.node_id
 

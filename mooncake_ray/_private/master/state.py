@@ -54,7 +54,7 @@ from mooncake_ray.errors import (
 from mooncake_ray._private.checks import check_records, check_replicas, check_ttl
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.drain import Drains
-from mooncake_ray._private.master.fastpath import COMMIT, GRANT, HELD, ReadMirror
+from mooncake_ray._private.master.fastpath import COMMIT, COMMIT_RINGED, GRANT, HELD, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable, split_inventory
 from mooncake_ray._private.master.adaptive import InsertionPolicy
@@ -629,8 +629,9 @@ class MasterState:
         full = self._watermark_due  # nodes that took logged commits, not checked yet
         call: list = []  # the values of the call whose commits are being applied
         for kind, key, gen, lease, now, offset, size, parent in log:
-            if kind == COMMIT:
-                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent)
+            if kind == COMMIT or kind == COMMIT_RINGED:
+                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent,
+                                                        message=kind == COMMIT)
                 full.add(node_id)
                 call.append((key, gen, (node_id,)))
                 continue

@@ -67,6 +67,7 @@ _OFFLOAD_BATCH = 64
 _REPORT_RETRY_S = 0.25  # first wait before resending an unacknowledged offload report
 _REPORT_RETRY_MAX_S = 5.0
 REPAIR_POLL_S = 0.5  # how often a node asks the master shards for repairs to make
+RING_POLL_S = 0.005  # how often a node reads its commit rings (store/ring.py)
 REPAIR_BATCH_BYTES = 16 << 20  # bytes of copies per master call
 REPAIR_STEP_BYTES = 1 << 20  # bytes copied at a time, each followed by its share of the pace
 
@@ -121,6 +122,7 @@ class StoreNodeActor:
         self.woken = 0  # heartbeat_now calls (restarted master shards asking for a remount)
         # values journaled with the checksum their writer took in its copy / read back here
         self.sums_given = self.sums_read = 0
+        self.ring_records = 0  # records read from the commit rings
         self.arena_file, self.arena = self._open_arena()
         self.startup["arena_s"] = time.time() - self.started_at
         self._lock = threading.Lock()
@@ -165,6 +167,8 @@ class StoreNodeActor:
             self._threads.append(threading.Thread(target=self._repair_loop, name="store-repair", daemon=True))
         if self.arena_file is not None:
             self._threads.append(threading.Thread(target=self._index_loop, name="store-arena-index", daemon=True))
+        if any(link.ring is not None for link in self._links):
+            self._threads.append(threading.Thread(target=self._ring_loop, name="store-commit-ring", daemon=True))
         for th in self._threads:
             th.start()
 
@@ -210,14 +214,28 @@ class StoreNodeActor:
         of the master is applied, so a later drop or replacement applies after them."""
         if link.ring is None or not link.ring.pending():
             return
-        adds, sums = [], self._sums
-        for key, gen, size, offset, length, parent, reserved, want, crc in link.ring.read():
+        adds, sums, alone = [], self._sums, set()
+        for key, gen, size, offset, length, parent, reserved, want, crc, only in link.ring.read():
             adds.append((key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want))
             if crc is not None and not reserved:  # taken in the client's copy: not read back here
                 sums[(key, gen, offset)] = crc
                 self.sums_given += 1
+            if only:
+                alone.add((key, gen, offset))
+        self.ring_records += len(adds)
         apply_records(link.inv.entries, adds, (), disk_drops=False)
-        self._journal((adds, (), ()), from_ring=True)  # a ring lives beside a kept arena: there is a journal
+        self._journal((adds, (), ()), from_ring=True, alone=alone)  # a ring lives beside a kept arena: there is a journal
+
+    def _ring_loop(self) -> None:
+        """Read the commit rings every few milliseconds: the native index's commits reach
+        the node only there (no message of the master follows them), and a ring the node
+        does not read fills up, after which commits wait for the node again."""
+        rings = [link for link in self._links if link.ring is not None]
+        while rings and not self._stop.wait(RING_POLL_S):
+            for link in rings:
+                if link.ring is not None and link.ring.pending():
+                    with self._lock:
+                        self._read_ring(link)
 
     def _readopt(self, ring_left: list[list[tuple]]) -> dict:
         """Take back the values the previous process of this node left in the arena: each
@@ -233,7 +251,7 @@ class StoreNodeActor:
         cap, kept, dropped, bad, ringed = self.arena.length, 0, 0, [], {}
         entries = self.arena_file.load_index_by_key()
         for recs in ring_left:
-            for key, gen, size, offset, length, parent, reserved, want, crc in recs:
+            for key, gen, size, offset, length, parent, reserved, want, crc, _alone in recs:
                 if reserved:  # a range handed out for writing: kept as the journal keeps them
                     continue
                 if extent_ok(offset, length, cap) and 0 <= size <= length:
@@ -264,13 +282,14 @@ class StoreNodeActor:
                     kept, dropped)
         return report
 
-    def _journal(self, delta, from_ring: bool = False) -> None:
+    def _journal(self, delta, from_ring: bool = False, alone: set | frozenset = frozenset()) -> None:
         """Record one applied inventory message (or the records read from a commit ring)
         in the arena's journal, each added DRAM value with the checksum of its bytes (under
         the lock: in the order applied; before the master hears it applied). A value
         committed through the ring was journaled and checksummed when the ring was read:
         the master's message adding it (the same key, gen and place, so the same bytes) is
-        journaled again only if it changes the entry (a pin set meanwhile)."""
+        journaled again only if it changes the entry (a pin set meanwhile). ``alone``: ring
+        values no message will add (nothing to recognise later)."""
         adds, drops, _offloads = delta
         out, sums, checksum, ringed = [], self._sums, self.arena_file.checksum, self._ring_journaled
         for e in adds:
@@ -278,7 +297,8 @@ class StoreNodeActor:
                 at = (e[0], e[1], e[4])
                 rest = (e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "", e[8] if len(e) > 8 else 1)
                 if from_ring:
-                    ringed[at] = rest
+                    if at not in alone:
+                        ringed[at] = rest
                 elif ringed.pop(at, None) == rest:
                     continue
                 crc = sums.get(at)
@@ -809,7 +829,8 @@ class StoreNodeActor:
         out = {"node_id": self.node_id, "capacity": self.arena.length, **counts,
                "left": self._left.is_set(), "drain": self.drain_report, "started_at": self.started_at,
                "readopted": self.readopted, "startup": self.startup, "woken": self.woken,
-               "checksums_given": self.sums_given, "checksums_read": self.sums_read}
+               "checksums_given": self.sums_given, "checksums_read": self.sums_read,
+               "ring_records": self.ring_records}
         if self.tier is not None:
             out["spill"] = {**self.tier.stats(), "degraded": self.tier.degraded,
                             "used_bytes": self.tier.used_bytes, "capacity_bytes": self.tier.capacity_bytes}

@@ -40,6 +40,7 @@ MAGIC = 0x31474E4952524D43  # "MCRRING1"
 HEADER = 64
 COMMIT, PAD, RESERVED = 1, 2, 3
 HAS_CRC = 1 << 16  # kind flag: the record carries the value's CRC-32C after its parent
+ALONE = 1 << 17  # kind flag: no message of the master will add the value (the native index's commits)
 DEFAULT_BYTES = 4 << 20
 _REC = struct.Struct("<IIQQQQII")  # length, kind, gen, size, offset, length, key bytes, parent bytes
 _CRC = struct.Struct("<I")  # after the key and the parent, with HAS_CRC
@@ -121,10 +122,11 @@ class CommitRing:
 
     def read(self) -> list[tuple]:
         """Every record published since the last read, in order, as
-        ``(key, gen, size, offset, length, parent, reserved, want, crc)``; they count as
-        read. (A record's kind carries in bits 8-15 how many copies the put asked for; the
+        ``(key, gen, size, offset, length, parent, reserved, want, crc, alone)``; they count
+        as read. (A record's kind carries in bits 8-15 how many copies the put asked for; the
         index's own commits, of one copy, leave them 0. ``crc``: the CRC-32C of the value's
-        bytes the writing client took in its copy, or None where it took none.)"""
+        bytes the writing client took in its copy, or None where it took none. ``alone``: no
+        message of the master will add the value, the record is all the node gets.)"""
         w = self._words
         head, tail = w[2], w[3]
         if head == tail:
@@ -138,7 +140,7 @@ class CommitRing:
             n, kind = struct.unpack_from("<II", mm, pos)
             if n < 8 or n % 8 or n > cap:
                 raise ValueError(f"commit ring {self.path}: bad record length {n} at {tail}")
-            want, crc_in, kind = (kind >> 8) & 0xFF or 1, kind & HAS_CRC, kind & 0xFF
+            want, crc_in, alone, kind = (kind >> 8) & 0xFF or 1, kind & HAS_CRC, bool(kind & ALONE), kind & 0xFF
             if kind == COMMIT or kind == RESERVED:
                 _n, _k, gen, size, offset, length, klen, plen = _REC.unpack_from(mm, pos)
                 body = pos + _REC.size
@@ -149,7 +151,7 @@ class CommitRing:
                     if _REC.size + klen + plen + 4 > n:
                         raise ValueError(f"commit ring {self.path}: record at {tail} too short for its checksum")
                     crc = _CRC.unpack_from(mm, body + klen + plen)[0]
-                out.append((key, gen, size, offset, length, parent, kind == RESERVED, want, crc))
+                out.append((key, gen, size, offset, length, parent, kind == RESERVED, want, crc, alone))
             tail += n
         w[3] = tail
         return out

@@ -131,7 +131,8 @@ struct IndexSlab {
 // A record: u32 length (with padding, a multiple of 8), u32 kind (low byte: 1 commit, 2
 // padding to the end of the area, 3 a range reserved for a client's write; bits 8-15: the
 // copies a commit's put asked for, 0 for one; bit 16: the record carries the value's
-// CRC-32C), u64 gen, size, offset, length, u32 key bytes, u32 parent bytes, the key, the
+// CRC-32C; bit 17: the master sends the node no message adding the value, the record is
+// all it gets), u64 gen, size, offset, length, u32 key bytes, u32 parent bytes, the key, the
 // parent, u32 the CRC-32C of the value's bytes (taken by the writing client in its copy;
 // read only with bit 16).
 
@@ -172,6 +173,7 @@ class MasterIndex {
   static constexpr int kRelease = 1;
   static constexpr int kCommit = 2;
   static constexpr int kHeld = 3;
+  static constexpr int kCommitRinged = 4;  // kCommit answered through its node's ring: no message to the node
   // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
   static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15, kOpPutCommit = 17;
   static constexpr uint64_t kAlign = 4096;   // paged extents (allocator.py ALIGN)
@@ -306,6 +308,7 @@ class MasterIndex {
   static constexpr uint64_t kRingHeader = 64;
   static constexpr uint32_t kRingCommit = 1, kRingPad = 2, kRingReserved = 3;
   static constexpr uint32_t kRingHasCrc = 1u << 16;  // kind flag: the u32 after the parent is the value's CRC-32C
+  static constexpr uint32_t kRingAlone = 1u << 17;   // kind flag: no message of the master will add this value
   static constexpr uint64_t kRingMagic = 0x31474e4952524d43ull;  // "MCRRING1"
 
  private:

@@ -796,14 +796,20 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
       CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
       const uint32_t crc = uint32_t(it.crc);
       ring_write(*ring, &heads[ring], gen, it.size, it.offset, extent_length(it.size), it.key, it.parent,
-                 kRingCommit, it.has_crc ? &crc : nullptr);
+                 kRingCommit | kRingAlone, it.has_crc ? &crc : nullptr);
     }
     log_.push_back(IndexLogEntry{kCommit, it.key, gen, it.slab, now, it.offset, it.size, std::move(it.parent)});
     w.uint(gen);
   }
   if (by_ring) {
     by_ring = ring_publish_heads(heads);
-    if (by_ring) ring_acks_ += items.size();
+    if (by_ring) {
+      ring_acks_ += items.size();
+      // Answered through the rings: the nodes have the records, and Python sends them no
+      // message adding these values (a node whose process is gone gets its records from
+      // the ring when it restarts; a held reply below waits for the message instead).
+      for (size_t k = log_.size() - items.size(); k < log_.size(); ++k) log_[k].kind = kCommitRinged;
+    }
   }
   if (hold != nullptr && !by_ring) {
     log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
