@@ -245,6 +245,8 @@ void bind_master(nb::module_& m) {
       .def("set_next_gen", &mcr::MasterIndex::set_next_gen, "gen"_a)
       .def("wait_commits", &mcr::MasterIndex::wait_commits, "timeout_s"_a,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("wait_held", &mcr::MasterIndex::wait_held, "timeout_s"_a,
+           nb::call_guard<nb::gil_scoped_release>())
       .def("__len__", &mcr::MasterIndex::size)
       .def("served", &mcr::MasterIndex::served)
       .def("lookups", &mcr::MasterIndex::lookups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 import msgpack
 import pytest
@@ -57,6 +58,7 @@ def test_a_commit_is_answered_through_the_ring_of_a_live_node(tmp_path):
     attach(ix, master, epoch)
     rep = commit(ix, [("a", 0, 100, ""), ("b", 4096, 5000, "a")])
     assert rep[0] == rpc.OK and len(rep[1]) == 2  # answered, not held
+    assert not ix.wait_held(0.0)  # nothing for the master's applier to hurry for
     assert ix.ring_acks() == 2
     got = node.read()
     # the native index's commits: no message of the master will add them ("alone")
@@ -83,7 +85,10 @@ def test_without_the_nodes_lock_or_with_another_epoch_the_reply_is_held(tmp_path
     fcntl.flock(node.fd, fcntl.LOCK_UN)  # as if the node's process were gone
     assert commit(ix, [("b", 4096, 100, "")]) == b""  # held for the node's answer
     assert [r[0] for r in node.read()] == ["b"]  # (its record may still be read by a restart)
+    assert ix.wait_held(0.0)  # the master's applier must not wait: replies are kept
     assert ix.ring_acks() == 0 and [e[0] for e in ix.drain()[2]] == [COMMIT, HELD, COMMIT, HELD]
+    t0 = time.monotonic()
+    assert not ix.wait_held(0.05) and time.monotonic() - t0 >= 0.04  # drained: nothing kept
     ix.set_slab(2, "c1", "n0", "ray0", "i1", [(1 << 20, 4096)])  # another incarnation's slab
     fcntl.flock(node.fd, fcntl.LOCK_EX)
     req = [rpc.PUT_COMMIT, [["c", 2, 1 << 20, 100]], "c1"]

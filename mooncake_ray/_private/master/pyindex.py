@@ -310,6 +310,9 @@ class PyIndex:
     def set_next_gen(self, gen: int) -> None:
         self._next_gen = gen
 
+    def wait_held(self, timeout_s: float) -> bool:
+        return False  # no replies are kept here (durability waits are the native index's)
+
     def wait_commits(self, timeout_s: float) -> bool:
         return any(e[0] == COMMIT for e in self._log)  # (COMMIT_RINGED is the native index's: rings)
 

@@ -273,6 +273,9 @@ class MasterIndex {
   void set_next_gen(uint64_t g);  // the state machine's counter, at the end of its sections (max)
   // Waits until a commit is logged (true) or the timeout passes (false).
   bool wait_commits(double timeout_s);
+  // Waits until the log holds a reply kept for its commits' durability (true: Python must
+  // apply the log to send it) or the timeout passes (false).
+  bool wait_held(double timeout_s);
   size_t size();
   uint64_t served();  // calls answered natively so far
   uint64_t lookups();  // keys EXISTS calls answered natively so far (a lookup takes no lease)
@@ -368,6 +371,7 @@ class MasterIndex {
   size_t max_log_ = 1u << 17;
   bool commits_ = false;
   bool commit_logged_ = false;
+  size_t held_logged_ = 0;  // kHeld entries in the log
   std::condition_variable_any commit_cv_;
   size_t max_key_bytes_ = 4096;
   uint64_t next_gen_ = 0;

@@ -615,6 +615,7 @@ std::vector<IndexLogEntry> MasterIndex::drain(uint64_t* misses, uint64_t* hits) 
   *hits = hits_;
   hits_ = 0;
   commit_logged_ = false;
+  held_logged_ = 0;
   std::vector<IndexLogEntry> out;
   out.swap(log_);
   return out;
@@ -699,6 +700,11 @@ bool MasterIndex::is_pending(const std::string& key) {
 void MasterIndex::set_next_gen(uint64_t gen) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   next_gen_ = std::max(next_gen_, gen);
+}
+
+bool MasterIndex::wait_held(double timeout_s) {
+  std::unique_lock<std::recursive_mutex> g(mu_);
+  return commit_cv_.wait_for(g, std::chrono::duration<double>(timeout_s), [this] { return held_logged_ > 0; });
 }
 
 bool MasterIndex::wait_commits(double timeout_s) {
@@ -813,6 +819,7 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   }
   if (hold != nullptr && !by_ring) {
     log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
+    held_logged_++;
     out->clear();
     if (held != nullptr) *held = true;
   }
