@@ -224,3 +224,20 @@ def test_a_commit_carries_the_clients_checksum_into_the_ring(tmp_path):
         assert py.serve(msgpack.packb(req, use_bin_type=True)) is None, bad
     master.close()
     node.close()
+
+
+def test_a_ring_is_sized_by_its_arena_and_an_existing_one_keeps_its_size(tmp_path):
+    """1/64 of the arena, 4-64 MiB; a ring left by a previous process (a master may still
+    map it, its records wrap at its size) is read at its own size, never resized."""
+    from mooncake_ray._private.store.ring import DEFAULT_BYTES, MAX_BYTES, ring_bytes
+
+    assert ring_bytes(64 << 20) == DEFAULT_BYTES and ring_bytes(2 << 30) == 32 << 20
+    assert ring_bytes(1 << 40) == MAX_BYTES
+    node, master, ix = attached(tmp_path)  # 64 + 4096 bytes
+    assert commit(ix, [("a", 0, 100, "")])[0] == rpc.OK
+    path = node.path
+    node.close()  # the process is gone, its record unread
+    again, left = CommitRing.create(path, 64 + 8192)
+    assert again.nbytes == 64 + 4096 and [r[0] for r in left] == ["a"]
+    again.close()
+    master.close()

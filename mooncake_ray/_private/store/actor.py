@@ -58,7 +58,7 @@ from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.store.copies import PeerCopier, extent_ok
 from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory, apply_records
 from mooncake_ray._private.store.spill_parents import SpillParents
-from mooncake_ray._private.store.ring import CommitRing
+from mooncake_ray._private.store.ring import CommitRing, ring_bytes
 from mooncake_ray._private.naming import master_name
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,8 @@ class StoreNodeActor:
         for link in self._links:
             if self.arena_file is not None and self.cfg.master.durable_acks:
                 try:
-                    link.ring, left[link.shard] = CommitRing.create(f"{self.arena_file.stem}.ring{link.shard}")
+                    link.ring, left[link.shard] = CommitRing.create(f"{self.arena_file.stem}.ring{link.shard}",
+                                                                    ring_bytes(self.arena.length))
                 except OSError as e:
                     log.warning("no commit ring (puts wait for this node's answer instead): %s", e)
         return left

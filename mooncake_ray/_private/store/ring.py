@@ -42,6 +42,16 @@ COMMIT, PAD, RESERVED = 1, 2, 3
 HAS_CRC = 1 << 16  # kind flag: the record carries the value's CRC-32C after its parent
 ALONE = 1 << 17  # kind flag: no message of the master will add the value (the native index's commits)
 DEFAULT_BYTES = 4 << 20
+MAX_BYTES = 64 << 20
+
+
+def ring_bytes(arena_bytes: int) -> int:
+    """A node's ring size for an arena of ``arena_bytes``: 1/64 of it, 4-64 MiB. A record
+    of a small value takes about 80 bytes, so a 2 GB arena's 32 MiB ring holds about 400,000
+    commits: seconds of a put stream the node is slow to read (a snapshot being built holds
+    its GIL). A full ring sends commits back to waiting for the node's answer: a 4 MiB ring
+    filled twice in a million 256-byte puts into 2 GB, and each time the client waited."""
+    return max(DEFAULT_BYTES, min(MAX_BYTES, arena_bytes // 64 // 4096 * 4096))
 _REC = struct.Struct("<IIQQQQII")  # length, kind, gen, size, offset, length, key bytes, parent bytes
 _CRC = struct.Struct("<I")  # after the key and the parent, with HAS_CRC
 
@@ -64,14 +74,18 @@ class CommitRing:
         """The node's ring at ``path``, locked by this process for its life. Returns it and
         the records a previous process of the node left unread (``read``'s tuples). Waits
         until no other process holds the file (a previous process of this node still
-        exiting). An existing ring is never truncated or reset (a master may still map it
-        and be writing): it is read to its head, and its epoch cleared, so that no master
-        writes there until this process mounts."""
+        exiting). An existing ring is never truncated, resized or reset (a master may still
+        map it and be writing): it is read to its head, and its epoch cleared, so that no
+        master writes there until this process mounts. ``nbytes`` sizes a new one (a new
+        arena file removes its node's old rings)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             left: list[tuple] = []
-            if os.fstat(fd).st_size != nbytes:
+            size = os.fstat(fd).st_size
+            if size >= HEADER + 4096 and size % 8 == 0:
+                nbytes = size  # an existing ring keeps its size (a master may map it; its records wrap at it)
+            else:
                 os.ftruncate(fd, nbytes)
             ring = cls(path, fd, mmap.mmap(fd, nbytes))
             ring._words[1] = 0
