@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from mooncake_ray._private.master import state as state_mod
+from mooncake_ray._private.master import membership as mount_mod
 from mooncake_ray._private.master.allocator import GRANULE, ExtentAllocator
 from mooncake_ray._private.master.replicas import split_inventory
 from mooncake_ray._private.master.state import MasterState, Policy
@@ -110,7 +110,7 @@ def run(native: bool, seed: int, bulk: bool, monkeypatch) -> tuple[dict, int]:
     def sent(inv):  # as a node sends it (half the seeds), or as lists
         return pack(_entry(e) for e in inv) if seed % 4 >= 2 else inv
 
-    monkeypatch.setattr(state_mod, "split_inventory", split)
+    monkeypatch.setattr(mount_mod, "split_inventory", split)
     case = seed % 3
     if case == 0:  # a restarted master: nodes bring everything
         m.begin_recovery({"n0", "n1"})
