@@ -204,7 +204,7 @@ class StoreNodeActor:
             if self.arena_file is not None and self.cfg.master.durable_acks:
                 try:
                     link.ring, left[link.shard] = CommitRing.create(f"{self.arena_file.stem}.ring{link.shard}",
-                                                                    ring_bytes(self.arena.length))
+                                                                    ring_bytes(self.arena.length // len(self._links)))
                 except OSError as e:
                     log.warning("no commit ring (puts wait for this node's answer instead): %s", e)
         return left

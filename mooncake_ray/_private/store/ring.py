@@ -46,12 +46,15 @@ MAX_BYTES = 64 << 20
 
 
 def ring_bytes(arena_bytes: int) -> int:
-    """A node's ring size for an arena of ``arena_bytes``: 1/64 of it, 4-64 MiB. A record
-    of a small value takes about 80 bytes, so a 2 GB arena's 32 MiB ring holds about 400,000
-    commits: seconds of a put stream the node is slow to read (a snapshot being built holds
-    its GIL). A full ring sends commits back to waiting for the node's answer: a 4 MiB ring
-    filled twice in a million 256-byte puts into 2 GB, and each time the client waited."""
+    """The size of a ring for ``arena_bytes`` of arena (a master shard's part of a node's
+    arena: each shard has its own ring): 1/64 of it, 4-64 MiB. A record of a small value
+    takes about 80 bytes, so a 2 GB arena's 32 MiB ring holds about 400,000 commits: seconds
+    of a put stream the node is slow to read (a snapshot being built holds its GIL). A full
+    ring sends commits back to waiting for the node's answer: a 4 MiB ring filled twice in a
+    million 256-byte puts into 2 GB, and each time the client waited."""
     return max(DEFAULT_BYTES, min(MAX_BYTES, arena_bytes // 64 // 4096 * 4096))
+
+
 _REC = struct.Struct("<IIQQQQII")  # length, kind, gen, size, offset, length, key bytes, parent bytes
 _CRC = struct.Struct("<I")  # after the key and the parent, with HAS_CRC
 
