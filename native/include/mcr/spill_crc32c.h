@@ -36,14 +36,10 @@ inline uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return crc32c_shift(crc_a, len_b) ^ crc_b;
 }
 
-// memcpy(dst, src, n) and the raw register update over those bytes, reading src once
-// (the copy is done in cache-sized pieces and each piece checksummed while hot).
-uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n);
-
 // memcpy(dst, src, n) and the raw register update over those bytes in one pass: each line
 // of src is loaded once, stored to dst (with stream, non-temporal stores past the cache, as
 // for fresh arena space) and fed to the CRC from the same loads' cache lines.
-uint32_t crc32c_copy_src_raw(uint32_t reg, void* dst, const void* src, size_t n, bool stream);
+uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n, bool stream = false);
 
 // True when the SSE4.2 instruction is used (else a slicing-by-8 table, ~1-2 GB/s).
 bool crc32c_hardware();

@@ -162,22 +162,6 @@ uint32_t crc32c_shift(uint32_t reg, uint64_t nbytes) {
 uint32_t crc32c_shift_op(uint64_t nbytes) { return tables().x8n(nbytes); }
 uint32_t crc32c_apply_shift(uint32_t op, uint32_t reg) { return multmodp(op, reg); }
 
-uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n) {
-  // Pieces small enough to stay in L1/L2 between the copy and the checksum.
-  constexpr size_t kPiece = 6 * kLong;
-  auto* d = static_cast<uint8_t*>(dst);
-  const auto* s = static_cast<const uint8_t*>(src);
-  while (n) {
-    size_t k = n < kPiece ? n : kPiece;
-    std::memcpy(d, s, k);
-    reg = crc32c_raw(reg, d, k);
-    d += k;
-    s += k;
-    n -= k;
-  }
-  return reg;
-}
-
 namespace {
 
 // One pass over the source: three chains, each over its own block of a round, load each
@@ -234,7 +218,7 @@ __attribute__((target("sse4.2"))) uint32_t hw_copy_raw(const Tables& t, uint32_t
 
 }  // namespace
 
-uint32_t crc32c_copy_src_raw(uint32_t reg, void* dst, const void* src, size_t n, bool stream) {
+uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n, bool stream) {
   const Tables& t = tables();
   auto* d = static_cast<uint8_t*>(dst);
   const auto* s = static_cast<const uint8_t*>(src);

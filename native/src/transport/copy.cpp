@@ -9,7 +9,7 @@
 // arena space this process will not read, so streaming it past the cache skips the
 // read-for-ownership of every line (cold 4 MiB copies: ~2x here, see copy_stream).
 //
-// A put's checksum is taken in its copy (copy_crc, spill::crc32c_copy_src_raw): each line
+// A put's checksum is taken in its copy (copy_crc, spill::crc32c_copy_raw): each line
 // of the source is loaded once, stored and fed to the CRC, so the value is read from memory
 // once, and the store node need not read it back to journal it (store/ring.py).
 #include <emmintrin.h>
@@ -47,7 +47,7 @@ void copy_stream(char* dst, const char* src, size_t len) {
 }
 
 uint32_t copy_crc(char* dst, const char* src, size_t len, bool stream) {
-  return ~spill::crc32c_copy_src_raw(~0u, dst, src, len, stream);
+  return ~spill::crc32c_copy_raw(~0u, dst, src, len, stream);
 }
 
 CopyPool::CopyPool(int helpers) : helpers_(helpers) {}
