@@ -178,7 +178,7 @@ void bind_master(nb::module_& m) {
       .def("drop_slab", &mcr::MasterIndex::drop_slab, "slab_id"_a)
       // A store node's commit ring mapped at ``addr`` (``nbytes``, the whole file) in this
       // process; ``fd``: an open descriptor of the file, kept open by the caller until
-      // drop_ring, as ``proc_fd`` (the node process's /proc/<pid>/stat, or -1); ``epoch``:
+      // drop_ring, as ``proc_fd`` (the node process's /proc/<pid>/task/<pid>/stat, or -1); ``epoch``:
       // the number the node drew for this mount, which the ring must show.
       .def("set_ring", [](mcr::MasterIndex& ix, const std::string& node_id, const std::string& incarnation,
                           uintptr_t addr, uint64_t nbytes, int fd, uint64_t epoch, int proc_fd) {

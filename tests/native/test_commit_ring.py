@@ -147,7 +147,7 @@ def test_a_node_process_that_is_exiting_or_gone_is_not_answered_through_its_ring
     node, _ = CommitRing.create(path, 64 + 4096)
     master = CommitRing.open(path)
     child = subprocess.Popen(["sleep", "60"])
-    master.proc_fd = os.open(f"/proc/{child.pid}/stat", os.O_RDONLY)
+    master.proc_fd = os.open(f"/proc/{child.pid}/task/{child.pid}/stat", os.O_RDONLY)  # as the master opens it
     ix = index_with_slab()
     ix.set_ring("n0", "i0", master.addr, master.nbytes, master.fd, node.new_epoch(), master.proc_fd)
     assert commit(ix, [("a", 0, 100, "")])[0] == rpc.OK  # alive

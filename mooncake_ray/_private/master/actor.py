@@ -249,7 +249,10 @@ class MasterActor:
         commits into its slabs are answered at once (``store/ring.py``; lock held). The
         ring must show the epoch the node drew for this mount: a file of the same name in
         another container's shared memory does not. The node's process is watched through
-        its ``/proc`` entry when it is in this PID namespace (``pid_ns``)."""
+        its ``/proc`` entry when it is in this PID namespace (``pid_ns``): its main thread's
+        (``task/<pid>/stat``), which shows a pending SIGKILL and an exit under way as the
+        process's does, without summing every thread's counters at each commit (3.0-3.7 us a
+        read against 4.5-6.6 us for a process of 1-60 threads)."""
         self._drop_rings({node.node_id})
         if not (self._durable and path and epoch) or node.boot_id != boot_id():
             return
@@ -262,7 +265,7 @@ class MasterActor:
             return
         if pid and pid_ns and pid_ns == pid_namespace():
             try:
-                ring.proc_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+                ring.proc_fd = os.open(f"/proc/{pid}/task/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:  # gone already
                 ring.close()
                 return

@@ -140,7 +140,7 @@ struct CommitRing {
   uint8_t* base = nullptr;
   uint64_t bytes = 0;  // the whole mapping
   int fd = -1;
-  int proc_fd = -1;  // the node process's /proc/<pid>/stat, when in this PID namespace (else -1)
+  int proc_fd = -1;  // the node process's /proc/<pid>/task/<pid>/stat, when in this PID namespace (else -1)
   uint64_t epoch = 0;
   std::string incarnation;
 };

@@ -845,7 +845,8 @@ bool MasterIndex::ring_node_alive(const CommitRing& ring) {
     return false;
   }
   if (ring.proc_fd < 0) return true;
-  // /proc/<pid>/stat: "pid (comm) state ppid ...": field 9 the flags (PF_EXITING 0x4),
+  // /proc/<pid>/task/<pid>/stat (the main thread's; its flags and pending signals are what
+  // /proc/<pid>/stat shows): "pid (comm) state ppid ...": field 9 the flags (PF_EXITING 0x4),
   // field 31 the pending signals (a SIGKILL is queued to every thread as it is sent).
   char buf[1024];
   const ssize_t n = pread(ring.proc_fd, buf, sizeof buf - 1, 0);
