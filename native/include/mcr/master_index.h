@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -72,24 +73,32 @@ struct ColdRecord {
 
 // A record of the table (see the top of this file).
 struct IndexRecord {
+  IndexRecord() : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false) {}
+
   uint64_t size = 0;
   uint64_t gen = 0;
   IndexReplica rep;  // cold: its replica; hot: the GET answer's first replica (if any)
-  std::unique_ptr<std::vector<IndexReplica>> more;  // hot: the GET answer's other replicas
   double lease_until = 0;   // cold only
   uint64_t leases[2] = {0, 0};  // cold only: lease ids held (0: a free slot)
   IndexRecord* older = nullptr;  // the recency list
   IndexRecord* newer = nullptr;
-  const std::string* key = nullptr;  // &key_storage
-  std::string key_storage;           // RecordMap's fields: the key, its hash, the bucket chain
-  size_t hash = 0;
-  IndexRecord* chain = nullptr;
-  bool hot = false;
-  bool disk = false;     // cold: the replica is on disk
-  bool has_rep = false;  // hot: the GET answer is not empty
-  bool probation = false;  // put on probation (insert_old), not used since: see probation()
-  bool grace = false;      // on probation, among the newest (grace_bytes): they go last of them
+  size_t hash = 0;               // RecordMap's fields: the key's hash, the bucket chain,
+  IndexRecord* chain = nullptr;  // the key's length and its bytes (key_data)
+  uint32_t key_len = 0;
+  bool hot : 1;
+  bool disk : 1;       // cold: the replica is on disk
+  bool has_rep : 1;    // hot: the GET answer is not empty
+  bool has_more : 1;   // hot: the GET answer has other replicas (MasterIndex::more_)
+  bool probation : 1;  // put on probation (insert_old), not used since: see probation()
+  bool grace : 1;      // on probation, among the newest (grace_bytes): they go last of them
+  // The key's first bytes; the rest follow in the same allocation (RecordMap::make), so a
+  // record and its key are one block: 144 bytes with an 18-byte key, where a std::string
+  // member and a pointer to it took 208 in two.
+  char key_data[3];
+
+  std::string_view key() const { return {key_data, key_len}; }
 };
+static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 117");
 
 // A reference to a key, sampled for the eviction policy's miniature caches
 // (mooncake_ray/_private/master/adaptive.py): a read (GET) or a put.
@@ -345,6 +354,9 @@ class MasterIndex {
 
   std::recursive_mutex mu_;
   RecordMap<IndexRecord> map_;
+  // A hot record's GET answer beyond its first replica (few records have one: a value put
+  // with replicas > 1), kept here rather than a pointer in every record.
+  std::unordered_map<const IndexRecord*, std::vector<IndexReplica>> more_;
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;
   // Records on probation are the oldest ones: the stack (from oldest_ to stack_last_),

@@ -9,9 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <new>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace mcr {
@@ -32,7 +35,8 @@ class RecordMap {
     for (int t = 0; t < (moving() ? 2 : 1); ++t) {
       if (t == 0 && moving() && (h & (t_[0].size() - 1)) < cursor_) continue;  // moved already
       for (Record* r = t_[t][h & (t_[t].size() - 1)]; r != nullptr; r = r->chain)
-        if (r->hash == h && r->key_storage == key) return r;
+        if (r->hash == h && r->key_len == key.size() && std::memcmp(r->key_data, key.data(), key.size()) == 0)
+          return r;
     }
     return nullptr;
   }
@@ -43,8 +47,7 @@ class RecordMap {
     *made = r == nullptr;
     if (r != nullptr) return r;
     if (!moving() && n_ >= t_[0].size()) grow();
-    r = new Record();
-    r->key_storage = key;
+    r = make(key);
     r->hash = hash(key);
     auto& table = t_[moving() ? 1 : 0];
     Record*& head = table[r->hash & (table.size() - 1)];
@@ -63,7 +66,7 @@ class RecordMap {
         if (*p == r) {
           *p = r->chain;
           --n_;
-          delete r;
+          destroy(r);
           return;
         }
       }
@@ -75,7 +78,7 @@ class RecordMap {
       for (size_t i = 0; i < table.size(); ++i) {
         for (Record* head = table[i]; head != nullptr;) {
           Record* next = head->chain;
-          delete head;
+          destroy(head);
           head = next;
         }
       }
@@ -115,6 +118,21 @@ class RecordMap {
   };
 
   static size_t hash(const std::string& key) { return std::hash<std::string>{}(key); }
+
+  // A record with room for its key after it (key_data is the struct's last member).
+  static Record* make(const std::string& key) {
+    if (key.size() > UINT32_MAX) throw std::length_error("RecordMap: a key of over 4 GiB");
+    const size_t extra = key.size() > sizeof(Record::key_data) ? key.size() - sizeof(Record::key_data) : 0;
+    void* mem = ::operator new(sizeof(Record) + extra);
+    Record* r = new (mem) Record();
+    r->key_len = static_cast<uint32_t>(key.size());
+    std::memcpy(r->key_data, key.data(), key.size());
+    return r;
+  }
+  static void destroy(Record* r) {
+    r->~Record();
+    ::operator delete(static_cast<void*>(r));
+  }
   bool moving() const { return !t_[1].empty(); }
 
   void grow() {

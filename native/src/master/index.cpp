@@ -254,16 +254,14 @@ void MasterIndex::link_recent(IndexRecord* r) {
 
 IndexRecord& MasterIndex::insert(const std::string& key, bool* fresh) {
   IndexRecord* r = map_.insert(key, fresh);
-  if (*fresh) {
-    r->key = &r->key_storage;
-    link_recent(r);
-  }
+  if (*fresh) link_recent(r);
   return *r;
 }
 
 void MasterIndex::erase(IndexRecord* r) {
   unlink(r);
   if (!r->hot) cold_--;
+  if (r->has_more) more_.erase(r);
   map_.erase(r);
 }
 
@@ -273,7 +271,10 @@ IndexEntry MasterIndex::answer(const IndexRecord& r) const {
   e.gen = r.gen;
   if (r.hot ? r.has_rep : !r.disk) {
     e.reps.push_back(r.rep);
-    if (r.hot && r.more) e.reps.insert(e.reps.end(), r.more->begin(), r.more->end());
+    if (r.hot && r.has_more) {
+      const auto& more = more_.at(&r);
+      e.reps.insert(e.reps.end(), more.begin(), more.end());
+    }
   }
   return e;
 }
@@ -314,9 +315,10 @@ void MasterIndex::set(const std::string& key, uint64_t size, uint64_t gen,
   r.has_rep = !reps.empty();
   r.rep = r.has_rep ? reps[0] : IndexReplica{};
   if (reps.size() > 1)
-    r.more = std::make_unique<std::vector<IndexReplica>>(reps.begin() + 1, reps.end());
-  else
-    r.more.reset();
+    more_[&r].assign(reps.begin() + 1, reps.end());
+  else if (r.has_more)
+    more_.erase(&r);
+  r.has_more = reps.size() > 1;
 }
 
 void MasterIndex::set_cold(const std::string& key, const ColdRecord& rec) {
@@ -326,7 +328,8 @@ void MasterIndex::set_cold(const std::string& key, const ColdRecord& rec) {
   if (fresh || r.hot) cold_++;
   r.hot = false;
   r.has_rep = false;
-  r.more.reset();
+  if (r.has_more) more_.erase(&r);
+  r.has_more = false;
   resize(r, rec.size);
   r.gen = rec.gen;
   r.rep = rec.rep;
@@ -487,14 +490,14 @@ std::vector<ScanItem> MasterIndex::scan(const std::string& after, const std::str
   size_t seen = 0;
   for (; r != nullptr; r = r->newer) {
     if (out.size() >= limit || seen >= 16 * limit) {  // the caller comes back for more
-      *next = *r->older->key;
+      next->assign(r->older->key());
       break;
     }
     seen++;
     if (r->hot) {
-      out.push_back(ScanItem{*r->key, true});
+      out.push_back(ScanItem{std::string(r->key()), true});
     } else if (r->disk == disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
-      out.push_back(ScanItem{*r->key, false, r->gen, r->size, r->rep.offset, r->rep.length});
+      out.push_back(ScanItem{std::string(r->key()), false, r->gen, r->size, r->rep.offset, r->rep.length});
     }
   }
   return out;
@@ -513,11 +516,11 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
   while (r != nullptr && out.freed < need) {
     IndexRecord* next = r->newer;
     if (r->hot) {
-      out.stop = *r->key;
+      out.stop = r->key();
       break;
     }
     if (!r->disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
-      out.keys.push_back(*r->key);
+      out.keys.emplace_back(r->key());
       out.gens.push_back(r->gen);
       extents.emplace_back(r->rep.offset, r->rep.length);
       out.freed += r->rep.length;
@@ -539,7 +542,7 @@ std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::s
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::pair<std::string, bool>> out;
   for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
-    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(*r->key, r->disk);
+    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(std::string(r->key()), bool(r->disk));
   return out;
 }
 
@@ -547,7 +550,7 @@ std::vector<std::tuple<std::string, bool, uint64_t>> MasterIndex::cold_gens_on_n
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::tuple<std::string, bool, uint64_t>> out;
   for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
-    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(*r->key, r->disk, r->gen);
+    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(std::string(r->key()), bool(r->disk), r->gen);
   return out;
 }
 
@@ -555,7 +558,7 @@ std::vector<std::string> MasterIndex::keys(const std::string& prefix) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::string> out;
   for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
-    if (r->key->compare(0, prefix.size(), prefix) == 0) out.push_back(*r->key);
+    if (r->key().substr(0, prefix.size()) == prefix) out.emplace_back(r->key());
   return out;
 }
 
@@ -563,7 +566,7 @@ std::vector<std::string> MasterIndex::hot_keys_recent_first() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::string> out;
   for (IndexRecord* r = newest_; r != nullptr; r = r->older)
-    if (r->hot) out.push_back(*r->key);
+    if (r->hot) out.emplace_back(r->key());
   return out;
 }
 
@@ -587,6 +590,7 @@ std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, c
 
 void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  more_.clear();
   map_.clear();
   oldest_ = newest_ = stack_last_ = grace_first_ = grace_last_ = nullptr;
   grace_bytes_ = 0;
@@ -1049,8 +1053,8 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
     // the state machine's order, as its get() does.
     order.clear();
     order.push_back(&r->rep);
-    if (r->hot && r->more)
-      for (auto& rep : *r->more) order.push_back(&rep);
+    if (r->hot && r->has_more)
+      for (auto& rep : more_.at(r)) order.push_back(&rep);
     if (!client_node.empty() && order.size() > 1)
       std::stable_partition(order.begin(), order.end(), [&](const IndexReplica* x) {
         return x->node->node_id == client_node || x->node->ray_node_id == client_node;
