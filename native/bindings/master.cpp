@@ -134,8 +134,19 @@ void bind_master(nb::module_& m) {
         return nb::make_tuple(e.keys, e.gens, runs, e.freed,
                               e.stop.empty() ? nb::object(nb::none()) : nb::object(nb::str(e.stop.c_str(), e.stop.size())));
       }, "after"_a, "node_id"_a, "now"_a, "need"_a)
-      .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a)
-      .def("cold_gens_on_node", &mcr::MasterIndex::cold_gens_on_node, "node_id"_a)
+      .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a, "except_incarnation"_a = "")
+      .def("cold_gens_on_node", &mcr::MasterIndex::cold_gens_on_node, "node_id"_a, "except_incarnation"_a = "")
+      .def("retarget_cold", [](mcr::MasterIndex& ix, const std::vector<std::string>& keys, nb::bytes cols,
+                               const std::string& node_id, const std::string& ray_node_id,
+                               const std::string& incarnation) {
+        if (cols.size() != keys.size() * 4 * sizeof(int64_t))
+          throw nb::value_error("retarget_cold: cols must hold 4 int64s per key");
+        std::vector<int64_t> v(keys.size() * 4);  // bytes' data need not be 8-aligned
+        if (!v.empty()) std::memcpy(v.data(), cols.c_str(), cols.size());
+        auto to = ix.node(node_id, ray_node_id, incarnation);
+        std::vector<uint8_t> moved = ix.retarget_cold(keys, v.data(), to);
+        return nb::bytes(reinterpret_cast<const char*>(moved.data()), moved.size());
+      }, "keys"_a, "cols"_a, "node_id"_a, "ray_node_id"_a, "incarnation"_a)
       .def("keys", &mcr::MasterIndex::keys, "prefix"_a)
       .def("hot_keys_recent_first", &mcr::MasterIndex::hot_keys_recent_first)
       .def("cold_count", &mcr::MasterIndex::cold_count)

@@ -196,3 +196,75 @@ def test_an_unmount_reads_what_node_entries_lists(native):
         assert dram == {e.key: e.gen for e in entries if e.tier == "dram"}
         assert sorted(keys) == sorted(e.key for e in entries)
     assert len(m._objects.hot_items()) > 10 and len(m._held_on("n0")[0]) > 200
+
+
+_TAKE_OVER = mount_mod.Membership._take_over
+
+
+def restart(native: bool, seed: int, take_over: bool, monkeypatch) -> tuple[dict, int]:
+    """A node's new process mounts while its old one is still mounted (Ray restarted it
+    within ``node_ttl_s``), bringing back its kept arena's values: some replaced meanwhile
+    (another generation: refused), some missing (lost)."""
+    rng = random.Random(seed)
+    m = new_state(native, Clock())
+    real, moved = _TAKE_OVER, []
+
+    def take(self, node, inv):
+        if not take_over:
+            from mooncake_ray._private.store.inventory import _entry, pack
+            return (inv if isinstance(inv, dict) else pack(_entry(e) for e in inv)), None
+        out, kept = real(self, node, inv)
+        moved.append(0 if kept is None else len(kept))
+        return out, kept
+
+    monkeypatch.setattr(mount_mod.Membership, "_take_over", take)
+
+    def sent(inv):
+        return pack(_entry(e) for e in inv) if seed % 2 else inv
+
+    m.mount(node(0), sent(inventory(rng, 300, overlap=False)))
+    m.mount(node(1), sent(inventory(rng, 40, overlap=False)))  # a few keys held elsewhere too
+    back = []
+    for e in sorted(list(e) for e in m.node_entries("n0")):
+        roll = rng.random()
+        if roll < 0.05:
+            continue  # not in the new process's arena: lost
+        if roll < 0.12:
+            e[1] += 1  # not the value the master holds: refused
+        back.append(e)
+    m.mount(node(0, inc="b"), sent(back))
+    m.check_invariants()
+    snap = snapshot(m)
+    snap["objects"] = {k: v[:-1] for k, v in snap["objects"].items()}  # leases: kept in place, or renewed
+    return snap, sum(moved)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-index", "py-index"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_restarted_node_takes_its_records_over_in_place_as_a_remount_would_rebuild_them(native, seed,
+                                                                                           monkeypatch):
+    rebuilt, _ = restart(native, seed, take_over=False, monkeypatch=monkeypatch)
+    kept, moved = restart(native, seed, take_over=True, monkeypatch=monkeypatch)
+    assert kept == rebuilt
+    assert moved > 90  # most plain values moved in place
+    assert kept["counters"]["readopt_refused"] > 0 and kept["tier_keys"]["n0"]["dram"] > moved
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-index", "py-index"])
+def test_records_taken_over_answer_with_the_new_process_and_keep_their_placement(native):
+    m = new_state(native, Clock())
+    m.mount(node(0), pack(_entry(e) for e in [["a", 3, 100, "dram", 0, 128], ["b", 4, 100, "dram", 4096, 128]]))
+    placed = {k: m._objects.index.peek_cold(k)[6] for k in "ab"}
+    m.mount(node(1), pack(_entry(e) for e in [["c", 5, 100, "dram", 0, 128]]))
+    placed["c"] = m._objects.index.peek_cold("c")[6]
+    # a: as the master holds it; b: where the master did not put it (a new placement); c:
+    # another generation than the master's (refused)
+    back = [["a", 3, 100, "dram", 0, 128], ["b", 4, 100, "dram", 8192, 128], ["c", 6, 100, "dram", 4096, 128]]
+    m.mount(node(0, inc="b"), pack(_entry(e) for e in back))
+    a, b = m._objects.index.peek_cold("a"), m._objects.index.peek_cold("b")
+    assert a[2] == "n0" and a[6] == placed["a"]  # moved in place: the same placement id
+    assert b[2] == "n0" and b[4] == 8192 and b[6] != placed["b"]  # made again
+    assert m.counters["readopt_refused"] == 1 and m._objects.index.peek_cold("c")[6] == placed["c"]
+    (grant,) = m.get("a").replicas
+    assert (grant.node_id, grant.incarnation, grant.placed) == ("n0", "b", placed["a"])
+    m.check_invariants()

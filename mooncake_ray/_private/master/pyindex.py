@@ -236,11 +236,29 @@ class PyIndex:
                 runs.append((off, ln))
         return out_keys, gens, runs, freed, stop
 
-    def cold_on_node(self, node_id) -> list:
-        return [(k, r.disk) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
+    def _cold_on(self, node_id, except_incarnation):
+        return ((k, r) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id
+                and not (except_incarnation and r.rep[2] == except_incarnation))
 
-    def cold_gens_on_node(self, node_id) -> list:
-        return [(k, r.disk, r.gen) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id]
+    def cold_on_node(self, node_id, except_incarnation="") -> list:
+        return [(k, r.disk) for k, r in self._cold_on(node_id, except_incarnation)]
+
+    def cold_gens_on_node(self, node_id, except_incarnation="") -> list:
+        return [(k, r.disk, r.gen) for k, r in self._cold_on(node_id, except_incarnation)]
+
+    def retarget_cold(self, keys, cols, node_id, ray_node_id, incarnation) -> bytes:
+        if len(cols) != len(keys) * 32:
+            raise ValueError("retarget_cold: cols must hold 4 int64s per key")
+        vals = struct.unpack(f"<{4 * len(keys)}q", cols)
+        out = bytearray(len(keys))
+        for i, key in enumerate(keys):
+            r = self._map.get(key)
+            if r is None or r.hot or r.disk or r.rep[0] != node_id or r.rep[2] == incarnation:
+                continue
+            if (r.gen, r.size, r.rep[3], r.rep[4]) == vals[4 * i:4 * i + 4]:
+                r.rep = (node_id, ray_node_id, incarnation, *r.rep[3:])
+                out[i] = 1
+        return bytes(out)
 
     def keys(self, prefix) -> list:
         return [k for k in self._order() if k.startswith(prefix)]

@@ -652,10 +652,11 @@ class ReplicaTable:
             return False
         return True
 
-    def forget_node(self, node: NodeInfo, reason: str) -> int:
+    def forget_node(self, node: NodeInfo, reason: str, except_incarnation: str = "") -> int:
         """A node is gone (already out of the node table): drop every replica on it; keys
         with no replica left become misses, pending puts on it fail. Returns the number
-        of objects lost."""
+        of objects lost. ``except_incarnation``: cold records a new process of the node
+        has taken over (``Membership._take_over``) stay."""
         node_id = node.node_id
         self.effects.pop(node_id, None)
         kept = []
@@ -669,7 +670,7 @@ class ReplicaTable:
         self.deferred = kept
         heapq.heapify(self.deferred)
         # A cold record's one replica was there: those values are gone.
-        cold = self._objects.cold_on_node(node_id)
+        cold = self._objects.cold_on_node(node_id, except_incarnation)
         self._objects.drop_many(cold)
         lost = len(cold)
         for key, obj in self._objects.hot_items():

@@ -237,13 +237,15 @@ class ObjectTable:
             if after is None:
                 return
 
-    def cold_gens_on_node(self, node_id: str) -> list[tuple[str, bool, int]]:
-        """``(key, on disk, gen)`` of the cold records with their replica on ``node_id``."""
-        return self.index.cold_gens_on_node(node_id)
+    def cold_gens_on_node(self, node_id: str, except_incarnation: str = "") -> list[tuple[str, bool, int]]:
+        """``(key, on disk, gen)`` of the cold records with their replica on ``node_id``
+        (not those on its incarnation ``except_incarnation``, when given)."""
+        return self.index.cold_gens_on_node(node_id, except_incarnation)
 
-    def cold_on_node(self, node_id: str) -> list[str]:
-        """Keys of the cold records with their replica on ``node_id``."""
-        return [key for key, _disk in self.index.cold_on_node(node_id)]
+    def cold_on_node(self, node_id: str, except_incarnation: str = "") -> list[str]:
+        """Keys of the cold records with their replica on ``node_id`` (not those on its
+        incarnation ``except_incarnation``, when given)."""
+        return [key for key, _disk in self.index.cold_on_node(node_id, except_incarnation)]
 
     # -------------------------------------------------------------- hot / cold --
     def answer(self, obj: Obj) -> list:

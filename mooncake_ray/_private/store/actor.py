@@ -314,9 +314,14 @@ class StoreNodeActor:
     def _index_loop(self) -> None:
         """Compact the arena's journal into a snapshot once it has grown as large as the
         last snapshot (at least 4 MiB; amortized, a value is written a bounded number of
-        times), or 30 s after its last change (``_compact``)."""
+        times), or 30 s after its last change (``_compact``). Not while a master shard is
+        mounting this node: a restarted node finds the journal of a million puts and would
+        build a snapshot of it (seconds of its GIL and of the host's CPUs) while packing its
+        inventory for the mount; the journal grows only through mounted shards."""
         last, snapshot_bytes = time.monotonic(), 0
         while not self._stop.wait(1.0):
+            if not all(link.left or link.mounted.is_set() for link in self._links):
+                continue
             try:
                 size = self.arena_file.journal_bytes()
                 if size < max(4 << 20, snapshot_bytes) and not (size and time.monotonic() - last > 30.0):

@@ -242,9 +242,17 @@ class MasterIndex {
   };
   Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need);
   // Cold records on a node (any incarnation): (key, on disk).
-  std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id);
+  std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id,
+                                                         const std::string& except_incarnation = "");
   // The same, with each record's generation: (key, disk, gen).
-  std::vector<std::tuple<std::string, bool, uint64_t>> cold_gens_on_node(const std::string& node_id);
+  std::vector<std::tuple<std::string, bool, uint64_t>> cold_gens_on_node(const std::string& node_id,
+                                                                         const std::string& except_incarnation = "");
+  // A restarted process `to` of a node brought back these DRAM values unchanged (a kept
+  // arena; `cols`: 4 int64s per key, gen, size, offset, length): each cold DRAM record on
+  // an earlier incarnation of that node with the same four is moved to `to` in place,
+  // keeping its recency, leases and placement id. Returns, per key, whether it moved.
+  std::vector<uint8_t> retarget_cold(const std::vector<std::string>& keys, const int64_t* cols,
+                                     const std::shared_ptr<const IndexNode>& to);
   // Every key starting with ``prefix``, least recent first.
   std::vector<std::string> keys(const std::string& prefix);
   // The hot records' keys, most recently used first (the order repairs copy a lost node's

@@ -538,19 +538,46 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
   return out;
 }
 
-std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::string& node_id) {
+// A cold record's replica is on `node_id`, in an incarnation other than `except_incarnation`
+// (when given: the records a restarted process of the node took over stay out).
+static bool cold_on(const IndexRecord* r, const std::string& node_id, const std::string& except_incarnation) {
+  return !r->hot && r->rep.node && r->rep.node->node_id == node_id &&
+         (except_incarnation.empty() || r->rep.node->incarnation != except_incarnation);
+}
+
+std::vector<std::pair<std::string, bool>> MasterIndex::cold_on_node(const std::string& node_id,
+                                                                    const std::string& except_incarnation) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::pair<std::string, bool>> out;
   for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
-    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(std::string(r->key()), bool(r->disk));
+    if (cold_on(r, node_id, except_incarnation)) out.emplace_back(std::string(r->key()), bool(r->disk));
   return out;
 }
 
-std::vector<std::tuple<std::string, bool, uint64_t>> MasterIndex::cold_gens_on_node(const std::string& node_id) {
+std::vector<std::tuple<std::string, bool, uint64_t>> MasterIndex::cold_gens_on_node(
+    const std::string& node_id, const std::string& except_incarnation) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<std::tuple<std::string, bool, uint64_t>> out;
   for (IndexRecord* r = oldest_; r != nullptr; r = r->newer)
-    if (!r->hot && r->rep.node && r->rep.node->node_id == node_id) out.emplace_back(std::string(r->key()), bool(r->disk), r->gen);
+    if (cold_on(r, node_id, except_incarnation)) out.emplace_back(std::string(r->key()), bool(r->disk), r->gen);
+  return out;
+}
+
+std::vector<uint8_t> MasterIndex::retarget_cold(const std::vector<std::string>& keys, const int64_t* cols,
+                                                const std::shared_ptr<const IndexNode>& to) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  std::vector<uint8_t> out(keys.size(), 0);
+  for (size_t i = 0; i < keys.size(); ++i, cols += 4) {
+    IndexRecord* r = find(keys[i]);
+    if (r == nullptr || r->hot || r->disk || !r->rep.node || r->rep.node == to ||
+        r->rep.node->node_id != to->node_id)
+      continue;
+    if (r->gen == uint64_t(cols[0]) && r->size == uint64_t(cols[1]) && r->rep.offset == uint64_t(cols[2]) &&
+        r->rep.length == uint64_t(cols[3])) {
+      r->rep.node = to;
+      out[i] = 1;
+    }
+  }
   return out;
 }
 
