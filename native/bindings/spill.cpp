@@ -1,5 +1,9 @@
 // Binding of the io_uring spill tier (mcr::spill::Tier). Thin: the Python face with
 // docstrings and error objects is mooncake_ray/_private/store/spill.py.
+#include <cstring>
+#include <string>
+#include <vector>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -138,6 +142,35 @@ void bind_spill(nb::module_& m) {
         return mcr::spill::crc32c(reinterpret_cast<const void*>(addr), n, crc);
       },
       "addr"_a, "length"_a, "crc"_a = 0, Released());
+  // CRC-32C of many ranges of one mapping (a re-adopted arena's values): `offsets` and
+  // `sizes` little-endian int64s, each range inside [0, length); the CRCs as u32s.
+  m.def(
+      "spill_crc32c_many",
+      [](uintptr_t base, uint64_t length, nb::bytes offsets, nb::bytes sizes) {
+        const size_t n = offsets.size() / sizeof(int64_t);
+        if (offsets.size() % sizeof(int64_t) || sizes.size() != offsets.size())
+          throw nb::value_error("spill_crc32c_many: offsets and sizes must be int64s, as many of each");
+        std::vector<int64_t> off(n), len(n);
+        if (n) {
+          std::memcpy(off.data(), offsets.c_str(), offsets.size());
+          std::memcpy(len.data(), sizes.c_str(), sizes.size());
+        }
+        for (size_t i = 0; i < n; ++i)
+          if (off[i] < 0 || len[i] < 0 || uint64_t(off[i]) > length || uint64_t(len[i]) > length - uint64_t(off[i]))
+            throw nb::value_error(("spill_crc32c_many: range " + std::to_string(i) + " (" + std::to_string(off[i]) +
+                                   ", " + std::to_string(len[i]) + ") is outside the mapping")
+                                      .c_str());
+        std::string out(n * sizeof(uint32_t), '\0');
+        {
+          nb::gil_scoped_release nogil;
+          for (size_t i = 0; i < n; ++i) {
+            const uint32_t c = len[i] ? mcr::spill::crc32c(reinterpret_cast<const void*>(base + off[i]), len[i], 0) : 0;
+            std::memcpy(&out[i * sizeof c], &c, sizeof c);
+          }
+        }
+        return nb::bytes(out.data(), out.size());
+      },
+      "base"_a, "length"_a, "offsets"_a, "sizes"_a);
   m.def("spill_crc32c_hardware", &mcr::spill::crc32c_hardware);
   // Disk bytes an object takes: its record in a pack, or its own slot file.
   m.def("spill_disk_bytes", [](size_t key_len, uint64_t length) {

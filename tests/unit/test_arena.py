@@ -199,3 +199,60 @@ def test_an_unreadable_owner_file_is_judged_only_once_old(shm, monkeypatch):
     old = os.stat(a.path).st_mtime - arena.UNREADABLE_OWNER_S - 1
     os.utime(a.stem + ".owner", (old, old))
     assert arena.collect_garbage(shm) == 1 and not os.path.exists(a.path)
+
+
+def _by_key(cols: arena.IndexColumns) -> dict:
+    return {k: (k, *r[:5], p, r[5], r[6]) for k, p, r in zip(cols.keys, cols.parents, cols.rows.tolist())}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_index_as_columns_is_the_index_by_key(shm, seed):
+    """``load_index_columns`` (what a restarted node reads) against ``load_index_by_key``:
+    a snapshot, then a journal of adds, drops, drops of an older generation, keys dropped
+    and added back, a rotated journal, and a ring's records applied last."""
+    import random
+
+    rng = random.Random(seed)
+    a = arena.ArenaFile(shm, "ns", f"n{seed}", MB)
+
+    def entry(key):
+        return [key, rng.randrange(1, 50), rng.randrange(0, 64), 64 * rng.randrange(0, 100), 64, rng.randrange(2),
+                rng.choice(["", "p", "é"]), rng.randrange(1 << 32), rng.choice([1, 2])][:rng.choice([8, 9])]
+
+    keys = [f"k{i}" for i in range(60)]
+    a.save_index([entry(k) for k in keys[:30]] if seed % 4 else [])
+    for _ in range(2):
+        for _ in range(20):
+            adds = [entry(rng.choice(keys)) for _ in range(rng.randrange(4))]
+            drops = [[rng.choice(keys), rng.randrange(1, 50)] for _ in range(rng.randrange(3))]
+            a.journal(adds, drops)
+        if seed % 2:
+            a.rotate_journal()
+    ring = [tuple(entry(rng.choice(keys))[:8]) + (1,) for _ in range(5)]
+    ring[0] = (*ring[0][:7], None, 1)  # no client checksum
+    want = a.load_index_by_key()
+    for e in ring:
+        want[e[0]] = (*e[:7], -1 if e[7] is None else e[7], e[8])
+    want = {k: (*e, 1) if len(e) == 8 else e for k, e in want.items()}
+    cols = a.load_index_columns(ring)
+    assert _by_key(cols) == want and len(cols.keys) == len(want) and cols.bad == []
+
+
+def test_the_index_as_columns_lists_a_malformed_journal_record_as_bad(shm):
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    a.journal([["k", 3, 5, 4096, 64, 0, "", 9], ["bad", "3", 5, 0, 64, 0, "", 9]], [])
+    cols = a.load_index_columns()
+    assert cols.keys == ["k"] and cols.bad == [["bad", "3"]]
+
+
+def test_many_checksums_at_once_are_each_ranges_and_a_range_outside_is_refused(shm):
+    import numpy as np
+
+    a = arena.ArenaFile(shm, "ns", "n", MB)
+    view = memoryview(a._mm)
+    view[0:MB] = os.urandom(MB)
+    view.release()
+    offs, sizes = np.array([0, 100, 4096, MB - 7, 5], dtype=np.int64), np.array([64, 1000, 0, 7, 3], dtype=np.int64)
+    assert a.checksums(offs, sizes).tolist() == [a.checksum(o, s) for o, s in zip(offs.tolist(), sizes.tolist())]
+    with pytest.raises(ValueError, match="range 1 .* outside the mapping"):
+        a.checksums(np.array([0, MB - 3], dtype=np.int64), np.array([1, 4], dtype=np.int64))

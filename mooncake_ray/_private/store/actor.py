@@ -30,6 +30,7 @@ Lock order: ``_lock`` guards the inventories; it is never held across a call out
 from __future__ import annotations
 
 import functools
+from itertools import repeat
 import logging
 import os
 import queue
@@ -248,35 +249,45 @@ class StoreNodeActor:
         (the ring's values, the drops of entries whose bytes no longer match), so that the
         files still say what the arena holds; the index loop compacts them later, off the
         restart's path (a new snapshot of a million values took 0.7 s)."""
+        import numpy as np
+
         started = time.monotonic()
-        cap, kept, dropped, bad, ringed = self.arena.length, 0, 0, [], {}
-        entries = self.arena_file.load_index_by_key()
-        for recs in ring_left:
-            for key, gen, size, offset, length, parent, reserved, want, crc, _alone in recs:
-                if reserved:  # a range handed out for writing: kept as the journal keeps them
-                    continue
-                if extent_ok(offset, length, cap) and 0 <= size <= length:
-                    # With the client's checksum the bytes are checked below like the
-                    # journal's; without, they are taken as they are now.
-                    entries[key] = ringed[key] = (key, gen, size, offset, length, 0, parent,
-                                                  self.arena_file.checksum(offset, size) if crc is None else crc, want)
-        checksum, sums, one = self.arena_file.checksum, self._sums, len(self._links) == 1
-        inv = self._links[0].inv.entries if one else None
-        for rec in entries.values():
-            key, gen, size, offset, length, pin, parent, crc = rec[:8]
-            want = rec[8] if len(rec) > 8 else 1  # saved before entries said how many copies
-            if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length <= cap - offset
-                    and 0 <= size <= length) or checksum(offset, size) != crc:  # extent_ok inline
-                dropped += 1
-                bad.append([key, gen])
-                ringed.pop(key, None)
-                continue
-            (inv if one else self._link(key).inv.entries)[(key, DRAM)] = (key, gen, size, DRAM, offset, length, pin,
-                                                                           parent, want)
-            sums[(key, gen, offset)] = crc
-            kept += 1
-        if bad or ringed:
-            self.arena_file.journal([list(e) for e in ringed.values()], bad)
+        cap = self.arena.length
+        extra = [(key, gen, size, offset, length, 0, parent, crc, want)
+                 for recs in ring_left  # a range handed out for writing is kept as the journal keeps them
+                 for key, gen, size, offset, length, parent, reserved, want, crc, _alone in recs
+                 if not reserved and extent_ok(offset, length, cap) and 0 <= size <= length]
+        cols = self.arena_file.load_index_columns(extra)
+        keys, parents, rows = cols.keys, cols.parents, cols.rows
+        gen, size, off, length, crc = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5]
+        fits = (off >= 0) & (length >= 0) & (length <= cap - off) & (size >= 0) & (size <= length)  # extent_ok
+        now = np.zeros(len(keys), dtype=np.int64)
+        now[fits] = self.arena_file.checksums(off[fits], size[fits])
+        # A ring's value without the client's checksum is taken as its bytes are now.
+        crc = np.where(crc < 0, now, crc)
+        ok = fits & (now == crc)
+        ringed_at = set() if not extra else {(e[0], e[1], e[3]) for e in extra}
+        ok_list = ok.tolist()
+        bad = cols.bad + [[k, g] for k, g, good in zip(keys, gen.tolist(), ok_list) if not good]
+        if not ok.all():
+            keys = [k for k, good in zip(keys, ok_list) if good]
+            parents = [p for p, good in zip(parents, ok_list) if good]
+            rows, crc = rows[ok], crc[ok]
+        gens, sizes, offs, lens, pins, wants = (rows[:, i].tolist() for i in (0, 1, 2, 3, 4, 6))
+        crcs = crc.tolist()
+        entries = zip(keys, gens, sizes, repeat(DRAM), offs, lens, pins, parents, wants)
+        ats = list(zip(keys, gens, offs))
+        if len(self._links) == 1:
+            self._links[0].inv.entries.update(zip(zip(keys, repeat(DRAM)), entries))
+        else:
+            for e in entries:
+                self._link(e[0]).inv.entries[(e[0], DRAM)] = e
+        self._sums.update(zip(ats, crcs))
+        kept, dropped = len(keys), len(bad)
+        if bad or ringed_at:  # the ring's values as the journal will keep them, the bad ones' drops
+            ringed = [[k, g, s, o, ln, 0, p, c, w] for (k, g, o), s, ln, p, c, w
+                      in zip(ats, sizes, lens, parents, crcs, wants) if (k, g, o) in ringed_at] if ringed_at else []
+            self.arena_file.journal(ringed, bad)
         report = {"event": "readopted", "node_id": self.node_id, "keys": kept, "dropped": dropped,
                   "seconds": time.monotonic() - started}
         log.warning("re-adopted the arena of the previous process: %d values kept, %d dropped (bad checksum)",

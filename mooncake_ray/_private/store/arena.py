@@ -31,6 +31,7 @@ import shutil
 import struct
 import time
 import zlib
+from typing import NamedTuple
 
 from mooncake_ray.errors import ConfigError
 
@@ -133,19 +134,45 @@ def _parse_json(body) -> dict[str, tuple]:
     return {e[0]: tuple(e) for e in json.loads(bytes(body))}
 
 
-def _parse_columns(body) -> dict[str, tuple]:
-    """``save_index``'s columns as entries by key."""
+class IndexColumns(NamedTuple):
+    """A kept arena's index as columns (``ArenaFile.load_index_columns``): ``rows`` n x 7
+    int64 (gen, size, offset, length, pin, crc or -1 for none, copies wanted); ``bad``:
+    ``[key, gen]`` of journal records that do not parse."""
+
+    keys: list
+    parents: list
+    rows: object
+    bad: list
+
+
+def _split_columns(body) -> tuple[list, list, object]:
+    """``save_index``'s columns: ``(keys, parents, rows)``, rows a read-only n x 7 int64
+    array (gen, size, offset, length, pin, crc, copies wanted)."""
     import numpy as np
 
     n, nk, np_ = _HEAD2.unpack_from(body)
     at = _HEAD2.size
     keys = json.loads(bytes(body[at:at + nk]))
     parents = json.loads(bytes(body[at + nk:at + nk + np_]))
-    cols = np.frombuffer(body, dtype="<i8", count=7 * n, offset=at + nk + np_).reshape(n, 7)
     if len(keys) != n or len(parents) != n or len(body) != at + nk + np_ + 56 * n:
         raise ValueError(f"{n} entries, {len(keys)} keys, {len(parents)} parents, {len(body)} bytes")
+    return keys, parents, np.frombuffer(body, dtype="<i8", count=7 * n, offset=at + nk + np_).reshape(n, 7)
+
+
+def _parse_columns(body) -> dict[str, tuple]:
+    """``save_index``'s columns as entries by key."""
+    keys, parents, cols = _split_columns(body)
     gen, size, off, length, pin, crc, want = (c.tolist() for c in cols.T)
     return dict(zip(keys, zip(keys, gen, size, off, length, pin, parents, crc, want)))
+
+
+def _row(e) -> tuple | None:
+    """A journal add (or a ring record) ``[key, gen, size, offset, length, pin, parent, crc
+    (None: none), want?]`` as a row of ``IndexColumns``; None if malformed."""
+    if not (isinstance(e, (list, tuple)) and 8 <= len(e) <= 9 and type(e[0]) is str and type(e[6]) is str):
+        return None
+    nums = (e[1], e[2], e[3], e[4], e[5], -1 if e[7] is None else e[7], e[8] if len(e) > 8 else 1)
+    return nums if all(type(x) is int and -1 <= x < 1 << 63 for x in nums) else None
 
 
 class ArenaFile:
@@ -183,7 +210,7 @@ class ArenaFile:
             os.close(fd)
         from mooncake_ray._private.native import _native
 
-        self._crc = _native.spill_crc32c
+        self._crc, self._crc_many = _native.spill_crc32c, _native.spill_crc32c_many
         self.file_id = [st.st_dev, st.st_ino]
         self.length = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)
@@ -210,39 +237,32 @@ class ArenaFile:
         """CRC32C of ``size`` bytes at ``offset`` of the arena (hardware, GIL released)."""
         return self._crc(self.addr + offset, size, 0) if size else 0
 
-    def load_index_by_key(self) -> dict[str, tuple]:
-        """``load_index``'s entries by key."""
-        entries: dict[str, tuple] = {}
+    def _snapshot(self) -> tuple[bytes, memoryview] | None:
+        """The snapshot's format magic and body, if its CRC holds (else logged, None)."""
         try:
             with open(self.index_path, "rb") as f:
                 data = f.read()
         except OSError:
-            data = b""
-        for magic, parse in ((_INDEX_MAGIC2, _parse_columns), (_INDEX_MAGIC, _parse_json)):
+            return None
+        for magic in (_INDEX_MAGIC2, _INDEX_MAGIC):
             if data.startswith(magic) and len(data) >= len(magic) + 4:
                 body, (crc,) = memoryview(data)[len(magic):-4], struct.unpack("<I", data[-4:])
                 if zlib.crc32(body) == crc:
-                    try:
-                        entries = parse(body)
-                    except (ValueError, struct.error) as e:
-                        log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
-                else:
-                    log.warning("arena index %s is corrupt: ignored", self.index_path)
-                break
-        lines = []
-        for path in (self.journal_path + ".old", self.journal_path):  # rotated, then current
+                    return magic, body
+                log.warning("arena index %s is corrupt: ignored", self.index_path)
+                return None
+        return None
+
+    def load_index_by_key(self) -> dict[str, tuple]:
+        """``load_index``'s entries by key."""
+        entries: dict[str, tuple] = {}
+        snap = self._snapshot()
+        if snap is not None:
             try:
-                with open(path, "rb") as f:
-                    lines += f.read().split(b"\n")
-            except OSError:
-                pass
-        for line in lines:  # "<crc32 hex> [adds, drops]": a torn last line is skipped
-            try:
-                if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
-                    continue
-            except ValueError:
-                continue
-            adds, drops = json.loads(line[9:])
+                entries = (_parse_columns if snap[0] == _INDEX_MAGIC2 else _parse_json)(snap[1])
+            except (ValueError, struct.error) as e:
+                log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
+        for adds, drops in self._journal_ops():
             for key, gen in drops:
                 e = entries.get(key)
                 if e is not None and e[1] <= gen:
@@ -250,6 +270,110 @@ class ArenaFile:
             for e in adds:
                 entries[e[0]] = tuple(e)
         return entries
+
+    def load_index_columns(self, extra=()) -> "IndexColumns":
+        """What ``load_index_by_key`` returns, then ``extra`` (records to apply after the
+        journal: a ring's unread ones, crc None where none was given), as columns: no tuple
+        per value. A snapshot of a million entries with a short journal reads in a fraction
+        of the time the entries by key take."""
+        import numpy as np
+
+        keys, parents, rows, bad = [], [], np.zeros((0, 7), dtype="<i8"), []
+        snap = self._snapshot()
+        if snap is not None:
+            try:
+                if snap[0] == _INDEX_MAGIC2:
+                    keys, parents, rows = _split_columns(snap[1])
+                else:
+                    old = list(_parse_json(snap[1]).values())
+                    bad = [[e[0], e[1]] for e in old if _row(e) is None and len(e) > 1]
+                    old = [e for e in old if _row(e) is not None]
+                    keys, parents = [e[0] for e in old], [e[6] for e in old]
+                    rows = np.array([_row(e) for e in old], dtype="<i8").reshape(-1, 7)
+            except (ValueError, struct.error) as e:
+                log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
+                keys, parents, rows, bad = [], [], np.zeros((0, 7), dtype="<i8"), []
+        ops = self._journal_ops()
+        if extra:
+            ops.append((list(extra), []))
+        if not ops:
+            return IndexColumns(keys, parents, rows, bad)
+        # Apply the journal by key: rows of the snapshot changed in place (a copy), later
+        # ones appended; a dropped row is marked dead, and an add brings its key back.
+        rows = np.array(rows)
+        n = len(keys)
+        pos = dict(zip(keys, range(n)))
+        alive = np.ones(n, dtype=bool)
+        more_keys, more_parents, more_rows, more_alive = [], [], [], []
+        for adds, drops in ops:
+            for key, gen in drops:
+                i = pos.get(key)
+                if i is None:
+                    continue
+                if i < n:
+                    if alive[i] and rows[i, 0] <= gen:
+                        alive[i] = False
+                elif more_alive[i - n] and more_rows[i - n][0] <= gen:
+                    more_alive[i - n] = False
+            for e in adds:
+                r = _row(e)
+                if r is None:
+                    if isinstance(e, (list, tuple)) and len(e) > 1 and type(e[0]) is str:
+                        bad.append([e[0], e[1]])
+                    continue
+                i = pos.get(e[0])
+                if i is None:
+                    pos[e[0]] = n + len(more_keys)
+                    more_keys.append(e[0])
+                    more_parents.append(e[6])
+                    more_rows.append(r)
+                    more_alive.append(True)
+                elif i < n:
+                    rows[i] = r
+                    parents[i] = e[6]
+                    alive[i] = True
+                else:
+                    more_rows[i - n], more_parents[i - n], more_alive[i - n] = r, e[6], True
+        if more_keys:
+            rows = np.concatenate((rows, np.array(more_rows, dtype="<i8").reshape(-1, 7)))
+            alive = np.concatenate((alive, np.array(more_alive, dtype=bool)))
+            keys, parents = keys + more_keys, parents + more_parents
+        if not alive.all():
+            keep = alive.tolist()
+            keys = [k for k, ok in zip(keys, keep) if ok]
+            parents = [p for p, ok in zip(parents, keep) if ok]
+            rows = rows[alive]
+        return IndexColumns(keys, parents, rows, bad)
+
+    def _journal_ops(self) -> list[tuple[list, list]]:
+        """The journal's ``(adds, drops)`` lines, rotated one first; a torn or corrupt line
+        is skipped."""
+        lines = []
+        for path in (self.journal_path + ".old", self.journal_path):
+            try:
+                with open(path, "rb") as f:
+                    lines += f.read().split(b"\n")
+            except OSError:
+                pass
+        ops = []
+        for line in lines:  # "<crc32 hex> [adds, drops]"
+            try:
+                if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
+                    continue
+                adds, drops = json.loads(line[9:])
+            except ValueError:
+                continue
+            ops.append((adds, [d for d in drops if isinstance(d, list) and len(d) == 2 and type(d[1]) is int]))
+        return ops
+
+    def checksums(self, offsets, sizes):
+        """CRC32C of many ranges of the arena at once (int64 arrays; GIL released): a
+        uint32 array."""
+        import numpy as np
+
+        out = self._crc_many(self.addr, self.length, np.ascontiguousarray(offsets, dtype="<i8").tobytes(),
+                                        np.ascontiguousarray(sizes, dtype="<i8").tobytes())
+        return np.frombuffer(out, dtype="<u4")
 
     def load_index(self) -> list[tuple]:
         """The entries the previous process saved (its snapshot, then its journal):
