@@ -197,6 +197,28 @@ def _lat_summary(lat: list[float], size: int) -> dict:
             "p50_us": float(np.percentile(a, 50) * 1e6), "p99_us": float(np.percentile(a, 99) * 1e6)}
 
 
+_COPY_DST: np.ndarray | None = None
+
+
+def memcpy_run(size: int) -> dict:
+    """What a put of ``size`` moves, with nothing else: the same number of ops as a run,
+    each one copy (numpy's, one thread, this process) from a source stamped as the puts'
+    is into the next slot of a 256 MiB buffer faulted in beforehand, walked as puts walk an
+    arena. The reference for "a PUT within 0.85x of memcpy"."""
+    global _COPY_DST
+    if _COPY_DST is None:
+        _COPY_DST = np.ones(256 << 20, dtype=np.uint8)
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    slots, lat = len(_COPY_DST) // size, []
+    for i in range(ops_per_run(size)):
+        _stamp(src, i)
+        at = (i % slots) * size
+        t = time.perf_counter()
+        np.copyto(_COPY_DST[at:at + size], src)
+        lat.append(time.perf_counter() - t)
+    return {"put": _lat_summary(lat, size)}
+
+
 def single_run(cli, size: int, mode: str, tag: str, rng) -> dict:
     """n puts then n gets of distinct keys, one op at a time; returns put/get summaries."""
     n = ops_per_run(size)
@@ -347,6 +369,8 @@ def phase(peers: dict, tls: str | None, r: int, rng, sizes, small_repeats: int, 
                         single_run(peers[lab], size, mode, f"{lab}/{r}/{k}", rng))
                 if tls and mode == "zc" and size == MIB4:
                     out["perftest"].append(perftest_set(tls, perf_iters))
+                if mode == "zc" and size == MIB4:
+                    out.setdefault("memcpy", []).append(memcpy_run(size))
     for k in range(small_repeats):
         for lab in (labels if (k + r) % 2 == 0 else labels[::-1]):
             out[lab]["batch"].append(batch_run(peers[lab], f"{lab}/{r}/{k}", rng, batches))
@@ -544,6 +568,12 @@ def targets(phases: dict, protocols: list[str]) -> dict:
         for op in ("get", "put"):
             add(f"{proto}: {BATCH} x 4 KiB batch zc {op.upper()} keys/s, ours / Mooncake",
                 batch(ph, "ours", op), batch(ph, "mooncake", op), 2.0, "keys/s")
+    if phases.get("auto"):  # same host: the copy a put is
+        ph = phases["auto"]
+        add("auto: 4 MiB zc PUT GB/s, ours / memcpy (one thread, the client's process)",
+            single(ph, "ours", "zc", MIB4, "put", "gb_per_s"),
+            [[m["put"]["gb_per_s"] for m in rd.get("memcpy", [])] for rd in ph], 0.85, "GB/s",
+            "the same ops copied by numpy into a 256 MiB buffer faulted in beforehand, in the same rounds")
     for proto in protocols:
         ph = phases.get(proto)
         tls = TLS_OF.get(proto)
