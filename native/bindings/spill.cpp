@@ -172,6 +172,7 @@ void bind_spill(nb::module_& m) {
       },
       "base"_a, "length"_a, "offsets"_a, "sizes"_a);
   m.def("spill_crc32c_hardware", &mcr::spill::crc32c_hardware);
+  m.def("spill_crc32c_folded", &mcr::spill::crc32c_folded);
   // Disk bytes an object takes: its record in a pack, or its own slot file.
   m.def("spill_disk_bytes", [](size_t key_len, uint64_t length) {
     return mcr::spill::packable(key_len, length) ? mcr::spill::record_bytes(key_len, length)

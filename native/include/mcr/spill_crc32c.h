@@ -44,4 +44,8 @@ uint32_t crc32c_copy_raw(uint32_t reg, void* dst, const void* src, size_t n, boo
 // True when the SSE4.2 instruction is used (else a slicing-by-8 table, ~1-2 GB/s).
 bool crc32c_hardware();
 
+// True when runs of 512 bytes or more are folded with AVX-512 carry-less multiplies
+// (VPCLMULQDQ; MCR_CRC_NO_FOLD in the environment turns it off), the copy included.
+bool crc32c_folded();
+
 }  // namespace mcr::spill
