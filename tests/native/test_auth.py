@@ -298,3 +298,32 @@ def test_master_rpc_with_huge_count_does_not_allocate(engines):
     client.call(peer, rpc.MASTER_RPC, req, timeout_s=10)
     assert seen == [req] and _maxrss_mb() - before < 50
 
+
+
+def test_without_a_secret_a_sender_claiming_anothers_uid_cannot_answer_its_call(engines):
+    """An outsider sends requests that claim a legitimate peer's uid, with call ids 1-4000:
+    the receiver answers each to the peer that uid names. Call ids used to count from 1,
+    so one of those answers matched the legitimate peer's own call in flight and it took
+    the outsider's reply for its own (the transport fuzz target found it); ids now start at
+    a random point, and the legitimate call gets its own answer."""
+    import threading
+
+    recv = engines(protocol="tcp", name="recv")
+    release = threading.Event()
+
+    def handle(payload: bytes) -> bytes:
+        if payload.startswith(b"legit"):
+            release.wait(10)
+        return b"ok:" + bytes(payload)
+
+    recv.serve(7, handle)
+    legit, out = engines(protocol="tcp", name="legit"), engines(protocol="tcp", name="outsider")
+    peer = legit.connect(recv.address, timeout_s=10)
+    assert legit.call(peer, 7, b"warm", timeout_s=10) == b"ok:warm"
+    h = legit.call_async(peer, 7, b"legit-call")
+    for cid in range(1, 4001):
+        hdr = struct.pack("<QQII", legit.uid, cid, 7, 0) + bytes(16)
+        out._native._debug_send_raw(recv.address, AM_RPC_REQ, hdr, b"x" * 32)
+    time.sleep(0.5)  # the forged answers reach the legitimate peer first
+    release.set()
+    assert h.result(timeout_s=10) == b"ok:legit-call"

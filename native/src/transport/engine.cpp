@@ -288,6 +288,11 @@ EngineCore::EngineCore(const EngineConfig& c) : cfg(c) {
   if (cfg.chunk_bytes < 4096)
     throw Error(Code::kBadConfig, "chunk_bytes must be >= 4096");
   uid = random_uid();
+  // Call, push and region ids start at a random point: a reply names the call it answers,
+  // and with ids counted from 1 a peer that claims another's uid (no secret to check it)
+  // could have the callee send a reply the other is waiting for (the transport fuzz target
+  // found one). Kept below 2^62 so they never wrap, never 0.
+  next_id.store((random_uid() & ((1ull << 62) - 1)) | (1ull << 32));
   host_id = local_host_id();
   pid = uint32_t(getpid());
   start_time = process_start_time(pid);
