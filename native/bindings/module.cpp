@@ -9,6 +9,7 @@ void bind_transport(nb::module_& m);
 void bind_spill(nb::module_& m);
 void bind_master(nb::module_& m);
 void bind_device(nb::module_& m);
+void bind_store(nb::module_& m);
 
 NB_MODULE(_native, m) {
   m.doc() = "mooncake-ray native engine (UCX transport, io_uring spill)";
@@ -32,4 +33,5 @@ NB_MODULE(_native, m) {
   bind_spill(m);
   bind_master(m);
   bind_device(m);
+  bind_store(m);
 }

@@ -1,0 +1,123 @@
+// A store node's table of what it holds in its arena: (key, tier) -> where, which
+// generation, the checksum of the bytes. One per master shard link, used under the store
+// node's lock (no locking here).
+//
+// Compact because a node holds millions of small values: the records live one after
+// another in a log (a 36-byte header and the key's bytes, 4-aligned), and an open-
+// addressing table of 32-bit record numbers (linear probing, deletion by backward shift,
+// no tombstones) finds them. A value of 256 bytes with an 18-byte key costs 56 bytes of
+// log and 4-7 bytes of table. What few values have (a chain parent, a pin or a copy count
+// above 255) sits in a side table. A removed record is garbage in the log until the log is
+// compacted (when a quarter of it is garbage), which keeps the order of the others:
+// iteration is in the order keys were first added, as a Python dict's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace mcr {
+
+struct NodeEntry {
+  std::string key;
+  uint8_t tier = 0;  // NodeTable::kDram or kReserved
+  uint64_t gen = 0, size = 0, offset = 0, length = 0;
+  uint64_t pin = 0;
+  std::string parent;
+  uint64_t want = 1;
+  bool has_crc = false;
+  uint32_t crc = 0;
+};
+
+class NodeTable {
+ public:
+  static constexpr uint8_t kDram = 0, kReserved = 1;
+  static constexpr uint64_t kMax48 = (uint64_t{1} << 48) - 1;
+
+  NodeTable();
+  ~NodeTable();
+  NodeTable(const NodeTable&) = delete;
+  NodeTable& operator=(const NodeTable&) = delete;
+
+  size_t size() const { return n_; }
+
+  // Adds or replaces the entry of (key, tier), with the checksum e.crc if e.has_crc (DRAM
+  // only). Without one, a replaced DRAM entry of the same gen and offset keeps its checksum;
+  // otherwise one kept for (key, gen, offset) since its entry was removed comes back (see
+  // erase). Throws std::invalid_argument for a size, offset or length
+  // past 48 bits or a key over 16 MiB.
+  void set(const NodeEntry& e);
+  bool get(std::string_view key, uint8_t tier, NodeEntry* out) const;
+  // Room for n entries without growing the slot table.
+  void reserve(size_t n);
+  // Removes the entry if its gen is <= max_gen; a DRAM entry's checksum is kept aside for
+  // (key, gen, offset) until forget_sums (a message may drop a value and add it back).
+  bool erase(std::string_view key, uint8_t tier, uint64_t max_gen);
+  // The checksum of (key, gen, offset)'s DRAM bytes: its entry's, or one kept aside.
+  bool crc_of(std::string_view key, uint64_t gen, uint64_t offset, uint32_t* crc) const;
+  // Sets the checksum of the DRAM entry of key if it is of gen at offset; false if not.
+  bool set_crc(std::string_view key, uint64_t gen, uint64_t offset, uint32_t crc);
+
+  // Every entry in order (fn(const NodeEntry&)).
+  template <typename Fn>
+  void for_each(Fn&& fn) const {
+    NodeEntry e;
+    for (size_t at = 0; at < log_len_;) {
+      const uint8_t* r = log_ + at;
+      size_t n = rec_bytes(r);
+      if (!(flags(r) & kDead)) {
+        decode(static_cast<uint32_t>(at / 4), &e);
+        fn(e);
+      }
+      at += n;
+    }
+  }
+
+  // Forgets the checksums kept aside by erase.
+  void forget_sums() { sums_.clear(); }
+  size_t kept_sums() const { return sums_.size(); }
+  size_t log_compactions() const { return compactions_; }
+  // Bytes this table has written (log, table, side tables; allocator overheads aside).
+  size_t memory_bytes() const;
+  void clear();
+
+ private:
+  static constexpr size_t kHdr = 36;
+  static constexpr uint8_t kReservedFlag = 1, kHasCrc = 2, kExtra = 4, kDead = 8;
+  struct Extra {
+    uint64_t pin = 0, want = 1;
+    std::string parent;
+  };
+
+  static size_t rec_bytes(const uint8_t* r) { return (kHdr + key_len(r) + 3) & ~size_t{3}; }
+  static uint32_t key_len(const uint8_t* r);
+  static uint8_t flags(const uint8_t* r) { return r[32]; }
+  static std::string_view key_of(const uint8_t* r) {
+    return {reinterpret_cast<const char*>(r + kHdr), key_len(r)};
+  }
+  static uint64_t hash(std::string_view key, uint8_t tier);
+  size_t home(uint64_t h) const { return static_cast<size_t>((static_cast<unsigned __int128>(h) * cap_) >> 64); }
+  uint8_t* rec(uint32_t idx) const { return log_ + size_t{idx} * 4; }
+  // The slot holding (key, tier), or SIZE_MAX.
+  size_t find(std::string_view key, uint8_t tier, uint64_t h) const;
+  void decode(uint32_t idx, NodeEntry* out) const;
+  void write_fields(uint8_t* r, uint32_t idx, const NodeEntry& e, bool keep_crc);
+  uint32_t append(const NodeEntry& e);
+  void insert_slot(uint32_t idx, uint64_t h);
+  void remove_slot(size_t slot);
+  void rebuild(size_t cap);
+  void compact_log();
+  static std::string sum_key(std::string_view key, uint64_t gen, uint64_t offset);
+
+  uint8_t* log_ = nullptr;
+  size_t log_len_ = 0, log_cap_ = 0, garbage_ = 0;
+  uint32_t* slots_ = nullptr;  // record number + 1; 0: empty
+  size_t cap_ = 0, n_ = 0, compactions_ = 0;
+  std::unordered_map<uint32_t, Extra> extra_;
+  std::unordered_map<std::string, uint32_t> sums_;  // kept aside by erase
+};
+
+}  // namespace mcr
