@@ -57,7 +57,7 @@ from mooncake_ray._private.master.tiering import disk_length
 from mooncake_ray._private.master.types import RESERVED, InventoryEntry
 from mooncake_ray._private.master_client import MasterChannel
 from mooncake_ray._private.store.copies import PeerCopier, extent_ok
-from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory, apply_records
+from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory
 from mooncake_ray._private.store.spill_parents import SpillParents
 from mooncake_ray._private.store.ring import CommitRing, ring_bytes
 from mooncake_ray._private.naming import master_name
@@ -140,7 +140,6 @@ class StoreNodeActor:
         self._unreported: list = []
         self._report_retry_at = 0.0
         self._report_delay = _REPORT_RETRY_S
-        self._sums: dict[tuple, int] = {}  # (key, gen, offset) -> CRC32C of a DRAM value
         # (key, gen, offset) -> (pin, parent, copies) of DRAM values journaled from a commit
         # ring whose add the master's message has not brought yet: that add, when it says
         # the same, is not journaled again
@@ -216,17 +215,21 @@ class StoreNodeActor:
         of the master is applied, so a later drop or replacement applies after them."""
         if link.ring is None or not link.ring.pending():
             return
-        adds, sums, alone = [], self._sums, set()
+        adds, given, alone = [], [], set()
         for key, gen, size, offset, length, parent, reserved, want, crc, only in link.ring.read():
             adds.append((key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want))
             if crc is not None and not reserved:  # taken in the client's copy: not read back here
-                sums[(key, gen, offset)] = crc
-                self.sums_given += 1
+                given.append((key, gen, offset, crc))
             if only:
                 alone.add((key, gen, offset))
         self.ring_records += len(adds)
-        apply_records(link.inv.entries, adds, (), disk_drops=False)
-        self._journal((adds, (), ()), from_ring=True, alone=alone)  # a ring lives beside a kept arena: there is a journal
+        table = link.inv.table
+        table.apply(adds, ())
+        set_crc = table.set_crc
+        for key, gen, offset, crc in given:
+            set_crc(key, gen, offset, crc)
+        self.sums_given += len(given)
+        self._journal(link, (adds, (), ()), from_ring=True, alone=alone)  # a ring lives beside a kept arena: there is a journal
 
     def _ring_loop(self) -> None:
         """Read the commit rings every few milliseconds: the native index's commits reach
@@ -265,7 +268,7 @@ class StoreNodeActor:
         now[fits] = self.arena_file.checksums(off[fits], size[fits])
         # A ring's value without the client's checksum is taken as its bytes are now.
         crc = np.where(crc < 0, now, crc)
-        ok = fits & (now == crc)
+        ok = fits & (now == crc) & (gen >= 0) & (rows[:, 4] >= 0) & (rows[:, 6] >= 1)  # as load_rows takes them
         ringed_at = set() if not extra else {(e[0], e[1], e[3]) for e in extra}
         ok_list = ok.tolist()
         bad = cols.bad + [[k, g] for k, g, good in zip(keys, gen.tolist(), ok_list) if not good]
@@ -273,20 +276,26 @@ class StoreNodeActor:
             keys = [k for k, good in zip(keys, ok_list) if good]
             parents = [p for p, good in zip(parents, ok_list) if good]
             rows, crc = rows[ok], crc[ok]
-        gens, sizes, offs, lens, pins, wants = (rows[:, i].tolist() for i in (0, 1, 2, 3, 4, 6))
-        crcs = crc.tolist()
-        entries = zip(keys, gens, sizes, repeat(DRAM), offs, lens, pins, parents, wants)
-        ats = list(zip(keys, gens, offs))
+        rows = np.array(rows, dtype="<i8")
+        rows[:, 5] = crc  # each value with the checksum it was kept with (or read now, from a ring)
         if len(self._links) == 1:
-            self._links[0].inv.entries.update(zip(zip(keys, repeat(DRAM)), entries))
+            self._links[0].inv.table.load_rows(keys, parents, rows.tobytes())
         else:
-            for e in entries:
-                self._link(e[0]).inv.entries[(e[0], DRAM)] = e
-        self._sums.update(zip(ats, crcs))
+            owner = np.fromiter((shards.shard_of(k, len(self._links)) for k in keys), dtype=np.int64, count=len(keys))
+            for link in self._links:
+                mine = (owner == link.shard)
+                pick = mine.tolist()
+                link.inv.table.load_rows([k for k, m in zip(keys, pick) if m], [p for p, m in zip(parents, pick) if m],
+                                         rows[mine].tobytes())
         kept, dropped = len(keys), len(bad)
-        if bad or ringed_at:  # the ring's values as the journal will keep them, the bad ones' drops
-            ringed = [[k, g, s, o, ln, 0, p, c, w] for (k, g, o), s, ln, p, c, w
-                      in zip(ats, sizes, lens, parents, crcs, wants) if (k, g, o) in ringed_at] if ringed_at else []
+        ringed = []
+        if ringed_at:  # the ring's values as the journal will keep them
+            ring_keys = {at[0] for at in ringed_at}
+            for i in [i for i, k in enumerate(keys) if k in ring_keys]:
+                r = rows[i].tolist()
+                if (keys[i], r[0], r[2]) in ringed_at:
+                    ringed.append([keys[i], r[0], r[1], r[2], r[3], 0, parents[i], r[5], r[6]])
+        if bad or ringed:  # and the bad ones' drops
             self.arena_file.journal(ringed, bad)
         report = {"event": "readopted", "node_id": self.node_id, "keys": kept, "dropped": dropped,
                   "seconds": time.monotonic() - started}
@@ -294,7 +303,8 @@ class StoreNodeActor:
                     kept, dropped)
         return report
 
-    def _journal(self, delta, from_ring: bool = False, alone: set | frozenset = frozenset()) -> None:
+    def _journal(self, link: _ShardLink, delta, from_ring: bool = False,
+                 alone: set | frozenset = frozenset()) -> None:
         """Record one applied inventory message (or the records read from a commit ring)
         in the arena's journal, each added DRAM value with the checksum of its bytes (under
         the lock: in the order applied; before the master hears it applied). A value
@@ -303,7 +313,8 @@ class StoreNodeActor:
         journaled again only if it changes the entry (a pin set meanwhile). ``alone``: ring
         values no message will add (nothing to recognise later)."""
         adds, drops, _offloads = delta
-        out, sums, checksum, ringed = [], self._sums, self.arena_file.checksum, self._ring_journaled
+        out, checksum, ringed = [], self.arena_file.checksum, self._ring_journaled
+        crc_of, set_crc = link.inv.table.crc_of, link.inv.table.set_crc
         for e in adds:
             if e[3] == DRAM:
                 at = (e[0], e[1], e[4])
@@ -313,9 +324,10 @@ class StoreNodeActor:
                         ringed[at] = rest
                 elif ringed.pop(at, None) == rest:
                     continue
-                crc = sums.get(at)
+                crc = crc_of(*at)
                 if crc is None:
-                    crc = sums[at] = checksum(e[4], e[2])
+                    crc = checksum(e[4], e[2])
+                    set_crc(*at, crc)
                     self.sums_read += 1
                 out.append([e[0], e[1], e[2], e[4], e[5], rest[0], rest[1], crc, rest[2]])
         gone = [[d[0], d[1]] for d in drops if d[2] == DRAM]
@@ -344,32 +356,38 @@ class StoreNodeActor:
 
     def _compact(self) -> int:
         """Write the arena's index snapshot; returns its size. Under the lock only what
-        must be taken at one moment: copies of the entries and the checksums (plain tuples
-        and ints), and the journal's rotation; the snapshot is built and written outside it
-        (holding the lock for the whole build held a node of a million values for over a
-        second, and with it the master's messages and a mount). Checksums of values dropped
-        meanwhile go afterwards, under the lock again, each only if its value is still not
-        stored (one dropped and added back since with the same generation and place keeps
-        it)."""
+        must be taken at one moment: each table's DRAM entries as columns with their
+        checksums (``NodeTable.dram_rows``), and the journal's rotation; the snapshot is
+        written outside it (holding the lock for the whole build held a node of a million
+        values for over a second, and with it the master's messages and a mount). Ring
+        values still waiting for a master's add that will never come (dropped since) are
+        forgotten afterwards, under the lock again."""
+        import numpy as np
+
         with self._lock:
-            values = [list(link.inv.entries.values()) for link in self._links]
-            sums = dict(self._sums)
-            ringed = list(self._ring_journaled)
+            parts = [link.inv.table.dram_rows() for link in self._links]
             self.arena_file.rotate_journal()
-        out = [[e[0], e[1], e[2], e[4], e[5], e[6], e[7], sums.get((e[0], e[1], e[4])), e[8]]
-               for part in values for e in part if e[3] == DRAM]
-        live = {(e[0], e[1], e[3]) for e in out}
-        stale_sums = [k for k in sums if k not in live]  # values dropped since
-        stale_ringed = [k for k in ringed if k not in live]  # adds no master will send
-        del values, sums, live
-        if stale_sums or stale_ringed:
+        keys, parents, rows = [], [], []
+        for k, p, r in parts:
+            r = np.frombuffer(r, dtype="<i8").reshape(-1, 7)
+            has = r[:, 5] >= 0  # a value the journal has not checksummed yet has none: not kept
+            if not has.all():
+                pick = has.tolist()
+                k = [x for x, m in zip(k, pick) if m]
+                p = [x for x, m in zip(p, pick) if m]
+                r = r[has]
+            keys += k
+            parents += p
+            rows.append(r)
+        del parts
+        if self._ring_journaled:
             with self._lock:
-                for at in stale_sums + stale_ringed:
-                    e = self._link(at[0]).inv.entries.get((at[0], DRAM))
+                for at in list(self._ring_journaled):
+                    e = self._link(at[0]).inv.table.get(at[0], DRAM)
                     if e is None or (e[1], e[4]) != (at[1], at[2]):
-                        self._sums.pop(at, None)
                         self._ring_journaled.pop(at, None)
-        return self.arena_file.save_index([e for e in out if e[7] is not None])
+        return self.arena_file.save_index_columns(keys, parents, np.concatenate(rows) if rows else
+                                                  np.zeros((0, 7), dtype="<i8"))
 
     def debug_compact(self) -> int:
         """Write the arena's index snapshot now (tests); returns its size in bytes, 0 with
@@ -534,7 +552,7 @@ class StoreNodeActor:
                 self._parents.record(chained)
                 if self._parents.due():
                     self._parents.rewrite([(e[0], e[1], e[7]) for link in self._links
-                                           for e in link.inv.entries.values() if e[3] == DISK and e[7]])
+                                           for e in link.inv.disk.values() if e[7]])
         except OSError:
             log.exception("recording the parents of spilled values failed")
 
@@ -570,7 +588,7 @@ class StoreNodeActor:
             before = (link.inv.mount_id, link.inv.applied_seq)
             answer, files, offloads = link.inv.apply(mount_id, seq, delta)
             if self.arena_file is not None and (link.inv.mount_id, link.inv.applied_seq) != before:
-                self._journal(delta)  # before the master hears it: an acknowledged put is in it
+                self._journal(link, delta)  # before the master hears it: an acknowledged put is in it
         for key, gen in files:
             self._work.put(("drop", (key, gen)))
         for item in offloads:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import sys
+from collections.abc import MutableMapping
 
 from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.master.types import RESERVED, InventoryEntry, NodeDelta
@@ -66,6 +67,7 @@ def apply_records(entries: dict, adds, drops, disk_drops: bool) -> list[tuple[st
 
 
 _TIERS = (DRAM, DISK, RESERVED)
+_U48, _U64 = 1 << 48, 1 << 64  # an arena's offsets and lengths; generations, pins, copies
 
 
 def _ints(xs) -> bool:
@@ -89,24 +91,82 @@ def check_delta(delta) -> None:
         if not (isinstance(e, ok_seq) and 6 <= len(e) <= 9 and type(e[0]) is str and e[3] in _TIERS
                 and type(e[1]) is ok_ints and type(e[2]) is ok_ints and type(e[4]) is ok_ints
                 and type(e[5]) is ok_ints and (len(e) == 6 or type(e[6]) is ok_ints)
-                and (len(e) < 8 or type(e[7]) is str) and (len(e) < 9 or type(e[8]) is ok_ints and e[8] >= 1)):
+                and (len(e) < 8 or type(e[7]) is str) and (len(e) < 9 or type(e[8]) is ok_ints and e[8] >= 1)
+                and 0 <= e[1] < _U64 and 0 <= e[2] < _U48 and 0 <= e[4] < _U48 and 0 <= e[5] < _U48
+                and (len(e) == 6 or 0 <= e[6] < _U64) and (len(e) < 9 or e[8] < _U64)):
             raise InvalidArgumentError(f"malformed inventory entry {e!r:.200}")
     for d in drops:  # key, gen, tier
         if not (type(d) in ok_seq and len(d) == 3 and type(d[0]) is str and type(d[1]) is ok_ints
-                and d[2] in _TIERS):
+                and d[2] in _TIERS and 0 <= d[1] < _U64):
             raise InvalidArgumentError(f"malformed inventory drop {d!r:.200}")
     for o in offloads:  # key, gen, size, offset, length
         if not (isinstance(o, (list, tuple)) and len(o) == 5 and type(o[0]) is str and _ints(o[1:])):
             raise InvalidArgumentError(f"malformed offload {o!r:.200}")
 
 
+class _Entries(MutableMapping):
+    """A node's entries by ``(key, tier)``, each a tuple in ``InventoryEntry``'s field
+    order (see ``_entry``): DRAM and reserved ones in the native table (``NodeTable``: a
+    log of 36-byte records and their keys, about 61 bytes a value with an 18-byte key where
+    a dict of tuples took over 600), disk ones in a dict. Iterates the table's entries (in
+    the order first added), then the disk's."""
+
+    def __init__(self, table, disk: dict) -> None:
+        self._table, self._disk = table, disk
+
+    def __getitem__(self, k):
+        key, tier = k
+        if tier == DISK:
+            return self._disk[k]
+        e = self._table.get(key, tier) if tier in _TABLE_TIERS else None
+        if e is None:
+            raise KeyError(k)
+        return e
+
+    def __setitem__(self, k, e) -> None:
+        e = _entry(e)
+        if (e[0], e[3]) != tuple(k):
+            raise InvalidArgumentError(f"entry {e!r:.200} stored under {k!r:.200}")
+        if e[3] == DISK:
+            self._disk[k] = e
+        else:
+            self._table.set(e)
+
+    def __delitem__(self, k) -> None:
+        key, tier = k
+        if tier == DISK:
+            del self._disk[k]
+        elif tier not in _TABLE_TIERS or not self._table.erase(key, tier):
+            raise KeyError(k)
+
+    def __iter__(self):
+        yield from self._table.keys()
+        yield from list(self._disk)
+
+    def __len__(self) -> int:
+        return len(self._table) + len(self._disk)
+
+    def values(self) -> list:
+        return self._table.entries() + list(self._disk.values())
+
+
+_TABLE_TIERS = (DRAM, RESERVED)
+
+
 class StoreInventory:
     """A node's inventory and its position in the master's message stream. Not
-    thread-safe: the store node actor holds its lock around every call."""
+    thread-safe: the store node actor holds its lock around every call.
+
+    ``table`` (``_native.NodeTable``) holds the DRAM and reserved entries and the checksum
+    of each DRAM value's bytes; ``disk`` the disk entries; ``entries`` shows both as one
+    mapping."""
 
     def __init__(self, entries=()) -> None:
-        # (key, tier) -> (key, gen, size, tier, offset, length, pin, parent, want): see _entry
-        self.entries: dict[tuple[str, str], tuple] = {}
+        from mooncake_ray._private.native import _native
+
+        self.table = _native.NodeTable()
+        self.disk: dict[tuple[str, str], tuple] = {}
+        self.entries = _Entries(self.table, self.disk)
         for e in entries:
             e = _entry(e)
             self.entries[(e[0], e[3])] = e
@@ -119,7 +179,15 @@ class StoreInventory:
         form)."""
         self.mount_id += 1
         self.applied_seq = 0
-        return self.mount_id, pack(self.entries.values()) if packed else self.snapshot()
+        if not packed:
+            return self.mount_id, self.snapshot()
+        keys, cols, rest = self.table.pack()
+        if sys.byteorder != "little":
+            flat = array.array("q")
+            flat.frombytes(cols)
+            flat.byteswap()
+            cols = flat.tobytes()
+        return self.mount_id, {"keys": keys, "cols": cols, "rest": rest + [list(e) for e in self.disk.values()]}
 
     def snapshot(self) -> list[list]:
         return [list(e) for e in self.entries.values()]
@@ -139,28 +207,33 @@ class StoreInventory:
         check_delta(delta)  # all of it, before any of it is applied or the seq moves
         if seq <= self.applied_seq:
             return APPLIED, [], []  # a retry of a message whose answer was late or lost
-        self.applied_seq = seq
         adds, drops, offloads = delta
-        files = apply_records(self.entries, adds, drops, disk_drops=False)
+        try:
+            files, disk_adds = self.table.apply(adds, drops)  # drops, then adds; parsed whole first
+        except (ValueError, TypeError) as e:  # a key that is no UTF-8 text, say
+            raise InvalidArgumentError(f"malformed inventory message: {e}") from None
+        self.applied_seq = seq
+        for e in disk_adds:
+            e = _entry(e)
+            self.disk[(e[0], DISK)] = e
         return APPLIED, files, [tuple(o) for o in offloads]
 
     def add_disk(self, e: InventoryEntry) -> None:
         e = _entry(e)
-        dram = self.entries.get((e[0], DRAM))
+        dram = self.table.get(e[0], DRAM)
         if dram is not None and dram[1] == e[1]:  # an offloaded value keeps the parent and
             e = (*e[:7], e[7] or dram[7], max(e[8], dram[8]))  # the copies its DRAM entry names
-        self.entries[(e[0], DISK)] = e
+        self.disk[(e[0], DISK)] = e
 
     def drop_disk(self, key: str, gen: int) -> None:
         """A file went (the master's drop, or found corrupt): forget it if not newer."""
-        e = self.entries.get((key, DISK))
+        e = self.disk.get((key, DISK))
         if e is not None and e[1] <= gen:
-            del self.entries[(key, DISK)]
+            del self.disk[(key, DISK)]
 
     def counts(self) -> dict:
-        dram = [e for e in self.entries.values() if e[3] == DRAM]
-        disk = sum(e[3] == DISK for e in self.entries.values())
-        return {"used": sum(e[5] for e in dram), "keys": len(dram), "disk_keys": disk}
+        used, keys, _reserved = self.table.counts()
+        return {"used": used, "keys": keys, "disk_keys": len(self.disk)}
 
 
 def pack(entries) -> dict:
