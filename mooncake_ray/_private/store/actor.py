@@ -356,29 +356,22 @@ class StoreNodeActor:
 
     def _compact(self) -> int:
         """Write the arena's index snapshot; returns its size. Under the lock only what
-        must be taken at one moment: each table's DRAM entries as columns with their
-        checksums (``NodeTable.dram_rows``), and the journal's rotation; the snapshot is
-        written outside it (holding the lock for the whole build held a node of a million
-        values for over a second, and with it the master's messages and a mount). Ring
-        values still waiting for a master's add that will never come (dropped since) are
-        forgotten afterwards, under the lock again."""
-        import numpy as np
-
+        must be taken at one moment: each table's checksummed DRAM entries, encoded as the
+        snapshot's parts (``NodeTable.dram_snapshot``: no Python object per value), and the
+        journal's rotation; the snapshot is written outside it (holding the lock for the whole
+        write held a node of a million values for over a second, and with it the master's
+        messages and a mount). A value not checksummed yet is in the journal that follows.
+        Ring values still waiting for a master's add that will never come (dropped since)
+        are forgotten afterwards, under the lock again."""
         with self._lock:
-            parts = [link.inv.table.dram_rows() for link in self._links]
+            parts = [link.inv.table.dram_snapshot() for link in self._links]
             self.arena_file.rotate_journal()
-        keys, parents, rows = [], [], []
-        for k, p, r in parts:
-            r = np.frombuffer(r, dtype="<i8").reshape(-1, 7)
-            has = r[:, 5] >= 0  # a value the journal has not checksummed yet has none: not kept
-            if not has.all():
-                pick = has.tolist()
-                k = [x for x, m in zip(k, pick) if m]
-                p = [x for x, m in zip(p, pick) if m]
-                r = r[has]
-            keys += k
-            parents += p
-            rows.append(r)
+        if len(parts) == 1:
+            n, keys, parents, rows = parts[0]
+        else:  # JSON lists joined: "[a,b]" + "[c]" -> "[a,b,c]"
+            n = sum(p[0] for p in parts)
+            keys, parents = (b"[" + b",".join(p[i][1:-1] for p in parts if p[0]) + b"]" for i in (1, 2))
+            rows = b"".join(p[3] for p in parts)
         del parts
         if self._ring_journaled:
             with self._lock:
@@ -386,8 +379,7 @@ class StoreNodeActor:
                     e = self._link(at[0]).inv.table.get(at[0], DRAM)
                     if e is None or (e[1], e[4]) != (at[1], at[2]):
                         self._ring_journaled.pop(at, None)
-        return self.arena_file.save_index_columns(keys, parents, np.concatenate(rows) if rows else
-                                                  np.zeros((0, 7), dtype="<i8"))
+        return self.arena_file.save_index_parts(n, keys, parents, rows)
 
     def debug_compact(self) -> int:
         """Write the arena's index snapshot now (tests); returns its size in bytes, 0 with
