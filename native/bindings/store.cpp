@@ -7,10 +7,12 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "mcr/node_table.h"
+#include "mcr/spill_crc32c.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -65,25 +67,6 @@ NodeEntry entry_of(nb::handle h, int tier) {
   return e;
 }
 
-// A JSON string of UTF-8 text (the table's keys came from Python str: valid UTF-8).
-void json_string(const std::string& v, std::string* out) {
-  static const char hex[] = "0123456789abcdef";
-  *out += '"';
-  for (unsigned char c : v) {
-    if (c == '"' || c == '\\') {
-      *out += '\\';
-      *out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      *out += "\\u00";
-      *out += hex[c >> 4];
-      *out += hex[c & 15];
-    } else {
-      *out += static_cast<char>(c);
-    }
-  }
-  *out += '"';
-}
-
 std::vector<int64_t> int64s(nb::bytes b, size_t per, size_t n, const char* what) {
   if (b.size() != n * per * sizeof(int64_t)) throw nb::value_error(what);
   std::vector<int64_t> v(n * per);
@@ -94,6 +77,73 @@ std::vector<int64_t> int64s(nb::bytes b, size_t per, size_t n, const char* what)
 }  // namespace
 
 void bind_store(nb::module_& m) {
+  // Several NodeTable.snapshot files (one per master shard link) as one.
+  m.def("join_snapshots", [](const std::vector<nb::bytes>& parts) {
+    std::string out = "MCRIDX3\n";
+    out.append(8, '\0');
+    uint64_t n = 0;
+    for (const nb::bytes& p : parts) {
+      if (p.size() < 20 || std::memcmp(p.c_str(), "MCRIDX3\n", 8) != 0) throw nb::value_error("not an MCRIDX3 snapshot");
+      uint64_t k;
+      std::memcpy(&k, p.c_str() + 8, 8);
+      n += k;
+      out.append(p.c_str() + 16, p.size() - 20);
+    }
+    std::memcpy(out.data() + 8, &n, 8);
+    uint32_t crc = mcr::spill::crc32c(out.data() + 8, out.size() - 8);
+    out.append(reinterpret_cast<const char*>(&crc), 4);
+    return nb::bytes(out.data(), out.size());
+  }, "parts"_a);
+
+  // One journal batch (NodeTable::replay's form) of adds [key, gen, size, offset, length,
+  // pin, parent, crc or None, want] and drops [key, gen] (DRAM entries of gen <= gen): the
+  // drops first, as a message applies them.
+  m.def("journal_batch", [](nb::handle adds, nb::handle drops) {
+    std::string body;
+    NodeEntry e;
+    for (nb::handle d : drops) {
+      nb::sequence s = nb::borrow<nb::sequence>(d);
+      uint64_t gen;
+      std::string key;
+      try {
+        key = nb::cast<std::string>(s[0]);
+        gen = nb::cast<uint64_t>(s[1]);
+      } catch (const std::bad_cast&) {
+        throw nb::value_error(("a malformed journal drop " + nb::cast<std::string>(nb::repr(d))).c_str());
+      }
+      uint32_t klen = static_cast<uint32_t>(key.size());
+      body += '\x02';
+      body.append(reinterpret_cast<const char*>(&gen), 8);
+      body.append(reinterpret_cast<const char*>(&klen), 4);
+      body += key;
+    }
+    for (nb::handle a : adds) {
+      nb::sequence s = nb::borrow<nb::sequence>(a);
+      if (nb::len(s) != 9) throw nb::value_error("a journal add has 9 fields");
+      try {
+        e.key = nb::cast<std::string>(s[0]);
+        e.gen = nb::cast<uint64_t>(s[1]);
+        e.size = nb::cast<uint64_t>(s[2]);
+        e.offset = nb::cast<uint64_t>(s[3]);
+        e.length = nb::cast<uint64_t>(s[4]);
+        e.pin = nb::cast<uint64_t>(s[5]);
+        e.parent = nb::cast<std::string>(s[6]);
+        e.has_crc = !s[7].is_none();
+        e.crc = e.has_crc ? nb::cast<uint32_t>(s[7]) : 0;
+        e.want = nb::cast<uint64_t>(s[8]);
+      } catch (const std::bad_cast&) {
+        throw nb::value_error(("a malformed journal add " + nb::cast<std::string>(nb::repr(a))).c_str());
+      }
+      body += '\x01';
+      NodeTable::encode(e, &body);
+    }
+    uint32_t head[3] = {NodeTable::kJournalMagic, static_cast<uint32_t>(body.size()),
+                        mcr::spill::crc32c(body.data(), body.size())};
+    std::string out(reinterpret_cast<const char*>(head), sizeof head);
+    out += body;
+    return nb::bytes(out.data(), out.size());
+  }, "adds"_a, "drops"_a);
+
   nb::class_<NodeTable>(m, "NodeTable")
       .def(nb::init<>())
       .def("__len__", &NodeTable::size)
@@ -199,27 +249,6 @@ void bind_store(nb::module_& m) {
         });
         return nb::make_tuple(keys, parents, nb::bytes(reinterpret_cast<const char*>(rows.data()), rows.size() * 8));
       })
-      // The DRAM entries that have a checksum, as an index snapshot's parts (arena.py,
-      // save_index_columns): (n, the keys as a JSON list, the parents as a JSON list, the
-      // bytes of n x 7 little-endian int64 rows). No Python object per entry: a compaction of
-      // a million values made two million strings the node's heap kept afterwards.
-      .def("dram_snapshot", [](const NodeTable& t) {
-        std::string keys = "[", parents = "[";
-        std::vector<int64_t> rows;
-        size_t n = 0;
-        t.for_each([&](const NodeEntry& e) {
-          if (e.tier != NodeTable::kDram || !e.has_crc) return;
-          if (n++) keys += ',', parents += ',';
-          json_string(e.key, &keys);
-          json_string(e.parent, &parents);
-          rows.insert(rows.end(), {static_cast<int64_t>(e.gen), static_cast<int64_t>(e.size),
-                                   static_cast<int64_t>(e.offset), static_cast<int64_t>(e.length),
-                                   static_cast<int64_t>(e.pin), int64_t{e.crc}, static_cast<int64_t>(e.want)});
-        });
-        keys += ']', parents += ']';
-        return nb::make_tuple(n, nb::bytes(keys.data(), keys.size()), nb::bytes(parents.data(), parents.size()),
-                              nb::bytes(reinterpret_cast<const char*>(rows.data()), rows.size() * 8));
-      })
       // DRAM entries from dram_rows's form (a crc of -1: none), added in order.
       .def("load_rows", [](NodeTable& t, nb::list keys, nb::list parents, nb::bytes rows) {
         size_t n = nb::len(keys);
@@ -264,6 +293,26 @@ void bind_store(nb::module_& m) {
         });
         return nb::make_tuple(used, dram, reserved);
       })
+      // The kept arena's index files (arena.py): a snapshot file's bytes and its count; one
+      // loaded (ValueError naming what does not hold, nothing added); a journal file's
+      // batches replayed -> (ops applied, batches skipped); the DRAM entries checked against
+      // the arena at (addr, length) -> [(key, gen)] of those dropped.
+      .def("snapshot", [](const NodeTable& t) {
+        size_t n = 0;
+        std::string out = t.snapshot(&n);
+        return nb::make_tuple(n, nb::bytes(out.data(), out.size()));
+      })
+      .def("load_snapshot", [](NodeTable& t, nb::bytes data) {
+        return t.load_snapshot(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
+      }, "data"_a)
+      .def("replay", [](NodeTable& t, nb::bytes data) {
+        size_t skipped = 0;
+        size_t ops = t.replay(reinterpret_cast<const uint8_t*>(data.c_str()), data.size(), &skipped);
+        return nb::make_tuple(ops, skipped);
+      }, "data"_a)
+      .def("verify", [](NodeTable& t, uintptr_t addr, size_t length) {
+        return t.verify(reinterpret_cast<const uint8_t*>(addr), length);
+      }, "addr"_a, "length"_a)
       .def("memory_bytes", &NodeTable::memory_bytes)
       .def("kept_sums", &NodeTable::kept_sums)
       .def("log_compactions", &NodeTable::log_compactions)

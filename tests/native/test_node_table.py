@@ -10,6 +10,7 @@ import pytest
 from mooncake_ray._private.native import _native
 
 DRAM, RES = "dram", "reserved"
+GEN0 = 1_764_000_000_000_000_000  # generations are wall-clock nanoseconds
 
 
 class Model:
@@ -48,7 +49,7 @@ class Model:
 def entry(rng, key, tier):
     size = rng.choice([0, 1, 256, 4096, (1 << 40) + 3])
     parent = rng.choice(["", "", "", "p/" + "x" * rng.randrange(40)])
-    return (key, rng.randrange(1, 50), size, tier, rng.randrange(1 << 47), size + rng.randrange(64),
+    return (key, GEN0 + rng.randrange(1, 50), size, tier, rng.randrange(1 << 47), size + rng.randrange(64),
             rng.choice([0, 0, 1, 2, 300]), parent, rng.choice([1, 1, 2, 255, 256, 1000]))
 
 
@@ -67,7 +68,7 @@ def test_the_table_matches_a_dict_through_growth_drops_and_log_compaction(seed):
                 t.set(e)
                 m.set(e)
             elif op < 0.85:
-                g = rng.randrange(60)
+                g = GEN0 + rng.randrange(60)
                 assert t.erase(key, tier, g) == m.erase(key, tier, g)
             else:
                 e = m.entries.get((key, DRAM))

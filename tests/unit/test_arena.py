@@ -3,6 +3,7 @@ what a restarted node re-adopts (MasterState.mount): no Ray."""
 
 import json
 import os
+import time
 import struct
 import zlib
 
@@ -34,7 +35,7 @@ def test_a_reopened_arena_keeps_its_bytes_and_its_index(shm):
     b = arena.ArenaFile(shm, "ns", "node1", MB)
     assert b.reused and b.path == a.path
     assert bytes(b._mm[4096:4101]) == b"hello"
-    assert b.load_index() == [("k", 7, 5, 4096, 4096, 0, "", a.checksum(4096, 5))]
+    assert b.load_index() == [("k", 7, 5, 4096, 4096, 0, "", a.checksum(4096, 5), 1)]
     state = [list(e) for e in b.load_index()]
     b.rotate_journal()  # compaction: the state taken, the journal rotated ...
     b.journal([["late", 9, 1, 0, 4096, 0, "", 0]], [])  # ... appends go on ...
@@ -50,13 +51,13 @@ def test_the_snapshot_keeps_every_field_and_an_earlier_versions_json_snapshot_st
                ["old", 9, 1, 128, 64, 0, "p", 5]]  # without copies wanted: one
     a.save_index(entries)
     with open(a.index_path, "rb") as f:
-        assert f.read(8) == b"MCRIDX2\n"
+        assert f.read(8) == b"MCRIDX3\n"
     want = sorted([tuple(entries[0]), tuple(entries[1]), (*entries[2], 1)])
     assert sorted(a.load_index()) == want
     body = json.dumps(entries).encode()  # what the previous version wrote
     with open(a.index_path, "wb") as f:
         f.write(b"MCRIDX1\n" + body + struct.pack("<I", zlib.crc32(body)))
-    assert sorted(a.load_index()) == sorted(map(tuple, entries))
+    assert sorted(a.load_index()) == want
     # A body whose CRC holds but whose parts do not add up is ignored, as a corrupt one is.
     head = struct.pack("<QQQ", 2, 2, 2)
     body = head + b"[]" + b"[]"
@@ -201,48 +202,101 @@ def test_an_unreadable_owner_file_is_judged_only_once_old(shm, monkeypatch):
     assert arena.collect_garbage(shm) == 1 and not os.path.exists(a.path)
 
 
-def _by_key(cols: arena.IndexColumns) -> dict:
-    return {k: (k, *r[:5], p, r[5], r[6]) for k, p, r in zip(cols.keys, cols.parents, cols.rows.tolist())}
+def _legacy_json_line(adds, drops) -> bytes:
+    """A journal line as the previous version wrote it (``.journal``)."""
+    body = json.dumps([adds, drops], separators=(",", ":")).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _legacy_columns_snapshot(entries) -> bytes:
+    """An ``MCRIDX2`` snapshot as the previous version wrote it."""
+    keys = json.dumps([e[0] for e in entries]).encode()
+    parents = json.dumps([e[6] for e in entries]).encode()
+    rows = b"".join(struct.pack("<7q", *e[1:6], e[7], e[8] if len(e) > 8 else 1) for e in entries)
+    body = struct.pack("<QQQ", len(entries), len(keys), len(parents)) + keys + parents + rows
+    return b"MCRIDX2\n" + body + struct.pack("<I", zlib.crc32(body))
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_the_index_as_columns_is_the_index_by_key(shm, seed):
-    """``load_index_columns`` (what a restarted node reads) against ``load_index_by_key``:
-    a snapshot, then a journal of adds, drops, drops of an older generation, keys dropped
-    and added back, a rotated journal, and a ring's records applied last."""
+def test_the_index_read_back_is_the_snapshot_with_the_journals_applied_in_order(shm, seed):
+    """What a restarted node reads (``load_into``: snapshot, an earlier version's JSON
+    journal, the binary journals, a ring's records) against a dict applying the same: a
+    snapshot of this version or the previous one, then adds, drops, drops of an older
+    generation, keys dropped and added back, rotations, a torn last batch."""
     import random
+
+    from mooncake_ray._private.native import _native
 
     rng = random.Random(seed)
     a = arena.ArenaFile(shm, "ns", f"n{seed}", MB)
 
+    base = time.time_ns()  # generations are wall-clock nanoseconds (master/types.py, Generations)
+
     def entry(key):
-        return [key, rng.randrange(1, 50), rng.randrange(0, 64), 64 * rng.randrange(0, 100), 64, rng.randrange(2),
-                rng.choice(["", "p", "é"]), rng.randrange(1 << 32), rng.choice([1, 2])][:rng.choice([8, 9])]
+        return [key, base + rng.randrange(1, 50), rng.randrange(0, 64), 64 * rng.randrange(0, 100), 64,
+                rng.randrange(2), rng.choice(["", "p", "é\"\n"]), rng.randrange(1 << 32),
+                rng.choice([1, 2])][:rng.choice([8, 9])]
+
+    def norm(e):
+        return (*e, 1) if len(e) == 8 else tuple(e)
 
     keys = [f"k{i}" for i in range(60)]
-    a.save_index([entry(k) for k in keys[:30]] if seed % 4 else [])
+    model = {}
+    snap = [entry(k) for k in keys[:30]] if seed % 4 else []
+    model.update((e[0], norm(e)) for e in snap)
+    if seed % 4 == 1:
+        with open(a.index_path, "wb") as f:
+            f.write(_legacy_columns_snapshot(snap))
+    else:
+        a.save_index(snap)
+
+    def apply(adds, drops):
+        for k, g in drops:
+            if k in model and model[k][1] <= g:
+                del model[k]
+        for e in adds:
+            model[e[0]] = norm(e)
+
+    if seed % 2:  # an earlier version's journal, left by the process before an upgrade
+        with open(a.legacy_journal_path, "ab") as f:
+            for _ in range(10):
+                adds = [entry(rng.choice(keys)) for _ in range(rng.randrange(4))]
+                drops = [[rng.choice(keys), base + rng.randrange(1, 50)] for _ in range(rng.randrange(3))]
+                f.write(_legacy_json_line(adds, drops))
+                apply(adds, drops)
     for _ in range(2):
         for _ in range(20):
             adds = [entry(rng.choice(keys)) for _ in range(rng.randrange(4))]
-            drops = [[rng.choice(keys), rng.randrange(1, 50)] for _ in range(rng.randrange(3))]
+            drops = [[rng.choice(keys), base + rng.randrange(1, 50)] for _ in range(rng.randrange(3))]
             a.journal(adds, drops)
-        if seed % 2:
+            apply(adds, drops)
+        if seed % 3:
             a.rotate_journal()
+    with open(a.journal_path, "ab") as f:  # a batch cut short by a crash: never applied
+        f.write(_native.journal_batch([entry("torn")[:8] + [1]], [])[:-3])
     ring = [tuple(entry(rng.choice(keys))[:8]) + (1,) for _ in range(5)]
     ring[0] = (*ring[0][:7], None, 1)  # no client checksum
-    want = a.load_index_by_key()
-    for e in ring:
-        want[e[0]] = (*e[:7], -1 if e[7] is None else e[7], e[8])
-    want = {k: (*e, 1) if len(e) == 8 else e for k, e in want.items()}
-    cols = a.load_index_columns(ring)
-    assert _by_key(cols) == want and len(cols.keys) == len(want) and cols.bad == []
+    apply(ring, [])
+    table = _native.NodeTable()
+    assert a.load_into(table, ring) == []
+    ks, parents, rows = table.dram_rows()
+    flat = struct.unpack(f"<{7 * len(ks)}q", rows)
+    got = {k: (k, *flat[7 * i:7 * i + 5], p, None if flat[7 * i + 5] < 0 else flat[7 * i + 5], flat[7 * i + 6])
+           for i, (k, p) in enumerate(zip(ks, parents))}
+    assert got == model
 
 
-def test_the_index_as_columns_lists_a_malformed_journal_record_as_bad(shm):
+def test_a_malformed_record_of_an_earlier_versions_journal_is_listed_as_bad_and_the_writer_refuses_one(shm):
+    from mooncake_ray._private.native import _native
+
     a = arena.ArenaFile(shm, "ns", "n", MB)
-    a.journal([["k", 3, 5, 4096, 64, 0, "", 9], ["bad", "3", 5, 0, 64, 0, "", 9]], [])
-    cols = a.load_index_columns()
-    assert cols.keys == ["k"] and cols.bad == [["bad", "3"]]
+    with open(a.legacy_journal_path, "wb") as f:
+        f.write(_legacy_json_line([["k", 3, 5, 4096, 64, 0, "", 9], ["bad", "3", 5, 0, 64, 0, "", 9]], []))
+    table = _native.NodeTable()
+    assert a.load_into(table) == [["bad", "3"]]
+    assert table.keys() == [("k", "dram")]
+    with pytest.raises(ValueError, match="'bad', '3'"):
+        a.journal([["bad", "3", 5, 0, 64, 0, "", 9, 1]], [])
 
 
 def test_many_checksums_at_once_are_each_ranges_and_a_range_outside_is_refused(shm):
@@ -271,6 +325,6 @@ def test_a_snapshot_from_the_node_table_reads_back_as_the_table_held_it(shm):
     t.set_crc("k", 7, 4096, 123)
     t.set_crc(entries[1][0], 8, 64, 2**32 - 1)
     a = arena.ArenaFile(shm, "ns", "n", MB)
-    assert a.save_index_parts(*t.dram_snapshot()) > 0
+    assert a.save_snapshot(t.snapshot()[1]) > 0
     assert sorted(a.load_index()) == sorted([("k", 7, 5, 4096, 4096, 1, "", 123, 2),
                                              (entries[1][0], 8, 64, 64, 64, 0, "k", 2**32 - 1, 1)])

@@ -61,6 +61,7 @@ from mooncake_ray._private.store.inventory import DISK, DRAM, StoreInventory
 from mooncake_ray._private.store.spill_parents import SpillParents
 from mooncake_ray._private.store.ring import CommitRing, ring_bytes
 from mooncake_ray._private.naming import master_name
+from mooncake_ray._private.native import _native
 
 log = logging.getLogger(__name__)
 
@@ -252,49 +253,36 @@ class StoreNodeActor:
         (the ring's values, the drops of entries whose bytes no longer match), so that the
         files still say what the arena holds; the index loop compacts them later, off the
         restart's path (a new snapshot of a million values took 0.7 s)."""
-        import numpy as np
-
         started = time.monotonic()
         cap = self.arena.length
         extra = [(key, gen, size, offset, length, 0, parent, crc, want)
                  for recs in ring_left  # a range handed out for writing is kept as the journal keeps them
                  for key, gen, size, offset, length, parent, reserved, want, crc, _alone in recs
                  if not reserved and extent_ok(offset, length, cap) and 0 <= size <= length]
-        cols = self.arena_file.load_index_columns(extra)
-        keys, parents, rows = cols.keys, cols.parents, cols.rows
-        gen, size, off, length, crc = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5]
-        fits = (off >= 0) & (length >= 0) & (length <= cap - off) & (size >= 0) & (size <= length)  # extent_ok
-        now = np.zeros(len(keys), dtype=np.int64)
-        now[fits] = self.arena_file.checksums(off[fits], size[fits])
-        # A ring's value without the client's checksum is taken as its bytes are now.
-        crc = np.where(crc < 0, now, crc)
-        ok = fits & (now == crc) & (gen >= 0) & (rows[:, 4] >= 0) & (rows[:, 6] >= 1)  # as load_rows takes them
-        ringed_at = set() if not extra else {(e[0], e[1], e[3]) for e in extra}
-        ok_list = ok.tolist()
-        bad = cols.bad + [[k, g] for k, g, good in zip(keys, gen.tolist(), ok_list) if not good]
-        if not ok.all():
-            keys = [k for k, good in zip(keys, ok_list) if good]
-            parents = [p for p, good in zip(parents, ok_list) if good]
-            rows, crc = rows[ok], crc[ok]
-        rows = np.array(rows, dtype="<i8")
-        rows[:, 5] = crc  # each value with the checksum it was kept with (or read now, from a ring)
-        if len(self._links) == 1:
-            self._links[0].inv.table.load_rows(keys, parents, rows.tobytes())
-        else:
+        one = len(self._links) == 1
+        table = self._links[0].inv.table if one else _native.NodeTable()
+        bad = self.arena_file.load_into(table, extra)
+        # every value's bytes against its checksum, natively; a ring's value without the
+        # client's checksum is taken as its bytes are now
+        bad += [[k, g] for k, g in table.verify(self.arena_file.addr, self.arena_file.length)]
+        if not one:  # each shard link's values into its own table
+            import numpy as np
+
+            keys, parents, rows = table.dram_rows()
+            rows = np.frombuffer(rows, dtype="<i8").reshape(-1, 7)
             owner = np.fromiter((shards.shard_of(k, len(self._links)) for k in keys), dtype=np.int64, count=len(keys))
             for link in self._links:
-                mine = (owner == link.shard)
+                mine = owner == link.shard
                 pick = mine.tolist()
                 link.inv.table.load_rows([k for k, m in zip(keys, pick) if m], [p for p, m in zip(parents, pick) if m],
                                          rows[mine].tobytes())
-        kept, dropped = len(keys), len(bad)
+        kept, dropped = table.counts()[1], len(bad)
         ringed = []
-        if ringed_at:  # the ring's values as the journal will keep them
-            ring_keys = {at[0] for at in ringed_at}
-            for i in [i for i, k in enumerate(keys) if k in ring_keys]:
-                r = rows[i].tolist()
-                if (keys[i], r[0], r[2]) in ringed_at:
-                    ringed.append([keys[i], r[0], r[1], r[2], r[3], 0, parents[i], r[5], r[6]])
+        for key, gen, size, offset, length, _pin, parent, _crc, want in extra:  # as the journal will keep them
+            t = self._link(key).inv.table
+            e = t.get(key, DRAM)
+            if e is not None and (e[1], e[4]) == (gen, offset):
+                ringed.append([key, gen, e[2], offset, e[5], 0, e[7], t.crc_of(key, gen, offset), e[8]])
         if bad or ringed:  # and the bad ones' drops
             self.arena_file.journal(ringed, bad)
         report = {"event": "readopted", "node_id": self.node_id, "keys": kept, "dropped": dropped,
@@ -356,22 +344,17 @@ class StoreNodeActor:
 
     def _compact(self) -> int:
         """Write the arena's index snapshot; returns its size. Under the lock only what
-        must be taken at one moment: each table's checksummed DRAM entries, encoded as the
-        snapshot's parts (``NodeTable.dram_snapshot``: no Python object per value), and the
-        journal's rotation; the snapshot is written outside it (holding the lock for the whole
+        must be taken at one moment: each table's checksummed DRAM entries, encoded as a
+        snapshot (``NodeTable.snapshot``: no Python object per value), and the journal's
+        rotation; the snapshot is written outside it (holding the lock for the whole
         write held a node of a million values for over a second, and with it the master's
         messages and a mount). A value not checksummed yet is in the journal that follows.
         Ring values still waiting for a master's add that will never come (dropped since)
         are forgotten afterwards, under the lock again."""
         with self._lock:
-            parts = [link.inv.table.dram_snapshot() for link in self._links]
+            parts = [link.inv.table.snapshot()[1] for link in self._links]
             self.arena_file.rotate_journal()
-        if len(parts) == 1:
-            n, keys, parents, rows = parts[0]
-        else:  # JSON lists joined: "[a,b]" + "[c]" -> "[a,b,c]"
-            n = sum(p[0] for p in parts)
-            keys, parents = (b"[" + b",".join(p[i][1:-1] for p in parts if p[0]) + b"]" for i in (1, 2))
-            rows = b"".join(p[3] for p in parts)
+        data = parts[0] if len(parts) == 1 else _native.join_snapshots(parts)
         del parts
         if self._ring_journaled:
             with self._lock:
@@ -379,7 +362,7 @@ class StoreNodeActor:
                     e = self._link(at[0]).inv.table.get(at[0], DRAM)
                     if e is None or (e[1], e[4]) != (at[1], at[2]):
                         self._ring_journaled.pop(at, None)
-        return self.arena_file.save_index_parts(n, keys, parents, rows)
+        return self.arena_file.save_snapshot(data)
 
     def debug_compact(self) -> int:
         """Write the arena's index snapshot now (tests); returns its size in bytes, 0 with

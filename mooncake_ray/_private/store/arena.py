@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import itertools
 import json
 import logging
 import mmap
@@ -31,7 +30,6 @@ import shutil
 import struct
 import time
 import zlib
-from typing import NamedTuple
 
 from mooncake_ray.errors import ConfigError
 
@@ -40,7 +38,8 @@ log = logging.getLogger(__name__)
 PREFIX = "mooncake-ray."
 _MADV_POPULATE_WRITE = 23
 _INDEX_MAGIC = b"MCRIDX1\n"  # a snapshot as one JSON list of entries (read, no longer written)
-_INDEX_MAGIC2 = b"MCRIDX2\n"  # columns: see save_index
+_INDEX_MAGIC2 = b"MCRIDX2\n"  # columns, keys as JSON (read, no longer written)
+_INDEX_MAGIC3 = b"MCRIDX3\n"  # binary records: NodeTable.snapshot
 _HEAD2 = struct.Struct("<QQQ")  # entries, bytes of the keys' JSON, bytes of the parents' JSON
 UNREADABLE_OWNER_S = 60.0  # an owner file that does not parse is judged only when this old
 
@@ -123,31 +122,21 @@ def _write_owner(stem: str, owner: dict) -> None:
 
 def remove_files(stem: str) -> None:
     rings = glob.glob(glob.escape(stem) + ".ring[0-9]*")  # commit rings, one per master shard
-    for path in [stem + ext for ext in (".arena", ".index", ".journal", ".journal.old", ".owner", ".owner.tmp", ".index.tmp")] + rings:
+    for path in [stem + ext for ext in (".arena", ".index", ".bjournal", ".bjournal.old", ".journal", ".journal.old",
+                                        ".owner", ".owner.tmp", ".index.tmp")] + rings:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
 
 
-def _parse_json(body) -> dict[str, tuple]:
-    return {e[0]: tuple(e) for e in json.loads(bytes(body))}
-
-
-class IndexColumns(NamedTuple):
-    """A kept arena's index as columns (``ArenaFile.load_index_columns``): ``rows`` n x 7
-    int64 (gen, size, offset, length, pin, crc or -1 for none, copies wanted); ``bad``:
-    ``[key, gen]`` of journal records that do not parse."""
-
-    keys: list
-    parents: list
-    rows: object
-    bad: list
+def _parse_json(body) -> list:
+    return json.loads(bytes(body))
 
 
 def _split_columns(body) -> tuple[list, list, object]:
-    """``save_index``'s columns: ``(keys, parents, rows)``, rows a read-only n x 7 int64
-    array (gen, size, offset, length, pin, crc, copies wanted)."""
+    """An ``MCRIDX2`` snapshot's columns: ``(keys, parents, rows)``, rows a read-only n x 7
+    int64 array (gen, size, offset, length, pin, crc, copies wanted)."""
     import numpy as np
 
     n, nk, np_ = _HEAD2.unpack_from(body)
@@ -159,20 +148,17 @@ def _split_columns(body) -> tuple[list, list, object]:
     return keys, parents, np.frombuffer(body, dtype="<i8", count=7 * n, offset=at + nk + np_).reshape(n, 7)
 
 
-def _parse_columns(body) -> dict[str, tuple]:
-    """``save_index``'s columns as entries by key."""
-    keys, parents, cols = _split_columns(body)
-    gen, size, off, length, pin, crc, want = (c.tolist() for c in cols.T)
-    return dict(zip(keys, zip(keys, gen, size, off, length, pin, parents, crc, want)))
-
-
-def _row(e) -> tuple | None:
-    """A journal add (or a ring record) ``[key, gen, size, offset, length, pin, parent, crc
-    (None: none), want?]`` as a row of ``IndexColumns``; None if malformed."""
+def _entry_of(e) -> tuple | None:
+    """A JSON journal add or an ``MCRIDX1`` entry ``[key, gen, size, offset, length, pin,
+    parent, crc (None: none), want?]`` as a node table entry and its crc; None if malformed."""
     if not (isinstance(e, (list, tuple)) and 8 <= len(e) <= 9 and type(e[0]) is str and type(e[6]) is str):
         return None
-    nums = (e[1], e[2], e[3], e[4], e[5], -1 if e[7] is None else e[7], e[8] if len(e) > 8 else 1)
-    return nums if all(type(x) is int and -1 <= x < 1 << 63 for x in nums) else None
+    want = e[8] if len(e) > 8 else 1
+    if not (all(type(x) is int for x in (e[1], e[2], e[3], e[4], e[5], want)) and 0 <= e[1] < 1 << 63
+            and all(0 <= x < 1 << 48 for x in (e[2], e[3], e[4])) and 0 <= e[5] < 1 << 63 and 1 <= want < 1 << 32
+            and (e[7] is None or type(e[7]) is int and 0 <= e[7] < 1 << 32)):
+        return None  # generations are wall-clock nanoseconds: past 48 bits
+    return (e[0], e[1], e[2], "dram", e[3], e[4], e[5], e[6], want), e[7]
 
 
 class ArenaFile:
@@ -186,7 +172,8 @@ class ArenaFile:
         self.stem = os.path.join(directory, _name(namespace, node_id))
         self.path = self.stem + ".arena"
         self.index_path = self.stem + ".index"
-        self.journal_path = self.stem + ".journal"
+        self.journal_path = self.stem + ".bjournal"  # binary batches (NodeTable.replay)
+        self.legacy_journal_path = self.stem + ".journal"  # an earlier version's JSON lines
         try:
             old = os.stat(self.path).st_size
         except FileNotFoundError:
@@ -211,6 +198,7 @@ class ArenaFile:
         from mooncake_ray._private.native import _native
 
         self._crc, self._crc_many = _native.spill_crc32c, _native.spill_crc32c_many
+        self._batch = _native.journal_batch
         self.file_id = [st.st_dev, st.st_ino]
         self.length = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)
@@ -237,134 +225,112 @@ class ArenaFile:
         """CRC32C of ``size`` bytes at ``offset`` of the arena (hardware, GIL released)."""
         return self._crc(self.addr + offset, size, 0) if size else 0
 
-    def _snapshot(self) -> tuple[bytes, memoryview] | None:
-        """The snapshot's format magic and body, if its CRC holds (else logged, None)."""
+    def _snapshot(self) -> tuple[bytes, bytes] | None:
+        """The snapshot's format magic and its whole contents, if it has a known magic."""
         try:
             with open(self.index_path, "rb") as f:
                 data = f.read()
         except OSError:
             return None
-        for magic in (_INDEX_MAGIC2, _INDEX_MAGIC):
-            if data.startswith(magic) and len(data) >= len(magic) + 4:
-                body, (crc,) = memoryview(data)[len(magic):-4], struct.unpack("<I", data[-4:])
-                if zlib.crc32(body) == crc:
-                    return magic, body
-                log.warning("arena index %s is corrupt: ignored", self.index_path)
-                return None
+        for magic in (_INDEX_MAGIC3, _INDEX_MAGIC2, _INDEX_MAGIC):
+            if data.startswith(magic):
+                return magic, data
         return None
 
-    def load_index_by_key(self) -> dict[str, tuple]:
-        """``load_index``'s entries by key."""
-        entries: dict[str, tuple] = {}
+    def load_into(self, table, extra=()) -> list:
+        """Rebuild, into the node table ``table`` (``_native.NodeTable``), the DRAM entries the
+        previous process left: its snapshot, its journals (an earlier version's JSON lines,
+        then the binary batches, each rotated one first), then ``extra`` (records to apply
+        last: a ring's unread ones, ``(key, gen, size, offset, length, pin, parent, crc or
+        None, want)``). A corrupt snapshot is ignored (logged), a torn or corrupt journal
+        batch or line skipped. Returns ``[key, gen]`` of journal records that do not parse.
+        The checksums are not checked here (``NodeTable.verify``)."""
+        bad: list = []
         snap = self._snapshot()
         if snap is not None:
+            magic, data = snap
             try:
-                entries = (_parse_columns if snap[0] == _INDEX_MAGIC2 else _parse_json)(snap[1])
-            except (ValueError, struct.error) as e:
-                log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
-        for adds, drops in self._journal_ops():
-            for key, gen in drops:
-                e = entries.get(key)
-                if e is not None and e[1] <= gen:
-                    del entries[key]
-            for e in adds:
-                entries[e[0]] = tuple(e)
-        return entries
-
-    def load_index_columns(self, extra=()) -> "IndexColumns":
-        """What ``load_index_by_key`` returns, then ``extra`` (records to apply after the
-        journal: a ring's unread ones, crc None where none was given), as columns: no tuple
-        per value. A snapshot of a million entries with a short journal reads in a fraction
-        of the time the entries by key take."""
-        import numpy as np
-
-        keys, parents, rows, bad = [], [], np.zeros((0, 7), dtype="<i8"), []
-        snap = self._snapshot()
-        if snap is not None:
-            try:
-                if snap[0] == _INDEX_MAGIC2:
-                    keys, parents, rows = _split_columns(snap[1])
+                if magic == _INDEX_MAGIC3:
+                    table.load_snapshot(data)
                 else:
-                    old = list(_parse_json(snap[1]).values())
-                    bad = [[e[0], e[1]] for e in old if _row(e) is None and len(e) > 1]
-                    old = [e for e in old if _row(e) is not None]
-                    keys, parents = [e[0] for e in old], [e[6] for e in old]
-                    rows = np.array([_row(e) for e in old], dtype="<i8").reshape(-1, 7)
+                    body, (crc,) = memoryview(data)[len(magic):-4], struct.unpack("<I", data[-4:])
+                    if zlib.crc32(body) != crc:
+                        raise ValueError("its checksum does not match")
+                    if magic == _INDEX_MAGIC2:
+                        keys, parents, rows = _split_columns(body)
+                        table.load_rows(keys, parents, rows.tobytes())
+                    else:
+                        self._apply_json(table, [(_parse_json(body), [])], bad)
             except (ValueError, struct.error) as e:
-                log.warning("arena index %s does not parse (%s): ignored", self.index_path, e)
-                keys, parents, rows, bad = [], [], np.zeros((0, 7), dtype="<i8"), []
-        ops = self._journal_ops()
+                log.warning("arena index %s is corrupt or does not parse (%s): ignored", self.index_path, e)
+                table.clear()
+                bad = []
+        self._apply_json(table, self._json_journal_ops(), bad)
+        for path in (self.journal_path + ".old", self.journal_path):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            _ops, skipped = table.replay(data)
+            if skipped:
+                log.warning("arena journal %s: %d corrupt batch(es) skipped", path, skipped)
         if extra:
-            ops.append((list(extra), []))
-        if not ops:
-            return IndexColumns(keys, parents, rows, bad)
-        # Apply the journal by key: rows of the snapshot changed in place (a copy), later
-        # ones appended; a dropped row is marked dead, and an add brings its key back.
-        rows = np.array(rows)
-        n = len(keys)
-        pos = dict(zip(keys, range(n)))
-        alive = np.ones(n, dtype=bool)
-        more_keys, more_parents, more_rows, more_alive = [], [], [], []
+            self._apply_json(table, [(list(extra), [])], bad)
+        return bad
+
+    @staticmethod
+    def _apply_json(table, ops, bad: list) -> None:
         for adds, drops in ops:
             for key, gen in drops:
-                i = pos.get(key)
-                if i is None:
-                    continue
-                if i < n:
-                    if alive[i] and rows[i, 0] <= gen:
-                        alive[i] = False
-                elif more_alive[i - n] and more_rows[i - n][0] <= gen:
-                    more_alive[i - n] = False
+                table.erase(key, "dram", gen)
             for e in adds:
-                r = _row(e)
-                if r is None:
+                got = _entry_of(e)
+                if got is None:
                     if isinstance(e, (list, tuple)) and len(e) > 1 and type(e[0]) is str:
                         bad.append([e[0], e[1]])
                     continue
-                i = pos.get(e[0])
-                if i is None:
-                    pos[e[0]] = n + len(more_keys)
-                    more_keys.append(e[0])
-                    more_parents.append(e[6])
-                    more_rows.append(r)
-                    more_alive.append(True)
-                elif i < n:
-                    rows[i] = r
-                    parents[i] = e[6]
-                    alive[i] = True
-                else:
-                    more_rows[i - n], more_parents[i - n], more_alive[i - n] = r, e[6], True
-        if more_keys:
-            rows = np.concatenate((rows, np.array(more_rows, dtype="<i8").reshape(-1, 7)))
-            alive = np.concatenate((alive, np.array(more_alive, dtype=bool)))
-            keys, parents = keys + more_keys, parents + more_parents
-        if not alive.all():
-            keep = alive.tolist()
-            keys = [k for k, ok in zip(keys, keep) if ok]
-            parents = [p for p, ok in zip(parents, keep) if ok]
-            rows = rows[alive]
-        return IndexColumns(keys, parents, rows, bad)
+                entry, crc = got
+                table.set(entry)
+                if crc is not None:
+                    table.set_crc(entry[0], entry[1], entry[4], crc)
+        table.forget_sums()
 
-    def _journal_ops(self) -> list[tuple[list, list]]:
-        """The journal's ``(adds, drops)`` lines, rotated one first; a torn or corrupt line
-        is skipped."""
+    def _json_journal_ops(self) -> list[tuple[list, list]]:
+        """An earlier version's journal (``.journal``: JSON lines ``<crc32 hex> [adds,
+        drops]``), rotated one first; a torn or corrupt line is skipped. Read after an
+        upgrade, removed with the next snapshot."""
         lines = []
-        for path in (self.journal_path + ".old", self.journal_path):
+        for path in (self.legacy_journal_path + ".old", self.legacy_journal_path):
             try:
                 with open(path, "rb") as f:
                     lines += f.read().split(b"\n")
             except OSError:
                 pass
         ops = []
-        for line in lines:  # "<crc32 hex> [adds, drops]"
+        for line in lines:
             try:
                 if len(line) < 10 or int(line[:8], 16) != zlib.crc32(line[9:]):
                     continue
                 adds, drops = json.loads(line[9:])
             except ValueError:
                 continue
-            ops.append((adds, [d for d in drops if isinstance(d, list) and len(d) == 2 and type(d[1]) is int]))
+            ops.append((adds, [d for d in drops if isinstance(d, list) and len(d) == 2 and type(d[1]) is int
+                               and type(d[0]) is str and d[1] >= 0]))
         return ops
+
+    def load_index(self) -> list[tuple]:
+        """The entries the previous process saved (``load_into``), as ``(key, gen, size,
+        offset, length, pin, parent, crc, want)``, crc None where none was saved."""
+        from mooncake_ray._private.native import _native
+
+        table = _native.NodeTable()
+        self.load_into(table)
+        keys, parents, rows = table.dram_rows()
+        n = len(keys)
+        flat = struct.unpack(f"<{7 * n}q", rows)
+        return [(k, *flat[7 * i:7 * i + 5], p, None if flat[7 * i + 5] < 0 else flat[7 * i + 5], flat[7 * i + 6])
+                for i, (k, p) in enumerate(zip(keys, parents))]
 
     def checksums(self, offsets, sizes):
         """CRC32C of many ranges of the arena at once (int64 arrays; GIL released): a
@@ -375,25 +341,21 @@ class ArenaFile:
                                         np.ascontiguousarray(sizes, dtype="<i8").tobytes())
         return np.frombuffer(out, dtype="<u4")
 
-    def load_index(self) -> list[tuple]:
-        """The entries the previous process saved (its snapshot, then its journal):
-        ``(key, gen, size, offset, length, pin, parent, crc, want)`` each (without ``want``
-        where an earlier version saved them: one copy)."""
-        return list(self.load_index_by_key().values())
-
     def journal(self, adds: list, drops: list) -> None:
-        """Append what one inventory message changed: ``adds`` as ``load_index`` returns
-        entries, ``drops`` as ``[key, gen]`` (entries of gen <= gen go)."""
-        body = json.dumps([adds, drops], separators=(",", ":")).encode()
-        os.write(self._jfd, b"%08x %s\n" % (zlib.crc32(body), body))
+        """Append what one inventory message changed, as one batch (``_native.journal_batch``:
+        length, CRC-32C, binary records): ``drops`` as ``[key, gen]`` (entries of gen <= gen
+        go), then ``adds`` as ``[key, gen, size, offset, length, pin, parent, crc, want?]``."""
+        if any(len(e) == 8 for e in adds):
+            adds = [e if len(e) == 9 else [*e, 1] for e in adds]
+        os.write(self._jfd, self._batch(adds, drops))
 
     def journal_bytes(self) -> int:
         return os.fstat(self._jfd).st_size
 
     def rotate_journal(self) -> None:
-        """Start a new journal; the current one is kept (``.journal.old``, joined to one
-        still there) until ``save_index`` writes a snapshot of the state at this point.
-        The caller holds off appends meanwhile."""
+        """Start a new journal; the current one is kept (``.bjournal.old``, joined to one
+        still there) until the next snapshot is written: the state at this point, taken by
+        the caller, who holds off appends meanwhile."""
         os.close(self._jfd)
         old = self.journal_path + ".old"
         if os.path.exists(old):  # an earlier snapshot was never written: keep both
@@ -405,49 +367,28 @@ class ArenaFile:
         self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def save_index(self, entries: list) -> int:
-        """Replace the snapshot with ``entries`` (as ``load_index`` returns them: the state
-        when the journal was last rotated); ``save_index_columns`` with them as columns."""
-        import numpy as np
+        """Replace the snapshot with ``entries`` (as ``load_index`` returns them; crc None:
+        left out); ``save_snapshot`` with them in a node table."""
+        from mooncake_ray._private.native import _native
 
-        n = len(entries)
-        rows = np.fromiter(itertools.chain.from_iterable(
-            (e[1], e[2], e[3], e[4], e[5], e[7], e[8] if len(e) > 8 else 1) for e in entries),
-            dtype="<i8", count=7 * n).reshape(n, 7)
-        return self.save_index_columns([e[0] for e in entries], [e[6] for e in entries], rows)
+        table = _native.NodeTable()
+        self._apply_json(table, [([list(e) for e in entries], [])], [])
+        return self.save_snapshot(table.snapshot()[1])
 
-    def save_index_columns(self, keys: list, parents: list, rows) -> int:
-        """Replace the snapshot with these entries (``rows`` n x 7 int64: gen, size, offset,
-        length, pin, crc, copies wanted); ``save_index_parts`` with them encoded."""
-        import numpy as np
-
-        n = len(keys)
-        return self.save_index_parts(n, json.dumps(keys, separators=(",", ":")).encode(),
-                                     json.dumps(parents, separators=(",", ":")).encode(),
-                                     np.ascontiguousarray(rows, dtype="<i8").reshape(n, 7).tobytes())
-
-    def save_index_parts(self, n: int, keys_json: bytes, parents_json: bytes, rows: bytes) -> int:
-        """Replace the snapshot, atomically, with n entries: their keys and their parents as
-        JSON lists, and n rows of 7 little-endian int64s (gen, size, offset, length, pin, crc,
-        copies wanted); the rotated journal goes. Returns the snapshot's size in bytes.
-
-        Format (``_INDEX_MAGIC2``): the magic, then a body of ``_HEAD2`` (n, and the bytes
-        of the next two parts), the keys, the parents, the rows; then the body's CRC-32. A
-        million entries write in about a third and read in about a fifth of the time one
-        JSON list of entries took (``_parse_json``: still read)."""
-        if len(rows) != 56 * n:
-            raise ValueError(f"{n} entries need {56 * n} bytes of rows, got {len(rows)}")
-        head = _HEAD2.pack(n, len(keys_json), len(parents_json))
-        crc = zlib.crc32(rows, zlib.crc32(parents_json, zlib.crc32(keys_json, zlib.crc32(head))))
+    def save_snapshot(self, data: bytes) -> int:
+        """Replace the snapshot with ``data`` (``NodeTable.snapshot``'s, or ``join_snapshots``'
+        of several), atomically; the journals it covers go (the rotated one, and an earlier
+        version's). Returns its size in bytes."""
         tmp = self.index_path + ".tmp"
         with open(tmp, "wb") as f:
-            for part in (_INDEX_MAGIC2, head, keys_json, parents_json, rows, struct.pack("<I", crc)):
-                f.write(part)
+            f.write(data)
         os.replace(tmp, self.index_path)
-        try:
-            os.unlink(self.journal_path + ".old")
-        except FileNotFoundError:
-            pass
-        return len(head) + len(keys_json) + len(parents_json) + len(rows)
+        for path in (self.journal_path + ".old", self.legacy_journal_path, self.legacy_journal_path + ".old"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return len(data)
 
     def remove(self) -> None:
         """Delete the files (the mapping stays valid until the process ends)."""

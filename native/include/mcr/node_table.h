@@ -76,6 +76,31 @@ class NodeTable {
     }
   }
 
+  // --- on disk (the kept arena's index, store/arena.py) ---------------------------------
+  // A record: gen, size, offset, length, pin (u64 each), crc, copies wanted (u32 each), a
+  // flags byte (bit 0: has a crc), the key's and the parent's lengths (u32 each), the key,
+  // the parent; little-endian.
+  static void encode(const NodeEntry& e, std::string* out);
+  // One record at *p (advanced past it); false if it does not fit before end.
+  static bool decode(const uint8_t** p, const uint8_t* end, NodeEntry* e);
+  // A snapshot file: "MCRIDX3\n", n (u64), n records of the DRAM entries that have a
+  // checksum, the CRC-32C of everything after the magic (u32). Sets *n.
+  std::string snapshot(size_t* n) const;
+  // Adds a snapshot file's entries; throws std::invalid_argument (what is wrong) if its
+  // checksum or its records do not hold, before adding any.
+  size_t load_snapshot(const uint8_t* data, size_t len);
+  // A journal batch: magic "MCJ1", the body's length and CRC-32C (u32 each), the body: ops,
+  // each a kind byte, then an add's record (kind 1), or a drop's gen (u64), key length (u32)
+  // and key (kind 2: the DRAM entry of gen <= gen goes).
+  static constexpr uint32_t kJournalMagic = 0x314A434D;
+  // Applies a journal file's batches in order; a batch whose checksum or records do not
+  // hold is skipped (counted in *skipped), a torn last one ends it. Returns the ops applied.
+  size_t replay(const uint8_t* data, size_t len, size_t* skipped);
+  // Checks each DRAM entry against the arena (base, len): an extent outside it or a
+  // checksum that does not match its bytes drops the entry (returned as key, gen); an entry
+  // without a checksum takes its bytes' now.
+  std::vector<std::pair<std::string, uint64_t>> verify(const uint8_t* base, size_t len);
+
   // Forgets the checksums kept aside by erase.
   void forget_sums() { sums_.clear(); }
   size_t kept_sums() const { return sums_.size(); }

@@ -1,5 +1,6 @@
 // mcr::NodeTable: see node_table.h.
 #include "mcr/node_table.h"
+#include "mcr/spill_crc32c.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -324,6 +325,152 @@ void NodeTable::clear() {
   extra_.clear();
   sums_.clear();
   rebuild(kMinCap);
+}
+
+void NodeTable::encode(const NodeEntry& e, std::string* out) {
+  uint8_t h[57];
+  st(h, e.gen, 8);
+  st(h + 8, e.size, 8);
+  st(h + 16, e.offset, 8);
+  st(h + 24, e.length, 8);
+  st(h + 32, e.pin, 8);
+  st(h + 40, e.crc, 4);
+  st(h + 44, e.want > UINT32_MAX ? UINT32_MAX : e.want, 4);
+  h[48] = e.has_crc ? 1 : 0;
+  st(h + 49, e.key.size(), 4);
+  st(h + 53, e.parent.size(), 4);
+  out->append(reinterpret_cast<const char*>(h), sizeof h);
+  out->append(e.key);
+  out->append(e.parent);
+}
+
+bool NodeTable::decode(const uint8_t** p, const uint8_t* end, NodeEntry* e) {
+  const uint8_t* h = *p;
+  if (end - h < 57) return false;
+  uint64_t klen = ld(h + 49, 4), plen = ld(h + 53, 4);
+  if (static_cast<uint64_t>(end - h - 57) < klen + plen) return false;
+  e->tier = kDram;
+  e->gen = ld(h, 8);
+  e->size = ld(h + 8, 8);
+  e->offset = ld(h + 16, 8);
+  e->length = ld(h + 24, 8);
+  e->pin = ld(h + 32, 8);
+  e->crc = static_cast<uint32_t>(ld(h + 40, 4));
+  e->want = ld(h + 44, 4);
+  e->has_crc = h[48] & 1;
+  if (e->size > kMax48 || e->offset > kMax48 || e->length > kMax48 || e->want == 0 || klen > kMaxKey) return false;
+  e->key.assign(reinterpret_cast<const char*>(h + 57), klen);
+  e->parent.assign(reinterpret_cast<const char*>(h + 57 + klen), plen);
+  *p = h + 57 + klen + plen;
+  return true;
+}
+
+std::string NodeTable::snapshot(size_t* n) const {
+  std::string out = "MCRIDX3\n";
+  out.append(8, '\0');
+  size_t count = 0;
+  for_each([&](const NodeEntry& e) {
+    if (e.tier != kDram || !e.has_crc) return;
+    encode(e, &out);
+    ++count;
+  });
+  std::memcpy(out.data() + 8, &count, 8);
+  uint32_t crc = spill::crc32c(out.data() + 8, out.size() - 8);
+  out.append(reinterpret_cast<const char*>(&crc), 4);
+  *n = count;
+  return out;
+}
+
+size_t NodeTable::load_snapshot(const uint8_t* data, size_t len) {
+  if (len < 20 || std::memcmp(data, "MCRIDX3\n", 8) != 0) throw std::invalid_argument("not an MCRIDX3 snapshot");
+  uint32_t crc = static_cast<uint32_t>(ld(data + len - 4, 4));
+  if (spill::crc32c(data + 8, len - 12) != crc) throw std::invalid_argument("its checksum does not match");
+  uint64_t n = ld(data + 8, 8);
+  const uint8_t* end = data + len - 4;
+  std::vector<NodeEntry> es;
+  es.reserve(n < (len / 57) ? n : len / 57);
+  for (const uint8_t* p = data + 16; p < end;) {
+    NodeEntry e;
+    if (!decode(&p, end, &e)) throw std::invalid_argument("a record does not parse");
+    es.push_back(std::move(e));
+  }
+  if (es.size() != n) throw std::invalid_argument("it holds another number of records than it says");
+  reserve(size() + es.size());
+  for (auto& e : es) set(e);
+  return es.size();
+}
+
+size_t NodeTable::replay(const uint8_t* data, size_t len, size_t* skipped) {
+  size_t ops = 0;
+  *skipped = 0;
+  NodeEntry e;
+  for (size_t at = 0; at + 12 <= len;) {
+    const uint8_t* h = data + at;
+    uint64_t blen = ld(h + 4, 4);
+    if (ld(h, 4) != kJournalMagic || blen > len - at - 12) break;  // torn (or not a batch): the end
+    const uint8_t* body = h + 12;
+    const uint8_t* end = body + blen;
+    at += 12 + blen;
+    if (spill::crc32c(body, blen) != static_cast<uint32_t>(ld(h + 8, 4))) {
+      ++*skipped;
+      continue;
+    }
+    // parsed whole before applied: a batch is all or nothing
+    std::vector<std::pair<uint8_t, NodeEntry>> batch;
+    bool ok = true;
+    for (const uint8_t* p = body; p < end && ok;) {
+      uint8_t kind = *p++;
+      NodeEntry x;
+      if (kind == 1) {
+        ok = decode(&p, end, &x);
+      } else if (kind == 2 && end - p >= 12) {
+        x.gen = ld(p, 8);
+        uint64_t klen = ld(p + 8, 4);
+        ok = static_cast<uint64_t>(end - p - 12) >= klen;
+        if (ok) x.key.assign(reinterpret_cast<const char*>(p + 12), klen);
+        p += 12 + (ok ? klen : 0);
+      } else {
+        ok = false;
+      }
+      if (ok) batch.emplace_back(kind, std::move(x));
+    }
+    if (!ok) {
+      ++*skipped;
+      continue;
+    }
+    for (auto& [kind, x] : batch) {
+      if (kind == 1)
+        set(x);
+      else
+        erase(x.key, kDram, x.gen);
+    }
+    ops += batch.size();
+  }
+  sums_.clear();
+  return ops;
+}
+
+std::vector<std::pair<std::string, uint64_t>> NodeTable::verify(const uint8_t* base, size_t len) {
+  std::vector<std::pair<std::string, uint64_t>> bad;
+  for (size_t at = 0; at < log_len_;) {
+    uint8_t* r = log_ + at;
+    size_t n = rec_bytes(r);
+    if (!(flags(r) & (kDead | kReservedFlag))) {
+      uint64_t size = ld(r + 8, 6), off = ld(r + 14, 6), length = ld(r + 20, 6);
+      bool fits = size <= length && off <= len && length <= len - off;
+      uint32_t now = fits ? spill::crc32c(base + off, size) : 0;
+      if (!fits || ((flags(r) & kHasCrc) && now != static_cast<uint32_t>(ld(r + 26, 4)))) {
+        bad.emplace_back(std::string(key_of(r)), ld(r, 8));
+      } else if (!(flags(r) & kHasCrc)) {
+        st(r + 26, now, 4);
+        r[32] |= kHasCrc;
+      }
+    }
+    at += n;
+  }
+  for (auto& [key, gen] : bad) erase(key, kDram, gen);
+  sums_.clear();
+  return bad;
 }
 
 }  // namespace mcr
