@@ -55,7 +55,7 @@ class NodeTable {
   void reserve(size_t n);
   // Removes the entry if its gen is <= max_gen; a DRAM entry's checksum is kept aside for
   // (key, gen, offset) until forget_sums (a message may drop a value and add it back).
-  bool erase(std::string_view key, uint8_t tier, uint64_t max_gen);
+  bool erase(std::string_view key, uint8_t tier, uint64_t max_gen, bool keep_sum = true);
   // The checksum of (key, gen, offset)'s DRAM bytes: its entry's, or one kept aside.
   bool crc_of(std::string_view key, uint64_t gen, uint64_t offset, uint32_t* crc) const;
   // Sets the checksum of the DRAM entry of key if it is of gen at offset; false if not.

@@ -266,14 +266,14 @@ std::string NodeTable::sum_key(std::string_view key, uint64_t gen, uint64_t offs
   return k;
 }
 
-bool NodeTable::erase(std::string_view key, uint8_t tier, uint64_t max_gen) {
+bool NodeTable::erase(std::string_view key, uint8_t tier, uint64_t max_gen, bool keep_sum) {
   size_t slot = find(key, tier, hash(key, tier));
   if (slot == SIZE_MAX) return false;
   uint32_t idx = slots_[slot] - 1;
   uint8_t* r = rec(idx);
   uint64_t gen = ld(r, 8);
   if (gen > max_gen) return false;
-  if (tier == kDram && (flags(r) & kHasCrc))
+  if (keep_sum && tier == kDram && (flags(r) & kHasCrc))
     sums_[sum_key(key, gen, ld(r + 14, 6))] = static_cast<uint32_t>(ld(r + 26, 4));
   if (flags(r) & kExtra) extra_.erase(idx);
   r[32] = (flags(r) & ~kExtra) | kDead;
@@ -387,23 +387,24 @@ size_t NodeTable::load_snapshot(const uint8_t* data, size_t len) {
   if (spill::crc32c(data + 8, len - 12) != crc) throw std::invalid_argument("its checksum does not match");
   uint64_t n = ld(data + 8, 8);
   const uint8_t* end = data + len - 4;
-  std::vector<NodeEntry> es;
-  es.reserve(n < (len / 57) ? n : len / 57);
-  for (const uint8_t* p = data + 16; p < end;) {
-    NodeEntry e;
+  NodeEntry e;  // reused: its strings keep their capacity, no allocation per record
+  uint64_t count = 0;
+  for (const uint8_t* p = data + 16; p < end; ++count)  // all of it checked before any is added
     if (!decode(&p, end, &e)) throw std::invalid_argument("a record does not parse");
-    es.push_back(std::move(e));
+  if (count != n) throw std::invalid_argument("it holds another number of records than it says");
+  reserve(size() + count);
+  for (const uint8_t* p = data + 16; p < end;) {
+    decode(&p, end, &e);
+    set(e);
   }
-  if (es.size() != n) throw std::invalid_argument("it holds another number of records than it says");
-  reserve(size() + es.size());
-  for (auto& e : es) set(e);
-  return es.size();
+  return count;
 }
 
 size_t NodeTable::replay(const uint8_t* data, size_t len, size_t* skipped) {
   size_t ops = 0;
   *skipped = 0;
   NodeEntry e;
+  reserve(size() + len / 80);  // about a record of a short key each: no growth on the way
   for (size_t at = 0; at + 12 <= len;) {
     const uint8_t* h = data + at;
     uint64_t blen = ld(h + 4, 4);
@@ -415,36 +416,31 @@ size_t NodeTable::replay(const uint8_t* data, size_t len, size_t* skipped) {
       ++*skipped;
       continue;
     }
-    // parsed whole before applied: a batch is all or nothing
-    std::vector<std::pair<uint8_t, NodeEntry>> batch;
+    // checked whole before applied: a batch is all or nothing
     bool ok = true;
-    for (const uint8_t* p = body; p < end && ok;) {
-      uint8_t kind = *p++;
-      NodeEntry x;
-      if (kind == 1) {
-        ok = decode(&p, end, &x);
-      } else if (kind == 2 && end - p >= 12) {
-        x.gen = ld(p, 8);
-        uint64_t klen = ld(p + 8, 4);
-        ok = static_cast<uint64_t>(end - p - 12) >= klen;
-        if (ok) x.key.assign(reinterpret_cast<const char*>(p + 12), klen);
-        p += 12 + (ok ? klen : 0);
-      } else {
-        ok = false;
+    size_t n = 0;
+    for (int pass = 0; pass < 2 && ok; ++pass) {
+      for (const uint8_t* p = body; p < end && ok;) {
+        uint8_t kind = *p++;
+        if (kind == 1) {
+          ok = decode(&p, end, &e);
+          if (ok && pass == 1) set(e);
+        } else if (kind == 2 && end - p >= 12) {
+          uint64_t gen = ld(p, 8), klen = ld(p + 8, 4);
+          ok = static_cast<uint64_t>(end - p - 12) >= klen;
+          if (ok && pass == 1) erase(std::string_view(reinterpret_cast<const char*>(p + 12), klen), kDram, gen);
+          p += 12 + (ok ? klen : 0);
+        } else {
+          ok = false;
+        }
+        n += pass;
       }
-      if (ok) batch.emplace_back(kind, std::move(x));
     }
     if (!ok) {
       ++*skipped;
       continue;
     }
-    for (auto& [kind, x] : batch) {
-      if (kind == 1)
-        set(x);
-      else
-        erase(x.key, kDram, x.gen);
-    }
-    ops += batch.size();
+    ops += n;
   }
   sums_.clear();
   return ops;
@@ -468,8 +464,7 @@ std::vector<std::pair<std::string, uint64_t>> NodeTable::verify(const uint8_t* b
     }
     at += n;
   }
-  for (auto& [key, gen] : bad) erase(key, kDram, gen);
-  sums_.clear();
+  for (auto& [key, gen] : bad) erase(key, kDram, gen, false);
   return bad;
 }
 
