@@ -125,7 +125,7 @@ class Membership:
         else:
             stay = np.ones(len(keys), dtype=bool)
             stay[np.flatnonzero(eligible)[moved]] = False
-        left = [k for k, s in zip(keys, stay.tolist()) if s]
+        left = [k for k, s in zip(keys, stay.tolist()) if s] if stay.any() else []
         return {"keys": left, "cols": table[stay].tobytes(), "rest": rest}, rows[moved]
 
     def heartbeat(self, node_id: str, incarnation: str, spill_used: int | None = None,

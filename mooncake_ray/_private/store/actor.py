@@ -613,9 +613,11 @@ class StoreNodeActor:
         link.mounted.clear()
         if link.left:
             return
+        self.startup.setdefault("mount_begun_s", time.time() - self.started_at)
         master = self._master_handle(link)
         link.node_key = ray.get(master.node_key.remote(), timeout=60)
         info = self.info(link.shard)
+        self.startup.setdefault("node_key_s", time.time() - self.started_at)
         with self._lock:  # from here on, messages of earlier mounts are refused
             self._read_ring(link)
             mount_id, entries = link.inv.begin_mount(packed=True)
@@ -624,6 +626,7 @@ class StoreNodeActor:
             if link.ring is not None:
                 info.update(commit_ring=link.ring.path, commit_ring_epoch=link.ring.new_epoch(), pid=os.getpid(),
                             pid_ns=arena.pid_namespace())
+        self.startup.setdefault("packed_s", time.time() - self.started_at)
         ray.get(master.mount.remote(info, entries, mount_id), timeout=60)
         link.mounted.set()
         self.startup.setdefault("mounted_s", time.time() - self.started_at)

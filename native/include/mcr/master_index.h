@@ -251,7 +251,7 @@ class MasterIndex {
   // arena; `cols`: 4 int64s per key, gen, size, offset, length): each cold DRAM record on
   // an earlier incarnation of that node with the same four is moved to `to` in place,
   // keeping its recency, leases and placement id. Returns, per key, whether it moved.
-  std::vector<uint8_t> retarget_cold(const std::vector<std::string>& keys, const int64_t* cols,
+  std::vector<uint8_t> retarget_cold(const std::vector<std::string_view>& keys, const int64_t* cols,
                                      const std::shared_ptr<const IndexNode>& to);
   // Every key starting with ``prefix``, least recent first.
   std::vector<std::string> keys(const std::string& prefix);
@@ -346,7 +346,7 @@ class MasterIndex {
                          uint64_t length, const std::string& key, const std::string& parent,
                          uint32_t kind = kRingCommit, const uint32_t* crc = nullptr);
 
-  IndexRecord* find(const std::string& key);
+  IndexRecord* find(std::string_view key);
   IndexRecord& insert(const std::string& key, bool* fresh);  // a new record at the recent end, or the existing one
   void erase(IndexRecord* r);
   void unlink(IndexRecord* r);

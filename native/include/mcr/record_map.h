@@ -29,7 +29,7 @@ class RecordMap {
 
   size_t size() const { return n_; }
 
-  Record* find(const std::string& key) {
+  Record* find(std::string_view key) {
     step();
     size_t h = hash(key);
     for (int t = 0; t < (moving() ? 2 : 1); ++t) {
@@ -117,7 +117,8 @@ class RecordMap {
     size_t n_ = 0;
   };
 
-  static size_t hash(const std::string& key) { return std::hash<std::string>{}(key); }
+  // equal to std::hash<std::string> of the same bytes (the standard says so)
+  static size_t hash(std::string_view key) { return std::hash<std::string_view>{}(key); }
 
   // A record with room for its key after it (key_data is the struct's last member).
   static Record* make(const std::string& key) {

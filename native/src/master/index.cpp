@@ -230,7 +230,7 @@ constexpr uint64_t kOk = 0;  // rpc.OK
 }  // namespace
 
 // ---- the table: records and their recency list -------------------------------------
-IndexRecord* MasterIndex::find(const std::string& key) { return map_.find(key); }
+IndexRecord* MasterIndex::find(std::string_view key) { return map_.find(key); }
 
 void MasterIndex::unlink(IndexRecord* r) {
   if (r->probation) {  // the stack, then the grace window, from the oldest end
@@ -563,7 +563,7 @@ std::vector<std::tuple<std::string, bool, uint64_t>> MasterIndex::cold_gens_on_n
   return out;
 }
 
-std::vector<uint8_t> MasterIndex::retarget_cold(const std::vector<std::string>& keys, const int64_t* cols,
+std::vector<uint8_t> MasterIndex::retarget_cold(const std::vector<std::string_view>& keys, const int64_t* cols,
                                                 const std::shared_ptr<const IndexNode>& to) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   std::vector<uint8_t> out(keys.size(), 0);
