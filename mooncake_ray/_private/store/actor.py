@@ -49,7 +49,7 @@ from mooncake_ray.errors import (
     MooncakeRayError,
     ObjectNotFoundError,
 )
-from mooncake_ray._private import auth, gcyoung, logs, preflight, rpc, shards
+from mooncake_ray._private import auth, gcyoung, logs, malloc_tune, preflight, rpc, shards
 from mooncake_ray._private.store import arena
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.drain import FROM_DISK
@@ -115,6 +115,7 @@ class StoreNodeActor:
         logs.configure()
         self.started_at = time.time()  # this process's start (benchmarks: restart timings)
         gcyoung.raise_young_threshold()  # inventory messages: many records, each short-lived
+        malloc_tune.fix_mmap_threshold()  # large transient blocks go back to the system when freed
         self.cfg = StoreConfig.model_validate(config)
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:16]
