@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,11 @@ MMAP_THRESHOLD_BYTES = 64 << 10
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """For this whole process (glibc only; elsewhere, or if refused, nothing changes).
+    """For this whole process (glibc only; elsewhere, or if refused, nothing changes;
+    ``MCR_MALLOC_DYNAMIC=1`` in the environment keeps glibc's own, for comparisons).
     Returns whether it was set."""
+    if os.environ.get("MCR_MALLOC_DYNAMIC") == "1":
+        return False
     try:
         ok = bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes))
     except (OSError, AttributeError):  # not glibc

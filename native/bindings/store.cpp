@@ -2,9 +2,12 @@
 // Python face is mooncake_ray/_private/store/inventory.py (StoreInventory): entries as
 // tuples (key, gen, size, tier, offset, length, pin, parent, want), tier "dram" or
 // "reserved"; disk entries stay in Python.
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
@@ -39,32 +42,99 @@ int tier_arg(const std::string& t) {
   throw nb::value_error(("a node table holds tiers 'dram' and 'reserved', not " + t).c_str());
 }
 
+// A str's UTF-8 into *out (its capacity kept); std::bad_cast if it is not a str.
+void utf8(nb::handle h, std::string* out) {
+  if (!PyUnicode_Check(h.ptr())) throw std::bad_cast();
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+  if (p == nullptr) throw nb::python_error();
+  out->assign(p, static_cast<size_t>(n));
+}
+
 nb::tuple as_tuple(const NodeEntry& e) {
   return nb::make_tuple(e.key, e.gen, e.size, tier_name(e.tier), e.offset, e.length, e.pin, e.parent, e.want);
 }
 
-// An entry sequence of 6-9 fields (key, gen, size, tier, offset, length[, pin[, parent[, want]]]).
-NodeEntry entry_of(nb::handle h, int tier) {
+// An entry sequence of 6-9 fields (key, gen, size, tier, offset, length[, pin[, parent[, want]]])
+// into *e (its strings keep their capacity).
+void fill_entry(nb::handle h, int tier, NodeEntry* e) {
   nb::sequence s = nb::borrow<nb::sequence>(h);
   size_t n = nb::len(s);
   if (n < 6 || n > 9) throw nb::value_error("a node table entry has 6 to 9 fields");
-  NodeEntry e;
   try {
-    e.key = nb::cast<std::string>(s[0]);
-    e.tier = static_cast<uint8_t>(tier);
-    e.gen = nb::cast<uint64_t>(s[1]);
-    e.size = nb::cast<uint64_t>(s[2]);
-    e.offset = nb::cast<uint64_t>(s[4]);
-    e.length = nb::cast<uint64_t>(s[5]);
-    e.pin = n > 6 ? nb::cast<uint64_t>(s[6]) : 0;
-    e.parent = n > 7 ? nb::cast<std::string>(s[7]) : std::string();
-    e.want = n > 8 ? nb::cast<uint64_t>(s[8]) : 1;
+    utf8(s[0], &e->key);
+    e->tier = static_cast<uint8_t>(tier);
+    e->gen = nb::cast<uint64_t>(s[1]);
+    e->size = nb::cast<uint64_t>(s[2]);
+    e->offset = nb::cast<uint64_t>(s[4]);
+    e->length = nb::cast<uint64_t>(s[5]);
+    e->pin = n > 6 ? nb::cast<uint64_t>(s[6]) : 0;
+    if (n > 7)
+      utf8(s[7], &e->parent);
+    else
+      e->parent.clear();
+    e->want = n > 8 ? nb::cast<uint64_t>(s[8]) : 1;
+    e->has_crc = false;
   } catch (const std::bad_cast&) {
     throw nb::value_error(("a malformed node table entry " + nb::cast<std::string>(nb::repr(h))).c_str());
   }
-  if (e.size > NodeTable::kMax48 || e.offset > NodeTable::kMax48 || e.length > NodeTable::kMax48)
+  if (e->size > NodeTable::kMax48 || e->offset > NodeTable::kMax48 || e->length > NodeTable::kMax48)
     throw nb::value_error("a node table entry's size, offset and length fit in 48 bits");
+}
+
+NodeEntry entry_of(nb::handle h, int tier) {
+  NodeEntry e;
+  fill_entry(h, tier, &e);
   return e;
+}
+
+// A journal batch (NodeTable::replay's form) of drops [key, gen] (DRAM entries of gen <= gen)
+// then adds [key, gen, size, offset, length, pin, parent, crc or None, want?], as a message
+// applies them, into *out (cleared; its capacity kept).
+void encode_batch(nb::handle adds, nb::handle drops, std::string* out) {
+  static thread_local NodeEntry e;
+  static thread_local std::string key;
+  out->assign(12, '\0');
+  for (nb::handle d : drops) {
+    nb::sequence s = nb::borrow<nb::sequence>(d);
+    uint64_t gen;
+    try {
+      if (nb::len(s) != 2) throw std::bad_cast();
+      utf8(s[0], &key);
+      gen = nb::cast<uint64_t>(s[1]);
+    } catch (const std::bad_cast&) {
+      throw nb::value_error(("a malformed journal drop " + nb::cast<std::string>(nb::repr(d))).c_str());
+    }
+    uint32_t klen = static_cast<uint32_t>(key.size());
+    *out += '\x02';
+    out->append(reinterpret_cast<const char*>(&gen), 8);
+    out->append(reinterpret_cast<const char*>(&klen), 4);
+    *out += key;
+  }
+  for (nb::handle a : adds) {
+    nb::sequence s = nb::borrow<nb::sequence>(a);
+    size_t n = nb::len(s);
+    try {
+      if (n != 8 && n != 9) throw std::bad_cast();
+      utf8(s[0], &e.key);
+      e.gen = nb::cast<uint64_t>(s[1]);
+      e.size = nb::cast<uint64_t>(s[2]);
+      e.offset = nb::cast<uint64_t>(s[3]);
+      e.length = nb::cast<uint64_t>(s[4]);
+      e.pin = nb::cast<uint64_t>(s[5]);
+      utf8(s[6], &e.parent);
+      e.has_crc = !s[7].is_none();
+      e.crc = e.has_crc ? nb::cast<uint32_t>(s[7]) : 0;
+      e.want = n > 8 ? nb::cast<uint64_t>(s[8]) : 1;
+    } catch (const std::bad_cast&) {
+      throw nb::value_error(("a malformed journal add " + nb::cast<std::string>(nb::repr(a))).c_str());
+    }
+    *out += '\x01';
+    NodeTable::encode(e, out);
+  }
+  uint32_t head[3] = {NodeTable::kJournalMagic, static_cast<uint32_t>(out->size() - 12),
+                      mcr::spill::crc32c(out->data() + 12, out->size() - 12)};
+  std::memcpy(out->data(), head, sizeof head);
 }
 
 std::vector<int64_t> int64s(nb::bytes b, size_t per, size_t n, const char* what) {
@@ -95,54 +165,27 @@ void bind_store(nb::module_& m) {
     return nb::bytes(out.data(), out.size());
   }, "parts"_a);
 
-  // One journal batch (NodeTable::replay's form) of adds [key, gen, size, offset, length,
-  // pin, parent, crc or None, want] and drops [key, gen] (DRAM entries of gen <= gen): the
-  // drops first, as a message applies them.
+  // One journal batch (encode_batch) as bytes.
   m.def("journal_batch", [](nb::handle adds, nb::handle drops) {
-    std::string body;
-    NodeEntry e;
-    for (nb::handle d : drops) {
-      nb::sequence s = nb::borrow<nb::sequence>(d);
-      uint64_t gen;
-      std::string key;
-      try {
-        key = nb::cast<std::string>(s[0]);
-        gen = nb::cast<uint64_t>(s[1]);
-      } catch (const std::bad_cast&) {
-        throw nb::value_error(("a malformed journal drop " + nb::cast<std::string>(nb::repr(d))).c_str());
-      }
-      uint32_t klen = static_cast<uint32_t>(key.size());
-      body += '\x02';
-      body.append(reinterpret_cast<const char*>(&gen), 8);
-      body.append(reinterpret_cast<const char*>(&klen), 4);
-      body += key;
-    }
-    for (nb::handle a : adds) {
-      nb::sequence s = nb::borrow<nb::sequence>(a);
-      if (nb::len(s) != 9) throw nb::value_error("a journal add has 9 fields");
-      try {
-        e.key = nb::cast<std::string>(s[0]);
-        e.gen = nb::cast<uint64_t>(s[1]);
-        e.size = nb::cast<uint64_t>(s[2]);
-        e.offset = nb::cast<uint64_t>(s[3]);
-        e.length = nb::cast<uint64_t>(s[4]);
-        e.pin = nb::cast<uint64_t>(s[5]);
-        e.parent = nb::cast<std::string>(s[6]);
-        e.has_crc = !s[7].is_none();
-        e.crc = e.has_crc ? nb::cast<uint32_t>(s[7]) : 0;
-        e.want = nb::cast<uint64_t>(s[8]);
-      } catch (const std::bad_cast&) {
-        throw nb::value_error(("a malformed journal add " + nb::cast<std::string>(nb::repr(a))).c_str());
-      }
-      body += '\x01';
-      NodeTable::encode(e, &body);
-    }
-    uint32_t head[3] = {NodeTable::kJournalMagic, static_cast<uint32_t>(body.size()),
-                        mcr::spill::crc32c(body.data(), body.size())};
-    std::string out(reinterpret_cast<const char*>(head), sizeof head);
-    out += body;
+    std::string out;
+    encode_batch(adds, drops, &out);
     return nb::bytes(out.data(), out.size());
   }, "adds"_a, "drops"_a);
+  // One journal batch appended to the file open at fd: no buffer made per batch (a batch of
+  // a thousand values is 76 KB, which came from the allocator and went back each time).
+  m.def("journal_write", [](int fd, nb::handle adds, nb::handle drops) {
+    static thread_local std::string out;
+    encode_batch(adds, drops, &out);
+    for (size_t at = 0; at < out.size();) {
+      ssize_t w = ::write(fd, out.data() + at, out.size() - at);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        PyErr_SetFromErrno(PyExc_OSError);
+        throw nb::python_error();
+      }
+      at += static_cast<size_t>(w);
+    }
+  }, "fd"_a, "adds"_a, "drops"_a);
 
   nb::class_<NodeTable>(m, "NodeTable")
       .def(nb::init<>())
@@ -190,18 +233,21 @@ void bind_store(nb::module_& m) {
               throw nb::value_error(("a malformed drop " + nb::cast<std::string>(nb::repr(d))).c_str());
             }
         }
-        std::vector<NodeEntry> es;
+        static thread_local std::vector<NodeEntry> es;  // reused: no entry allocated per record
+        size_t n = 0;
         for (nb::handle a : adds) {
           nb::sequence s = nb::borrow<nb::sequence>(a);
           if (nb::len(s) < 6) throw nb::value_error("an add has 6 to 9 fields");
           int tier = tier_of(s[3]);
-          if (tier < 0)
+          if (tier < 0) {
             disk_adds.append(a);
-          else
-            es.push_back(entry_of(a, tier));
+          } else {
+            if (n == es.size()) es.emplace_back();
+            fill_entry(a, tier, &es[n++]);
+          }
         }
         for (auto& [key, gen, tier] : ds) t.erase(key, static_cast<uint8_t>(tier), gen);
-        for (auto& e : es) t.set(e);
+        for (size_t i = 0; i < n; ++i) t.set(es[i]);
         t.forget_sums();
         return nb::make_tuple(disk_drops, disk_adds);
       }, "adds"_a, "drops"_a)

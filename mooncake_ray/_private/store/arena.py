@@ -198,7 +198,7 @@ class ArenaFile:
         from mooncake_ray._private.native import _native
 
         self._crc, self._crc_many = _native.spill_crc32c, _native.spill_crc32c_many
-        self._batch = _native.journal_batch
+        self._write_batch = _native.journal_write
         self.file_id = [st.st_dev, st.st_ino]
         self.length = size
         self._anchor = ctypes.c_char.from_buffer(self._mm)
@@ -342,12 +342,10 @@ class ArenaFile:
         return np.frombuffer(out, dtype="<u4")
 
     def journal(self, adds: list, drops: list) -> None:
-        """Append what one inventory message changed, as one batch (``_native.journal_batch``:
+        """Append what one inventory message changed, as one batch (``_native.journal_write``:
         length, CRC-32C, binary records): ``drops`` as ``[key, gen]`` (entries of gen <= gen
         go), then ``adds`` as ``[key, gen, size, offset, length, pin, parent, crc, want?]``."""
-        if any(len(e) == 8 for e in adds):
-            adds = [e if len(e) == 9 else [*e, 1] for e in adds]
-        os.write(self._jfd, self._batch(adds, drops))
+        self._write_batch(self._jfd, adds, drops)
 
     def journal_bytes(self) -> int:
         return os.fstat(self._jfd).st_size
