@@ -357,7 +357,12 @@ void bind_store(nb::module_& m) {
         return nb::make_tuple(ops, skipped);
       }, "data"_a)
       .def("verify", [](NodeTable& t, uintptr_t addr, size_t length) {
-        return t.verify(reinterpret_cast<const uint8_t*>(addr), length);
+        std::vector<std::pair<std::string, uint64_t>> bad;
+        {
+          nb::gil_scoped_release unlocked;  // the caller owns the table (a restart, before any thread)
+          bad = t.verify(reinterpret_cast<const uint8_t*>(addr), length);
+        }
+        return bad;
       }, "addr"_a, "length"_a)
       .def("memory_bytes", &NodeTable::memory_bytes)
       .def("kept_sums", &NodeTable::kept_sums)
