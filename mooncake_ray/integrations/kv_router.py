@@ -17,7 +17,8 @@ deployment's router is the one that matters.) Per request it weighs, for every r
 - the prefill work the replica has in hand (prompt tokens of the requests routed to it and
   not finished) and its requests in flight; with several ingress replicas (a router each),
   the requests of the others too, as the replica reports them when it accepts one of this
-  router's, each counted for one mean request time from that report;
+  router's, each counted until that request of this router's finishes, or for one mean
+  request time from the report;
 
 and sends the request to the replica of least cost (``_kv_index.choose``: tokens to
 compute + ``load_cost`` x tokens to load from the store + queued tokens +
@@ -663,7 +664,8 @@ class MooncakeKVRouter(_router_base()):
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         # Other routers' requests (other ingress replicas): a replica reports its requests in
         # flight when it accepts one of ours (Serve's queue-length answer); what it holds
-        # beyond ours then counts for one mean request time from the report. (Serve's own
+        # beyond ours then counts until that request of ours finishes, or for one mean request
+        # time from the report, whichever comes first. (Serve's own
         # queue-length cache keeps them until ten seconds after its last update: it never
         # sees another router's requests finish.)
         self._queue_report: dict[str, tuple[int, float]] = {}  # replica -> (requests it reported, when)
@@ -952,6 +954,15 @@ class MooncakeKVRouter(_router_base()):
         if routed is not None:
             took = time.monotonic() - routed
             self._mean_s = took if self._mean_s is None else self._mean_s + 0.2 * (took - self._mean_s)
+            # The other routers' requests the replica reported up to this one's acceptance
+            # were in flight before it, in an engine that batches them all: with this one
+            # finished, they most likely have too. (Kept for a mean request time instead, one
+            # of them made a conversation's holder look a request busier just as its next
+            # turn came, and the turn went to the other engine.) A later report stays.
+            rid = replica_id.to_full_id_str()
+            n, seen = self._others.get(rid, (0, 0.0))
+            if n and seen <= routed:
+                self._others[rid] = (0, seen)
         pending = self._pending.pop(internal_request_id, None)
         if pending is not None:
             self._release(pending[2])

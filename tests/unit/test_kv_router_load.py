@@ -94,26 +94,36 @@ def test_a_best_replica_full_by_this_routers_count_is_not_offered_alone(router):
     assert [g[0].replica_id.to_full_id_str() for g in got] == ["a", "b"]
 
 
-def test_other_routers_requests_count_for_one_mean_request_time_after_the_replica_reported_them(router):
+def test_other_routers_requests_count_until_ours_accepted_with_them_finishes_or_one_mean_request_time(router):
     """Serve's queue-length cache keeps another router's request until ten seconds after its
     last update (it never sees it finish): with two ingress replicas a conversation's holder
     looked busy and its later turns went elsewhere. The router counts the replica's report
-    beyond its own requests, and only for one mean request time."""
+    beyond its own requests, and only for one mean request time, or until its own request
+    accepted with them finishes (they were in flight before it: a conversation's next turn,
+    sent as its previous one finished, went to the other engine while they still counted)."""
     r = router
     reps = [fake_replica("a"), fake_replica("b")]
-    req = fake_request(0)
-    asyncio.run(r.choose_replicas(reps, req))
     a = reps[0].replica_id
+    req0, req1 = fake_request(0), fake_request(1)
+    asyncio.run(r.choose_replicas(reps, req0))
     r.on_new_queue_len_info(a, 3)  # "a" accepts it, with two of another router's in flight
-    r.on_request_routed(req, a, None)
+    r.on_request_routed(req0, a, None)
     loads = r._loads(reps)
     assert (loads["a"].requests, loads["b"].requests) == (3, 0)
     assert loads["a"].tokens == 3 * r._load["a"].tokens  # each counted as a mean request of ours
+    # a second request of ours accepted later, the replica then reporting 4: 2 of ours, 2 others'
     r._routed_at["req0"] -= 1.0  # ours took a second
+    r._queue_report.clear()
+    asyncio.run(r.choose_replicas([reps[0]], req1))
+    r.on_new_queue_len_info(a, 4)
+    r.on_request_routed(req1, a, None)
     r.on_request_completed(a, "req0")
-    assert r._loads(reps)["a"].requests == 2  # ours finished; theirs likely still run
+    assert r._loads(reps)["a"].requests == 3  # req1's report is newer than req0: it stays
     n, seen = r._others["a"]
     r._others["a"] = (n, seen - r._mean_s - 0.01)  # one mean request time later
+    assert r._loads(reps)["a"].requests == 1  # only ours
+    r._others["a"] = (n, seen)
+    r.on_request_completed(a, "req1")  # accepted with them, now finished: they went before it
     assert r._loads(reps)["a"] == kvi.Load(0, 0)
 
 
