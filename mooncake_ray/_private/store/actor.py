@@ -30,7 +30,6 @@ Lock order: ``_lock`` guards the inventories; it is never held across a call out
 from __future__ import annotations
 
 import functools
-from itertools import repeat
 import logging
 import os
 import queue
