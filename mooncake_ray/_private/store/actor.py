@@ -217,7 +217,9 @@ class StoreNodeActor:
         if link.ring is None or not link.ring.pending():
             return
         adds, given, alone = [], [], set()
-        for key, gen, size, offset, length, parent, reserved, want, crc, only in link.ring.read():
+        # counted as read in the ring only once journaled: a node killed in between finds
+        # them there again at its restart (they were acknowledged from the ring)
+        for key, gen, size, offset, length, parent, reserved, want, crc, only in link.ring.read(commit=False):
             adds.append((key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want))
             if crc is not None and not reserved:  # taken in the client's copy: not read back here
                 given.append((key, gen, offset, crc))
@@ -231,6 +233,7 @@ class StoreNodeActor:
             set_crc(key, gen, offset, crc)
         self.sums_given += len(given)
         self._journal(link, (adds, (), ()), from_ring=True, alone=alone)  # a ring lives beside a kept arena: there is a journal
+        link.ring.commit()
 
     def _ring_loop(self) -> None:
         """Read the commit rings every few milliseconds: the native index's commits reach
