@@ -137,6 +137,28 @@ void encode_batch(nb::handle adds, nb::handle drops, std::string* out) {
   std::memcpy(out->data(), head, sizeof head);
 }
 
+// A reused buffer back to a small one once a large use is over: a thread-local buffer keeps
+// its largest capacity, and a ring read or a message of 100,000 records once would leave
+// megabytes resident in the node for its life.
+constexpr size_t kKeepBytes = 256 << 10;
+template <typename T>
+void trim(T* buf, size_t bytes) {
+  if (bytes > kKeepBytes) T().swap(*buf);
+}
+
+// All of buf appended to the file open at fd (a journal); OSError on failure.
+void write_all(int fd, const std::string& buf) {
+  for (size_t at = 0; at < buf.size();) {
+    ssize_t w = ::write(fd, buf.data() + at, buf.size() - at);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      PyErr_SetFromErrno(PyExc_OSError);
+      throw nb::python_error();
+    }
+    at += static_cast<size_t>(w);
+  }
+}
+
 std::vector<int64_t> int64s(nb::bytes b, size_t per, size_t n, const char* what) {
   if (b.size() != n * per * sizeof(int64_t)) throw nb::value_error(what);
   std::vector<int64_t> v(n * per);
@@ -176,15 +198,8 @@ void bind_store(nb::module_& m) {
   m.def("journal_write", [](int fd, nb::handle adds, nb::handle drops) {
     static thread_local std::string out;
     encode_batch(adds, drops, &out);
-    for (size_t at = 0; at < out.size();) {
-      ssize_t w = ::write(fd, out.data() + at, out.size() - at);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        PyErr_SetFromErrno(PyExc_OSError);
-        throw nb::python_error();
-      }
-      at += static_cast<size_t>(w);
-    }
+    write_all(fd, out);
+    trim(&out, out.capacity());
   }, "fd"_a, "adds"_a, "drops"_a);
 
   nb::class_<NodeTable>(m, "NodeTable")
@@ -249,8 +264,25 @@ void bind_store(nb::module_& m) {
         for (auto& [key, gen, tier] : ds) t.erase(key, static_cast<uint8_t>(tier), gen);
         for (size_t i = 0; i < n; ++i) t.set(es[i]);
         t.forget_sums();
+        trim(&es, es.capacity() * sizeof(NodeEntry));
         return nb::make_tuple(disk_drops, disk_adds);
       }, "adds"_a, "drops"_a)
+      // The commit ring mapped at ring_addr (ring_bytes long): its records since its tail
+      // applied (NodeTable::apply_ring) and their journal batch appended to the file open at
+      // fd, no Python object made per record. Returns (records, checksums given, checksums
+      // taken here, the ring's new tail for the caller to commit once this returns, the DRAM
+      // commits a message will add too as [(key, gen, offset, parent, want)]).
+      .def("read_ring", [](NodeTable& t, uintptr_t ring_addr, size_t ring_bytes, uintptr_t arena_addr,
+                           size_t arena_len, int fd) {
+        static thread_local std::string batch;
+        NodeTable::RingRead r = t.apply_ring(reinterpret_cast<const uint8_t*>(ring_addr), ring_bytes,
+                                             reinterpret_cast<const uint8_t*>(arena_addr), arena_len, &batch);
+        write_all(fd, batch);
+        trim(&batch, batch.capacity());
+        nb::list told;
+        for (const NodeEntry& e : r.told) told.append(nb::make_tuple(e.key, e.gen, e.offset, e.parent, e.want));
+        return nb::make_tuple(r.records, r.given, r.summed, r.tail, told);
+      }, "ring_addr"_a, "ring_bytes"_a, "arena_addr"_a, "arena_len"_a, "fd"_a)
       .def("entries", [](const NodeTable& t) {
         nb::list out;
         t.for_each([&](const NodeEntry& e) { out.append(as_tuple(e)); });

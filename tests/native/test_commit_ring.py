@@ -241,3 +241,84 @@ def test_a_ring_is_sized_by_its_arena_and_an_existing_one_keeps_its_size(tmp_pat
     assert again.nbytes == 64 + 4096 and [r[0] for r in left] == ["a"]
     again.close()
     master.close()
+
+
+def test_the_nodes_native_read_applies_and_journals_what_the_ring_holds(tmp_path):
+    """``NodeTable.read_ring`` (the store node's read of its ring: no Python object per
+    record) against the reference decoder ``CommitRing.read``, across wraps: the same
+    records applied, checksums taken by the writer kept and the others taken from the
+    arena, one journal batch per read that a restarted node replays to the same table,
+    the commits a message will add too handed back, and the ring's tail left for the
+    caller to move."""
+    import ctypes
+    import random
+
+    rng = random.Random(7)
+    buf = (ctypes.c_char * (1 << 20)).from_buffer_copy(rng.randbytes(1 << 20))  # the arena
+    base = ctypes.addressof(buf)
+
+    def crc(off, size):
+        return _native.spill_crc32c(base + off, size, 0) if size else 0
+
+    node, master, ix = attached(tmp_path)
+    table = _native.NodeTable()
+    jpath = str(tmp_path / "journal")
+    fd = os.open(jpath, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    want_entries, told_all, at = {}, [], 0
+
+    def place(size):  # a fresh extent of whole 64-byte granules
+        nonlocal at
+        off, at = at, at + max(64, (size + 63) // 64 * 64)
+        return off
+
+    for rnd in range(60):
+        items, pub = [], []
+        for j in range(rng.randrange(1, 6)):
+            k = f"k{rnd}-{j}" + "z" * rng.randrange(0, 30)
+            size = rng.randrange(1, 2000)
+            off = place(size)
+            given = rng.choice([None, rng.randrange(1 << 32)])
+            items.append([k, 1, off, size, False, rng.choice(["", "p"]), given])
+        req = [rpc.PUT_COMMIT, items, "c1"]
+        rep = msgpack.unpackb(ix.serve(msgpack.packb(req, use_bin_type=True), True))
+        assert rep[0] == rpc.OK
+        if rnd % 3 == 0:  # Python's commits: copies wanted, a reservation, not alone
+            off = place(300)
+            pub = [("n0", "i0", False, f"py{rnd}", 5, 300, off, 320, "", 2, rng.choice([None, 99])),
+                   ("n0", "i0", True, f"res{rnd}", 6, 256, place(256), 256, "")]
+            assert ix.ring_publish(pub)
+        tail0 = node._words[3]
+        records, given_n, summed, tail, told = table.read_ring(node.addr, node.nbytes, base, 1 << 20, fd)
+        assert node._words[3] == tail0  # not moved: the caller commits once it has journaled
+        ref = node.read(commit=False)
+        assert tail == node._read_to and records == len(ref)
+        for key, gen, size, offset, length, parent, reserved, want, c, alone in ref:
+            tier = "reserved" if reserved else "dram"
+            assert table.get(key, tier) == (key, gen, size, tier, offset, length, 0, parent, want)
+            if not reserved:
+                assert table.crc_of(key, gen, offset) == (c if c is not None else crc(offset, size))
+                want_entries[key] = (key, gen, size, "dram", offset, length, 0, parent, want)
+                if not alone:
+                    told_all.append((key, gen, offset, parent, want))
+        assert given_n == sum(1 for r in ref if not r[6] and r[8] is not None)
+        assert summed == sum(1 for r in ref if not r[6] and r[8] is None)
+        node.commit(tail)
+    assert told_all and [t[0] for t in told_all] == [f"py{r}" for r in range(0, 60, 3)]
+    os.close(fd)
+    again = _native.NodeTable()
+    with open(jpath, "rb") as f:
+        ops, skipped = again.replay(f.read())
+    assert (ops, skipped) == (len(want_entries), 0)
+    assert {e[0]: e for e in again.entries()} == want_entries
+    for key, e in want_entries.items():
+        assert again.crc_of(key, e[1], e[4]) == table.crc_of(key, e[1], e[4])
+    # a record that does not parse: nothing applied, a typed error
+    node._words[3] = node._words[2] = 0
+    ctypes.memmove(node.addr + 64, (ctypes.c_uint32 * 2)(12, 1), 8)
+    node._words[2] = 16
+    n = len(table)
+    with pytest.raises(ValueError, match="bad record length 12"):
+        table.read_ring(node.addr, node.nbytes, base, 1 << 20, -1)
+    assert len(table) == n
+    master.close()
+    node.close()

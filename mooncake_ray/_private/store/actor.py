@@ -213,27 +213,26 @@ class StoreNodeActor:
     def _read_ring(self, link: _ShardLink) -> None:
         """Apply the records the master wrote to ``link``'s commit ring since the last
         read, and journal them with their checksums (lock held). Called before any message
-        of the master is applied, so a later drop or replacement applies after them."""
-        if link.ring is None or not link.ring.pending():
+        of the master is applied, so a later drop or replacement applies after them.
+
+        In C++ (``NodeTable.read_ring``): parsed, applied to the table, checksummed where
+        the writing client took no checksum, and journaled as one batch, with no Python
+        object per record. They count as read in the ring only once journaled: a node
+        killed in between finds them there again at its restart (they were acknowledged
+        from the ring)."""
+        ring = link.ring
+        if ring is None or not ring.pending():
             return
-        adds, given, alone = [], [], set()
-        # counted as read in the ring only once journaled: a node killed in between finds
-        # them there again at its restart (they were acknowledged from the ring)
-        for key, gen, size, offset, length, parent, reserved, want, crc, only in link.ring.read(commit=False):
-            adds.append((key, gen, size, RESERVED if reserved else DRAM, offset, length, 0, parent, want))
-            if crc is not None and not reserved:  # taken in the client's copy: not read back here
-                given.append((key, gen, offset, crc))
-            if only:
-                alone.add((key, gen, offset))
-        self.ring_records += len(adds)
-        table = link.inv.table
-        table.apply(adds, ())
-        set_crc = table.set_crc
-        for key, gen, offset, crc in given:
-            set_crc(key, gen, offset, crc)
-        self.sums_given += len(given)
-        self._journal(link, (adds, (), ()), from_ring=True, alone=alone)  # a ring lives beside a kept arena: there is a journal
-        link.ring.commit()
+        arena = self.arena_file  # a ring lives beside a kept arena: there is a journal
+        records, given, summed, tail, told = link.inv.table.read_ring(ring.addr, ring.nbytes, arena.addr,
+                                                                      arena.length, arena.journal_fd)
+        # commits a message of the master will add too: that add need not be journaled again
+        for key, gen, offset, parent, want in told:
+            self._ring_journaled[(key, gen, offset)] = (0, parent, want)
+        self.ring_records += records
+        self.sums_given += given
+        self.sums_read += summed
+        ring.commit(tail)
 
     def _ring_loop(self) -> None:
         """Read the commit rings every few milliseconds: the native index's commits reach
@@ -294,15 +293,13 @@ class StoreNodeActor:
                     kept, dropped)
         return report
 
-    def _journal(self, link: _ShardLink, delta, from_ring: bool = False,
-                 alone: set | frozenset = frozenset()) -> None:
-        """Record one applied inventory message (or the records read from a commit ring)
-        in the arena's journal, each added DRAM value with the checksum of its bytes (under
-        the lock: in the order applied; before the master hears it applied). A value
-        committed through the ring was journaled and checksummed when the ring was read:
-        the master's message adding it (the same key, gen and place, so the same bytes) is
-        journaled again only if it changes the entry (a pin set meanwhile). ``alone``: ring
-        values no message will add (nothing to recognise later)."""
+    def _journal(self, link: _ShardLink, delta) -> None:
+        """Record one applied inventory message in the arena's journal, each added DRAM
+        value with the checksum of its bytes (under the lock: in the order applied; before
+        the master hears it applied). A value committed through the ring was journaled and
+        checksummed when the ring was read (``_read_ring``): the master's message adding it
+        (the same key, gen and place, so the same bytes) is journaled again only if it
+        changes the entry (a pin set meanwhile)."""
         adds, drops, _offloads = delta
         out, checksum, ringed = [], self.arena_file.checksum, self._ring_journaled
         crc_of, set_crc = link.inv.table.crc_of, link.inv.table.set_crc
@@ -310,10 +307,7 @@ class StoreNodeActor:
             if e[3] == DRAM:
                 at = (e[0], e[1], e[4])
                 rest = (e[6] if len(e) > 6 else 0, e[7] if len(e) > 7 else "", e[8] if len(e) > 8 else 1)
-                if from_ring:
-                    if at not in alone:
-                        ringed[at] = rest
-                elif ringed.pop(at, None) == rest:
+                if ringed.pop(at, None) == rest:
                     continue
                 crc = crc_of(*at)
                 if crc is None:

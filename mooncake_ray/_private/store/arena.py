@@ -347,6 +347,11 @@ class ArenaFile:
         go), then ``adds`` as ``[key, gen, size, offset, length, pin, parent, crc, want?]``."""
         self._write_batch(self._jfd, adds, drops)
 
+    @property
+    def journal_fd(self) -> int:
+        """The journal's file descriptor, open for appending (it changes at each rotation)."""
+        return self._jfd
+
     def journal_bytes(self) -> int:
         return os.fstat(self._jfd).st_size
 

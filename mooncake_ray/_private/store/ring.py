@@ -178,10 +178,11 @@ class CommitRing:
             self._read_to = tail  # counted as read at commit(), once the caller has kept them
         return out
 
-    def commit(self) -> None:
-        """Count the records of the last ``read(commit=False)`` as read: the master may
-        reuse their room from now on."""
-        self._words[3] = self._read_to
+    def commit(self, tail: int | None = None) -> None:
+        """Count the records of the last ``read(commit=False)`` as read (or those before
+        ``tail``, a read position ``NodeTable.read_ring`` returned): the master may reuse
+        their room from now on."""
+        self._words[3] = self._read_to if tail is None else tail
 
     def close(self, keep_fd: bool = False) -> None:
         """Unmap (and close the file, releasing the lock, unless ``keep_fd``)."""

@@ -3,11 +3,12 @@
 // node's lock (no locking here).
 //
 // Compact because a node holds millions of small values: the records live one after
-// another in a log (a 36-byte header and the key's bytes, 4-aligned), and an open-
+// another in a log (a 30-byte header and the key's bytes, 4-aligned), and an open-
 // addressing table of 32-bit record numbers with a byte of each key's hash (linear
 // probing, deletion by backward shift, no tombstones) finds them. A value of 256 bytes with
-// an 18-byte key costs 56 bytes of log and 6-9 bytes of table. What few values have (a chain parent, a pin or a copy count
-// above 255) sits in a side table. A removed record is garbage in the log until the log is
+// an 18-byte key costs 48 bytes of log and 6-9 bytes of table. What few values have (a
+// chain parent, a pin or a copy count above 255, an extent more than 64 KiB longer than
+// the value) sits in a side table. A removed record is garbage in the log until the log is
 // compacted (when a quarter of it is garbage), which keeps the order of the others:
 // iteration is in the order keys were first added, as a Python dict's.
 #pragma once
@@ -103,6 +104,21 @@ class NodeTable {
   // without the GIL.
   std::vector<std::pair<std::string, uint64_t>> verify(const uint8_t* base, size_t len);
 
+  // --- the commit ring (store/ring.py; layout: CommitRing in mcr/master_index.h) ---------
+  struct RingRead {
+    size_t records = 0;  // commits and reserved ranges applied
+    size_t given = 0;    // DRAM commits whose writer took the checksum in its copy
+    size_t summed = 0;   // DRAM commits without one: checksummed here from the arena
+    uint64_t tail = 0;   // the ring's read position after them (the caller commits it)
+    std::vector<NodeEntry> told;  // DRAM commits a message of the master will add too
+  };
+  // Applies the records published in the ring mapped at ``ring`` (``bytes`` long) since its
+  // tail, in order, and encodes into *batch (cleared) the journal batch of the DRAM ones
+  // with their checksums (replay's form; empty if none); the ring's tail is not moved.
+  // Throws std::invalid_argument for a record that does not parse, before applying any.
+  RingRead apply_ring(const uint8_t* ring, size_t bytes, const uint8_t* arena, size_t arena_len,
+                      std::string* batch);
+
   // Forgets the checksums kept aside by erase.
   void forget_sums() { sums_.clear(); }
   size_t kept_sums() const { return sums_.size(); }
@@ -112,19 +128,21 @@ class NodeTable {
   void clear();
 
  private:
-  static constexpr size_t kHdr = 36;
+  static constexpr size_t kHdr = 30;  // 34 for a key of 255 bytes or more
   static constexpr uint8_t kReservedFlag = 1, kHasCrc = 2, kExtra = 4, kDead = 8;
   struct Extra {
-    uint64_t pin = 0, want = 1;
+    uint64_t pin = 0, want = 1, length = 0;
     std::string parent;
   };
 
-  static size_t rec_bytes(const uint8_t* r) { return (kHdr + key_len(r) + 3) & ~size_t{3}; }
+  static size_t hdr_bytes(const uint8_t* r) { return r[29] == 0xFF ? kHdr + 4 : kHdr; }
+  static size_t rec_bytes(const uint8_t* r) { return (hdr_bytes(r) + key_len(r) + 3) & ~size_t{3}; }
   static uint32_t key_len(const uint8_t* r);
-  static uint8_t flags(const uint8_t* r) { return r[32]; }
+  static uint8_t flags(const uint8_t* r) { return r[28]; }
   static std::string_view key_of(const uint8_t* r) {
-    return {reinterpret_cast<const char*>(r + kHdr), key_len(r)};
+    return {reinterpret_cast<const char*>(r + hdr_bytes(r)), key_len(r)};
   }
+  uint64_t length_of(uint32_t idx, const uint8_t* r) const;
   static uint64_t hash(std::string_view key, uint8_t tier);
   size_t home(uint64_t h) const { return static_cast<size_t>((static_cast<unsigned __int128>(h) * cap_) >> 64); }
   uint8_t* rec(uint32_t idx) const { return log_ + size_t{idx} * 4; }

@@ -2,6 +2,7 @@
 #include "mcr/node_table.h"
 #include "mcr/spill_crc32c.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -38,9 +39,14 @@ void* remap_bytes(void* p, size_t old_n, size_t n) {
 }
 
 // Header layout (little-endian, unaligned): 0 gen u64 | 8 size u48 | 14 offset u48 |
-// 20 length u48 | 26 crc u32 | 30 pin u8 | 31 want u8 | 32 flags u8 | 33 key length u24
+// 20 slack u16 (length - size; kBigSlack: the length is in the side table) | 22 crc u32 |
+// 26 pin u8 | 27 want u8 | 28 flags u8 | 29 key length u8 (kLongKey: a u32 at 30 holds it,
+// the key follows at 34; else it follows at 30). A value's length is its size rounded up to
+// a 64-byte granule or a 4 KiB page, so the slack fits in 16 bits but for odd extents.
 constexpr size_t kMinCap = 16;
 constexpr uint32_t kMaxKey = (1u << 24) - 1;
+constexpr uint64_t kBigSlack = 0xFFFF;
+constexpr uint8_t kLongKey = 0xFF;
 
 uint64_t ld(const uint8_t* p, size_t n) {
   uint64_t v = 0;
@@ -58,7 +64,14 @@ NodeTable::~NodeTable() {
   unmap_bytes(slots_, cap_ * kSlotBytes);
 }
 
-uint32_t NodeTable::key_len(const uint8_t* r) { return static_cast<uint32_t>(ld(r + 33, 3)); }
+uint32_t NodeTable::key_len(const uint8_t* r) {
+  return r[29] == kLongKey ? static_cast<uint32_t>(ld(r + 30, 4)) : r[29];
+}
+
+uint64_t NodeTable::length_of(uint32_t idx, const uint8_t* r) const {
+  uint64_t slack = ld(r + 20, 2);
+  return slack == kBigSlack ? extra_.at(idx).length : ld(r + 8, 6) + slack;
+}
 
 uint64_t NodeTable::hash(std::string_view key, uint8_t tier) {
   uint64_t h = std::hash<std::string_view>{}(key) ^ (uint64_t{tier} * 0x9E3779B97F4A7C15ull);
@@ -76,7 +89,7 @@ size_t NodeTable::find(std::string_view key, uint8_t tier, uint64_t h) const {
     if (tags_[i] != tag) continue;  // another key: its record is not read
     const uint8_t* r = rec(s - 1);
     if (key_len(r) == key.size() && ((flags(r) & kReservedFlag) != 0) == (tier == kReserved) &&
-        std::memcmp(r + kHdr, key.data(), key.size()) == 0)
+        std::memcmp(r + hdr_bytes(r), key.data(), key.size()) == 0)
       return i;
   }
 }
@@ -89,47 +102,51 @@ void NodeTable::decode(uint32_t idx, NodeEntry* out) const {
   out->gen = ld(r, 8);
   out->size = ld(r + 8, 6);
   out->offset = ld(r + 14, 6);
-  out->length = ld(r + 20, 6);
+  out->length = length_of(idx, r);
   out->has_crc = (f & kHasCrc) != 0;
-  out->crc = static_cast<uint32_t>(ld(r + 26, 4));
+  out->crc = static_cast<uint32_t>(ld(r + 22, 4));
   if (f & kExtra) {
     const Extra& x = extra_.at(idx);
     out->pin = x.pin;
     out->want = x.want;
     out->parent = x.parent;
   } else {
-    out->pin = r[30];
-    out->want = r[31];
+    out->pin = r[26];
+    out->want = r[27];
     out->parent.clear();
   }
 }
 
 void NodeTable::write_fields(uint8_t* r, uint32_t idx, const NodeEntry& e, bool keep_crc) {
-  uint8_t f = (e.tier == kReserved ? kReservedFlag : 0) | (r[32] & kDead);
-  if (keep_crc) f |= r[32] & kHasCrc;
+  uint8_t f = (e.tier == kReserved ? kReservedFlag : 0) | (r[28] & kDead);
+  if (keep_crc) f |= r[28] & kHasCrc;
   st(r, e.gen, 8);
   st(r + 8, e.size, 6);
   st(r + 14, e.offset, 6);
-  st(r + 20, e.length, 6);
-  if (!keep_crc) st(r + 26, 0, 4);
-  bool extra = e.pin > 255 || e.want > 255 || !e.parent.empty();
+  const bool big_slack = e.length < e.size || e.length - e.size >= kBigSlack;
+  st(r + 20, big_slack ? kBigSlack : e.length - e.size, 2);
+  if (!keep_crc) st(r + 22, 0, 4);
+  bool extra = e.pin > 255 || e.want > 255 || !e.parent.empty() || big_slack;
   if (extra) {
     f |= kExtra;
     Extra& x = extra_[idx];
     x.pin = e.pin;
     x.want = e.want;
     x.parent = e.parent;
-    r[30] = r[31] = 0;
+    x.length = e.length;
+    r[26] = r[27] = 0;
   } else {
-    if (r[32] & kExtra) extra_.erase(idx);
-    r[30] = static_cast<uint8_t>(e.pin);
-    r[31] = static_cast<uint8_t>(e.want);
+    if (r[28] & kExtra) extra_.erase(idx);
+    r[26] = static_cast<uint8_t>(e.pin);
+    r[27] = static_cast<uint8_t>(e.want);
   }
-  r[32] = f;
+  r[28] = f;
 }
 
 uint32_t NodeTable::append(const NodeEntry& e) {
-  size_t need = (kHdr + e.key.size() + 3) & ~size_t{3};
+  const bool long_key = e.key.size() >= kLongKey;
+  const size_t hdr = long_key ? kHdr + 4 : kHdr;
+  size_t need = (hdr + e.key.size() + 3) & ~size_t{3};
   if (log_len_ + need > log_cap_) {
     size_t cap = log_cap_ < 4096 ? 4096 : log_cap_ + log_cap_ / 2;
     while (cap < log_len_ + need) cap += cap / 2;
@@ -139,8 +156,13 @@ uint32_t NodeTable::append(const NodeEntry& e) {
   }
   uint8_t* r = log_ + log_len_;
   std::memset(r, 0, need);
-  st(r + 33, e.key.size(), 3);
-  std::memcpy(r + kHdr, e.key.data(), e.key.size());
+  if (long_key) {
+    r[29] = kLongKey;
+    st(r + 30, e.key.size(), 4);
+  } else {
+    r[29] = static_cast<uint8_t>(e.key.size());
+  }
+  std::memcpy(r + hdr, e.key.data(), e.key.size());
   uint32_t idx = static_cast<uint32_t>(log_len_ / 4);
   log_len_ += need;
   write_fields(r, idx, e, false);
@@ -242,13 +264,13 @@ void NodeTable::set(const NodeEntry& e) {
     if (sums_.empty()) return;
     auto it = sums_.find(sum_key(e.key, e.gen, e.offset));
     if (it == sums_.end()) return;
-    st(r + 26, it->second, 4);
-    r[32] |= kHasCrc;
+    st(r + 22, it->second, 4);
+    r[28] |= kHasCrc;
     return;
   }
   if (e.tier == kDram) {  // a checksum given with the entry
-    st(r + 26, e.crc, 4);
-    r[32] |= kHasCrc;
+    st(r + 22, e.crc, 4);
+    r[28] |= kHasCrc;
   }
 }
 
@@ -280,9 +302,9 @@ bool NodeTable::erase(std::string_view key, uint8_t tier, uint64_t max_gen, bool
   uint64_t gen = ld(r, 8);
   if (gen > max_gen) return false;
   if (keep_sum && tier == kDram && (flags(r) & kHasCrc))
-    sums_[sum_key(key, gen, ld(r + 14, 6))] = static_cast<uint32_t>(ld(r + 26, 4));
+    sums_[sum_key(key, gen, ld(r + 14, 6))] = static_cast<uint32_t>(ld(r + 22, 4));
   if (flags(r) & kExtra) extra_.erase(idx);
-  r[32] = (flags(r) & ~kExtra) | kDead;
+  r[28] = (flags(r) & ~kExtra) | kDead;
   garbage_ += rec_bytes(r);
   remove_slot(slot);
   --n_;
@@ -295,7 +317,7 @@ bool NodeTable::crc_of(std::string_view key, uint64_t gen, uint64_t offset, uint
   if (slot != SIZE_MAX) {
     const uint8_t* r = rec(slots_[slot] - 1);
     if ((flags(r) & kHasCrc) && ld(r, 8) == gen && ld(r + 14, 6) == offset) {
-      *crc = static_cast<uint32_t>(ld(r + 26, 4));
+      *crc = static_cast<uint32_t>(ld(r + 22, 4));
       return true;
     }
   }
@@ -311,8 +333,8 @@ bool NodeTable::set_crc(std::string_view key, uint64_t gen, uint64_t offset, uin
   if (slot == SIZE_MAX) return false;
   uint8_t* r = rec(slots_[slot] - 1);
   if (ld(r, 8) != gen || ld(r + 14, 6) != offset) return false;
-  st(r + 26, crc, 4);
-  r[32] |= kHasCrc;
+  st(r + 22, crc, 4);
+  r[28] |= kHasCrc;
   return true;
 }
 
@@ -475,7 +497,7 @@ std::vector<std::pair<std::string, uint64_t>> NodeTable::verify(const uint8_t* b
   auto work = [&](size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {
       const uint8_t* r = rec(recs[i]);
-      uint64_t size = ld(r + 8, 6), off = ld(r + 14, 6), length = ld(r + 20, 6);
+      uint64_t size = ld(r + 8, 6), off = ld(r + 14, 6), length = length_of(recs[i], r);
       fits[i] = size <= length && off <= len && length <= len - off;
       now[i] = fits[i] ? spill::crc32c(base + off, size) : 0;
     }
@@ -491,15 +513,105 @@ std::vector<std::pair<std::string, uint64_t>> NodeTable::verify(const uint8_t* b
   std::vector<std::pair<std::string, uint64_t>> bad;
   for (size_t i = 0; i < recs.size(); ++i) {
     uint8_t* r = rec(recs[i]);
-    if (!fits[i] || ((flags(r) & kHasCrc) && now[i] != static_cast<uint32_t>(ld(r + 26, 4)))) {
+    if (!fits[i] || ((flags(r) & kHasCrc) && now[i] != static_cast<uint32_t>(ld(r + 22, 4)))) {
       bad.emplace_back(std::string(key_of(r)), ld(r, 8));
     } else if (!(flags(r) & kHasCrc)) {
-      st(r + 26, now[i], 4);
-      r[32] |= kHasCrc;
+      st(r + 22, now[i], 4);
+      r[28] |= kHasCrc;
     }
   }
   for (auto& [key, gen] : bad) erase(key, kDram, gen, false);
   return bad;
+}
+
+NodeTable::RingRead NodeTable::apply_ring(const uint8_t* ring, size_t bytes, const uint8_t* arena, size_t arena_len,
+                                          std::string* batch) {
+  constexpr size_t kRingHeader = 64, kRec = 48;  // u32 length, u32 kind, u64 x4, u32 x2
+  constexpr uint32_t kCommit = 1, kRes = 3, kHasCrcBit = 1u << 16, kAloneBit = 1u << 17;
+  RingRead out;
+  batch->clear();
+  if (bytes < kRingHeader + 8) throw std::invalid_argument("commit ring: too small");
+  // head is published with a release store after the records' bytes (the master's
+  // ring_write); tail moves only here
+  const uint64_t head = __atomic_load_n(reinterpret_cast<const uint64_t*>(ring + 16), __ATOMIC_ACQUIRE);
+  uint64_t tail = ld(ring + 24, 8);
+  const uint64_t cap = bytes - kRingHeader;
+  if (head - tail > cap) throw std::invalid_argument("commit ring: head past tail by more than the ring");
+  struct Rec {
+    const uint8_t* key;
+    const uint8_t* parent;
+    uint32_t klen, plen, kind, crc;
+    uint64_t gen, size, offset, length;
+  };
+  static thread_local std::vector<Rec> recs;  // reused: nothing allocated per read
+  recs.clear();
+  for (uint64_t at = tail; at < head;) {  // parsed whole before any is applied
+    const uint8_t* r = ring + kRingHeader + at % cap;
+    const uint64_t n = ld(r, 4);
+    const uint32_t kind = static_cast<uint32_t>(ld(r + 4, 4));
+    if (n < 8 || n % 8 || n > cap - at % cap)
+      throw std::invalid_argument("commit ring: bad record length " + std::to_string(n) + " at " + std::to_string(at));
+    at += n;
+    if ((kind & 0xFF) != kCommit && (kind & 0xFF) != kRes) continue;  // padding to the area's end
+    Rec x;
+    if (n < kRec) throw std::invalid_argument("commit ring: record too short at " + std::to_string(at - n));
+    x.kind = kind;
+    x.gen = ld(r + 8, 8);
+    x.size = ld(r + 16, 8);
+    x.offset = ld(r + 24, 8);
+    x.length = ld(r + 32, 8);
+    x.klen = static_cast<uint32_t>(ld(r + 40, 4));
+    x.plen = static_cast<uint32_t>(ld(r + 44, 4));
+    const uint64_t need = kRec + uint64_t{x.klen} + x.plen + ((kind & kHasCrcBit) ? 4 : 0);
+    if (need > n || x.klen > kMaxKey || x.size > kMax48 || x.offset > kMax48 || x.length > kMax48)
+      throw std::invalid_argument("commit ring: a record that does not parse at " + std::to_string(at - n));
+    x.key = r + kRec;
+    x.parent = x.key + x.klen;
+    x.crc = (kind & kHasCrcBit) ? static_cast<uint32_t>(ld(x.parent + x.plen, 4)) : 0;
+    recs.push_back(x);
+  }
+  out.tail = head;
+  static thread_local NodeEntry e;
+  batch->assign(12, '\0');
+  for (const Rec& x : recs) {
+    const bool reserved = (x.kind & 0xFF) == kRes;
+    e.key.assign(reinterpret_cast<const char*>(x.key), x.klen);
+    e.parent.assign(reinterpret_cast<const char*>(x.parent), x.plen);
+    e.tier = reserved ? kReserved : kDram;
+    e.gen = x.gen;
+    e.size = x.size;
+    e.offset = x.offset;
+    e.length = x.length;
+    e.pin = 0;
+    e.want = ((x.kind >> 8) & 0xFF) ? ((x.kind >> 8) & 0xFF) : 1;
+    e.has_crc = !reserved && (x.kind & kHasCrcBit);
+    e.crc = x.crc;
+    set(e);
+    ++out.records;
+    if (reserved) continue;
+    if (e.has_crc) {
+      ++out.given;
+    } else if (x.size <= arena_len && x.offset <= arena_len - x.size) {
+      // not taken by its writer: the value's bytes now (as a message's add is journaled)
+      e.crc = x.size ? spill::crc32c(arena + x.offset, x.size) : 0;
+      e.has_crc = true;
+      set_crc(e.key, e.gen, e.offset, e.crc);
+      ++out.summed;
+    }
+    if (!(x.kind & kAloneBit)) out.told.push_back(e);
+    *batch += '\x01';
+    encode(e, batch);
+  }
+  sums_.clear();
+  if (recs.capacity() * sizeof(Rec) > (256u << 10)) std::vector<Rec>().swap(recs);  // see trim in the bindings
+  if (batch->size() == 12) {
+    batch->clear();
+  } else {
+    uint32_t h[3] = {kJournalMagic, static_cast<uint32_t>(batch->size() - 12),
+                     spill::crc32c(batch->data() + 12, batch->size() - 12)};
+    std::memcpy(batch->data(), h, sizeof h);
+  }
+  return out;
 }
 
 }  // namespace mcr
