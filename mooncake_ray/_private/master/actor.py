@@ -347,7 +347,10 @@ class MasterActor:
                 self._deliver()
             self._send_now()
             with self._lock:
-                pass
+                # the commits' samples into the insertion policy's caches now (at most every
+                # 10 ms), not at the next tick or eviction round: the half-size caches must
+                # choose before the pressure comes, and a tick is a second
+                self.state.adapt(time.monotonic())
 
     def _evict_loop(self) -> None:
         """Background eviction: a chunk per section of the lock, so RPCs and native calls
