@@ -132,9 +132,7 @@ void encode_batch(nb::handle adds, nb::handle drops, std::string* out) {
     *out += '\x01';
     NodeTable::encode(e, out);
   }
-  uint32_t head[3] = {NodeTable::kJournalMagic, static_cast<uint32_t>(out->size() - 12),
-                      mcr::spill::crc32c(out->data() + 12, out->size() - 12)};
-  std::memcpy(out->data(), head, sizeof head);
+  NodeTable::seal_batch(out);
 }
 
 // A reused buffer back to a small one once a large use is over: a thread-local buffer keeps

@@ -137,15 +137,14 @@ class CommitRing:
     def pending(self) -> bool:
         return self._words[2] != self._words[3]
 
-    def read(self, commit: bool = True) -> list[tuple]:
+    def read(self) -> list[tuple]:
         """Every record published since the last read, in order, as
         ``(key, gen, size, offset, length, parent, reserved, want, crc, alone)``; they count
         as read. (A record's kind carries in bits 8-15 how many copies the put asked for; the
         index's own commits, of one copy, leave them 0. ``crc``: the CRC-32C of the value's
         bytes the writing client took in its copy, or None where it took none. ``alone``: no
-        message of the master will add the value, the record is all the node gets.) With
-        ``commit`` false they count as read only at ``commit()``: a node killed before it
-        journaled them finds them again in the ring when it restarts."""
+        message of the master will add the value, the record is all the node gets.) A
+        running node reads its ring with ``NodeTable.read_ring`` and ``commit`` instead."""
         w = self._words
         head, tail = w[2], w[3]
         if head == tail:
@@ -172,17 +171,14 @@ class CommitRing:
                     crc = _CRC.unpack_from(mm, body + klen + plen)[0]
                 out.append((key, gen, size, offset, length, parent, kind == RESERVED, want, crc, alone))
             tail += n
-        if commit:
-            w[3] = tail
-        else:
-            self._read_to = tail  # counted as read at commit(), once the caller has kept them
+        w[3] = tail
         return out
 
-    def commit(self, tail: int | None = None) -> None:
-        """Count the records of the last ``read(commit=False)`` as read (or those before
-        ``tail``, a read position ``NodeTable.read_ring`` returned): the master may reuse
-        their room from now on."""
-        self._words[3] = self._read_to if tail is None else tail
+    def commit(self, tail: int) -> None:
+        """Count the records before ``tail`` (a read position ``NodeTable.read_ring``
+        returned) as read, once the caller has journaled them: the master may reuse their
+        room from now on. A node killed before finds them again when it restarts."""
+        self._words[3] = tail
 
     def close(self, keep_fd: bool = False) -> None:
         """Unmap (and close the file, releasing the lock, unless ``keep_fd``)."""

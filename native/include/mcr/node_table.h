@@ -95,6 +95,8 @@ class NodeTable {
   // each a kind byte, then an add's record (kind 1), or a drop's gen (u64), key length (u32)
   // and key (kind 2: the DRAM entry of gen <= gen goes).
   static constexpr uint32_t kJournalMagic = 0x314A434D;
+  // Writes the head of a batch whose ops follow 12 reserved bytes at the start of *batch.
+  static void seal_batch(std::string* batch);
   // Applies a journal file's batches in order; a batch whose checksum or records do not
   // hold is skipped (counted in *skipped), a torn last one ends it. Returns the ops applied.
   size_t replay(const uint8_t* data, size_t len, size_t* skipped);

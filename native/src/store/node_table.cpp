@@ -524,6 +524,12 @@ std::vector<std::pair<std::string, uint64_t>> NodeTable::verify(const uint8_t* b
   return bad;
 }
 
+void NodeTable::seal_batch(std::string* batch) {
+  uint32_t h[3] = {kJournalMagic, static_cast<uint32_t>(batch->size() - 12),
+                   spill::crc32c(batch->data() + 12, batch->size() - 12)};
+  std::memcpy(batch->data(), h, sizeof h);
+}
+
 NodeTable::RingRead NodeTable::apply_ring(const uint8_t* ring, size_t bytes, const uint8_t* arena, size_t arena_len,
                                           std::string* batch) {
   constexpr size_t kRingHeader = 64, kRec = 48;  // u32 length, u32 kind, u64 x4, u32 x2
@@ -607,9 +613,7 @@ NodeTable::RingRead NodeTable::apply_ring(const uint8_t* ring, size_t bytes, con
   if (batch->size() == 12) {
     batch->clear();
   } else {
-    uint32_t h[3] = {kJournalMagic, static_cast<uint32_t>(batch->size() - 12),
-                     spill::crc32c(batch->data() + 12, batch->size() - 12)};
-    std::memcpy(batch->data(), h, sizeof h);
+    seal_batch(batch);
   }
   return out;
 }
