@@ -255,6 +255,34 @@ class Decision:
         return self.ranked[0]
 
 
+class StoreCoverage:
+    """How much of what the engines hold the store holds too, read from the router's own
+    lookups (no call of its own): per decision, of the prompt's blocks that some
+    candidate's engine holds and another's does not (the store was asked for them), the
+    share the store has, as a moving average (weight ``alpha`` per decision). A store that
+    holds the working set has them all (coverage 1, pressure 0); one below it holds the
+    most recent part. Starts at 1: no pressure until lookups show some."""
+
+    def __init__(self, alpha: float = 0.1):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.value = 1.0
+
+    @property
+    def pressure(self) -> float:
+        return 1.0 - self.value
+
+    def observe(self, engine_blocks: dict, present: Sequence[bool] | None) -> None:
+        if present is None or not engine_blocks:
+            return
+        lo, hi = min(engine_blocks.values()), min(max(engine_blocks.values()), len(present))
+        if hi <= lo:
+            return
+        share = sum(1 for p in present[lo:hi] if p) / (hi - lo)
+        self.value += self.alpha * (share - self.value)
+
+
 def store_run(present: Sequence[bool], start: int) -> int:
     """Consecutive blocks the store holds from block ``start``."""
     n = 0
@@ -264,7 +292,7 @@ def store_run(present: Sequence[bool], start: int) -> int:
 
 
 def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_present: Sequence[bool] | None,
-           load: dict, model: CostModel, tie=None) -> Decision:
+           load: dict, model: CostModel, tie=None, pressure: float = 0.0) -> Decision:
     """Rank replicas (``engine_blocks``'s keys) for a prompt of ``prompt_tokens`` tokens.
 
     Args:
@@ -272,9 +300,16 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
         store_present: per prompt block, whether the store holds it (None: no store).
         load: replica -> :class:`Load` (missing: idle).
         tie: replica -> a number breaking equal costs (e.g. random), lower first.
+        pressure: the share of the blocks engines hold that the store lacks
+            (:class:`StoreCoverage`), 0 to 1. A replica holding less of the prompt than the
+            one holding most pays ``pressure`` per token of the difference: a store below
+            the working set does not back what a conversation leaves behind when it moves,
+            and its next turns compute what neither engine then holds whole.
     """
     # the engine computes at least the last token, and reuses whole blocks only
     limit = max(prompt_tokens - 1, 0) // block_size * block_size
+    most = max((e for e in engine_blocks.values() if e >= model.min_hit_blocks), default=0)
+    most_tokens = min(most * block_size, limit)
     opts = []
     for r, e in engine_blocks.items():
         e = e if e >= model.min_hit_blocks else 0
@@ -284,6 +319,8 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
         ld = load.get(r) or Load()
         cost = (prompt_tokens - hit) + model.load_costs.get(r, model.load_cost) * loaded + ld.tokens \
             + model.request_cost * ld.requests
+        if pressure > 0:
+            cost += pressure * max(most_tokens - min(e * block_size, limit), 0)
         opts.append(Option(r, e, s, cost, hit, loaded))
     tie = tie or {}
     opts.sort(key=lambda o: (o.cost, tie.get(o.key, 0)))

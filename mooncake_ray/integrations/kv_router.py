@@ -22,7 +22,13 @@ deployment's router is the one that matters.) Per request it weighs, for every r
 
 and sends the request to the replica of least cost (``_kv_index.choose``: tokens to
 compute + ``load_cost`` x tokens to load from the store + queued tokens +
-``request_cost`` x requests in flight). It tokenizes prompts itself, with the model's
+``request_cost`` x requests in flight + the store's pressure x the tokens of the prompt
+the replica holding most of it holds and this one does not). The pressure is the share of
+the blocks engines hold that the store lacks, read from the router's own lookups
+(``_kv_index.StoreCoverage``): 0 while the store holds the working set, so a busy holder
+gives way to an idle replica that loads what it lacks; a store below the working set does
+not back what a moved conversation leaves behind, and there the holder is kept unless the
+queue it has in hand outweighs that. It tokenizes prompts itself, with the model's
 tokenizer (Hugging Face ``AutoTokenizer`` from the deployment's model source, the chat
 template applied for chat requests).
 
@@ -53,7 +59,8 @@ tokenize; error), ``mooncake_router_prompt_tokens``,
 connector's ``mooncake_connector_engine_hit_tokens`` and ``mooncake_connector_hit_tokens``,
 what the engines then reported), ``mooncake_router_event_batches``,
 ``mooncake_router_event_gaps{outcome=replayed|lost|silent}``, ``mooncake_router_index_blocks{replica}``,
-``mooncake_router_load_cost{replica}`` (the learned price in use), ``mooncake_router_decision_seconds``.
+``mooncake_router_load_cost{replica}`` (the learned price in use), ``mooncake_router_store_pressure``,
+``mooncake_router_decision_seconds``.
 """
 
 from __future__ import annotations
@@ -522,6 +529,11 @@ class _Metrics:
         self.load_costs = metrics.Gauge("mooncake_router_load_cost",
                                         "Price of a token loaded from the store over one computed, per replica "
                                         "(learned from its engine's steps)", tag_keys=("replica",))
+        self.store_pressure = metrics.Gauge(
+            "mooncake_router_store_pressure",
+            "Share of the blocks engines hold that the store lacks, from this router's lookups (0: the store "
+            "backs them all)")
+        self._pressure: float | None = None
         self.seconds = metrics.Histogram("mooncake_router_decision_seconds",
                                          "Time to choose a replica (tokenize, hash, store lookup, cost)",
                                          boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0])
@@ -556,6 +568,9 @@ class _Metrics:
         with self._lock:
             self._load_costs[rid] = value
 
+    def pressure(self, value: float) -> None:
+        self._pressure = value
+
     def flush(self) -> None:
         with self._lock:
             seconds, self._seconds = self._seconds, []
@@ -567,6 +582,8 @@ class _Metrics:
             self.blocks.set(n, tags={"replica": rid})
         for rid, v in load_costs.items():
             self.load_costs.set(v, tags={"replica": rid})
+        if self._pressure is not None:
+            self.store_pressure.set(self._pressure)
         self.totals.export()
 
 
@@ -644,6 +661,7 @@ class MooncakeKVRouter(_router_base()):
         # there that must make its engine store blocks, and no batch of its applied since
         self._expect: dict[str, list] = {}
         self._model = kvi.CostModel(load_cost=load_cost, request_cost=request_cost)
+        self._coverage = kvi.StoreCoverage()  # how much of what the engines hold the store backs
         self._lookup_timeout_s = lookup_timeout_s
         self._tokenizer_source = tokenizer
         self._tok: Tokenizer | None = None
@@ -890,8 +908,11 @@ class MooncakeKVRouter(_router_base()):
             rid = r.replica_id.to_full_id_str()
             engine[rid] = self._feed.match(rid, hashes) if rid in self._records else 0
         present = await self._lookup(hashes, min(engine.values()) if engine else 0)
+        self._coverage.observe(engine, present)
+        if self._metrics is not None:
+            self._metrics.pressure(self._coverage.pressure)
         return kvi.choose(len(tokens), bs, engine, present, self._loads(candidates), self._model,
-                          self._ties(candidates))
+                          self._ties(candidates), self._coverage.pressure)
 
     async def _lookup(self, hashes: list[str], skip: int) -> list[bool] | None:
         """Which of the prompt's blocks the store holds (every rank's value of a block), in

@@ -130,6 +130,38 @@ def test_no_hits_is_balance_and_ties_break_by_the_given_order():
     assert d.best.key == "b" and d.reason == "balance"
 
 
+def test_under_store_pressure_leaving_the_holder_costs_what_it_holds():
+    """A busy holder loses to an idle replica when the store backs what engines hold; with a
+    store below the working set (pressure), leaving the holder also costs the tokens it
+    holds and the other does not, weighted by the pressure."""
+    loads = {"b": kvi.Load(tokens=900, requests=2)}
+    # a: computes 1000; b: computes 200 + queue 900 + 128 = 1228
+    d = kvi.choose(1000, 100, {"a": 0, "b": 8}, None, loads, M)
+    assert d.best.key == "a" and d.reason == "load" and d.best.cost == pytest.approx(1000)
+    d = kvi.choose(1000, 100, {"a": 0, "b": 8}, None, loads, M, pressure=0.5)
+    # a: 1000 + 0.5 x 800 = 1400; b: 1228 (the holder pays nothing)
+    assert d.best.key == "b" and d.reason == "engine"
+    assert [o.cost for o in d.ranked] == [pytest.approx(1228), pytest.approx(1400)]
+    d = kvi.choose(1000, 100, {"a": 0, "b": 8}, None, loads, M, pressure=0.2)  # a: 1160, still cheaper
+    assert d.best.key == "a"
+
+
+def test_store_coverage_reads_the_lookups_blocks_some_engine_holds_and_another_not():
+    cov = kvi.StoreCoverage(alpha=1.0)
+    assert cov.pressure == 0.0
+    present = [False, False, True, False, True, True, False]  # blocks 0-1 not asked (both engines hold them)
+    cov.observe({"a": 2, "b": 6}, present)  # blocks 2-5: 3 of 4 in the store
+    assert cov.value == pytest.approx(0.75) and cov.pressure == pytest.approx(0.25)
+    cov.observe({"a": 3, "b": 3}, present)  # the engines hold the same: nothing to read
+    cov.observe({"a": 0, "b": 4}, None)  # no store answer
+    assert cov.value == pytest.approx(0.75)
+    slow = kvi.StoreCoverage()  # alpha 0.1: one decision moves it a tenth of the way
+    slow.observe({"a": 0, "b": 2}, [False, False, True])
+    assert slow.value == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="alpha.*0"):
+        kvi.StoreCoverage(alpha=0)
+
+
 def test_cost_model_bounds_name_the_bad_value():
     with pytest.raises(ValueError, match="load_cost.*1.5"):
         kvi.CostModel(load_cost=1.5)
