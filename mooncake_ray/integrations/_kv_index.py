@@ -325,12 +325,11 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
     tie = tie or {}
     opts.sort(key=lambda o: (o.cost, tie.get(o.key, 0)))
     best = opts[0]
-    most_engine = max(o.engine_blocks for o in opts)
-    if best.engine_blocks and best.engine_blocks == most_engine:
+    if best.engine_blocks and best.engine_blocks == most:
         reason = "engine"
     elif best.store_blocks:
         reason = "store"
-    elif most_engine:
+    elif most:
         reason = "load"  # a replica holds more of the prompt but has too much work in hand
     else:
         reason = "balance"
