@@ -126,14 +126,26 @@ void bind_master(nb::module_& m) {
         return nb::make_tuple(out, next.empty() ? nb::object(nb::none()) : nb::object(nb::str(next.c_str(), next.size())));
       }, "after"_a, "node_id"_a, "disk"_a, "now"_a, "limit"_a)
       // -> (keys, gens, [(offset, length) merged runs], freed bytes, hot key met or None)
+      // -> (keys, gens, runs, freed, stop or None, held): ``held``, with ``chains`` and the
+      // list ended short of ``need``: [(key, (gen, size, offset, length)), ...]
       .def("evict_cold", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, double now,
-                            uint64_t need) {
-        auto e = ix.evict_cold(after, node_id, now, need);
+                            uint64_t need, bool chains) {
+        auto e = ix.evict_cold(after, node_id, now, need, chains);
         nb::list runs;
         for (auto& [off, len] : e.runs) runs.append(nb::make_tuple(off, len));
+        nb::list held;
+        for (auto& it : e.held)
+          held.append(nb::make_tuple(it.key, nb::make_tuple(it.gen, it.size, it.offset, it.length)));
         return nb::make_tuple(e.keys, e.gens, runs, e.freed,
-                              e.stop.empty() ? nb::object(nb::none()) : nb::object(nb::str(e.stop.c_str(), e.stop.size())));
-      }, "after"_a, "node_id"_a, "now"_a, "need"_a)
+                              e.stop.empty() ? nb::object(nb::none()) : nb::object(nb::str(e.stop.c_str(), e.stop.size())),
+                              held);
+      }, "after"_a, "node_id"_a, "now"_a, "need"_a, "chains"_a = false)
+      .def("set_chain_links", &mcr::MasterIndex::set_chain_links, "on"_a)
+      .def("link", &mcr::MasterIndex::link, "key"_a, "parent"_a)
+      .def("set_holds", &mcr::MasterIndex::set_holds, "key"_a, "holds"_a)
+      .def("set_remote_holds", &mcr::MasterIndex::set_remote_holds, "on"_a)
+      .def("chain_of", &mcr::MasterIndex::chain_of, "key"_a)
+      .def("link_count", &mcr::MasterIndex::link_count)
       .def("cold_on_node", &mcr::MasterIndex::cold_on_node, "node_id"_a, "except_incarnation"_a = "")
       .def("cold_gens_on_node", &mcr::MasterIndex::cold_gens_on_node, "node_id"_a, "except_incarnation"_a = "")
       .def("retarget_cold", [](mcr::MasterIndex& ix, nb::list key_list, nb::bytes cols,

@@ -100,10 +100,11 @@ def test_native_index_matches_reference(seed):
         ix.set_commits(True)
         ix.set_next_gen(1 << 62)  # above the wall clock: generations are the counter's
         ix.set_sample_shift(0)  # every reference sampled
+        ix.set_chain_links(seed % 3 != 2)  # KV chain links kept (chain-aware eviction)
     leases: list = []
     slabs: dict = {}
     answered = commits = 0
-    for step in range(2500):
+    for step in range(3000):
         r = rng.random()
         if r < 0.05:
             sid, base = rng.randrange(1, 6), 4096 * rng.randrange(100)
@@ -157,9 +158,11 @@ def test_native_index_matches_reference(seed):
             assert native.cold_count() == ref.cold_count()
         elif r < 0.285:
             now, node, need = time.monotonic(), f"n{rng.randrange(5)}", rng.choice([1, 4096, 1 << 20, 1 << 60])
-            after = rng.choice(["", random_key(rng)])
-            assert native.evict_cold(after, node, now, need) == ref.evict_cold(after, node, now, need)
+            after, chains = rng.choice(["", random_key(rng)]), rng.random() < 0.6
+            got, want = native.evict_cold(after, node, now, need, chains), ref.evict_cold(after, node, now, need, chains)
+            assert got == want, f"step {step}: evict_cold({after!r}, {node}, chains={chains})"
             assert native.keys("") == ref.keys("")
+            assert [native.chain_of(k) for k in native.keys("")] == [ref.chain_of(k) for k in ref.keys("")]
         elif r < 0.30:
             key = random_key(rng)
             native.drop(key)
@@ -194,6 +197,20 @@ def test_native_index_matches_reference(seed):
                 else:
                     ix.set_grace_bytes(grace)
             assert native.keys("") == ref.keys(""), "recency order differs"
+        elif r < 0.42:  # KV chain links and holds (chain-aware eviction)
+            key, how = random_key(rng), rng.choice(["link", "link", "link", "unlink", "holds", "remote"])
+            parent, holds, on = random_key(rng), rng.randrange(4), rng.random() < 0.5
+            for ix in (native, ref):
+                if how == "link":
+                    ix.link(key, parent)
+                elif how == "unlink":
+                    ix.link(key, "")
+                elif how == "holds":
+                    ix.set_holds(key, holds)
+                else:
+                    ix.set_remote_holds(on)
+            assert native.chain_of(key) == ref.chain_of(key) and native.chain_of(parent) == ref.chain_of(parent)
+            assert native.link_count() == ref.link_count()
         else:
             req = random_request(rng, leases)
             data = msgpack.packb(req, use_bin_type=True)
@@ -312,3 +329,39 @@ def test_the_table_stays_exact_while_it_grows_and_shrinks():
     assert all(ix.lookup(k)[1] == g for k, g in model.items())
     ix.clear()
     assert len(ix) == 0 and ix.keys("") == [] and ix.lookup("k1") is None
+
+
+@pytest.mark.parametrize("make", [_native.MasterIndex, PyIndex], ids=["native", "reference"])
+def test_chain_eviction_takes_leaves_first_and_a_parent_right_after_its_last_child(make):
+    ix = make()
+    ix.set_chain_links(True)
+    # least recent first: a1 <- a2 <- a3 (a chain), b (plain), c1 <- c2, a2 <- a2x (a fork)
+    order = ["a1", "a2", "b", "c1", "a3", "c2", "a2x"]
+    parents = {"a2": "a1", "a3": "a2", "c2": "c1", "a2x": "a2"}
+    for i, key in enumerate(order):
+        ix.set_cold(key, 100, i + 1, "n1", "ray0", "inc", False, 1000 * i, 100, 0, 0.0, [])
+    for key, parent in parents.items():
+        ix.link(key, parent)
+    assert ix.chain_of("a2") == ("a1", 2, 0) and ix.chain_of("a1") == ("", 1, 0)
+    ix.set_holds("c2", 1)  # a put naming c2 is in flight: it holds c2 as a child would
+    keys, _gens, runs, freed, stop, held = ix.evict_cold("", "n1", time.monotonic(), 450, True)
+    # b is the least recent leaf; a3 leaves a2 with a2x; a2x takes a2 then a1 at once
+    assert keys == ["b", "a3", "a2x", "a2", "a1"] and freed == 500 and stop is None and held == []
+    assert runs == [(0, 100), (1000, 100), (2000, 100), (4000, 100), (6000, 100)]
+    assert ix.keys("") == ["c1", "c2"] and ix.chain_of("c1") == ("", 1, 0)
+    # c1 and c2 are held; the list ends short: both listed for a forced eviction, least recent first
+    keys, _g, _r, freed, stop, held = ix.evict_cold("", "n1", time.monotonic(), 1000, True)
+    assert keys == [] and freed == 0 and [k for k, _rec in held] == ["c1", "c2"]
+    assert held[0][1] == (4, 100, 3000, 100)
+    ix.set_holds("c2", 0)
+    keys, *_rest = ix.evict_cold("", "n1", time.monotonic(), 1000, True)
+    assert keys == ["c2", "c1"] and ix.keys("") == [] and ix.link_count() == 0
+    # without chains, plain LRU order; a removed parent leaves its children unlinked
+    for i, key in enumerate(order):
+        ix.set_cold(key, 100, i + 1, "n1", "ray0", "inc", False, 1000 * i, 100, 0, 0.0, [])
+    for key, parent in parents.items():
+        ix.link(key, parent)
+    ix.drop("a2")
+    assert ix.chain_of("a3") == ("", 0, 0) and ix.chain_of("a1") == ("", 0, 0)
+    keys, *_rest = ix.evict_cold("", "n1", time.monotonic(), 250, False)
+    assert keys == ["a1", "b", "c1"]

@@ -76,7 +76,10 @@ def pick_victims(table: ObjectTable, node_id: str, need_bytes: int, now: float, 
             return pick.chosen
         if cold is not None:
             if key not in taken:
-                pick.take(key, (key, *cold), cold[3])
+                if pick.blocks(key, True):  # one copy; its children are stored
+                    pick.hold(key, (key, *cold), cold[3])
+                else:
+                    pick.take(key, (key, *cold), cold[3])
             continue
         obj = table.hot(key)
         verdict = judge(obj, node_id, now, tier)

@@ -27,6 +27,8 @@ _DRAM = Tier.DRAM.value
 # Reference kinds of sampled keys (MasterIndex::kRefGet, kRefPut), and how many samples wait.
 REF_GET, REF_PUT = 2, 3
 SAMPLES_MAX = 1 << 16
+# Hold bits of a record's chain links (MasterIndex::kHoldWait, kHoldRemote).
+HOLD_WAIT, HOLD_REMOTE = 1, 2
 
 
 class _Rec:
@@ -84,6 +86,13 @@ class PyIndex:
         self._next_gen = 0
         self.clock = time.monotonic
         self.wall_ns = time.time_ns
+        # KV chain links (MasterIndex::links_): between stored keys only.
+        self._links_on = False
+        self._remote_holds = True
+        self._up: dict[str, str] = {}  # key -> the stored parent it names
+        self._down: dict[str, list[str]] = {}  # parent -> its stored children, newest link first
+        self._holds: dict[str, int] = {}  # key -> HOLD_* bits
+        self._pass: dict[str, int] = {}  # the eviction pass's held keys -> when met
 
     # ------------------------------------------------------------- the table --
     def _resize(self, key, size) -> None:
@@ -191,6 +200,64 @@ class PyIndex:
         if key in self._map:
             self._unprobe(key)
             del self._map[key]
+            self._unchain(key)
+            self._pass.pop(key, None)
+
+    # ----------------------------------------------------------- chain links --
+    def _set_parent(self, key, parent) -> None:
+        old = self._up.get(key)
+        if old == parent:
+            return
+        if old is not None:
+            kids = self._down[old]
+            kids.remove(key)
+            if not kids:
+                del self._down[old]
+            del self._up[key]
+        if parent is not None:
+            self._up[key] = parent
+            self._down.setdefault(parent, []).insert(0, key)
+
+    def _unchain(self, key) -> None:
+        self._set_parent(key, None)
+        for kid in self._down.pop(key, ()):
+            del self._up[kid]
+        self._holds.pop(key, None)
+
+    def _held(self, key) -> bool:
+        h = self._holds.get(key, 0)
+        return key in self._down or bool(h & HOLD_WAIT) or (self._remote_holds and bool(h & HOLD_REMOTE))
+
+    def set_chain_links(self, on: bool) -> None:
+        self._links_on = on
+        if not on:
+            self._up.clear()
+            self._down.clear()
+            self._holds.clear()
+
+    def link(self, key, parent) -> None:
+        if not self._links_on or key not in self._map:
+            return
+        self._set_parent(key, parent if parent and parent != key and parent in self._map else None)
+
+    def set_holds(self, key, holds) -> None:
+        if not self._links_on or key not in self._map:
+            return
+        if holds:
+            self._holds[key] = holds
+        else:
+            self._holds.pop(key, None)
+
+    def set_remote_holds(self, on: bool) -> None:
+        self._remote_holds = on
+
+    def chain_of(self, key):
+        if key not in self._map:
+            return "", 0, 0
+        return self._up.get(key, ""), len(self._down.get(key, ())), self._holds.get(key, 0)
+
+    def link_count(self) -> int:
+        return len(set(self._up) | set(self._down) | set(self._holds))
 
     def drop_many(self, keys) -> None:
         for key in keys:
@@ -211,30 +278,54 @@ class PyIndex:
                 out.append((keys[j], (r.gen, r.size, r.rep[3], r.rep[4])))
         return out, None
 
-    def evict_cold(self, after, node_id, now, need):
+    def evict_cold(self, after, node_id, now, need, chains=False):
         keys = self._order()
         i = 0 if not after or after not in self._map else keys.index(after) + 1
-        out_keys, gens, extents, freed, stop = [], [], [], 0, None
+        if not after:
+            self._pass.clear()
+        chains = chains and self._links_on
+        out_keys, gens, extents, stop = [], [], [], None
+        freed = 0
+
+        def drop(key) -> None:
+            nonlocal freed
+            r = self._map[key]
+            out_keys.append(key)
+            gens.append(r.gen)
+            extents.append((r.rep[3], r.rep[4]))
+            freed += r.rep[4]
+            self.drop(key)
+
+        ended = True
         for key in keys[i:]:
             if freed >= need:
+                ended = False
                 break
             r = self._map[key]
             if r.hot:
                 stop = key
                 break
             if not r.disk and r.lease_until <= now and r.rep[0] == node_id:
-                out_keys.append(key)
-                gens.append(r.gen)
-                extents.append((r.rep[3], r.rep[4]))
-                freed += r.rep[4]
-                self.drop(key)
+                if chains and self._held(key):
+                    self._pass.setdefault(key, len(self._pass))
+                    continue
+                parent = self._up.get(key) if chains else None
+                drop(key)
+                while parent is not None and freed < need and parent in self._pass and not self._held(parent):
+                    up = self._up.get(parent)
+                    drop(parent)
+                    parent = up
+        held = []
+        if chains and ended and stop is None and freed < need:
+            held = [(k, (self._map[k].gen, self._map[k].size, self._map[k].rep[3], self._map[k].rep[4]))
+                    for k in sorted(self._pass, key=self._pass.__getitem__)]
         runs: list = []
         for off, ln in sorted(extents):
             if runs and runs[-1][0] + runs[-1][1] == off:
                 runs[-1] = (runs[-1][0], runs[-1][1] + ln)
             else:
                 runs.append((off, ln))
-        return out_keys, gens, runs, freed, stop
+        return out_keys, gens, runs, freed, stop, held
 
     def _cold_on(self, node_id, except_incarnation):
         return ((k, r) for k, r in self._map.items() if not r.hot and r.rep[0] == node_id
@@ -271,6 +362,10 @@ class PyIndex:
 
     def clear(self) -> None:
         self._map.clear()
+        self._up.clear()
+        self._down.clear()
+        self._holds.clear()
+        self._pass.clear()
         self._stack.clear()
         self._grace.clear()
         self._grace_bytes = 0
@@ -449,6 +544,8 @@ class PyIndex:
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
             if self._insert_old and parent:
                 self.probation(key)
+            if parent and self._links_on:
+                self.link(key, parent)
             self.sample(REF_PUT, key, size, bool(parent))
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size, parent))
             gens.append(gen)

@@ -517,8 +517,10 @@ class ReplicaTable:
         (``(obj, rep)``, soft-pinned ones last and only while less than ``must`` was freed)
         to drop next.
 
-        With chain-aware eviction, a value with stored children is always hot (table.py),
-        so the index stops at it; it waits for its children as in ``pick_victims``."""
+        With chain-aware eviction the index takes leaves first itself (its chain links:
+        ``MasterIndex.evict_cold``); a hot value with stored children waits for them here as
+        in ``pick_victims``, and the held values the index lists when nothing more is left
+        to it wait for a forced eviction (``Picker.close``)."""
         index, table = self._objects.index, self._objects
         node = self._nodes[node_id]
         chains = table.chains if self.policy.chain_eviction else None
@@ -528,7 +530,8 @@ class ReplicaTable:
         taken = {obj.key for obj, _rep in pick.chosen}
         after, cold, n, soft = "", 0, 0, []
         while not pick.done():
-            keys, gens, runs, got, stop = index.evict_cold(after, node_id, now, pick.need - pick.freed)
+            keys, gens, runs, got, stop, held = index.evict_cold(after, node_id, now, pick.need - pick.freed,
+                                                                 chains is not None)
             if keys:
                 delta.drop_many(keys, gens, "dram")
                 node.tier_keys["dram"] -= len(keys)
@@ -539,6 +542,8 @@ class ReplicaTable:
                 parents = {chains.parent.get(k) for k in keys} if chains is not None and pick.held else ()
                 table.dropped_natively(keys)
                 pick.childless(parents)
+            for key, rec in held:  # the list ended short: forced eviction may take them
+                pick.hold(key, (key, *rec), rec[3])
             if stop is None or pick.done():
                 break
             obj = table.hot(stop)

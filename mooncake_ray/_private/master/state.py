@@ -127,7 +127,7 @@ class MasterState(Membership):
         chains = self._objects.chains
         chains.counters, chains.shard, chains.shards = self.counters, self.policy.shard, self.policy.shards
         self.counters.update(chain_tail_evictions=0, lookups=0, chain_messages=0)
-        self._objects.hold_parents = self.policy.chain_eviction
+        self._objects.set_chain_eviction(self.policy.chain_eviction)
         # Chained values adapt their insertion (adaptive.py); plain LRU inserts at the recent end.
         self.insertion = InsertionPolicy(self.policy.chain_insert if self.policy.chain_eviction else "recent", index)
         self._objects.insertion = self.insertion
@@ -181,7 +181,10 @@ class MasterState(Membership):
         if now - self._adapted_at >= every_s:
             self._adapted_at = now
             self.insertion.update(sum(a.capacity for a in self._alloc.values()))
-            self._objects.chains.remote_holds = self.insertion.old
+            chains = self._objects.chains
+            if chains.remote_holds != self.insertion.old:
+                chains.remote_holds = self.insertion.old
+                self.index.set_remote_holds(chains.remote_holds)
 
     def _allocation_gate(self, now: float) -> None:
         """Without durable reservations, a restarted master allocates nothing until no

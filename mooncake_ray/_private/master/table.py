@@ -30,7 +30,7 @@ from typing import Iterator
 
 from mooncake_ray._private.master.adaptive import InsertionPolicy
 from mooncake_ray._private.master.chains import Chains
-from mooncake_ray._private.master.pyindex import REF_PUT
+from mooncake_ray._private.master.pyindex import HOLD_REMOTE, HOLD_WAIT, REF_PUT
 from mooncake_ray._private.master.types import NodeInfo, Obj, Pin, Replica, Tier
 
 SCAN_BATCH = 4096  # records the index lists per scan() call of a victim search
@@ -50,9 +50,10 @@ class ObjectTable:
         self._hot: dict[str, Obj] = {}
         self._dirty: set[str] = set()  # hot keys touched since the last flush
         self.chains = Chains()
-        # Chain-aware eviction: a value with stored children stays hot, so the index's
-        # own eviction (evict_cold) stops at it and the state machine judges it.
-        self.hold_parents = True
+        # Chain-aware eviction: the index keeps the chain links between stored keys and
+        # what else holds a value (its puts in flight, children on other shards), so its
+        # own eviction (evict_cold) takes leaves first without Python (set_chain_eviction).
+        self.chain_eviction = False
         # Where a new value with a parent enters the eviction order (adaptive.py); the
         # state machine sets it.
         self.insertion: InsertionPolicy | None = None
@@ -103,60 +104,69 @@ class ObjectTable:
         self._unlinked(key)
 
     # ------------------------------------------------------------------ chains --
-    def _linked(self, key: str, parent: str) -> None:
+    def set_chain_eviction(self, on: bool) -> None:
+        """Whether eviction takes leaves first: the index then keeps the chain links."""
+        self.chain_eviction = on
+        self.index.set_chain_links(on)
+
+    def _linked(self, key: str, parent: str, native: bool = False) -> None:
+        """``key`` stored naming ``parent``; ``native``: by the index's own commit, which
+        linked it there."""
         chains = self.chains
         if chains.lost:
             chains.lost.discard(key)  # back (with its node, or put again)
         if parent or chains.holds(key) or key in chains.parent:
-            first = chains.stored(key, parent, self.__contains__)
-            if self.hold_parents:  # hot from now on (flush keeps a parent hot)
-                if first is not None:
-                    self.get(first)
-                if chains.holds(key) and key not in self._hot:
-                    self.get(key)
+            chains.stored(key, parent, self.__contains__)
+            if self.chain_eviction:
+                index = self.index
+                if not native:
+                    index.link(key, parent)
+                for kid in chains.kids.get(key, ()):  # stored before it (or it was replaced)
+                    index.link(kid, key)
+                if key in chains.waiting or key in chains.remote:
+                    self._sync_holds(key)
 
     def _unlinked(self, key: str) -> None:
-        """``key`` went; a parent that lost its last child is cooled at the next flush."""
-        parent = self.chains.gone(key)
-        if parent is not None and parent in self._hot and not self.chains.holds(parent):
-            self._dirty.add(parent)
+        """``key`` went (the index dropped its links with its record)."""
+        self.chains.gone(key)
+
+    def _sync_holds(self, key: str) -> None:
+        """Tell the index what besides its children holds ``key``."""
+        if self.chain_eviction:
+            c = self.chains
+            self.index.set_holds(key, (HOLD_WAIT if key in c.waiting else 0) | (HOLD_REMOTE if key in c.remote else 0))
 
     def wait_child(self, parent: str) -> None:
         """A put naming ``parent`` started: it holds the parent until it ends."""
-        if parent and self.chains.wait(parent) and self.hold_parents and parent in self:
-            self.get(parent)
+        if parent:
+            self.chains.wait(parent)
+            self._sync_holds(parent)
 
     def unwait_child(self, parent: str) -> None:
         if parent:
             self.chains.unwait(parent)
-            if not self.chains.holds(parent) and parent in self._hot:
-                self._dirty.add(parent)
+            self._sync_holds(parent)
 
     def remote_link(self, parent: str, child: str, now: float) -> None:
         """Another master shard linked ``child`` to ``parent`` (this shard's key)."""
-        if self.chains.remote_link(parent, child, self.__contains__, now):
-            self._hold(parent)
+        self.chains.remote_link(parent, child, self.__contains__, now)
+        self._sync_holds(parent)
 
     def remote_unlink(self, parent: str, child: str) -> None:
-        if self.chains.remote_unlink(parent, child) and parent in self._hot:
-            self._dirty.add(parent)
+        self.chains.remote_unlink(parent, child)
+        self._sync_holds(parent)
 
     def remote_sync(self, shard: int, links, now: float) -> None:
         """Every link ``shard`` holds to this shard's keys, replacing what it said."""
-        held, freed = self.chains.remote_sync(shard, links, self.__contains__, now)
-        for parent in held:
-            self._hold(parent)
-        self._dirty.update(p for p in freed if p in self._hot)
-
-    def _hold(self, parent: str) -> None:
-        """A parent just became held: hot, where eviction judges it."""
-        if self.hold_parents and parent in self:
-            self.get(parent)
+        before = set(self.chains.remote)
+        self.chains.remote_sync(shard, links, self.__contains__, now)
+        for parent in before.symmetric_difference(self.chains.remote):
+            self._sync_holds(parent)
 
     def stored_natively(self, key: str, parent: str) -> None:
         """The read index committed ``key`` (its record is in the index already, where
-        the insertion policy put it)."""
-        self._linked(key, parent)
+        the insertion policy put it, linked to its parent)."""
+        self._linked(key, parent, native=True)
 
     def restored_plain(self, keys: list[str]) -> None:
         """These keys came back cold with a mounting node, naming no parent
@@ -268,11 +278,10 @@ class ObjectTable:
         """Write the plain objects touched since the last flush back cold; returns how
         many. The actor calls it at the end of each section (index mutex held)."""
         hot, index, nodes, n = self._hot, self.index, self._nodes, 0
-        chains = self.chains if self.hold_parents else None
         for key in self._dirty:
             obj = hot.get(key)
             if (obj is None or obj.pin is not Pin.NONE or len(obj.replicas) != 1 or not obj.complete
-                    or obj.want > 1 or chains is not None and chains.holds(key)):
+                    or obj.want > 1):
                 continue
             r = obj.replicas[0]
             held = obj.leases
@@ -307,6 +316,12 @@ class ObjectTable:
             index.set_cold(key, size, gen, node_id, node.ray_node_id, node.incarnation, disk, offset, length,
                            placed, lease_until, leases)
         self.index = index
+        if self.chain_eviction:
+            index.set_chain_links(True)
+            for key, parent in self.chains.parent.items():
+                index.link(key, parent)
+            for key in {*self.chains.waiting, *self.chains.remote}:
+                self._sync_holds(key)
 
     def check(self, unapplied=frozenset()) -> None:
         """Assert the hot objects and the index's hot records are the same keys, and the
@@ -316,11 +331,19 @@ class ObjectTable:
         assert all(index.is_hot(k) for k in self._hot), "a hot object without a hot record"
         hot_records = len(index) - index.cold_count()
         assert hot_records == len(self._hot), f"{hot_records} hot records, {len(self._hot)} hot objects"
-        self.chains.check(lambda k: k in self and k not in unapplied)
-        if self.hold_parents:
-            for parent in [*self.chains.kids, *self.chains.waiting, *self.chains.remote]:
-                assert parent not in self or parent in unapplied or index.is_hot(parent), \
-                    f"parent {parent!r} went cold"
+        chains = self.chains
+        chains.check(lambda k: k in self and k not in unapplied)
+        if self.chain_eviction:  # the index's links are the table's
+            for key, parent in chains.parent.items():
+                if key in unapplied:
+                    continue
+                want = parent if parent in self and parent not in unapplied else ""
+                got = index.chain_of(key)[0]
+                assert got == want, f"{key!r} is linked to {got!r} in the index, names {want!r}"
+            for key in {*chains.waiting, *chains.remote}:
+                if key in self and key not in unapplied:
+                    bits = (HOLD_WAIT if key in chains.waiting else 0) | (HOLD_REMOTE if key in chains.remote else 0)
+                    assert index.chain_of(key)[2] == bits, f"{key!r}: hold bits wrong in the index"
 
 
 def _obj(key: str, rec: tuple) -> Obj:

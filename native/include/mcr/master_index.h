@@ -73,7 +73,9 @@ struct ColdRecord {
 
 // A record of the table (see the top of this file).
 struct IndexRecord {
-  IndexRecord() : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false) {}
+  IndexRecord()
+      : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false), linked(false),
+        pass_held(false) {}
 
   uint64_t size = 0;
   uint64_t gen = 0;
@@ -91,6 +93,8 @@ struct IndexRecord {
   bool has_more : 1;   // hot: the GET answer has other replicas (MasterIndex::more_)
   bool probation : 1;  // put on probation (insert_old), not used since: see probation()
   bool grace : 1;      // on probation, among the newest (grace_bytes): they go last of them
+  bool linked : 1;     // has a ChainLink (MasterIndex::links_)
+  bool pass_held : 1;  // met by the current eviction pass while held (MasterIndex::pass_held_)
   // The key's first bytes; the rest follow in the same allocation (RecordMap::make), so a
   // record and its key are one block: 144 bytes with an 18-byte key, where a std::string
   // member and a pointer to it took 208 in two.
@@ -99,6 +103,18 @@ struct IndexRecord {
   std::string_view key() const { return {key_data, key_len}; }
 };
 static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 117");
+
+// A record's KV chain links (MasterIndex::link): kept beside the records, for the chained
+// ones only. ``parent`` is the stored record it names; ``kid`` / ``sib`` list the stored
+// records naming it (first child, next sibling); ``holds``: bits Python sets (kHoldWait: a
+// put naming it is in flight; kHoldRemote: another master shard holds a child of it).
+struct ChainLink {
+  IndexRecord* parent = nullptr;
+  IndexRecord* kid = nullptr;
+  IndexRecord* sib = nullptr;
+  uint32_t kids = 0;
+  uint32_t holds = 0;
+};
 
 // A reference to a key, sampled for the eviction policy's miniature caches
 // (mooncake_ray/_private/master/adaptive.py): a read (GET) or a put.
@@ -239,8 +255,28 @@ class MasterIndex {
     std::vector<std::pair<uint64_t, uint64_t>> runs;  // (offset, length), merged
     uint64_t freed = 0;
     std::string stop;  // a hot record met ("" if the need was met or the list ended)
+    std::vector<ScanItem> held;  // with chains, the list ended short: the held records met
   };
-  Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need);
+  //
+  // With ``chains`` (chain-aware eviction, mooncake_ray/_private/master/chains.py), a cold
+  // record that is held (a stored child names it, or Python set a hold) is passed over and
+  // remembered for the pass (which starts at a call with an empty ``after``); dropping its
+  // last child drops it next, while the need lasts, and so on up the chain: a chain goes
+  // from its end toward its start. If the list ends short of the need, *held lists the
+  // held records left (least recent first) for Python's forced eviction.
+  Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need,
+                     bool chains = false);
+  // KV chain links (see ChainLink). Off: none are kept (and none made by native commits).
+  void set_chain_links(bool on);
+  // ``key`` names ``parent`` ("" none): linked to the parent's record when both are stored
+  // (idempotent; a native commit links its values itself).
+  void link(const std::string& key, const std::string& parent);
+  void set_holds(const std::string& key, uint32_t holds);  // kHold* bits (a stored key's)
+  void set_remote_holds(bool on);  // whether kHoldRemote holds (chains.py: remote_holds)
+  // (parent key, stored children, hold bits) of ``key`` as linked here.
+  std::tuple<std::string, uint32_t, uint32_t> chain_of(const std::string& key);
+  size_t link_count();
+  static constexpr uint32_t kHoldWait = 1, kHoldRemote = 2;
   // Cold records on a node (any incarnation): (key, on disk).
   std::vector<std::pair<std::string, bool>> cold_on_node(const std::string& node_id,
                                                          const std::string& except_incarnation = "");
@@ -354,6 +390,12 @@ class MasterIndex {
   void put_on_probation(IndexRecord* r);
   void link_after(IndexRecord* r, IndexRecord* after);  // nullptr: at the oldest end
   void resize(IndexRecord& r, uint64_t size);
+  ChainLink& chain(IndexRecord* r);  // its links (made on first use)
+  void set_parent(IndexRecord* r, IndexRecord* p);  // nullptr: none
+  void unchain(IndexRecord* r);  // r goes: out of its parent's children, its children parentless
+  void trim_link(IndexRecord* r);  // forgets r's links if they hold nothing
+  bool chain_held(const IndexRecord* r) const;
+  void end_pass();
   // ``r``: the key's record if there is one (its hash is taken once, with the table's).
   void note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained);  // mutex held
   IndexEntry answer(const IndexRecord& r) const;
@@ -365,6 +407,13 @@ class MasterIndex {
   // A hot record's GET answer beyond its first replica (few records have one: a value put
   // with replicas > 1), kept here rather than a pointer in every record.
   std::unordered_map<const IndexRecord*, std::vector<IndexReplica>> more_;
+  // KV chain links, for the chained records only (see ChainLink).
+  std::unordered_map<const IndexRecord*, ChainLink> links_;
+  bool links_on_ = false;
+  bool remote_holds_ = true;
+  // The current eviction pass's held records: record -> when met.
+  std::unordered_map<IndexRecord*, uint64_t> pass_held_;
+  uint64_t pass_seq_ = 0;
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;
   // Records on probation are the oldest ones: the stack (from oldest_ to stack_last_),

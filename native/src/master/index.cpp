@@ -262,7 +262,127 @@ void MasterIndex::erase(IndexRecord* r) {
   unlink(r);
   if (!r->hot) cold_--;
   if (r->has_more) more_.erase(r);
+  if (r->linked) unchain(r);
+  if (r->pass_held) pass_held_.erase(r);
   map_.erase(r);
+}
+
+// ---- KV chain links -------------------------------------------------------------------
+ChainLink& MasterIndex::chain(IndexRecord* r) {
+  r->linked = true;
+  return links_[r];
+}
+
+bool MasterIndex::chain_held(const IndexRecord* r) const {
+  if (!r->linked) return false;
+  const ChainLink& l = links_.at(r);
+  return l.kids > 0 || (l.holds & kHoldWait) || (remote_holds_ && (l.holds & kHoldRemote));
+}
+
+void MasterIndex::trim_link(IndexRecord* r) {
+  if (!r->linked) return;
+  auto it = links_.find(r);
+  const ChainLink& l = it->second;
+  if (l.parent == nullptr && l.kid == nullptr && l.holds == 0) {
+    links_.erase(it);
+    r->linked = false;
+  }
+}
+
+void MasterIndex::set_parent(IndexRecord* r, IndexRecord* p) {
+  ChainLink* l = r->linked ? &links_.at(r) : nullptr;
+  IndexRecord* old = l ? l->parent : nullptr;
+  if (old == p) return;
+  if (old != nullptr) {  // out of the old parent's children
+    ChainLink& ol = links_.at(old);
+    IndexRecord** at = &ol.kid;
+    while (*at != r) at = &links_.at(*at).sib;
+    *at = l->sib;
+    l->sib = nullptr;
+    l->parent = nullptr;
+    ol.kids--;
+    trim_link(old);
+  }
+  if (p != nullptr) {
+    ChainLink& pl = chain(p);
+    l = &chain(r);  // (the map's nodes stay put: pl is still good)
+    l->parent = p;
+    l->sib = pl.kid;
+    pl.kid = r;
+    pl.kids++;
+  } else {
+    trim_link(r);
+  }
+}
+
+void MasterIndex::unchain(IndexRecord* r) {
+  set_parent(r, nullptr);
+  if (!r->linked) return;
+  auto it = links_.find(r);
+  for (IndexRecord* k = it->second.kid; k != nullptr;) {
+    ChainLink& kl = links_.at(k);
+    IndexRecord* next = kl.sib;
+    kl.parent = kl.sib = nullptr;
+    trim_link(k);
+    k = next;
+  }
+  links_.erase(it);
+  r->linked = false;
+}
+
+void MasterIndex::set_chain_links(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  links_on_ = on;
+  if (!on) {
+    for (auto& kv : links_) const_cast<IndexRecord*>(kv.first)->linked = false;
+    links_.clear();
+  }
+}
+
+void MasterIndex::link(const std::string& key, const std::string& parent) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (!links_on_) return;
+  IndexRecord* r = find(key);
+  if (r == nullptr) return;
+  IndexRecord* p = parent.empty() ? nullptr : find(parent);
+  set_parent(r, p == r ? nullptr : p);
+}
+
+void MasterIndex::set_holds(const std::string& key, uint32_t holds) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  if (!links_on_) return;
+  IndexRecord* r = find(key);
+  if (r == nullptr) return;
+  if (holds != 0) {
+    chain(r).holds = holds;
+  } else if (r->linked) {
+    links_.at(r).holds = 0;
+    trim_link(r);
+  }
+}
+
+void MasterIndex::set_remote_holds(bool on) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  remote_holds_ = on;
+}
+
+std::tuple<std::string, uint32_t, uint32_t> MasterIndex::chain_of(const std::string& key) {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  IndexRecord* r = find(key);
+  if (r == nullptr || !r->linked) return {"", 0, 0};
+  const ChainLink& l = links_.at(r);
+  return {l.parent ? std::string(l.parent->key()) : std::string(), l.kids, l.holds};
+}
+
+size_t MasterIndex::link_count() {
+  std::lock_guard<std::recursive_mutex> g(mu_);
+  return links_.size();
+}
+
+void MasterIndex::end_pass() {
+  for (auto& kv : pass_held_) kv.first->pass_held = false;
+  pass_held_.clear();
+  pass_seq_ = 0;
 }
 
 IndexEntry MasterIndex::answer(const IndexRecord& r) const {
@@ -504,15 +624,25 @@ std::vector<ScanItem> MasterIndex::scan(const std::string& after, const std::str
 }
 
 MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std::string& node_id, double now,
-                                              uint64_t need) {
+                                              uint64_t need, bool chains) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   Evicted out;
   IndexRecord* r = oldest_;
   if (!after.empty()) {
     IndexRecord* a = find(after);
     r = a == nullptr ? oldest_ : a->newer;
+  } else {
+    end_pass();  // a new pass
   }
+  chains = chains && links_on_;
   std::vector<std::pair<uint64_t, uint64_t>> extents;
+  auto drop = [&](IndexRecord* d) {
+    out.keys.emplace_back(d->key());
+    out.gens.push_back(d->gen);
+    extents.emplace_back(d->rep.offset, d->rep.length);
+    out.freed += d->rep.length;
+    erase(d);
+  };
   while (r != nullptr && out.freed < need) {
     IndexRecord* next = r->newer;
     if (r->hot) {
@@ -520,13 +650,29 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
       break;
     }
     if (!r->disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
-      out.keys.emplace_back(r->key());
-      out.gens.push_back(r->gen);
-      extents.emplace_back(r->rep.offset, r->rep.length);
-      out.freed += r->rep.length;
-      erase(r);
+      if (chains && chain_held(r)) {  // waits for its children
+        r->pass_held = true;
+        pass_held_.emplace(r, pass_seq_++);
+      } else {
+        // Its parent, if met while held and now left with nothing holding it, is the
+        // least recent leaf: it goes next (a held record was met before r, so is not next).
+        IndexRecord* p = chains && r->linked ? links_.at(r).parent : nullptr;
+        drop(r);
+        while (p != nullptr && out.freed < need && p->pass_held && !chain_held(p)) {
+          IndexRecord* pp = p->linked ? links_.at(p).parent : nullptr;
+          drop(p);
+          p = pp;
+        }
+      }
     }
     r = next;
+  }
+  if (chains && r == nullptr && out.stop.empty() && out.freed < need && !pass_held_.empty()) {
+    std::vector<std::pair<uint64_t, IndexRecord*>> left;
+    for (auto& kv : pass_held_) left.emplace_back(kv.second, kv.first);
+    std::sort(left.begin(), left.end());
+    for (auto& [seq, h] : left)
+      out.held.push_back(ScanItem{std::string(h->key()), false, h->gen, h->size, h->rep.offset, h->rep.length});
   }
   std::sort(extents.begin(), extents.end());
   for (auto& [off, len] : extents) {
@@ -618,6 +764,9 @@ std::shared_ptr<const IndexNode> MasterIndex::node(const std::string& node_id, c
 void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   more_.clear();
+  links_.clear();
+  pass_held_.clear();
+  pass_seq_ = 0;
   map_.clear();
   oldest_ = newest_ = stack_last_ = grace_first_ = grace_last_ = nullptr;
   grace_bytes_ = 0;
@@ -828,6 +977,9 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.length = extent_length(it.size);
     cold_++;
     if (insert_old_ && !it.parent.empty()) put_on_probation(&r);
+    if (links_on_ && !it.parent.empty()) {  // its chain link (a parent in the same call is stored already)
+      if (IndexRecord* p = find(it.parent)) set_parent(&r, p);
+    }
     note(kRefPut, it.key, &r, it.size, !it.parent.empty());
     if (by_ring) {
       CommitRing* ring = usable_ring(*slabs_[it.slab].node.node);
