@@ -88,9 +88,11 @@ class MiniCache:
         self.main[h] = size
         return True
 
-    def put(self, h: int, size: int, chained: bool, cap: int) -> None:
-        """``h`` stored (again): where the policy puts it, then evict down to ``cap``."""
-        self.drop(h)
+    def put(self, h: int, size: int, chained: bool, cap: int, new: bool = False) -> None:
+        """``h`` stored (again; ``new``: never seen, so not here): where the policy puts it,
+        then evict down to ``cap``."""
+        if not new:
+            self.drop(h)
         self.bytes += size
         if self.old and chained:
             self.grace[h] = size
@@ -195,24 +197,31 @@ class InsertionPolicy:
         dropped, samples = self.index.take_samples()
         self.counters["dropped"] += dropped
         was = self.old
-        caches = (*self.caches, *self.half)
         seen_before, window = self._seen, self._window
         cap = capacity >> self.shift
-        caps = (cap, cap, cap // 2, cap // 2)
+        shift, full, both = self.shift, self.caches, (*self.caches, *self.half)
+        # The half-size pair decides only until the full-size pair feels pressure
+        # (``_decide``): from then on it is not kept.
+        caches = full if self.pressed else both
         for h, kind, size, chained in samples:
-            if not self._sampled(h):
+            if shift and h >> (64 - shift):
                 continue  # taken before the rate was halved
+            if caches is both and (full[0].evictions or full[1].evictions):
+                caches = full
             seen = h in seen_before
-            seen_before.add(h)
             if kind == REF_PUT:
                 # Stored again: this store had lost it (or it is replaced). A policy whose
                 # cache still holds it would have served it; a first put counts for neither.
-                hits = [h in c for c in caches]
-                for c, c_cap in zip(caches, caps):
-                    c.put(h, size, chained, c_cap)
                 if not seen:
+                    seen_before.add(h)
+                    for i, c in enumerate(caches):
+                        c.put(h, size, chained, cap if i < 2 else cap // 2, new=True)
                     continue
+                hits = [h in c for c in caches]
+                for i, c in enumerate(caches):
+                    c.put(h, size, chained, cap if i < 2 else cap // 2)
             else:
+                seen_before.add(h)
                 hits = [c.ref(h) for c in caches]
             window[0] += 1
             for i, hit in enumerate(hits, 1):

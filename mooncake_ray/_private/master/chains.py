@@ -18,7 +18,9 @@ for the values stored now,
   or the master stops waiting for it (``MasterState.unmount``). Eviction still takes such
   orphans first when it needs room.
 
-With ``master.chain_eviction`` on, an eviction pass takes leaves first (``Picker``): a value
+With ``master.chain_eviction`` on, an eviction pass takes leaves first (``Picker``, and the
+read index's own pass over its cold records, ``MasterIndex.evict_cold``, which keeps the
+same links between its records: ``ObjectTable._linked``): a value
 is held while a child of it is stored, and the pass takes the least recent leaf each time.
 A parent is older than its children (it was stored or read before them), so once its last
 child is taken it is the least recent leaf and goes next, before the pass moves on: a

@@ -15,7 +15,8 @@ Victims for one node are picked oldest first in two passes:
    frees ahead, such as the one past the high watermark): soft-pinned objects, oldest first.
 
 With chain-aware eviction (``chains.py``), orphans go first and a value whose children are
-stored waits for them (rounds of leaves).
+stored waits for them: a parent goes right after its last child. The index does the same
+for its cold records (it keeps the chain links between them), and lists those it holds.
 
 Pending objects are never in the list; hard-pinned objects are never chosen. The index
 judges its cold records itself (a cold record is never pinned or being offloaded: see
