@@ -288,3 +288,46 @@ def test_a_retried_commit_whose_slab_is_gone_answers_with_its_generation():
     with pytest.raises(LeaseExpiredError):
         commit(new, "b", sid, off + 5 * K, K)
     new.check_invariants()
+
+
+def test_a_grant_evicts_a_round_then_takes_a_shorter_run_rather_than_the_newest_values():
+    """Eviction frees the least recent values wherever they lie: when a round leaves no run
+    of a whole slab, a shorter slab that holds the put is taken from the largest run, rather
+    than evicting round after round (newer and newer values) until a whole slab's run forms."""
+    m, clock = make(n_nodes=1, cap=64 * K, put_slab_bytes=1 << 30, high_watermark=1.0, evict_ratio=0.0625)
+    for i in range(64):  # 64 values of a page each (K), in offset order: the arena is full
+        assert put(m, f"k{i}")[1][0].offset == i * K
+    for i in range(64):  # every fourth value is now the least recent (reads leave their leases)
+        if i % 4:
+            assert m.get(f"k{i}") is not None
+    clock.t += 60  # the reads' leases ended
+    sid, _nid, off, length = grant(m, need=K)
+    # one round (1/16 of the arena: the 4 least recent values, 4 pages apart) and a slab of
+    # one page; waiting for a whole slab (4 pages) took all 16 such values, then read ones
+    assert length == K and m.counters["evictions"] == 4
+    assert sorted(k for k in m._objects if int(k[1:]) % 4 == 0) == [f"k{i}" for i in range(16, 64, 4)]
+    commit(m, "new", sid, off, K)
+    # a need no free run holds: rounds go on until one does (here the next round's 4)
+    sid, _nid, off, length = grant(m, need=2 * K + 1)
+    assert length >= 3 * K and m.counters["evictions"] >= 8
+    m.check_invariants()
+
+
+def test_a_small_slab_takes_a_shorter_run_where_the_room_is_free_but_not_in_one_run():
+    """Room eviction freed lies where the least recent values did: a grant whose whole slab
+    would fit in the free bytes, only not in one run, takes the largest run that holds its
+    batch rather than evicting another round."""
+    m, _clock = make(n_nodes=1, cap=64 * K, put_slab_bytes=1 << 30, high_watermark=1.0, evict_ratio=0.0625)
+    for i in range(64):
+        put(m, f"k{i}")
+    for i in range(0, 64, 8):  # 8 pages free, each alone: room for a slab (4 pages), no run of one
+        m.remove(f"k{i}")
+    sid, _nid, off, length = grant(m, need=K)
+    assert length == K and m.counters["evictions"] == 0
+    commit(m, "new", sid, off, K)
+    for key in list(m._objects):  # a grant evicts no soft-pinned value
+        m.pin(key)
+    with pytest.raises(NoCapacityError):  # a batch no free run holds: the store is full for it
+        m.slab_grant("c1", None, 3 * K)
+    assert m.counters["evictions"] == 0
+    m.check_invariants()
