@@ -125,9 +125,9 @@ void bind_master(nb::module_& m) {
         }
         return nb::make_tuple(out, next.empty() ? nb::object(nb::none()) : nb::object(nb::str(next.c_str(), next.size())));
       }, "after"_a, "node_id"_a, "disk"_a, "now"_a, "limit"_a)
-      // -> (keys, gens, [(offset, length) merged runs], freed bytes, hot key met or None)
-      // -> (keys, gens, runs, freed, stop or None, held): ``held``, with ``chains`` and the
-      // list ended short of ``need``: [(key, (gen, size, offset, length)), ...]
+      // -> (keys, gens, [(offset, length) merged runs], freed bytes, hot key met or None,
+      // held): ``held``, with ``chains`` and the list ended short of ``need``:
+      // [(key, (gen, size, offset, length)), ...]
       .def("evict_cold", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, double now,
                             uint64_t need, bool chains) {
         auto e = ix.evict_cold(after, node_id, now, need, chains);

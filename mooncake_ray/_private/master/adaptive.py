@@ -199,6 +199,7 @@ class InsertionPolicy:
         was = self.old
         seen_before, window = self._seen, self._window
         cap = capacity >> self.shift
+        caps = (cap, cap, cap // 2, cap // 2)  # the full-size pair's, then the half-size pair's
         shift, full, both = self.shift, self.caches, (*self.caches, *self.half)
         # The half-size pair decides only until the full-size pair feels pressure
         # (``_decide``): from then on it is not kept.
@@ -214,12 +215,12 @@ class InsertionPolicy:
                 # cache still holds it would have served it; a first put counts for neither.
                 if not seen:
                     seen_before.add(h)
-                    for i, c in enumerate(caches):
-                        c.put(h, size, chained, cap if i < 2 else cap // 2, new=True)
+                    for c, c_cap in zip(caches, caps):
+                        c.put(h, size, chained, c_cap, new=True)
                     continue
                 hits = [h in c for c in caches]
-                for i, c in enumerate(caches):
-                    c.put(h, size, chained, cap if i < 2 else cap // 2)
+                for c, c_cap in zip(caches, caps):
+                    c.put(h, size, chained, c_cap)
             else:
                 seen_before.add(h)
                 hits = [c.ref(h) for c in caches]

@@ -317,8 +317,8 @@ class PyIndex:
                     parent = up
         held = []
         if chains and ended and stop is None and freed < need:
-            held = [(k, (self._map[k].gen, self._map[k].size, self._map[k].rep[3], self._map[k].rep[4]))
-                    for k in sorted(self._pass, key=self._pass.__getitem__)]
+            recs = ((k, self._map[k]) for k in sorted(self._pass, key=self._pass.__getitem__))
+            held = [(k, (r.gen, r.size, r.rep[3], r.rep[4])) for k, r in recs]
         runs: list = []
         for off, ln in sorted(extents):
             if runs and runs[-1][0] + runs[-1][1] == off:
@@ -544,7 +544,7 @@ class PyIndex:
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
             if self._insert_old and parent:
                 self.probation(key)
-            if parent and self._links_on:
+            if parent:
                 self.link(key, parent)
             self.sample(REF_PUT, key, size, bool(parent))
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size, parent))

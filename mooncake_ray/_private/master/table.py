@@ -130,11 +130,15 @@ class ObjectTable:
         """``key`` went (the index dropped its links with its record)."""
         self.chains.gone(key)
 
+    def _hold_bits(self, key: str) -> int:
+        """What besides its children holds ``key``, as the index's hold bits."""
+        c = self.chains
+        return (HOLD_WAIT if key in c.waiting else 0) | (HOLD_REMOTE if key in c.remote else 0)
+
     def _sync_holds(self, key: str) -> None:
         """Tell the index what besides its children holds ``key``."""
         if self.chain_eviction:
-            c = self.chains
-            self.index.set_holds(key, (HOLD_WAIT if key in c.waiting else 0) | (HOLD_REMOTE if key in c.remote else 0))
+            self.index.set_holds(key, self._hold_bits(key))
 
     def wait_child(self, parent: str) -> None:
         """A put naming ``parent`` started: it holds the parent until it ends."""
@@ -342,8 +346,7 @@ class ObjectTable:
                 assert got == want, f"{key!r} is linked to {got!r} in the index, names {want!r}"
             for key in {*chains.waiting, *chains.remote}:
                 if key in self and key not in unapplied:
-                    bits = (HOLD_WAIT if key in chains.waiting else 0) | (HOLD_REMOTE if key in chains.remote else 0)
-                    assert index.chain_of(key)[2] == bits, f"{key!r}: hold bits wrong in the index"
+                    assert index.chain_of(key)[2] == self._hold_bits(key), f"{key!r}: hold bits wrong in the index"
 
 
 def _obj(key: str, rec: tuple) -> Obj:

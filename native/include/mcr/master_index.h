@@ -395,6 +395,7 @@ class MasterIndex {
   void unchain(IndexRecord* r);  // r goes: out of its parent's children, its children parentless
   void trim_link(IndexRecord* r);  // forgets r's links if they hold nothing
   bool chain_held(const IndexRecord* r) const;
+  IndexRecord* parent_of(const IndexRecord* r) const;  // its linked parent (nullptr: none)
   void end_pass();
   // ``r``: the key's record if there is one (its hash is taken once, with the table's).
   void note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained);  // mutex held

@@ -273,6 +273,10 @@ ChainLink& MasterIndex::chain(IndexRecord* r) {
   return links_[r];
 }
 
+IndexRecord* MasterIndex::parent_of(const IndexRecord* r) const {
+  return r->linked ? links_.at(r).parent : nullptr;
+}
+
 bool MasterIndex::chain_held(const IndexRecord* r) const {
   if (!r->linked) return false;
   const ChainLink& l = links_.at(r);
@@ -656,10 +660,10 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
       } else {
         // Its parent, if met while held and now left with nothing holding it, is the
         // least recent leaf: it goes next (a held record was met before r, so is not next).
-        IndexRecord* p = chains && r->linked ? links_.at(r).parent : nullptr;
+        IndexRecord* p = chains ? parent_of(r) : nullptr;
         drop(r);
         while (p != nullptr && out.freed < need && p->pass_held && !chain_held(p)) {
-          IndexRecord* pp = p->linked ? links_.at(p).parent : nullptr;
+          IndexRecord* pp = parent_of(p);
           drop(p);
           p = pp;
         }
