@@ -91,6 +91,13 @@ of chain-recent and chain-old). Targets, at 50 % and 25 % of the working set:
 - ``recency``: chain serves >= 0.95x the best fixed policy and misses no handoff page;
 - ``shift``: chain serves >= 0.9x the better fixed policy in each phase.
 
+Against what is possible: per workload and fraction, the share an offline optimal eviction
+serves with the whole arena (``optimal_pct_counted``, Belady's MIN over the schedule,
+counting every page present: a bound no policy reaches, ``Workload.optimal_pct``), drawn
+dotted in the plot; ``ratios["chain_over_optimal"]``. In ``rounds`` at the defaults it is
+33.9 % at 25 % of the working set and 65.1 % at 50 %: 1.25x Mooncake's 24.7 % and 53.6 %
+(``bench_chains_slab_fit.json``) would be 30.9 % and 67.0 %, the second above it.
+
 Run it (the second line is a quick check: with ``--active`` a third of ``--conversations`` as
 at the defaults):
 
@@ -290,6 +297,39 @@ class Workload:
                 den += prompt_tokens(self.args, ev.turn)
         return 100.0 * num / den
 
+    def optimal_pct(self, capacity_pages: int) -> float:
+        """A bound on the counted share any eviction policy can serve with room for
+        ``capacity_pages`` pages: Belady's MIN, knowing the whole schedule, keeps after each
+        turn the pages whose next counted use comes soonest (a turn's prompt holds every
+        page of the conversation's earlier prompts, so all of a conversation's pages are
+        next used at its next counted turn), and counts every page present, not only a
+        leading run. Decodes' reads count for nothing here, as in the share."""
+        ps, turns = self.args.page_size, self.turns()
+        later: dict[int, list[int]] = {}  # conversation -> its counted turns' positions, last first
+        for i in range(len(turns) - 1, -1, -1):
+            if turns[i].counted:
+                later.setdefault(turns[i].conv, []).append(i)
+        never = len(turns)
+        held: dict[int, tuple[int, int]] = {}  # conversation -> (pages kept, their next counted use)
+        num = den = 0
+        for i, ev in enumerate(turns):
+            pages = prompt_tokens(self.args, ev.turn) // ps
+            if ev.counted:
+                num += min(held.get(ev.conv, (0, 0))[0], pages) * ps
+                den += prompt_tokens(self.args, ev.turn)
+            nxt = later.get(ev.conv, [])
+            while nxt and nxt[-1] <= i:
+                nxt.pop()
+            held[ev.conv] = (pages, nxt[-1] if nxt else never)
+            over = sum(n for n, _ in held.values()) - capacity_pages
+            for c in sorted(held, key=lambda c: -held[c][1]):  # the furthest next use goes first
+                if over <= 0:
+                    break
+                n, at = held[c]
+                cut = min(n, over)
+                held[c], over = (n - cut, at), over - cut
+        return 100.0 * num / den
+
     def describe(self, seed: int) -> dict:
         """What the JSON records of this seed's schedule."""
         out = {"seed": seed, "conversations": len(self.system), "turns": len(self.turns()),
@@ -406,9 +446,10 @@ class MooncakeDriver:
 class MooncakePeer:
     """``mooncake_master`` (HTTP metadata server built in) + one ``mooncake_client`` store
     process holding the segment + a client-only ``MooncakeDistributedStore`` here (tcp), as
-    in bench_transport.py; the master's eviction settings are ours."""
+    in bench_transport.py; its master's eviction marks are its own defaults unless given."""
 
-    def __init__(self, segment: int, local_buffer: int, high_watermark: float, evict_ratio: float, lease_ms: int):
+    def __init__(self, segment: int, local_buffer: int, high_watermark: float | None, evict_ratio: float | None,
+                 lease_ms: int):
         self.segment, self.local_buffer = segment, local_buffer
         self.hw, self.er, self.lease_ms = high_watermark, evict_ratio, lease_ms
         self.logdir = Path(tempfile.mkdtemp(prefix="bench-chains-mooncake-"))
@@ -443,7 +484,8 @@ class MooncakePeer:
             "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            f"--eviction_high_watermark_ratio={self.hw}", f"--eviction_ratio={self.er}",
+            *([f"--eviction_high_watermark_ratio={self.hw}"] if self.hw is not None else []),
+            *([f"--eviction_ratio={self.er}"] if self.er is not None else []),
             f"--default_kv_lease_ttl={self.lease_ms}"])
         wait_port(rpc, 30, master, mlog)
         wait_port(http, 30, master, mlog)
@@ -535,7 +577,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
     from mooncake_ray.kv import KVStore, PagePool, key_prefix, page_hashes
 
     row = {"workload": kind, "config": cfg, "fraction": frac, "repeat": rep, "seed": args.seed + rep,
-           "arena_bytes": arena}
+           "arena_bytes": arena, "optimal_pct_counted": wl.optimal_pct(arena // geometry.page_bytes)}
     max_pages = last_pages(args)
     pool = PagePool(geometry, max_pages, "page_first")  # the prefill engine's
     dpool = PagePool(geometry, max_pages, "page_first")  # the decode engine's: handoffs land here
@@ -563,9 +605,11 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
             drv = MooncakeDriver(peer, geometry, (pool, dpool))
         else:
             ns = f"bench_chains_{kind}_{cfg}_{rep}_{int(frac * 1000)}"
+            marks = {k: v for k, v in (("high_watermark", args.high_watermark), ("evict_ratio", args.evict_ratio))
+                     if v is not None}
             client = mooncake_ray.start({
                 "namespace": ns, "segment_size_bytes": arena, "transport": {"devices": ["lo"]},
-                "master": {**MASTER[cfg], "high_watermark": args.high_watermark, "evict_ratio": args.evict_ratio,
+                "master": {**MASTER[cfg], **marks,
                            "lease_ttl_s": args.lease_ttl_s, **({"shards": args.shards} if cfg == "chain-sharded" else {})}})
             drv = OursDriver(client, KVStore(client, MODEL, geometry, "page_first"), (pool, dpool))
         row["startup_s"] = time.perf_counter() - t_up
@@ -721,7 +765,10 @@ def summarize(rows: list[dict], args) -> dict:
                 ratios[m] = {"chain_over_mooncake": ratio(m, "mooncake"), "chain_over_lru": ratio(m, "lru"),
                              "best_fixed": best, "chain_over_best_fixed": ratio(m, best) if best else None,
                              "sharded_over_chain": ratio(m, "chain", "chain-sharded")}
-            out[kind][str(frac)] = {"configs": per, "ratios": ratios}
+            optimal = spread([r["optimal_pct_counted"] for r in sel if r["config"] == args.config_list[0]])
+            chain = per.get("chain", {}).get("served_pct_counted")
+            ratios["chain_over_optimal"] = chain["median"] / optimal["median"] if chain and optimal else None
+            out[kind][str(frac)] = {"configs": per, "ratios": ratios, "optimal_pct_counted": optimal}
     out["targets"] = targets(out)
     return out
 
@@ -818,6 +865,11 @@ def plot(res: dict, path: Path) -> None:
                 key = "ideal_served_pct_counted" if metric == "served_pct_counted" else f"ideal_{metric}"
                 ax.axhline(ideal[key], color="gray", linestyle=("--", ":", "-.")[m], linewidth=0.9,
                            label=f"unbounded store, {PHASE_LABELS[metric]}: {ideal[key]:.0f}%")
+            opt = [r["optimal_pct_counted"] for r in res["runs"] if r["workload"] == kind and r["fraction"] == frac
+                   and "optimal_pct_counted" in r]
+            if opt:
+                ax.axhline(statistics.median(opt), color="black", linestyle=":", linewidth=0.9,
+                           label=f"optimal eviction (Belady), counted: {statistics.median(opt):.0f}%")
             if kind == "shift":
                 ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="phase 1"),
                                    Patch(facecolor="white", edgecolor="black", hatch="//", label="phase 2")]
@@ -898,8 +950,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-turn", type=int, default=4, help="rounds: the summary's share counts turns from this one")
-    ap.add_argument("--high-watermark", type=float, default=0.9, help="both stores (ours' and Mooncake's default)")
-    ap.add_argument("--evict-ratio", type=float, default=0.05, help="both stores (ours' and Mooncake's default)")
+    ap.add_argument("--high-watermark", type=float, help="both stores; default: each its own (ours 0.95 without a "
+                    "spill tier, Mooncake 0.3.13 0.9)")
+    ap.add_argument("--evict-ratio", type=float, help="both stores; default: each its own (ours 0.02, Mooncake 0.05)")
     ap.add_argument("--lease-ttl-s", type=float, default=10.0, help="read lease, both stores (both defaults: 10 s)")
     ap.add_argument("--mooncake-local-buffer", type=int, default=16 << 20)
     ap.add_argument("--out", default=str(RESULTS / "bench_chains.json"))
@@ -1040,7 +1093,9 @@ def main() -> None:
                 ratios = [(f"chain/{o}", r[f"chain_over_{o}"]) for o in ("mooncake", "lru")]
                 ratios.append((f"chain/best fixed ({r['best_fixed']})", r["chain_over_best_fixed"]))
                 ratios.append((f"chain-sharded/chain", r.get("sharded_over_chain")))
-                print(f"  {kind} @ {frac:.0%}, {PHASE_LABELS[metric]} (unbounded {ideal[key]:.1f}%): "
+                opt = s.get("optimal_pct_counted") if metric == "served_pct_counted" else None
+                bound = f", optimal {opt['median']:.1f}%" if opt else ""
+                print(f"  {kind} @ {frac:.0%}, {PHASE_LABELS[metric]} (unbounded {ideal[key]:.1f}%{bound}): "
                       + "; ".join(parts) + "".join(f"; {name} x{x['of_medians']:.2f}" for name, x in ratios if x))
     unmeasured = [name for name, t in summary["targets"].items() if t["met"] is None]
     for name, t in summary["targets"].items():

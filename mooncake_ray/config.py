@@ -219,10 +219,13 @@ class MasterConfig(_Model):
     lease_ttl_s: float = Field(10.0, gt=0)
     """A get's read lease: the object's extents are neither evicted nor reused meanwhile."""
     soft_pin_ttl_s: float = Field(1800.0, gt=0)
-    high_watermark: float = Field(0.9, gt=0, le=1)
-    """Eviction starts when a node's arena use passes this fraction."""
-    evict_ratio: float = Field(0.05, gt=0, le=1)
-    """Fraction of a node's capacity freed per eviction round."""
+    high_watermark: float | None = Field(None, gt=0, le=1)
+    """Eviction starts when the values on a node pass this fraction of its arena. Default:
+    0.95, or 0.9 on a node with a spill tier (whose evictions are offloads, and free their
+    room only once written to disk)."""
+    evict_ratio: float | None = Field(None, gt=0, le=1)
+    """Fraction of a node's arena an eviction round frees. Default: 0.02, or 0.05 on a node
+    with a spill tier."""
     node_ttl_s: float = Field(5.0, gt=0)
     """A store node silent this long is unmounted and its replicas dropped."""
     heartbeat_interval_s: float = Field(1.0, gt=0)

@@ -97,7 +97,7 @@ void bind_master(nb::module_& m) {
       }, "key"_a)
       .def("contains", &mcr::MasterIndex::contains, "key"_a)
       .def("is_hot", &mcr::MasterIndex::is_hot, "key"_a)
-      .def("touch", &mcr::MasterIndex::touch, "key"_a)
+      .def("touch", &mcr::MasterIndex::touch, "key"_a, "unread"_a = false)
       .def("probation", &mcr::MasterIndex::probation, "key"_a)
       .def("set_insert_old", &mcr::MasterIndex::set_insert_old, "on"_a)
       .def("set_grace_bytes", &mcr::MasterIndex::set_grace_bytes, "n"_a)

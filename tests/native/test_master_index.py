@@ -187,11 +187,13 @@ def test_native_index_matches_reference(seed):
             native.clear()
             ref.clear()
         elif r < 0.38:  # the insertion policy: probation with a grace window (adaptive.py)
-            how, key = rng.choice(["probation", "probation", "probation", "insert_old", "grace"]), random_key(rng)
-            on, grace = rng.random() < 0.5, rng.choice([0, 4096, 1 << 20, 1 << 36])
+            how = rng.choice(["probation", "probation", "probation", "unread", "unread", "insert_old", "grace"])
+            key, on, grace = random_key(rng), rng.random() < 0.5, rng.choice([0, 4096, 1 << 20, 1 << 36])
             for ix in (native, ref):
                 if how == "probation":
                     ix.probation(key)
+                elif how == "unread":  # a chained put under "recent" (table.touch_new)
+                    ix.touch(key, True)
                 elif how == "insert_old":
                     ix.set_insert_old(on)
                 else:

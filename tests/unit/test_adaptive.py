@@ -58,6 +58,37 @@ def test_probation_literal_order_after_drops_and_a_bigger_window(ix):
     assert ix.keys("") == ["x"]
 
 
+@pytest.mark.parametrize("ix", indexes(), ids=["reference", "native"])
+def test_turning_to_old_puts_the_chained_values_nobody_read_on_probation_and_back(ix):
+    """Values a chained put placed at the recent end under "recent" and nothing read
+    since go on probation when the policy turns to "old": at the old end, oldest first
+    (a page a decode is about to read, put a turn ago, goes last of them), ahead of what
+    was on probation before; those read, and values put without a parent, stay. Turning
+    back to "recent" takes what is on probation to the recent end, in its order."""
+    ix.set_grace_bytes(2)
+    for k in "abcdef":
+        ix.set(k, 1, 1, [])
+        ix.touch(k, k in "acdf")  # a, c, d, f: chained puts under "recent"; b, e: not chained
+    ix.touch("c")  # read since
+    ix.set_insert_old(True)
+    assert ix.keys("") == list("adfbec")  # a, d, f at the old end, a first
+    ix.set_insert_old(True)  # no turn, no change
+    assert ix.keys("") == list("adfbec")
+    ix.set_insert_old(False)  # back: a, d, f to the recent end in their order, unread
+    assert ix.keys("") == list("becadf")
+    ix.touch("x")  # not stored: nothing
+    ix.set("g", 1, 1, [])
+    ix.touch("g", True)
+    ix.touch("e", True)
+    ix.touch("e")  # read again: off the list of the unread
+    ix.set_insert_old(True)  # a, d, f and g, still unread
+    assert ix.keys("") == list("adfgbce")
+    ix.probation("h")  # not stored: nothing
+    ix.set("h", 1, 1, [])
+    ix.probation("h")  # a new page under "old": into the grace window (2 bytes), behind them
+    assert ix.keys("") == list("adfghbce")
+
+
 def test_minicache_old_evicts_unread_newest_first_after_the_grace_window():
     cap = 100 * 1000
     c = MiniCache(old=True)
@@ -120,6 +151,22 @@ def test_the_policy_turns_old_on_a_loop_and_recent_on_a_small_working_set():
     assert not p.old and p.counters["switches"] == 2, p.stats()
     # (A loop over new conversations now is served by neither: "recent" cycles, and "old"
     # keeps the read-once pages of those 8 before anything new. The policy stays.)
+
+
+def test_the_first_window_decides_alone():
+    """The scores start at 0 and are divided by the weight their windows have so far, so
+    a first window whose caches differ by more than the dead band turns the policy at once
+    (undivided, 0.1 of a difference of 0.3 stayed inside the band for two windows more,
+    and a real store evicted under the wrong policy meanwhile)."""
+    ix = PyIndex()
+    p = InsertionPolicy("adaptive", ix)
+    cap = 100 * 1000
+    p.caches[1].put(7, 1000, True, cap, new=True)  # "old" (and its half-size twin) hold one key
+    p.half[1].put(7, 1000, True, cap // 2, new=True)
+    samples = [(7, REF_GET, 1000, True)] * 20 + [(8 + i, REF_GET, 1000, True) for i in range(44)]
+    ix._samples.extend(samples)  # one window of 64: "old" hits 20, "recent" none
+    assert p.update(cap) and p.old, p.stats()
+    assert p.stats()["score_half"] == pytest.approx(20 / 64, abs=1e-3)
 
 
 def test_a_fixed_policy_samples_nothing():

@@ -319,6 +319,19 @@ def test_high_watermark_frees_a_batch():
     assert [m.exists(f"k{i}") for i in range(6)] == [False] * 5 + [True]
 
 
+def test_default_marks_keep_a_cache_full_and_a_spilling_node_wider_apart():
+    """Unset, a node without a spill tier evicts once its values pass 95% of the arena,
+    2% a round; one with a spill tier (its evictions are offloads) at 90%, 5% a round."""
+    m, _ = make(n_nodes=1, cap=100 * K)
+    for i in range(95):
+        put(m, f"k{i}")
+    assert m.stats()["evictions"] == 0
+    put(m, "k95")  # 96 used > 95: 2 evicted
+    assert m.stats()["evictions"] == 2 and m.stats()["used"] == 94 * K
+    assert Policy().marks(False) == (0.95, 0.02) and Policy().marks(True) == (0.9, 0.05)
+    assert Policy(high_watermark=0.8, evict_ratio=0.1).marks(True) == (0.8, 0.1)
+
+
 def test_value_larger_than_any_pool_is_bad_input_and_nothing_lost():
     m, _ = make(cap=16 * K)
     put(m, "keep")

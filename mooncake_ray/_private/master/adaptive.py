@@ -160,6 +160,7 @@ class InsertionPolicy:
         self._window = [0, 0, 0, 0, 0]
         self.score = 0.0  # smoothed hit ratio of "old" less that of "recent", full size
         self.score_half = 0.0
+        self._weight = 0.0  # the windows' total weight in the scores: they are divided by it
         self._grace = 0
         self.counters = {"refs": 0, "hits_recent": 0, "hits_old": 0, "switches": 0, "dropped": 0}
         index.set_insert_old(self.old)
@@ -240,13 +241,21 @@ class InsertionPolicy:
         self.counters["hits_old"] += hit_old
         self.score += self.SMOOTH * ((hit_old - hit_recent) / n - self.score)
         self.score_half += self.SMOOTH * ((half_old - half_recent) / n - self.score_half)
+        self._weight += self.SMOOTH * (1 - self._weight)
         self._window[:] = [0, 0, 0, 0, 0]
-        score = self.score if self.pressed else self.score_half
+        # Scores start at 0: divided by their weight so far, the first windows count in full
+        # (the first one alone decides) rather than a tenth of their difference.
+        score = self.scores()[0 if self.pressed else 1]
         want = score > self.BAND if not self.old else score > -self.BAND
         if want != self.old:
             self.old = want
             self.counters["switches"] += 1
             self.index.set_insert_old(want)
+
+    def scores(self) -> tuple[float, float]:
+        """The full-size and half-size scores, each divided by its windows' weight."""
+        w = self._weight or 1.0
+        return self.score / w, self.score_half / w
 
     def _halve(self) -> None:
         while len(self._seen) > self.MAX_TRACKED // 2 and self.shift < 32:
@@ -259,8 +268,9 @@ class InsertionPolicy:
     def stats(self) -> dict:
         c = self.counters
         refs = max(1, c["refs"])
-        return {"mode": self.mode, "insert": "old" if self.old else "recent", "score": round(self.score, 4),
-                "score_half": round(self.score_half, 4), "pressed": self.pressed,
+        score, half = self.scores()
+        return {"mode": self.mode, "insert": "old" if self.old else "recent", "score": round(score, 4),
+                "score_half": round(half, 4), "pressed": self.pressed,
                 "sampled_refs": c["refs"], "hit_ratio_recent": c["hits_recent"] / refs,
                 "hit_ratio_old": c["hits_old"] / refs, "switches": c["switches"], "sample_shift": self.shift,
                 "samples_dropped": c["dropped"]}

@@ -67,6 +67,7 @@ class PyIndex:
         self._grace_bytes = 0
         self._grace_max = 0
         self._insert_old = False
+        self._unread: set[str] = set()  # chained values put at the recent end, not read since
         self._shift = 64  # sampling off until the master sets its rate
         self._samples: list = []
         self._dropped = 0
@@ -147,9 +148,13 @@ class PyIndex:
         self._stack.pop(key, None)
         self._grace_bytes -= self._grace.pop(key, 0)
 
-    def touch(self, key) -> None:
+    def touch(self, key, unread: bool = False) -> None:
         if key in self._map:
             self._unprobe(key)
+            if unread:
+                self._unread.add(key)
+            else:
+                self._unread.discard(key)
         r = self._map.pop(key, None)
         if r is not None:
             self._map[key] = r
@@ -169,6 +174,13 @@ class PyIndex:
         self._grace_max = n
 
     def set_insert_old(self, on: bool) -> None:
+        if on and not self._insert_old:
+            for key in reversed([k for k in self._map
+                                 if k in self._unread and k not in self._stack and k not in self._grace]):
+                self._stack[key] = None  # the front, oldest first (MasterIndex::set_insert_old)
+        elif not on and self._insert_old:
+            for key in [*reversed(self._stack), *self._grace]:
+                self.touch(key, True)
         self._insert_old = on
 
     def set_sample_shift(self, shift: int) -> None:
@@ -199,6 +211,7 @@ class PyIndex:
     def drop(self, key) -> None:
         if key in self._map:
             self._unprobe(key)
+            self._unread.discard(key)
             del self._map[key]
             self._unchain(key)
             self._pass.pop(key, None)
@@ -362,6 +375,7 @@ class PyIndex:
 
     def clear(self) -> None:
         self._map.clear()
+        self._unread.clear()
         self._up.clear()
         self._down.clear()
         self._holds.clear()
@@ -544,6 +558,10 @@ class PyIndex:
             self._map[key] = _Rec(size, gen, False, rep=(node_id, ray_node_id, inc, offset, extent_length(size), 0))
             if self._insert_old and parent:
                 self.probation(key)
+            elif parent:
+                self._unread.add(key)
+            else:
+                self._unread.discard(key)
             if parent:
                 self.link(key, parent)
             self.sample(REF_PUT, key, size, bool(parent))

@@ -426,7 +426,7 @@ class ReplicaTable:
                 # for the next few allocations of this size, so a batch of puts does not
                 # wait once per object (at most a quarter of the arena).
                 need = max(need, min(8 * need, alloc.capacity // 4))
-            need = max(need, int(self.policy.evict_ratio * alloc.capacity)) - node.offload_inflight
+            need = max(need, int(self.policy.marks(node.spill_usable())[1] * alloc.capacity)) - node.offload_inflight
         freed = evicted = 0
         if need <= 0:
             return 0
@@ -633,7 +633,7 @@ class ReplicaTable:
         allocations find room without waiting; or, with ``evict_in_background``, note the
         node for ``evict_chunk``."""
         alloc = self._alloc[node_id]
-        mark = self.policy.high_watermark * alloc.capacity
+        mark = self.policy.marks(self._nodes[node_id].spill_usable())[0] * alloc.capacity
         # Values count, not the room put slabs hold for writes to come (slabs.py: budget).
         if alloc.used > mark and alloc.used - self.slab_room(node_id) > mark:
             if self.policy.evict_in_background:
@@ -649,7 +649,8 @@ class ReplicaTable:
         if alloc is None:
             self.evict_due.discard(node_id)
             return False
-        target = (self.policy.high_watermark - self.policy.evict_ratio) * alloc.capacity + self.slab_room(node_id)
+        hw, er = self.policy.marks(node.spill_usable())
+        target = (hw - er) * alloc.capacity + self.slab_room(node_id)
         excess = int(alloc.used - node.offload_inflight - target)
         if (excess <= 0 or not self.evict(node_id, min(chunk, excess), now, whole_round=False)
                 or alloc.used - node.offload_inflight <= target):

@@ -184,7 +184,8 @@ class SlabTable:
         together: half the headroom above the high watermark (at least one small slab).
         Eviction counts only the bytes values hold, so values fill the arena up to the
         watermark whatever the number of clients, and the slabs still fit beside them."""
-        return max(SLAB_MIN, int((1 - self.policy.high_watermark) * capacity) // 2 // ALIGN * ALIGN)
+        hw = self.policy.marks(False)[0]  # a slab holds DRAM: the same budget on every node
+        return max(SLAB_MIN, int((1 - hw) * capacity) // 2 // ALIGN * ALIGN)
 
     def room(self, node_id: str) -> int:
         """Bytes of ``node_id``'s arena that slabs hold uncommitted."""

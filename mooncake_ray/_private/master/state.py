@@ -734,7 +734,8 @@ class MasterState(Membership):
 
     def _insertion_gauges(self) -> dict:
         ins = self.insertion
-        return {"insert_old": int(ins.old), "insertion_score": ins.score, "insertion_switches": ins.counters["switches"],
+        return {"insert_old": int(ins.old), "insertion_score": ins.scores()[0],
+                "insertion_switches": ins.counters["switches"],
                 "shadow_refs": ins.counters["refs"], "shadow_hits_recent": ins.counters["hits_recent"],
                 "shadow_hits_old": ins.counters["hits_old"]}
 

@@ -94,7 +94,7 @@ class ObjectTable:
         if parent and insertion is not None and insertion.old:
             self.index.probation(key)
         else:
-            self.index.touch(key)
+            self.index.touch(key, bool(parent))
         if insertion is not None and insertion.sampling:
             self.index.sample(REF_PUT, key, size, bool(parent))
 

@@ -75,7 +75,7 @@ struct ColdRecord {
 struct IndexRecord {
   IndexRecord()
       : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false), linked(false),
-        pass_held(false) {}
+        pass_held(false), unread(false) {}
 
   uint64_t size = 0;
   uint64_t gen = 0;
@@ -95,14 +95,15 @@ struct IndexRecord {
   bool grace : 1;      // on probation, among the newest (grace_bytes): they go last of them
   bool linked : 1;     // has a ChainLink (MasterIndex::links_)
   bool pass_held : 1;  // met by the current eviction pass while held (MasterIndex::pass_held_)
+  bool unread : 1;     // a chained value placed at the recent end by its put, not read since
   // The key's first bytes; the rest follow in the same allocation (RecordMap::make), so a
   // record and its key are one block: 144 bytes with an 18-byte key, where a std::string
   // member and a pointer to it took 208 in two.
-  char key_data[3];
+  char key_data[2];
 
   std::string_view key() const { return {key_data, key_len}; }
 };
-static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 117");
+static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 118");
 
 // A record's KV chain links (MasterIndex::link): kept beside the records, for the chained
 // ones only. ``parent`` is the stored record it names; ``kid`` / ``sib`` list the stored
@@ -216,7 +217,9 @@ class MasterIndex {
   bool peek_cold(const std::string& key, ColdRecord* out);
   bool contains(const std::string& key);
   bool is_hot(const std::string& key);
-  void touch(const std::string& key);  // to the recent end
+  // To the recent end: a use, or (``unread``) a chained value's put under "recent", which
+  // set_insert_old(true) puts on probation if nothing has read it by then.
+  void touch(const std::string& key, bool unread = false);
   // On probation: ahead of every record not on it, from where a use (touch, a native
   // GET) takes it off. Among the records on probation the newest ``grace_bytes`` go last,
   // first in first out (a value a reader waits for is not the first to go); the others
@@ -225,6 +228,12 @@ class MasterIndex {
   void probation(const std::string& key);
   void set_grace_bytes(uint64_t n);
   // Native commits of values with a parent go on probation (master.chain_insert "old").
+  // Turned on, it also puts on probation the chained values placed at the recent end
+  // under "recent" and not read since (``unread``), at the old end, to go oldest first:
+  // left where they were, they hold the room that probation needs, and the records that
+  // were read go instead, least recent first (LRU's worst case, which "old" was chosen to
+  // avoid). Turned off, what is on probation goes to the recent end, in the order it would
+  // have gone in, unread.
   void set_insert_old(bool on);
   // Sampling of references for the insertion policy's miniature caches: a key is sampled
   // when the top ``shift`` bits of its hash are 0 (a rate of 2^-shift; 0: every key, 64:

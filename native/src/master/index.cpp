@@ -549,6 +549,33 @@ void MasterIndex::probation(const std::string& key) {
 
 void MasterIndex::set_insert_old(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
+  if (on && !insert_old_) {
+    std::vector<IndexRecord*> unread;
+    for (IndexRecord* r = grace_last_ ? grace_last_->newer : stack_last_ ? stack_last_->newer : oldest_; r != nullptr;
+         r = r->newer)
+      if (r->unread && !r->probation) unread.push_back(r);
+    // At the old end, oldest first, ahead of what is already on probation (and behind what
+    // leaves the grace window from now on): a page a reader is about to load (put a turn
+    // ago, say) is the last of them to go.
+    for (auto it = unread.rbegin(); it != unread.rend(); ++it) {
+      IndexRecord* r = *it;
+      unlink(r);
+      link_after(r, nullptr);
+      r->probation = true;
+      if (stack_last_ == nullptr) stack_last_ = r;
+    }
+  } else if (!on && insert_old_) {
+    // Back to "recent": what is on probation goes to the recent end in the order it would
+    // have gone in, unread (a put under "recent" lands there; a flip to "old" and back
+    // must not leave a page a reader waits for among the first to go).
+    std::vector<IndexRecord*> probed;
+    for (IndexRecord* r = oldest_; r != nullptr && r->probation; r = r->newer) probed.push_back(r);
+    for (IndexRecord* r : probed) {
+      unlink(r);
+      link_recent(r);
+      r->unread = true;
+    }
+  }
   insert_old_ = on;
 }
 
@@ -582,10 +609,12 @@ std::vector<RefSample> MasterIndex::take_samples(uint64_t* dropped) {
   return out;
 }
 
-void MasterIndex::touch(const std::string& key) {
+void MasterIndex::touch(const std::string& key, bool unread) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   IndexRecord* r = find(key);
-  if (r == nullptr || r == newest_) return;
+  if (r == nullptr) return;
+  r->unread = unread;
+  if (r == newest_) return;
   unlink(r);
   link_recent(r);
 }
@@ -980,7 +1009,10 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     r.rep.offset = it.offset;
     r.rep.length = extent_length(it.size);
     cold_++;
-    if (insert_old_ && !it.parent.empty()) put_on_probation(&r);
+    if (insert_old_ && !it.parent.empty())
+      put_on_probation(&r);
+    else
+      r.unread = !it.parent.empty();
     if (links_on_ && !it.parent.empty()) {  // its chain link (a parent in the same call is stored already)
       if (IndexRecord* p = find(it.parent)) set_parent(&r, p);
     }
@@ -1228,6 +1260,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
       grant_cold(*r, lease, now);  // a slot is free: checked above
       hits_++;
     }
+    r->unread = false;
     if (r != newest_) {  // a hit is a use
       unlink(r);
       link_recent(r);
