@@ -223,6 +223,13 @@ def test_a_fragmented_arena_gets_a_shorter_slab_rather_than_evictions():
     m.check_invariants()
 
 
+def test_the_default_slab_budget_is_the_room_above_the_default_watermark():
+    M = 1 << 20
+    m, _ = make(n_nodes=1, cap=64 * M)  # marks unset: values evicted past 95%
+    assert m._slab_table.budget(64 * M) == int(0.05 * 64 * M) // K * K
+    assert m._slab_table.budget(4 * M) == M  # at least one small slab
+
+
 def test_slabs_of_many_clients_share_a_budget_and_eviction_follows_the_values():
     """A fleet of clients, each with a slab: the slabs' uncommitted room stays within half
     the headroom above the watermark (a grant past it fails: the two-call way), and the
