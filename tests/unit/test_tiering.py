@@ -203,3 +203,27 @@ def test_a_get_call_searches_a_full_node_for_room_once():
         m.get(on_disk[0])
     assert searched == ["n", "n"]
     m.check_invariants()
+
+
+def test_default_marks_on_a_spilling_node_offload_past_90_percent_and_evict_the_disk():
+    """Marks unset: a node with a spill tier offloads once its values pass 90% of DRAM, 5%
+    a round, and its full disk evicts (``Policy.marks(True)``: 0.9 / 0.05)."""
+    clock = Clock()
+    m = MasterState(Policy(lease_ttl_s=5), clock=clock, wall_ns=lambda: 0)
+    m.mount(NodeInfo("n", "i", b"", b"", 0, 20 * K, spill_capacity=4 * K, spill_high_watermark=1.0))
+    for i in range(18):
+        put(m, f"k{i}")
+        clock.t += 1
+    assert offload_all(m) == []  # 18 of 20: not past 90%
+    put(m, "k18")  # 19 of 20 used > 18: one round of 5% (one value)
+    assert offload_all(m) == ["k0"]
+    for i in range(19, 40):  # the disk fills; its least recent value goes
+        try:
+            put(m, f"k{i}")
+        except NoCapacityError:
+            pass
+        offload_all(m)
+        clock.t += 1
+    st = m.stats()["nodes"]["n"]["disk"]
+    assert st["keys"] <= 4 and m.stats()["disk_evictions"] > 0
+    m.check_invariants()

@@ -106,7 +106,7 @@ class DiskTier:
     def _reserve_disk(self, node: NodeInfo, length: int, now: float) -> bool:
         limit = node.spill_capacity * node.spill_high_watermark
         if node.disk_used + length > limit:
-            need = node.disk_used + length - limit + self.policy.evict_ratio * node.spill_capacity
+            need = node.disk_used + length - limit + self.policy.marks(True)[1] * node.spill_capacity
             chains = self._objects.chains if self.policy.chain_eviction else None
             must = max(0, node.disk_used + length - node.spill_capacity)  # without it, no fit at all
             for v in pick_victims(self._objects, node.node_id, int(need), now, Tier.DISK, chains, must):
