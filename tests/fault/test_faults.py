@@ -393,7 +393,8 @@ def test_a_ring_value_changed_in_the_arena_before_its_node_read_it_is_dropped_at
     bytes are changed in the arena and the node is SIGKILLed: the restarted process checks
     the ring's values against their checksums and drops the changed one (a miss), where it
     used to take the bytes as they were; the others read back intact."""
-    s = make_store(master={"put_slab_bytes": "16mb"})
+    # a slab budget (half the headroom above 0.9) that holds the three values in one slab
+    s = make_store(master={"put_slab_bytes": "16mb", "high_watermark": 0.9})
     ns = s.config.namespace
     nodes = [ray.get_actor(store_actor_name(n), namespace=ns) for n in ray_cluster.store_node_ids]
     master = ray.get_actor(MASTER_NAME, namespace=ns)

@@ -223,10 +223,10 @@ def test_a_fragmented_arena_gets_a_shorter_slab_rather_than_evictions():
     m.check_invariants()
 
 
-def test_the_default_slab_budget_is_the_room_above_the_default_watermark():
+def test_the_default_slab_budget_is_half_the_headroom_above_the_default_watermark():
     M = 1 << 20
     m, _ = make(n_nodes=1, cap=64 * M)  # marks unset: values evicted past 95%
-    assert m._slab_table.budget(64 * M) == int(0.05 * 64 * M) // K * K
+    assert m._slab_table.budget(64 * M) == int(0.05 * 64 * M) // 2 // K * K
     assert m._slab_table.budget(4 * M) == M  # at least one small slab
 
 
