@@ -252,7 +252,8 @@ def test_a_put_hands_the_checksum_of_its_copy_to_the_master_and_a_bad_one_is_ref
     from mooncake_ray._private.client.writes import CHECKSUM_IN_COPY_MIN
     from mooncake_ray._private.native import _native
 
-    s = make_store()
+    # a slab budget (half the headroom above 0.9: 3.2 MiB of 64) that holds the 3 MiB value
+    s = make_store(master={"high_watermark": 0.9})
     sent: list = []
     real = s._master.call
 
