@@ -31,8 +31,9 @@ Workloads (``--workloads``), each measured for every fraction and configuration:
   (median 5, at most about 30; the JSON records them per seed). Prefill -> decode handoffs
   go through the store: after ``--handoff-delay`` (2) other turns, a decode reads back
   (``load`` from the turn's first unloaded page, into a pool of its own) exactly the pages
-  the turn saved. A conversation whose decode is pending does not speak (its answer is not
-  out yet); if every live one waits, the oldest decode runs at once. Handoff pages missed:
+  the turn saved (ours: saved with ``KVStore.save(handoff_s=--handoff-hold-s)``, held until
+  that ``load(..., handoff=True)``; 0 saves it like any other turn). A conversation whose
+  decode is pending does not speak (its answer is not out yet); if every live one waits, the oldest decode runs at once. Handoff pages missed:
   from a decode's first missing page on (a decode cannot use a page after a gap). Counted:
   every turn after the first ``--conversations`` (warm-up).
 - ``shift``: the shape changes halfway: ``--conversations`` conversations in the ``rounds``
@@ -354,12 +355,14 @@ class OursDriver:
     def lookup(self, tokens, keys) -> int:
         return self.kv.lookup(tokens, keys) // self.kv.geometry.page_size
 
-    def load(self, tokens, keys, pool, start: int, n: int) -> int:
-        """Pages ``start``..``n - 1`` into pool pages 0..; returns the leading pages loaded."""
-        return self.kv.load(tokens, pool, list(range(n - start)), start_page=start)
+    def load(self, tokens, keys, pool, start: int, n: int, handoff: bool = False) -> int:
+        """Pages ``start``..``n - 1`` into pool pages 0..; returns the leading pages loaded.
+        ``handoff``: the decode's read, which releases the save's hold."""
+        return self.kv.load(tokens, pool, list(range(n - start)), start_page=start, handoff=handoff)
 
-    def save(self, tokens, keys, pool, start: int, n: int) -> int:
-        return self.kv.save(tokens, pool, list(range(start, n)), start_page=start)
+    def save(self, tokens, keys, pool, start: int, n: int, handoff_s: float | None = None) -> int:
+        """``handoff_s``: a decode will read these pages back; held until then (KVStore.save)."""
+        return self.kv.save(tokens, pool, list(range(start, n)), start_page=start, handoff_s=handoff_s)
 
     def present(self, chains: list[list[str]]) -> list[list[bool]]:
         flat = list(self.client.batch_exists([k for keys in chains for k in keys]))  # takes no lease
@@ -408,7 +411,7 @@ class MooncakeDriver:
             n += 1
         return n
 
-    def load(self, tokens, keys, pool, start: int, n: int) -> int:
+    def load(self, tokens, keys, pool, start: int, n: int, handoff: bool = False) -> int:
         keys = keys[start:n]
         sizes = self.s.batch_get_into(keys, [self._ptr(pool, i) for i in range(len(keys))],
                                       [self.g.page_bytes] * len(keys))
@@ -419,7 +422,8 @@ class MooncakeDriver:
             out += 1
         return out
 
-    def save(self, tokens, keys, pool, start: int, n: int) -> int:
+    def save(self, tokens, keys, pool, start: int, n: int, handoff_s: float | None = None) -> int:
+        """(``handoff_s``: Mooncake's put holds nothing for a reader; ignored.)"""
         keys = keys[start:n]
         if not keys:
             return 0
@@ -617,6 +621,8 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
         chains: dict[int, list[str]] = {}  # every page key each conversation's chain holds so far
         pending: dict[tuple[int, int], tuple] = {}  # (conv, turn) -> what its decode reads back: tokens, keys, start, n
         rounds, every, bad_loads = [], [], 0
+        hold = args.handoff_hold_s or None  # KVStore.save's handoff_s for a turn a decode reads back
+        row["handoff_hold_s"] = hold
         ps = geometry.page_size
         for r, events in enumerate(wl.rounds):
             recs, hand = [], []
@@ -624,7 +630,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
                 if ev.kind == "handoff":
                     tokens, keys, start, n = pending.pop((ev.conv, ev.turn))
                     t0 = time.perf_counter()
-                    got = drv.load(tokens, keys, dpool, start, n) if n > start else 0
+                    got = drv.load(tokens, keys, dpool, start, n, handoff=hold is not None) if n > start else 0
                     hand.append({"pages": n - start, "ok": got, "s": time.perf_counter() - t0})
                     bad_loads += sum(1 for j in range(got)
                                      if dpages_u8[j, :8].tobytes() != bytes.fromhex(keys[start + j][-16:]))
@@ -649,7 +655,8 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
                         pages_u8[i, :8] = np.frombuffer(bytes.fromhex(keys[i][-16:]), dtype=np.uint8)
                 t_fill = time.perf_counter() - t_fill
                 t1 = time.perf_counter()
-                stored = drv.save(tokens, keys, pool, loaded, n) if n > loaded else 0
+                stored = (drv.save(tokens, keys, pool, loaded, n, hold if (c, t) in wl.handed_off else None)
+                          if n > loaded else 0)
                 t_end = time.perf_counter()
                 chains[c] = keys
                 if (c, t) in wl.handed_off:
@@ -934,6 +941,9 @@ def main() -> None:
     ap.add_argument("--recency-conversations", type=int, help="recency: conversations in all (3 x --conversations)")
     ap.add_argument("--handoff-delay", type=int, default=2,
                     help="recency: other turns between a turn's save and its decode's read-back")
+    ap.add_argument("--handoff-hold-s", type=float, default=30.0,
+                    help="recency: a turn whose decode reads it back is saved with KVStore.save(handoff_s=...), "
+                         "held until that read; 0: saved like any other turn")
     ap.add_argument("--shift-order", choices=("rounds-first", "recency-first"), default="rounds-first")
     ap.add_argument("--system-tokens", type=int, default=256)
     ap.add_argument("--question-tokens", type=int, default=128)
@@ -973,8 +983,10 @@ def main() -> None:
         bad = set(given) - set(allowed)
         if bad:
             sys.exit(f"unknown {name} {sorted(bad)}; allowed: {','.join(allowed)}")
-    if min(args.active, args.recency_conversations, args.conversations, args.turns) < 1 or args.handoff_delay < 0:
-        sys.exit("--active, --recency-conversations, --conversations and --turns must be >= 1, --handoff-delay >= 0")
+    if min(args.active, args.recency_conversations, args.conversations, args.turns) < 1 or args.handoff_delay < 0 \
+            or args.handoff_hold_s < 0:
+        sys.exit("--active, --recency-conversations, --conversations and --turns must be >= 1, --handoff-delay and "
+                 "--handoff-hold-s >= 0")
     names = sorted(n for _, n in socket.if_nameindex())
     if names != ["lo"]:
         sys.exit(f"run inside a private network namespace (interfaces: {names}): "
@@ -1057,7 +1069,9 @@ def main() -> None:
            "orphan_probe": {"ours": "client.batch_exists over each chain (takes no lease)",
                             "mooncake": "GET /get_all_keys on the master's metrics port (no lease, no LRU touch)"},
            "handoff_probe": "the decode loads the pages its turn saved (from the turn's first unloaded page) into a "
-                            "pool of its own; pages from the first one not read back on count as missed",
+                            "pool of its own; pages from the first one not read back on count as missed. Ours saves a turn a "
+                            "decode reads back with KVStore.save(handoff_s=--handoff-hold-s) and the decode loads with "
+                            "handoff=True (the hold released); Mooncake's put has no such hold",
            "notes": ["Mooncake leases a key on is_exist/get for --lease-ttl-s and never evicts a leased key; "
                      "a run lasts seconds, so at the default 10 s every page looked up stays and puts fail "
                      "(-200, no space) instead: compare with --lease-ttl-s 0.05",

@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+from mooncake_ray._private.checks import check_ttl
 from mooncake_ray.errors import InvalidArgumentError, MooncakeRayError, ObjectExistsError, ObjectNotFoundError
 
 __all__ = ["KVGeometry", "PagePool", "KVStore", "ConversationHint", "page_hashes", "key_prefix"]
@@ -267,12 +268,23 @@ class KVStore:
         return n * self.geometry.page_size
 
     def save(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0,
-             hint: ConversationHint | None = None) -> int:
+             hint: ConversationHint | None = None, handoff_s: float | None = None) -> int:
         """Store the pages ``start_page..`` of ``tokens`` held in ``pool`` at ``page_ids``
         (one pool page per full token page from ``start_page``). Pages already stored are
         skipped. Each page names the previous one as its parent, so the store evicts a
         chain from its tail (``master.chain_eviction``). ``hint``: the request's
-        conversation (``ConversationHint``). Returns how many pages were newly stored."""
+        conversation (``ConversationHint``).
+
+        ``handoff_s``: the pages are saved for a reader that loads them soon (a decode
+        engine after this prefill): they are held until a ``load(..., handoff=True)`` of
+        them, or ``handoff_s`` seconds, whatever the eviction policy learned. The hold is a
+        soft pin on the newest page of the range, which holds every page before it (chain
+        eviction); it yields only when nothing else is left to evict.
+
+        Returns how many pages were newly stored. Raises InvalidArgumentError for a
+        ``handoff_s`` that is not a positive number of seconds (before anything is stored)."""
+        if handoff_s is not None:
+            handoff_s = check_ttl(handoff_s, "handoff_s")
         every = self.keys(tokens)
         keys = every[start_page:start_page + len(page_ids)]
         if not keys:
@@ -284,12 +296,23 @@ class KVStore:
         self._count("put", res)
         if hint is not None and hint.priority > 0:
             self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)
+        elif handoff_s is not None:  # (a conversation's pin already holds these pages, for longer)
+            try:
+                self.client.pin(keys[-1], ttl_s=handoff_s)
+            except ObjectNotFoundError:  # its put failed: nothing to hold
+                pass
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
 
-    def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0) -> int:
+    def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0,
+             handoff: bool = False, hint: ConversationHint | None = None) -> int:
         """Read stored pages ``start_page..`` of ``tokens`` into ``pool`` at ``page_ids``, in
         one batched call. Returns the number of leading pages loaded (stops at the first
-        miss: later pages are useless without it)."""
+        miss: later pages are useless without it).
+
+        ``handoff=True``: this is the read a ``save(..., handoff_s=...)`` of the same pages
+        waited for; the hold on the range's newest page is released, so the pages are
+        evicted like any other from now on (unless ``hint`` has a priority: the
+        conversation's own pin on that page stays)."""
         keys = self.keys(tokens)[start_page:start_page + len(page_ids)]
         if not keys:
             return 0
@@ -302,4 +325,9 @@ class KVStore:
                 break
             pool.commit(pid)
             n += 1
+        if handoff and not (hint is not None and hint.priority > 0):
+            try:
+                self.client.unpin(keys[-1])
+            except ObjectNotFoundError:  # evicted, or never stored: nothing held
+                pass
         return n

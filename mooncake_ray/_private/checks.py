@@ -23,15 +23,15 @@ def check_replicas(replicas: Any) -> int:
     return replicas
 
 
-def check_ttl(ttl_s: Any) -> float:
-    """``ttl_s`` as a duration in seconds.
+def check_ttl(ttl_s: Any, name: str = "ttl_s") -> float:
+    """``ttl_s`` as a duration in seconds (``name``: the argument, for the error).
 
     Raises:
         InvalidArgumentError: not a finite number of seconds in (0, MAX_TTL_S].
     """
     if type(ttl_s) not in (int, float) or not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
         raise InvalidArgumentError(
-            f"ttl_s must be a finite number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r:.40}")
+            f"{name} must be a finite number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r:.40}")
     return float(ttl_s)
 
 

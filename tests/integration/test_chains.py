@@ -10,6 +10,7 @@ import time
 import pytest
 import ray
 
+from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray.kv import ConversationHint, KVGeometry, KVStore, PagePool
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from tests.conftest import wait_for
@@ -186,3 +187,46 @@ def test_chains_keep_their_links_across_four_master_shards(make_store):
     assert s.stats()["chain_remote_children"] > stored / 2  # most parents live on another shard
     wait_for(lambda: chat.gaps() == 0, timeout_s=15, what="pages cut off by a parent on another shard to go")
     assert sum(chat.served.values()) > 0
+
+
+@pytest.mark.parametrize("insert", ["recent", "old"])
+def test_pages_saved_for_a_handoff_stay_until_their_read(make_store, insert):
+    """A prefill saves a turn for a decode (``save(..., handoff_s=...)``), then other
+    conversations put more than the arena holds before the decode reads it: the turn is
+    read back whole whatever the insertion policy, while the same turn saved without the
+    hold is evicted; the read releases the hold, and (under LRU, where an unread turn is
+    the first to go) a hold whose time passed holds nothing."""
+    s = make_store(segment_size_bytes="4mb", master={"chain_insert": insert})
+    chat = Chat(s, 24, seed=3, system=256)
+    kv, rng = chat.kv, random.Random(4)
+    decode = PagePool(GEOM, 64)
+    kv.register_pool(decode)
+
+    def prompt():  # 32 pages (1 MiB) of a new conversation, saved from the prefill's pool
+        return [rng.randrange(1 << 16) for _ in range(32 * GEOM.page_size)]
+
+    def flood():  # 24 conversations' turns: 24 x 19 pages over an arena of 256, read back at once
+        for c in range(24):
+            chat.turn(c)
+
+    with pytest.raises(InvalidArgumentError, match="handoff_s"):
+        kv.save(prompt(), chat.pool, list(range(32)), handoff_s=0)
+    assert s.stats()["keys"] == 0, "a refused save stored pages"
+    held, plain = prompt(), prompt()
+    assert kv.save(plain, chat.pool, list(range(32))) == 32
+    assert kv.save(held, chat.pool, list(range(32)), handoff_s=60) == 32
+    assert s.stats()["soft_pinned"] == 1
+    flood()
+    st = s.stats()
+    assert st["evictions"] > 256 and st["eviction_policy"]["insert"] == insert, st
+    assert kv.load(plain, decode, list(range(32))) < 32, "the turn saved without a hold survived: nothing pressed"
+    assert kv.load(held, decode, list(range(32)), handoff=True) == 32, "a handoff's pages went before its read"
+    assert s.stats()["soft_pinned"] == 0  # the read released the hold
+
+    if insert == "old":  # (which unread turn goes first is the policy's; under LRU the oldest)
+        return
+    lapsed = prompt()
+    kv.save(lapsed, chat.pool, list(range(32)), handoff_s=0.2)
+    time.sleep(0.5)
+    flood()
+    assert kv.load(lapsed, decode, list(range(32)), handoff=True) < 32, "a hold outlived its handoff_s"
