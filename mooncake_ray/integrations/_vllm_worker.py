@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from mooncake_ray._private.client.staged import device_marker
-from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
+from mooncake_ray.errors import MooncakeRayError, ObjectExistsError, ObjectNotFoundError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_plan import BlockRun
@@ -162,6 +162,7 @@ class KVTransfer:
             self.stats["loaded_blocks"] += ok.count(True)
         if self.metrics is not None:
             self.metrics.observe("load", dt)
+        self._release(runs)
         return bad
 
     def _load_direct(self, run: BlockRun) -> bool:
@@ -182,6 +183,7 @@ class KVTransfer:
             return False
         dt = time.perf_counter() - t0
         self.direct.done(run.direct["req"])
+        self._release([run])  # the store's copy was not needed
         with self._lock:
             self.stats["load_s"] += dt
             self.stats["direct_blocks"] += len(run.block_ids)
@@ -266,6 +268,8 @@ class KVTransfer:
         for run in runs:
             if run.keep is not None and run.hashes:
                 self._keep(run)
+            elif run.hold_s is not None and run.hashes:
+                self._hold(run)
         with self._lock:
             self.stats["save_s"] += dt
             self.stats["save_cpu_s"] += cpu
@@ -283,6 +287,28 @@ class KVTransfer:
             self._pins.keep(conversation_id, self._key(run, run.hashes[-1]), keep_s)
         except Exception as e:  # noqa: BLE001 - a pin is a hint: the save stands without it
             log.warning("KV save: pinning the conversation %s failed (%s)", conversation_id, e)
+
+    def _hold(self, run: BlockRun) -> None:
+        """A prefill for a decode engine: soft-pin the prompt's last block (it holds the
+        chain) until the decode's load releases it (``_release``) or ``run.hold_s``."""
+        try:
+            self.client.pin(self._key(run, run.hashes[-1]), ttl_s=run.hold_s)
+        except ObjectNotFoundError:  # its put failed: nothing to hold
+            pass
+        except Exception as e:  # noqa: BLE001 - a hold protects a copy; the save stands without it
+            log.warning("KV save: holding request %s's blocks for its decode failed (%s)", run.req_id, e)
+
+    def _release(self, runs: Sequence[BlockRun]) -> None:
+        """A decode read what a prefill held for it: its blocks are evicted like any other now."""
+        for run in runs:
+            if not run.release:
+                continue
+            try:
+                self.client.unpin(self._key(run, run.release))
+            except ObjectNotFoundError:  # evicted, or its save failed: nothing held
+                pass
+            except Exception as e:  # noqa: BLE001 - the hold lapses at its TTL
+                log.warning("KV load: releasing request %s's hold failed (%s)", run.req_id, e)
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
         """Hand the step's saves to the save thread; with ``sync``, wait for them."""

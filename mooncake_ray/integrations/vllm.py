@@ -108,7 +108,10 @@ class MooncakeRayConnectorConfig(BaseModel):
     request's blocks and names them in its response; the consumer reads them straight from
     the producer's memory over the transport, and from the store if that fails."""
     direct_hold_s: float = Field(30.0, gt=0)
-    """How long a producer keeps blocks no consumer has read."""
+    """How long a producer keeps blocks no consumer has read: in its engine's memory (the
+    direct handoff), and in the store, where the blocks of a request for a remote decode
+    are held (soft-pinned through the last) until the consumer's load releases them, so no
+    eviction policy takes them before their read."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long joining the Ray cluster may take before the engine fails to start."""
     device_path: Literal["auto", "direct", "staged"] = "auto"
@@ -400,10 +403,15 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
             hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens,
                                   self._present_kinds)
             return hit, hit > 0
-        direct = None
-        if self.cfg.direct_handoff and self.kv_role != "kv_producer":
-            direct = ((request.kv_transfer_params or {}).get("mooncake_ray") or {}).get("direct")
-            self.plan.direct_source(request.request_id, direct)
+        direct, params = None, request.kv_transfer_params or {}
+        if self.kv_role == "kv_producer" and params.get("do_remote_decode"):
+            self.plan.hold(request.request_id, self.cfg.direct_hold_s)
+        elif self.kv_role != "kv_producer":
+            ours = params.get("mooncake_ray") if isinstance(params.get("mooncake_ray"), dict) else {}
+            self.plan.release_source(request.request_id, request.all_token_ids, ours.get("stored_tokens"))
+            if self.cfg.direct_handoff:
+                direct = ours.get("direct")
+                self.plan.direct_source(request.request_id, direct)
         hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens, self._present)
         asynchronous = self.cfg.load_mode == "async" or direct is not None
         if hit and not asynchronous:

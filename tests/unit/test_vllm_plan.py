@@ -70,6 +70,37 @@ def test_a_conversation_hint_marks_every_save_of_its_request():
     assert [(s.first, s.parent, s.keep) for s in plan.saves] == [(0, "", ("conv-1", 60.0))]
 
 
+def test_a_prefill_for_a_remote_decode_holds_its_prompt_until_the_decodes_load_releases_it():
+    """The producer's save that completes the prompt (a chunked prefill: the last chunk)
+    holds it; the consumer's load names the same last block to release, once."""
+    tokens = list(range(26))  # a prompt of 26: 6 full blocks
+    p = SchedulerPlan(BS, save_decode=False, sync_saves=True)
+    p.match("r", tokens, 0, stored(0))
+    p.hold("r", 30.0)
+    ids = lambda r: list(range(7))  # noqa: E731
+    first = p.step([("r", tokens, 26, 0, 16)], ids).saves  # chunk 1: blocks 0-3
+    last = p.step([("r", tokens, 26, 16, 10)], ids).saves  # chunk 2: blocks 4, 5
+    assert [(s.first, s.hold_s) for s in first + last] == [(0, None), (4, 30.0)]
+    held = last[0].hashes[-1]
+    assert held == page_hashes(tokens, BS)[5]
+
+    c = SchedulerPlan(BS, save=False)
+    prompt = tokens + [99]  # the decode request: the prompt and the first token
+    c.release_source("d", prompt, 24)  # the producer's stored_tokens
+    assert c.match("d", prompt, 0, stored(10)) == 24
+    c.allocated("d", list(range(7)), 24)
+    plan = c.step([], lambda r: [])
+    assert [(x.first, len(x.hashes), x.release) for x in plan.loads] == [(0, 6, held)]
+    c.match("d", prompt, 0, stored(10))
+    c.allocated("d", list(range(7)), 24)
+    assert c.step([], lambda r: []).loads[0].release == ""  # released once
+    for bad in (None, "24", 2, 10 ** 6):  # no producer's figure, or not a block of this prompt
+        c.release_source("x", prompt, bad)
+        c.match("x", prompt, 0, stored(10))
+        c.allocated("x", list(range(7)), 24)
+        assert c.step([], lambda r: []).loads[0].release == "", bad
+
+
 def test_save_decode_off_stops_at_the_prompt_and_a_consumer_never_saves():
     p = SchedulerPlan(BS, save_decode=False)
     tokens = list(range(16))
