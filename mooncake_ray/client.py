@@ -245,30 +245,40 @@ class Client:
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any], sizes: Sequence[int] | None = None,
                        *, replicas: int | None = None, after: Any = None,
-                       parents: Sequence[str | None] | None = None) -> list[MooncakeRayError | None]:
+                       parents: Sequence[str | None] | None = None,
+                       hold_s: float | None = None) -> list[MooncakeRayError | None]:
         """``batch_put`` from buffers (zero-copy from registered ones); ``sizes`` stores
         only the first ``sizes[i]`` bytes of each. Returns ``None`` or the error per key.
         Device memory and ``after`` as in ``put_from``.
 
+        ``hold_s``: the values are read soon by another engine (a prefill's KV for its
+        decode): each is soft-pinned for ``hold_s`` seconds by the master call that
+        publishes it, so no eviction comes between the put and the hold, until the reader's
+        ``batch_unpin`` (a soft pin yields only when nothing unpinned is left to evict).
+        Such a call is served by the master's Python handler, not its native fast path.
+
         Raises:
-            InvalidArgumentError: the lists differ in length (a bad key or buffer is that
-                key's entry).
+            InvalidArgumentError: the lists differ in length, or ``hold_s`` is not a finite
+                positive number of seconds (nothing is put); a bad key or buffer is that
+                key's entry.
             MasterUnavailableError: the master did not answer in time (retryable).
         """
         same_length(keys, buffers, "buffers")
         if sizes is not None:
             same_length(keys, sizes, "sizes")
+        if hold_s is not None:
+            hold_s = check_ttl(hold_s, "hold_s")
         ps = self._parents(keys, parents)
         if self._device.needed(buffers):
-            return self._put_routed(keys, buffers, sizes, replicas, False, after, ps)
-        return self._host_put_from(keys, buffers, sizes, replicas, False, ps)
+            return self._put_routed(keys, buffers, sizes, replicas, False, after, ps, hold_s)
+        return self._host_put_from(keys, buffers, sizes, replicas, False, ps, hold_s)
 
-    def _host_put_from(self, keys, buffers, sizes, replicas, upsert, parents=None) -> list:
+    def _host_put_from(self, keys, buffers, sizes, replicas, upsert, parents=None, hold_s=None) -> list:
         items = [Sized(b, None if sizes is None else sizes[i]) for i, b in enumerate(buffers)]
         return self._timed("batch_put", keys, lambda: self._by_shard(
             keys, lambda sh, ks, idx: sh.writes.put_many(ks, [items[i] for i in idx], replicas, upsert,
-                                                         _pick(parents, idx)),
-            lambda sh: sh.writes.put_many(keys, items, replicas, upsert, parents)))
+                                                         _pick(parents, idx), hold_s),
+            lambda sh: sh.writes.put_many(keys, items, replicas, upsert, parents, hold_s)))
 
     def _parents(self, keys, parents) -> list[str] | None:
         """``parents`` checked and aligned with ``keys``. None: no parent named.
@@ -442,6 +452,27 @@ class Client:
         """
         self._check_key(key)
         self._raise_first(self._shard(key).master.call(rpc.UNPIN, [key]))
+
+    def batch_unpin(self, keys: Sequence[str]) -> list[MooncakeRayError | None]:
+        """``unpin`` for many keys in one call per master shard (what a reader calls once
+        it has read values put with ``hold_s``). Returns, per key, None or its error
+        (ObjectNotFoundError: not stored; InvalidArgumentError: a bad key).
+
+        Raises:
+            MasterUnavailableError: no master shard answered (retryable).
+        """
+        keys = list(keys)
+        bad = key_errors(keys, self._max_key)
+        out: list = [bad.get(i) for i in range(len(keys))]
+        good = [i for i in range(len(keys)) if i not in bad]
+        if not good:
+            return out
+        ask = [keys[i] for i in good]
+        got = self._by_shard(ask, lambda sh, ks, idx: sh.master.call(rpc.UNPIN, ks),
+                             lambda sh: sh.master.call(rpc.UNPIN, ask))
+        for i, r in zip(good, got):
+            out[i] = rpc.to_exc(r) if rpc.is_err(r) else (r if isinstance(r, BaseException) else None)
+        return out
 
     def register_buffer(self, buffer: Any):
         """Register memory with the transport so puts from it and gets into it are
@@ -650,10 +681,10 @@ class Client:
     def _inside_registered(self, addr: int, n: int) -> bool:
         return self._registered.find(addr, n) is not None or self._device.registered(addr, n)
 
-    def _put_routed(self, keys, bufs, sizes, replicas, upsert, after, parents=None) -> list:
+    def _put_routed(self, keys, bufs, sizes, replicas, upsert, after, parents=None, hold_s=None) -> list:
         of = None if parents is None else dict(zip(keys, parents))
         return self._device.put_routed(keys, bufs, sizes, after, lambda ks, bs, sz: self._host_put_from(
-            ks, bs, sz, replicas, upsert, None if of is None else [of.get(k, "") for k in ks]))
+            ks, bs, sz, replicas, upsert, None if of is None else [of.get(k, "") for k in ks], hold_s))
 
     def _get_routed(self, keys, bufs) -> list:
         return self._device.get_routed(keys, bufs, self._host_get_into)

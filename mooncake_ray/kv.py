@@ -276,10 +276,10 @@ class KVStore:
         conversation (``ConversationHint``).
 
         ``handoff_s``: the pages are saved for a reader that loads them soon (a decode
-        engine after this prefill): they are held until a ``load(..., handoff=True)`` of
-        them, or ``handoff_s`` seconds, whatever the eviction policy learned. The hold is a
-        soft pin on the newest page of the range, which holds every page before it (chain
-        eviction); it yields only when nothing else is left to evict.
+        engine after this prefill): each page this call stores is held from the master call
+        that publishes it until a ``load(..., handoff=True)`` of them, or ``handoff_s``
+        seconds, whatever the eviction policy learned (a soft pin: it yields only when
+        nothing else is left to evict).
 
         Returns how many pages were newly stored. Raises InvalidArgumentError for a
         ``handoff_s`` that is not a positive number of seconds (before anything is stored)."""
@@ -292,15 +292,11 @@ class KVStore:
         present = self.client.batch_exists(keys)
         todo = [(start_page + j, pid) for j, (pid, p) in enumerate(zip(page_ids, present)) if not p]
         res = self.client.batch_put_from([every[i] for i, _ in todo], [pool.page(pid) for _, pid in todo],
-                                         parents=[every[i - 1] if i else None for i, _ in todo]) if todo else []
+                                         parents=[every[i - 1] if i else None for i, _ in todo],
+                                         hold_s=handoff_s) if todo else []
         self._count("put", res)
         if hint is not None and hint.priority > 0:
             self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)
-        elif handoff_s is not None:  # (a conversation's pin already holds these pages, for longer)
-            try:
-                self.client.pin(keys[-1], ttl_s=handoff_s)
-            except ObjectNotFoundError:  # its put failed: nothing to hold
-                pass
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
 
     def load(self, tokens: Sequence[int], pool: PagePool, page_ids: Sequence[int], start_page: int = 0,
@@ -310,9 +306,9 @@ class KVStore:
         miss: later pages are useless without it).
 
         ``handoff=True``: this is the read a ``save(..., handoff_s=...)`` of the same pages
-        waited for; the hold on the range's newest page is released, so the pages are
-        evicted like any other from now on (unless ``hint`` has a priority: the
-        conversation's own pin on that page stays)."""
+        waited for; the range's holds are released (one call), so the pages are evicted
+        like any other from now on (unless ``hint`` has a priority: the conversation's own
+        pin on its newest page stays)."""
         keys = self.keys(tokens)[start_page:start_page + len(page_ids)]
         if not keys:
             return 0
@@ -325,9 +321,6 @@ class KVStore:
                 break
             pool.commit(pid)
             n += 1
-        if handoff and not (hint is not None and hint.priority > 0):
-            try:
-                self.client.unpin(keys[-1])
-            except ObjectNotFoundError:  # evicted, or never stored: nothing held
-                pass
+        if handoff:  # (a page evicted or never stored answers ObjectNotFoundError: nothing held)
+            self.client.batch_unpin(keys[:-1] if hint is not None and hint.priority > 0 else keys)
         return n

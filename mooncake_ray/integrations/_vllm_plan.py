@@ -43,8 +43,8 @@ class BlockRun:
     parent: str = ""  # the chained hash of block ``first - 1`` (saves; "" for the first block)
     keep: tuple[str, float] | None = None  # (conversation id, seconds): soft-pin the run's last block
     kind: str = ""  # a hybrid model's kind tag (_vllm_groups); "" for a one-group model
-    hold_s: float | None = None  # saves: hold the run's last block for a decode's read, at most this long
-    release: str = ""  # loads: the chained hash of the block whose hold (a prefill's hold_s) the read releases
+    hold_s: float | None = None  # saves: hold the run's blocks for a decode's read, at most this long
+    release: list[str] = field(default_factory=list)  # loads: hashes of the blocks a prefill held for this read
 
 
 @dataclass
@@ -66,7 +66,7 @@ class _Req:
     saves_sent: bool = False
     keep: tuple[str, float] | None = None  # the request's conversation hint (kv.ConversationHint)
     hold_s: float | None = None  # a prefill for a decode engine: hold its prompt's blocks until read
-    release: str = ""  # a decode of a prefill's blocks: the hash of the last block the prefill held
+    release: list[str] = field(default_factory=list)  # a decode of a prefill's blocks: the blocks it held
 
 
 class SchedulerPlan:
@@ -130,17 +130,18 @@ class SchedulerPlan:
         self._reqs.setdefault(req_id, _Req()).keep = (conversation_id, keep_s)
 
     def hold(self, req_id: str, hold_s: float) -> None:
-        """A prefill whose decode runs elsewhere: the save that completes its prompt holds
-        the prompt's blocks (a soft pin on the last, which holds the chain) until the
-        decode engine's read releases them, or ``hold_s``."""
+        """A prefill whose decode runs elsewhere: its saves hold the prompt's blocks (each
+        soft-pinned by the call that stores it) until the decode engine's read releases
+        them, or ``hold_s``."""
         self._reqs.setdefault(req_id, _Req()).hold_s = hold_s
 
     def release_source(self, req_id: str, tokens: Sequence[int], stored_tokens: Any) -> None:
         """A decode request whose prefill stored ``stored_tokens`` of its prompt (the
-        producer's params): its load releases the prefill's hold on their last block."""
+        producer's params): its load releases the prefill's holds on every block of them,
+        those it loads and those the engine had (and the last, which vLLM computes)."""
         bs = self.block_size
         if type(stored_tokens) is int and bs <= stored_tokens <= len(tokens):
-            self._reqs.setdefault(req_id, _Req()).release = self.hashes(req_id, tokens, stored_tokens // bs)[-1]
+            self._reqs.setdefault(req_id, _Req()).release = self.hashes(req_id, tokens, stored_tokens // bs)
 
     def direct_source(self, req_id: str, params: dict | None) -> None:
         """Remember the prefill engine's blocks named by a decode request's params."""
@@ -170,7 +171,7 @@ class SchedulerPlan:
                       "blocks": r.direct["blocks"][first:first + n]}
         r.load = BlockRun(req_id, first, r.hashes[first:first + n], list(block_ids[first:first + n]), direct,
                           release=r.release)
-        r.release = ""  # released once
+        r.release = []  # released once
 
     def step(self, scheduled: Sequence[tuple[str, Sequence[int], int, int, int]],
              block_ids_of: Callable[[str], Sequence[int]], preempted: bool = False) -> StepPlan:
@@ -202,7 +203,7 @@ class SchedulerPlan:
             hs = self.hashes(req_id, tokens, full)
             plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full]),
                                        parent=hs[r.saved_upto - 1] if r.saved_upto else "", keep=r.keep,
-                                       hold_s=r.hold_s if full == prompt_len // bs else None))
+                                       hold_s=r.hold_s))
             r.saved_upto = full
             r.saves_sent = True
         return plan

@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from mooncake_ray._private.client.staged import device_marker
-from mooncake_ray.errors import MooncakeRayError, ObjectExistsError, ObjectNotFoundError
+from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_plan import BlockRun
@@ -250,12 +250,19 @@ class KVTransfer:
         # its suffix is stored); a hybrid kind's blocks do not form such chains
         parents = [self._key(run, h) if h and not run.kind else None
                    for run in runs for h in [run.parent, *run.hashes[:-1]]]
+        holds = [run.hold_s for run in runs for _ in run.hashes]  # a prefill's blocks for its decode
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             present = self.client.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
-            res = self.client.batch_put_from([keys[i] for i in todo], [bufs[i] for i in todo],
-                                             after=marker, parents=[parents[i] for i in todo]) if todo else []
+            res: list = [None] * len(todo)
+            for hold in dict.fromkeys(holds[i] for i in todo):  # one call per hold: the step's runs share one
+                part = [j for j, i in enumerate(todo) if holds[i] == hold]
+                got = self.client.batch_put_from([keys[todo[j]] for j in part], [bufs[todo[j]] for j in part],
+                                                 after=marker, parents=[parents[todo[j]] for j in part],
+                                                 hold_s=hold)
+                for j, r in zip(part, got):
+                    res[j] = r
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
             log.warning("KV save of %d blocks failed (%s)", len(keys), e)
             with self._lock:
@@ -268,8 +275,6 @@ class KVTransfer:
         for run in runs:
             if run.keep is not None and run.hashes:
                 self._keep(run)
-            elif run.hold_s is not None and run.hashes:
-                self._hold(run)
         with self._lock:
             self.stats["save_s"] += dt
             self.stats["save_cpu_s"] += cpu
@@ -288,27 +293,16 @@ class KVTransfer:
         except Exception as e:  # noqa: BLE001 - a pin is a hint: the save stands without it
             log.warning("KV save: pinning the conversation %s failed (%s)", conversation_id, e)
 
-    def _hold(self, run: BlockRun) -> None:
-        """A prefill for a decode engine: soft-pin the prompt's last block (it holds the
-        chain) until the decode's load releases it (``_release``) or ``run.hold_s``."""
-        try:
-            self.client.pin(self._key(run, run.hashes[-1]), ttl_s=run.hold_s)
-        except ObjectNotFoundError:  # its put failed: nothing to hold
-            pass
-        except Exception as e:  # noqa: BLE001 - a hold protects a copy; the save stands without it
-            log.warning("KV save: holding request %s's blocks for its decode failed (%s)", run.req_id, e)
-
     def _release(self, runs: Sequence[BlockRun]) -> None:
-        """A decode read what a prefill held for it: its blocks are evicted like any other now."""
-        for run in runs:
-            if not run.release:
-                continue
-            try:
-                self.client.unpin(self._key(run, run.release))
-            except ObjectNotFoundError:  # evicted, or its save failed: nothing held
-                pass
-            except Exception as e:  # noqa: BLE001 - the hold lapses at its TTL
-                log.warning("KV load: releasing request %s's hold failed (%s)", run.req_id, e)
+        """A decode read what a prefill held for it (``BlockRun.hold_s``): the blocks are
+        evicted like any other now. One call; a block not stored answers ObjectNotFoundError."""
+        keys = [self._key(run, h) for run in runs for h in run.release]
+        if not keys:
+            return
+        try:
+            self.client.batch_unpin(keys)
+        except Exception as e:  # noqa: BLE001 - the holds lapse at their TTL
+            log.warning("KV load: releasing %d blocks a prefill held failed (%s)", len(keys), e)
 
     def save(self, runs: Sequence[BlockRun], sync: bool) -> None:
         """Hand the step's saves to the save thread; with ``sync``, wait for them."""

@@ -110,8 +110,8 @@ class MooncakeRayConnectorConfig(BaseModel):
     direct_hold_s: float = Field(30.0, gt=0)
     """How long a producer keeps blocks no consumer has read: in its engine's memory (the
     direct handoff), and in the store, where the blocks of a request for a remote decode
-    are held (soft-pinned through the last) until the consumer's load releases them, so no
-    eviction policy takes them before their read."""
+    are held (each soft-pinned by the master call that stores it) until the consumer's
+    load releases them, so no eviction policy takes them before their read."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long joining the Ray cluster may take before the engine fails to start."""
     device_path: Literal["auto", "direct", "staged"] = "auto"

@@ -62,6 +62,30 @@ def test_zero_copy_registered_buffers_and_batches(make_store):
     s.unregister_buffer(dst)
 
 
+def test_values_put_for_a_reader_are_held_until_it_releases_them(make_store):
+    """``batch_put_from(..., hold_s=)`` soft-pins each value in the call that publishes it,
+    through a put slab (small values) and the two-call path (one too large for a slab)
+    alike; ``batch_unpin`` releases them and answers per key. A bad ``hold_s`` stores nothing."""
+    s = make_store()
+    small, large = np.full(64 * 1024, 7, np.uint8), np.full(3 * MB, 9, np.uint8)
+    s.register_buffer(small)
+    s.register_buffer(large)
+    for bad in (0, -1.0, float("nan"), "30"):
+        with pytest.raises(InvalidArgumentError, match="hold_s"):
+            s.batch_put_from(["held/s", "held/l"], [small, large], hold_s=bad)
+    assert s.batch_exists(["held/s", "held/l"]) == [False, False]
+    pinned = s.stats()["soft_pinned"]
+    assert s.batch_put_from(["held/s", "held/l"], [small, large], hold_s=30) == [None, None]
+    assert s.stats()["soft_pinned"] == pinned + 2
+    assert s.get("held/l") == large.tobytes()
+    res = s.batch_unpin(["held/s", "held/l", "held/nope", ""])
+    assert res[:2] == [None, None]
+    assert isinstance(res[2], ObjectNotFoundError) and isinstance(res[3], InvalidArgumentError)
+    assert s.stats()["soft_pinned"] == pinned
+    s.unregister_buffer(small)
+    s.unregister_buffer(large)
+
+
 def test_batch_calls_report_per_key(make_store):
     s = make_store()
     s.put("a", b"1")

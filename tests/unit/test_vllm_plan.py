@@ -71,8 +71,8 @@ def test_a_conversation_hint_marks_every_save_of_its_request():
 
 
 def test_a_prefill_for_a_remote_decode_holds_its_prompt_until_the_decodes_load_releases_it():
-    """The producer's save that completes the prompt (a chunked prefill: the last chunk)
-    holds it; the consumer's load names the same last block to release, once."""
+    """Every save of a producer's request for a remote decode holds its blocks (a chunked
+    prefill: each chunk); the consumer's load of a prefill's blocks releases them, once."""
     tokens = list(range(26))  # a prompt of 26: 6 full blocks
     p = SchedulerPlan(BS, save_decode=False, sync_saves=True)
     p.match("r", tokens, 0, stored(0))
@@ -80,25 +80,27 @@ def test_a_prefill_for_a_remote_decode_holds_its_prompt_until_the_decodes_load_r
     ids = lambda r: list(range(7))  # noqa: E731
     first = p.step([("r", tokens, 26, 0, 16)], ids).saves  # chunk 1: blocks 0-3
     last = p.step([("r", tokens, 26, 16, 10)], ids).saves  # chunk 2: blocks 4, 5
-    assert [(s.first, s.hold_s) for s in first + last] == [(0, None), (4, 30.0)]
-    held = last[0].hashes[-1]
-    assert held == page_hashes(tokens, BS)[5]
+    assert [(s.first, len(s.hashes), s.hold_s) for s in first + last] == [(0, 4, 30.0), (4, 2, 30.0)]
+    other = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # no remote decode: nothing held
+    other.match("o", tokens, 0, stored(0))
+    assert [s.hold_s for s in other.step([("o", tokens, 26, 0, 26)], ids).saves] == [None]
 
     c = SchedulerPlan(BS, save=False)
     prompt = tokens + [99]  # the decode request: the prompt and the first token
     c.release_source("d", prompt, 24)  # the producer's stored_tokens
-    assert c.match("d", prompt, 0, stored(10)) == 24
-    c.allocated("d", list(range(7)), 24)
-    plan = c.step([], lambda r: [])
-    assert [(x.first, len(x.hashes), x.release) for x in plan.loads] == [(0, 6, held)]
-    c.match("d", prompt, 0, stored(10))
-    c.allocated("d", list(range(7)), 24)
-    assert c.step([], lambda r: []).loads[0].release == ""  # released once
-    for bad in (None, "24", 2, 10 ** 6):  # no producer's figure, or not a block of this prompt
+    assert c.match("d", prompt, 4, stored(10)) == 20  # vLLM had block 0; the last block it computes
+    c.allocated("d", list(range(7)), 20)
+    loads = c.step([], lambda r: []).loads
+    assert [(x.first, len(x.hashes)) for x in loads] == [(1, 5)]
+    assert loads[0].release == page_hashes(tokens, BS)  # every block the prefill held, all 6
+    c.match("d", prompt, 4, stored(10))
+    c.allocated("d", list(range(7)), 20)
+    assert c.step([], lambda r: []).loads[0].release == []  # released once
+    for bad in (None, "24", 2, 10 ** 6):  # no producer's figure, or not blocks of this prompt
         c.release_source("x", prompt, bad)
         c.match("x", prompt, 0, stored(10))
         c.allocated("x", list(range(7)), 24)
-        assert c.step([], lambda r: []).loads[0].release == "", bad
+        assert c.step([], lambda r: []).loads[0].release == [], bad
 
 
 def test_save_decode_off_stops_at_the_prompt_and_a_consumer_never_saves():

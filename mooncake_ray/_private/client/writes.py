@@ -59,10 +59,12 @@ class Writer:
         self._checksums = config.client.checksum_in_copy
         self.moved = 0  # bytes written by the call being timed (metrics only)
 
-    def put_many(self, keys, values, replicas, upsert, parents=None) -> list:
+    def put_many(self, keys, values, replicas, upsert, parents=None, hold_s=None) -> list:
         """Put each value; returns, per key, None or the error it got (a bad key or value
         is that key's InvalidArgumentError; the others are put). ``parents``: per key, the
-        key of its parent in a KV chain, or "" / None (master/chains.py).
+        key of its parent in a KV chain, or "" / None (master/chains.py). ``hold_s``: the
+        master soft-pins each value for that long in the call that publishes it (checked
+        by the caller), so no eviction comes between the two.
 
         Raises:
             InvalidArgumentError: ``replicas`` is not a count of copies.
@@ -76,25 +78,26 @@ class Writer:
             if all(not p for p in parents):
                 parents = None
         if not bad:
-            return self._put_checked(keys, srcs, replicas, upsert, parents)
+            return self._put_checked(keys, srcs, replicas, upsert, parents, hold_s)
         good = [i for i in range(len(keys)) if i not in bad]
         results: list = [bad.get(i) for i in range(len(keys))]
         if good:
             for i, r in zip(good, self._put_checked([keys[i] for i in good], [srcs[i] for i in good],
                                                     replicas, upsert,
-                                                    None if parents is None else [parents[i] for i in good])):
+                                                    None if parents is None else [parents[i] for i in good],
+                                                    hold_s)):
                 results[i] = r
         return results
 
-    def _put_checked(self, keys, srcs, replicas, upsert, parents=None) -> list:
+    def _put_checked(self, keys, srcs, replicas, upsert, parents=None, hold_s=None) -> list:
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
         if self._slabs.slab_bytes and (replicas or self._replicas) == 1:
-            todo = self._put_slabbed(keys, srcs, upsert, results, parents)
+            todo = self._put_slabbed(keys, srcs, upsert, results, parents, hold_s)
         failures, backoff = 0, Backoff(self._backpressure_s)
         while todo:
             retry = self._put_round([keys[i] for i in todo], [srcs[i] for i in todo], replicas, upsert,
-                                    None if parents is None else [parents[i] for i in todo])
+                                    None if parents is None else [parents[i] for i in todo], hold_s)
             nxt, transfer_failed = [], False
             for i, res in zip(todo, retry):
                 results[i] = res
@@ -111,7 +114,7 @@ class Writer:
         return [MasterUnavailableError(f"{r} (put {PUT_ATTEMPTS} times)") if isinstance(r, _PutLost) else r
                 for r in results]
 
-    def _put_slabbed(self, keys, srcs, upsert, results, parents=None) -> list[int]:
+    def _put_slabbed(self, keys, srcs, upsert, results, parents=None, hold_s=None) -> list[int]:
         """Put what fits into this client's slab with one master call for all of them
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
@@ -159,7 +162,9 @@ class Writer:
         else:
             returns = self._slabs.take_returns(settled)
             try:
-                done = self._master.call(rpc.PUT_COMMIT, [c for _, c in commits], self._owner, returns)
+                # a hold is Python's (the native commit declines a fifth argument)
+                done = self._master.call(rpc.PUT_COMMIT, [c for _, c in commits], self._owner, returns,
+                                         *(() if hold_s is None else (hold_s,)))
             except MasterUnavailableError as e:
                 for i, _ in commits:
                     results[i] = e
@@ -178,7 +183,7 @@ class Writer:
                     results[i] = exc
         return sorted(rest)
 
-    def _put_round(self, keys, srcs, replicas, upsert, parents=None) -> list:
+    def _put_round(self, keys, srcs, replicas, upsert, parents=None, hold_s=None) -> list:
         """One PUT_START, write, PUT_END round; returns None or the error per key."""
         reqs = [[k, s[1], replicas, upsert] for k, s in zip(keys, srcs)]
         if parents is not None:
@@ -210,7 +215,10 @@ class Writer:
                 results[i] = failed[i]
             else:
                 crc = sums.get(i)
-                ends.append((i, [keys[i], a.gen] if crc is None else [keys[i], a.gen, crc]))
+                if hold_s is not None:
+                    ends.append((i, [keys[i], a.gen, crc, hold_s]))
+                else:
+                    ends.append((i, [keys[i], a.gen] if crc is None else [keys[i], a.gen, crc]))
         if revokes:
             self._master.call(rpc.PUT_REVOKE, revokes)
         if ends:

@@ -43,8 +43,10 @@ import time
 import ray
 
 from mooncake_ray.config import StoreConfig
-from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, MooncakeRayError, NodeUnavailableError
+from mooncake_ray.errors import (InvalidArgumentError, MasterUnavailableError, MooncakeRayError, NodeUnavailableError,
+                                 ObjectNotFoundError)
 from mooncake_ray._private import auth, gcyoung, logs, rpc
+from mooncake_ray._private.checks import check_ttl
 from mooncake_ray._private.auth import role_engine
 from mooncake_ray._private.master.chainlinks import ChainExchange
 from mooncake_ray._private.master.fence import Fence, Held
@@ -302,16 +304,34 @@ class MasterActor:
         self._return_slabs(returns)  # the caller's used-up slabs, piggybacked
         return self.state.slab_grant(owner, client_node, need)
 
-    def _put_end(self, key, gen, crc=None):
+    def _put_end(self, key, gen, crc=None, hold_s=None):
         _check_crc(key, crc)
-        return self.state.put_end(key, gen, crc)
+        if hold_s is not None:
+            check_ttl(hold_s, "hold_s")
+        self.state.put_end(key, gen, crc)
+        self._hold(key, hold_s)
 
-    def _put_commit(self, items, owner, returns=()):
+    def _hold(self, key: str, hold_s: float | None) -> None:
+        """A put with ``hold_s`` (``batch_put_from``): soft-pin the value in the call that
+        published it, before any eviction can run (the call holds the actor's lock)."""
+        if hold_s is None:
+            return
+        try:
+            self.state.pin(key, False, hold_s)
+        except ObjectNotFoundError:  # its own publication's eviction round took it: a later miss
+            pass
+
+    def _put_commit(self, items, owner, returns=(), hold_s=None):
+        if hold_s is not None:
+            check_ttl(hold_s, "hold_s")
+
         def one(key, slab_id, offset, size, upsert=False, parent="", crc=None):
             _check_crc(key, crc)
             # The checksum is carried only by the native commit's ring record; on this path
             # the store node takes it from the arena when it journals the value.
-            return self.state.put_commit(key, slab_id, offset, size, upsert, owner, parent)
+            gen = self.state.put_commit(key, slab_id, offset, size, upsert, owner, parent)
+            self._hold(key, hold_s)  # before the next item's commit may evict
+            return gen
 
         out = rpc.per_key(one, items)
         self._return_slabs(returns)  # after the commits: a returned slab may hold some of them
