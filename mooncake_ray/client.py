@@ -453,6 +453,19 @@ class Client:
         self._check_key(key)
         self._raise_first(self._shard(key).master.call(rpc.UNPIN, [key]))
 
+    def batch_pin(self, keys: Sequence[str], *, hard: bool = False,
+                  ttl_s: float | None = None) -> list[MooncakeRayError | None]:
+        """``pin`` for many keys in one call per master shard. Returns, per key, None or
+        its error (ObjectNotFoundError: not stored; InvalidArgumentError: a bad key).
+
+        Raises:
+            InvalidArgumentError: ``ttl_s`` not a finite positive number of seconds.
+            MasterUnavailableError: no master shard answered (retryable).
+        """
+        if ttl_s is not None:
+            ttl_s = check_ttl(ttl_s)
+        return self._per_key_call(keys, lambda ks: [rpc.PIN, [[k, bool(hard), ttl_s] for k in ks]])
+
     def batch_unpin(self, keys: Sequence[str]) -> list[MooncakeRayError | None]:
         """``unpin`` for many keys in one call per master shard (what a reader calls once
         it has read values put with ``hold_s``). Returns, per key, None or its error
@@ -461,6 +474,11 @@ class Client:
         Raises:
             MasterUnavailableError: no master shard answered (retryable).
         """
+        return self._per_key_call(keys, lambda ks: [rpc.UNPIN, ks])
+
+    def _per_key_call(self, keys: Sequence[str], request) -> list:
+        """A master call answering per key (``request(keys)``: the op and its argument),
+        split by shard; bad keys are their InvalidArgumentError without a call."""
         keys = list(keys)
         bad = key_errors(keys, self._max_key)
         out: list = [bad.get(i) for i in range(len(keys))]
@@ -468,8 +486,8 @@ class Client:
         if not good:
             return out
         ask = [keys[i] for i in good]
-        got = self._by_shard(ask, lambda sh, ks, idx: sh.master.call(rpc.UNPIN, ks),
-                             lambda sh: sh.master.call(rpc.UNPIN, ask))
+        got = self._by_shard(ask, lambda sh, ks, idx: sh.master.call(*request(ks)),
+                             lambda sh: sh.master.call(*request(ask)))
         for i, r in zip(good, got):
             out[i] = rpc.to_exc(r) if rpc.is_err(r) else (r if isinstance(r, BaseException) else None)
         return out

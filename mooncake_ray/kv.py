@@ -277,9 +277,9 @@ class KVStore:
 
         ``handoff_s``: the pages are saved for a reader that loads them soon (a decode
         engine after this prefill): each page this call stores is held from the master call
-        that publishes it until a ``load(..., handoff=True)`` of them, or ``handoff_s``
-        seconds, whatever the eviction policy learned (a soft pin: it yields only when
-        nothing else is left to evict).
+        that publishes it, and each it found stored from one call after, until a
+        ``load(..., handoff=True)`` of them, or ``handoff_s`` seconds, whatever the eviction
+        policy learned (a soft pin: it yields only when nothing else is left to evict).
 
         Returns how many pages were newly stored. Raises InvalidArgumentError for a
         ``handoff_s`` that is not a positive number of seconds (before anything is stored)."""
@@ -295,6 +295,8 @@ class KVStore:
                                          parents=[every[i - 1] if i else None for i, _ in todo],
                                          hold_s=handoff_s) if todo else []
         self._count("put", res)
+        if handoff_s is not None and len(todo) < len(keys):  # stored already: held from now
+            self.client.batch_pin([k for k, p in zip(keys, present) if p], ttl_s=handoff_s)
         if hint is not None and hint.priority > 0:
             self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))

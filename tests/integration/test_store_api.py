@@ -82,6 +82,12 @@ def test_values_put_for_a_reader_are_held_until_it_releases_them(make_store):
     assert res[:2] == [None, None]
     assert isinstance(res[2], ObjectNotFoundError) and isinstance(res[3], InvalidArgumentError)
     assert s.stats()["soft_pinned"] == pinned
+    res = s.batch_pin(["held/s", "held/nope", "held/l"], ttl_s=30)  # values stored before: held from now
+    assert res[0] is None and isinstance(res[1], ObjectNotFoundError) and res[2] is None
+    assert s.stats()["soft_pinned"] == pinned + 2
+    with pytest.raises(InvalidArgumentError, match="ttl_s"):
+        s.batch_pin(["held/s"], ttl_s=0)
+    s.batch_unpin(["held/s", "held/l"])
     s.unregister_buffer(small)
     s.unregister_buffer(large)
 
