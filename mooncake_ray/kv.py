@@ -277,7 +277,7 @@ class KVStore:
 
         ``handoff_s``: the pages are saved for a reader that loads them soon (a decode
         engine after this prefill): each page this call stores is held from the master call
-        that publishes it, and each it found stored from one call after, until a
+        that publishes it, and each it found stored from one call before the put, until a
         ``load(..., handoff=True)`` of them, or ``handoff_s`` seconds, whatever the eviction
         policy learned (a soft pin: it yields only when nothing else is left to evict).
 
@@ -290,13 +290,16 @@ class KVStore:
         if not keys:
             return 0
         present = self.client.batch_exists(keys)
+        if handoff_s is not None and any(present):  # stored already: held before the put may evict them
+            found = [j for j, p in enumerate(present) if p]
+            for j, r in zip(found, self.client.batch_pin([keys[j] for j in found], ttl_s=handoff_s)):
+                if isinstance(r, ObjectNotFoundError):  # gone since: put it again
+                    present[j] = False
         todo = [(start_page + j, pid) for j, (pid, p) in enumerate(zip(page_ids, present)) if not p]
         res = self.client.batch_put_from([every[i] for i, _ in todo], [pool.page(pid) for _, pid in todo],
                                          parents=[every[i - 1] if i else None for i, _ in todo],
                                          hold_s=handoff_s) if todo else []
         self._count("put", res)
-        if handoff_s is not None and len(todo) < len(keys):  # stored already: held from now
-            self.client.batch_pin([k for k, p in zip(keys, present) if p], ttl_s=handoff_s)
         if hint is not None and hint.priority > 0:
             self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)
         return sum(1 for r in res if r is None or isinstance(r, ObjectExistsError))
