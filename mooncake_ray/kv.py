@@ -296,9 +296,9 @@ class KVStore:
                 if isinstance(r, ObjectNotFoundError):  # gone since: put it again
                     present[j] = False
         todo = [(start_page + j, pid) for j, (pid, p) in enumerate(zip(page_ids, present)) if not p]
+        hold = {} if handoff_s is None else {"hold_s": handoff_s}
         res = self.client.batch_put_from([every[i] for i, _ in todo], [pool.page(pid) for _, pid in todo],
-                                         parents=[every[i - 1] if i else None for i, _ in todo],
-                                         hold_s=handoff_s) if todo else []
+                                         parents=[every[i - 1] if i else None for i, _ in todo], **hold) if todo else []
         self._count("put", res)
         if hint is not None and hint.priority > 0:
             self._pins.keep(hint.conversation_id, keys[-1], hint.keep_s)

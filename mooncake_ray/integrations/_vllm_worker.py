@@ -260,7 +260,7 @@ class KVTransfer:
                 part = [j for j, i in enumerate(todo) if holds[i] == hold]
                 got = self.client.batch_put_from([keys[todo[j]] for j in part], [bufs[todo[j]] for j in part],
                                                  after=marker, parents=[parents[todo[j]] for j in part],
-                                                 hold_s=hold)
+                                                 **({} if hold is None else {"hold_s": hold}))
                 for j, r in zip(part, got):
                     res[j] = r
         except Exception as e:  # noqa: BLE001 - a failed save is a later miss, nothing more
