@@ -425,15 +425,16 @@ class Sim:
 
     def check_tails(self):
         """After a tick (chain_eviction on): no stored value whose parent is gone, but
-        those held by a reader, a hard pin or a move in flight (their tail goes later), and
-        those whose parent went with an unmounted node that may bring it back."""
+        those held by a reader, a pin (a soft one until it ends: a reader asked for the
+        value by key) or a move in flight (their tail goes later), and those whose parent
+        went with an unmounted node that may bring it back."""
         m, now = self.m, self.clock.t
         if m.recovering:
             return
         for key in m._objects.chains.orphans:
             obj = m._objects.peek(key)
             assert obj is not None, f"orphan {key} is not stored"
-            assert (obj.leased(now) or obj.effective_pin(now) == 2 or m._objects.chains.held(key)
+            assert (obj.leased(now) or obj.effective_pin(now).value != 0 or m._objects.chains.held(key)
                     or any(r.offloading or not r.ready for r in obj.replicas)), \
                 f"{key} outlived its parent {m._objects.chains.parent[key]} past a tick"
 

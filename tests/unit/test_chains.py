@@ -143,6 +143,28 @@ def test_an_orphan_goes_first_and_a_removed_parent_takes_its_tail():
     m.check_invariants()
 
 
+def test_a_soft_pinned_orphan_stays_until_its_pin_ends():
+    """A page a reader asked to be held (a decode's handoff reads it by key, no prefix
+    lookup) stays when its parent goes: not dropped at the tick, nor first in line; once
+    unpinned it is an orphan like any other and goes at the next tick."""
+    m, clock = make(n_nodes=1, cap=8 * K, high_watermark=1.0, evict_ratio=1 / 8)
+    chain(m, "ab", clock)
+    m.pin("b", ttl_s=30)
+    assert m.remove("a") and m.stats()["orphaned_pages"] == 1
+    m.tick()
+    assert m.exists("b")
+    for k in "uvwxyz":
+        put(m, k)
+        clock.t += 0.1
+    put(m, "n")  # the last free slot
+    put(m, "o")  # full: the oldest unpinned value goes, not the pinned orphan
+    assert m.exists("b") and not m.exists("u")
+    m.unpin("b")
+    m.tick()
+    assert not m.exists("b") and m.stats()["orphaned_pages"] == 0
+    m.check_invariants()
+
+
 def test_a_leased_leaf_forces_its_parent_only_when_nothing_else_can_go():
     """Every slot holds a->b->c with c being read: the round frees nothing but a chain
     value, so it takes the oldest (a); b goes with it, c once its reader is done."""

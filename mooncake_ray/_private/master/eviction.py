@@ -112,12 +112,13 @@ def pinned_tail(table: ObjectTable, chains: Chains | None, now: float):
 
 
 def take_orphans(table: ObjectTable, chains: Chains, node_id: str, now: float, tier: Tier, pick: Picker) -> None:
-    """Orphans on ``node_id`` (no prefix lookup reaches them) go before anything else."""
+    """Orphans on ``node_id`` (no prefix lookup reaches them) go before anything else,
+    except soft-pinned ones (a reader asked for them by key): they go as soft-pinned values do."""
     for key in list(chains.orphans):
         if pick.done():
             return
         obj = table.get(key)
         verdict = judge(obj, node_id, now, tier)
-        if verdict is not None:
+        if verdict is not None and verdict[0] == EVICT:
             pick.take(key, (obj, verdict[1]), verdict[1].length)
             chains.counters["chain_tail_evictions"] += 1

@@ -488,9 +488,10 @@ class ReplicaTable:
     def drop_orphans(self, now: float) -> int:
         """A chain's tail goes with it: drop every stored value whose parent is gone (no
         prefix lookup reaches it), on any node, and theirs in turn; those being read,
-        moved or hard-pinned stay orphans until a later eviction, and so do those whose
-        parent went with an unmounted node that may bring it back (``Chains.lost``).
-        Returns how many went."""
+        moved or pinned stay orphans until a later eviction (a soft pin: a reader asked for
+        it by key, such as a decode's handoff, which needs no prefix lookup; it goes when the
+        pin ends, or as a soft-pinned victim), and so do those whose parent went with an
+        unmounted node that may bring it back (``Chains.lost``). Returns how many went."""
         chains, objects, n = self._objects.chains, self._objects, 0
         todo = list(chains.orphans)
         tried = set(todo)
@@ -499,7 +500,7 @@ class ReplicaTable:
                 if chains.held(key):  # its parent may come back with its node (chains.py: lost)
                     continue
                 obj = objects.get(key)
-                if (obj is None or not obj.complete or obj.leased(now) or obj.effective_pin(now) is Pin.HARD
+                if (obj is None or not obj.complete or obj.leased(now) or obj.effective_pin(now) is not Pin.NONE
                         or any(r.offloading or not r.ready for r in obj.replicas)):
                     continue
                 self.drop_object(obj, now)
