@@ -181,3 +181,13 @@ def test_batch_calls_answer_bad_keys_per_key(s):
     got = s.batch_get_into(["b/1", "b/3", "b/3"], bufs)
     assert got[0] == 1 and got[2] == 1 and isinstance(got[1], InvalidArgumentError)
     assert s.batch_exists(["b/1", 5, "b/2"]) == [True, False, False]
+
+
+def test_a_read_only_array_is_put_from_and_read_back(s):
+    """A put only reads its buffer: a read-only array is a value like any other."""
+    ro = np.arange(4096, dtype=np.uint16).view(np.uint8)[:4096].copy()
+    ro.flags.writeable = False
+    assert s.batch_put_from(["ro/1"], [ro]) == [None]
+    s.put_from("ro/2", ro, 100)
+    assert s.get("ro/1") == ro.tobytes() and s.get("ro/2") == ro[:100].tobytes()
+    s.remove_prefix("ro/")

@@ -43,7 +43,10 @@ def random_commit(rng: random.Random, slabs: dict):
         if len(it) == 5 and rng.random() < 0.4:
             it.append(rng.choice([random_key(rng), random_key(rng), it[0], "p" * 5000, ""]))
     owner = "c2" if rng.random() < 0.1 else "c1"
-    return [rpc.PUT_COMMIT, items, owner, *rng.choice([[], [[]], [[]], [None], [[sid]]])]
+    # used-up slabs given back: answered natively (up to 64 ids), each dropped after the commits
+    returns = rng.choice([[], [[]], [[]], [None], [[sid]], [[sid, 999]], [[rng.randrange(1, 6)]],
+                          [["x"]], [[-1]], [list(range(100, 165))], [list(range(100, 164))]])
+    return [rpc.PUT_COMMIT, items, owner, *returns]
 
 
 def random_request(rng: random.Random, leases: list):
@@ -103,7 +106,7 @@ def test_native_index_matches_reference(seed):
         ix.set_chain_links(seed % 3 != 2)  # KV chain links kept (chain-aware eviction)
     leases: list = []
     slabs: dict = {}
-    answered = commits = 0
+    answered = commits = returned = 0
     for step in range(3000):
         r = rng.random()
         if r < 0.05:
@@ -133,6 +136,11 @@ def test_native_index_matches_reference(seed):
             commits += got is not None
             for sid in slabs:
                 assert native.lookup_slab(sid) == ref.lookup_slab(sid)
+            if got is not None and len(req) == 4 and req[3]:
+                returned += 1
+                for sid in req[3]:
+                    assert native.lookup_slab(sid) is None, f"step {step}: slab {sid} given back"
+                    slabs.pop(sid, None)
         elif r < 0.21:
             key, size, gen = random_key(rng), rng.randrange(1 << 34), rng.randrange(1 << 50)
             reps = random_reps(rng)
@@ -223,7 +231,7 @@ def test_native_index_matches_reference(seed):
                 if req[0] == rpc.GET:
                     leases += [(k, d[1], d[4]) for k, d in zip(req[1], got[1]) if d is not None]
         assert len(native) == len(ref) and native.served() == ref.served()
-    assert answered > 300 and leases and commits > 5, "the stream must exercise the native answers"
+    assert answered > 300 and leases and commits > 5 and returned > 0, "the stream must exercise the native answers"
     assert min(lease for *_, lease in leases) >= FIRST_LEASE
 
 

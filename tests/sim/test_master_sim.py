@@ -411,9 +411,13 @@ class Sim:
         upsert = rng.random() < 0.3
         parent = self.parent_of(key)
         item = [key, sid, cur, size, upsert] + ([parent] if parent else [])
-        if native and self.native([rpc.PUT_COMMIT, [item], owner, []]) is not None:
+        # sometimes with a used-up slab given back, as the client does (maybe this very one)
+        returns = [rng.choice(sorted(self.slabs))] if rng.random() < 0.1 else []
+        if native and self.native([rpc.PUT_COMMIT, [item], owner, returns]) is not None:
             return
         self.python(lambda: m.put_commit(key, sid, cur, size, upsert, owner, parent))
+        for r in returns:  # as the actor's _put_commit: after the commits
+            m.slab_return(r)
 
     def parent_of(self, key):
         """Keys k0..k59 form chains (k<i> follows k<i-1>) in most puts."""

@@ -47,11 +47,12 @@ def test_native_commit_is_applied_as_put_commit_would_be():
     assert native(ix, rpc.GET, ["a"])[0][1] == gens[0]  # visible before Python applied it
     # A cold record in the table already; the state machine has not counted it yet.
     assert "a" in m._objects and m._objects.hot("a") is None and m.counters["puts"] == 0
-    # not clean: a key stored already, a carved extent, another owner, slabs given back
+    # not clean: a key stored already, a carved extent, another owner, too many slabs given back
     assert native(ix, rpc.PUT_COMMIT, [["a", sid, off + 3 * K, 1, True]], "c1") is None
     assert native(ix, rpc.PUT_COMMIT, [["c", sid, off, 1]], "c1") is None
     assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c2") is None
-    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c1", [sid]) is None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c1", list(range(100, 165))) is None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + 3 * K, 1]], "c1", ["x"]) is None
     section(m, ix)
     assert m.get("a")[1] == gens[0] and m.get("b")[3][0][2:4] == (off + K, 2 * K)
     # "a" (100 bytes) is packed into 128; "b" takes two pages
@@ -62,6 +63,36 @@ def test_native_commit_is_applied_as_put_commit_would_be():
                                                                                    ("b", gens[1], off + K)]
     assert [(e.key, e.offset, e.length) for e in delta.adds if e.tier == "reserved"] == [(f"slab/{sid}", off, length)]
     assert m.put_commit("c", sid, off + 3 * K, 10, False, "c1") > gens[1]  # the counter went on
+    m.check_invariants()
+
+
+def test_a_slab_given_back_with_a_native_commit_is_freed_after_its_commits():
+    """A client's used-up slabs ride on its next commit: the index answers that commit too,
+    drops the slabs from its mirror at once (a later commit into one is Python's, and
+    fails), and Python frees what is left of them, after the commits, when it applies the
+    log. Its node is told the slab's range is no longer reserved."""
+    m, clock = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+    ix = with_index(m, clock)
+    sid, nid, off, length, _inc, _ttl = m.slab_grant("c1")
+    sid2, _nid, off2, _len2, _inc2, _ttl2 = m.slab_grant("c1")
+    section(m, ix)
+    m.drain_effects()
+    used = m._alloc[nid].used
+    gens = native(ix, rpc.PUT_COMMIT, [["a", sid, off, 100], ["b", sid2, off2, 5000]], "c1", [sid])
+    assert gens and len(gens) == 2
+    assert ix._slabs.get(sid) is None and ix._slabs.get(sid2) is not None
+    assert native(ix, rpc.PUT_COMMIT, [["c", sid, off + K, 1]], "c1") is None  # gone from the mirror
+    assert sid in m._slab_table.slabs  # Python has not applied the log yet
+    section(m, ix)
+    assert sid not in m._slab_table.slabs and sid2 in m._slab_table.slabs
+    assert m.get("a")[1] == gens[0] and m.get("b")[1] == gens[1]
+    # what "a" did not use of the slab is free again; "a" keeps its 128 bytes
+    assert m._alloc[nid].used == used - (length - 128)
+    delta = m.drain_effects()[nid]
+    assert (f"slab/{sid}", "reserved") in [(k, t) for k, _g, t in delta.drops]
+    assert [(e.key, e.gen) for e in delta.adds if e.tier == "dram"] == [("a", gens[0]), ("b", gens[1])]
+    res = rpc.per_key(lambda k, s, o, n: m.put_commit(k, s, o, n, False, "c1"), [["c", sid, off + K, 1]])
+    assert rpc.is_err(res[0])  # the returned slab takes no more commits
     m.check_invariants()
 
 

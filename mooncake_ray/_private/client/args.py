@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from mooncake_ray.errors import InvalidArgumentError
 from mooncake_ray._private.buffers import gathered, readable, writable
+from mooncake_ray._private.native import _native
 
 
 class Sized:
@@ -64,6 +67,23 @@ def convert(items, fn, bad: dict[int, Exception]) -> list:
 def same_length(keys, other, what: str) -> None:
     if len(keys) != len(other):
         raise InvalidArgumentError(f"{len(keys)} keys but {len(other)} {what}")
+
+
+def sources(values, registered: Callable[[int, int], bool], bad: dict[int, Exception]) -> list:
+    """``convert(values, source)``: bytes and C-contiguous numpy arrays, bare or ``Sized``,
+    are read in one native call (about a microsecond a value less than ``source``);
+    everything else, and every bad one, goes through ``source`` and its errors."""
+    out = _native.put_sources(values if type(values) is list else list(values), Sized, np.ndarray)
+    if None in out:
+        for i, got in enumerate(out):
+            if got is None and i not in bad:
+                try:
+                    out[i] = source(values[i], registered)
+                except InvalidArgumentError as e:
+                    bad[i] = e
+    for i in bad:
+        out[i] = None
+    return out
 
 
 def source(v, registered: Callable[[int, int], bool]) -> tuple:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError, NoCapacityError, NodeUnavailableError
@@ -59,24 +60,34 @@ class Slabs:
         lengths that got no room. Packed extents follow each other; a paged one starts at
         the next 4 KiB boundary (the gap stays uncommitted and goes back with the slab)."""
         out: list = []
+        total = len(lengths)
         with self._lock:
-            grants = 0
-            for j, n in enumerate(lengths):
+            grants = j = 0
+            while j < total:
                 s = self._slab
-                at = s and (-(-s.cur // ALIGN) * ALIGN if n >= ALIGN else s.cur)
-                if s is None or s.end - at < n or time.monotonic() > s.use_until:
-                    if grants >= _GRANTS_PER_CARVE or not self._new_slab(min(sum(lengths[j:]), self.slab_bytes)):
-                        out.extend([None] * (len(lengths) - j))
+                if s is not None and time.monotonic() <= s.use_until:
+                    cur, end, first = s.cur, s.end, j  # as many as fit, in one pass
+                    while j < total:
+                        n = lengths[j]
+                        at = -(-cur // ALIGN) * ALIGN if n >= ALIGN else cur
+                        if end - at < n:
+                            break
+                        out.append((s, at))
+                        cur = at + n
+                        j += 1
+                    s.cur = cur
+                    if j > first:
+                        self._inuse[s.slab_id] = self._inuse.get(s.slab_id, 0) + (j - first)
+                    if j == total:
                         break
-                    grants += 1
-                    s = self._slab
-                    at = s.cur  # a new slab starts on a page
-                    if s.end - at < n:
-                        out.append(None)
-                        continue
-                out.append((s, at))
-                s.cur = at + n
-                self._inuse[s.slab_id] = self._inuse.get(s.slab_id, 0) + 1
+                if grants >= _GRANTS_PER_CARVE or not self._new_slab(min(sum(lengths[j:]), self.slab_bytes)):
+                    out.extend([None] * (total - j))
+                    break
+                grants += 1
+                s = self._slab
+                if s.end - s.cur < lengths[j]:  # too large even for a new slab (which starts on a page)
+                    out.append(None)
+                    j += 1
         return out
 
     def settle(self, slab_ids: list[int]) -> None:
@@ -85,8 +96,8 @@ class Slabs:
             self._settle(slab_ids)
 
     def _settle(self, slab_ids: list[int]) -> None:  # lock held
-        for sid in slab_ids:
-            left = self._inuse.get(sid, 0) - 1
+        for sid, k in Counter(slab_ids).items():  # a batch's puts mostly share a slab
+            left = self._inuse.get(sid, 0) - k
             if left > 0:
                 self._inuse[sid] = left
                 continue

@@ -17,10 +17,10 @@ from mooncake_ray.errors import (
 )
 from mooncake_ray._private import rpc, wire
 from mooncake_ray._private.checks import check_replicas
-from mooncake_ray._private.client.args import convert, key_errors, source
+from mooncake_ray._private.client.args import key_errors, sources
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
-from mooncake_ray._private.master.allocator import extent_length
+from mooncake_ray._private.master.allocator import ALIGN, GRANULE
 
 PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
 # Values from this size on have their CRC-32C taken in the client's copy (config
@@ -72,7 +72,7 @@ class Writer:
         if replicas is not None:
             check_replicas(replicas)
         bad = key_errors(keys, self._max_key)
-        srcs = convert(values, lambda v: source(v, self._registered), bad)
+        srcs = sources(values, self._registered, bad)
         if parents is not None:
             parents = [p or "" for p in parents]
             if all(not p for p in parents):
@@ -119,9 +119,16 @@ class Writer:
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
         limit = self._slabs.slab_bytes // 2
-        lengths = [extent_length(s[1]) for s in srcs]
-        idxs = [i for i, n in enumerate(lengths) if n <= limit]
-        rest = [i for i, n in enumerate(lengths) if n > limit]
+        # allocator.extent_length, inline: whole pages from 4 KiB, 64-byte granules below
+        lengths = [-(-s[1] // ALIGN) * ALIGN if s[1] >= ALIGN else max(GRANULE, -(-s[1] // GRANULE) * GRANULE)
+                   for s in srcs]
+        if not lengths:
+            return []
+        if max(lengths) <= limit:
+            idxs, rest = list(range(len(lengths))), []
+        else:
+            idxs = [i for i, n in enumerate(lengths) if n <= limit]
+            rest = [i for i, n in enumerate(lengths) if n > limit]
         if not idxs:
             return rest
         if sum(lengths[i] for i in idxs) > SLABS_PER_BATCH * self._slabs.slab_bytes:
@@ -170,11 +177,13 @@ class Writer:
                     results[i] = e
                 return sorted(rest)
             where = {i: (slab, off) for i, slab, off in items}
+            remember = self._locs.remember
             for (i, _), r in zip(commits, done):
-                if not rpc.is_err(r):  # r: the value's gen
-                    self.moved += srcs[i][1]
+                if type(r) is int:  # the value's gen (else an error entry)
+                    n = srcs[i][1]
+                    self.moved += n
                     slab, off = where[i]
-                    self._locs.remember(keys[i], srcs[i][1], r, slab.node_id, off, slab.incarnation, 0)
+                    remember(keys[i], n, r, slab.node_id, off, slab.incarnation, 0)
                     continue
                 exc = rpc.to_exc(r)
                 if isinstance(exc, LeaseExpiredError):
@@ -244,12 +253,17 @@ class Writer:
         this process copied itself (``Engine.write_checksummed``; each item one op)."""
         if not ops:
             return {}
-        by_node: dict[str, list[int]] = {}
-        for j, (node_id, *_rest) in enumerate(ops):
-            by_node.setdefault(node_id, []).append(j)
         failed: dict[int, Exception] = {}
         try:
-            wire_ops = [(self._nodes.get(nid, inc).region, off, addr, n) for nid, off, addr, n, inc in ops]
+            regions: dict = {}  # (node, incarnation) -> its region: one lookup per node, not per op
+
+            def region(nid, inc):
+                r = regions.get((nid, inc))
+                if r is None:
+                    r = regions[(nid, inc)] = self._nodes.get(nid, inc).region
+                return r
+
+            wire_ops = [(regions.get((nid, inc)) or region(nid, inc), off, addr, n) for nid, off, addr, n, inc in ops]
             if sums is None:
                 self._engine.write(wire_ops, timeout_s=self._timeout)
                 return failed
@@ -259,6 +273,9 @@ class Writer:
             return failed
         except TRANSFER_ERRORS:
             pass  # find the culprit node(s) below
+        by_node: dict[str, list[int]] = {}
+        for j, (node_id, *_rest) in enumerate(ops):
+            by_node.setdefault(node_id, []).append(j)
         for node_id, idxs in by_node.items():
             try:
                 self._nodes.on(node_id, ops[idxs[0]][4], lambda node: self._engine.write(

@@ -25,7 +25,9 @@ The contract between the two halves:
   granted on extents the state machine is freeing.
 - **Clean one-call puts too.** ``PUT_COMMIT`` into a put slab is answered natively when
   every key is new (not stored, no two-call put in flight, not twice in the call) and every
-  extent is an uncommitted part of the caller's slab. For that the mirror also holds the
+  extent is an uncommitted part of the caller's slab. The used-up slabs a commit gives back
+  (up to ``MAX_RETURNS``) leave the mirror in the same call, so no later commit lands in
+  them, and are logged after its commits (``RETURN``) for Python to free what is left. For that the mirror also holds the
   slabs' uncommitted pieces, the keys with a put in flight, and the generation counter
   (pushed at the end of every section). The value is visible to native GETs at once; the
   commit is logged, and a thread of the actor that the log wakes applies it within
@@ -34,7 +36,7 @@ The contract between the two halves:
   the logged commits runs after the whole log is applied, so it sees every lease granted
   in it: evicting a value before its logged lease would free extents a reader holds.
 - **Anything unusual is Python's.** Other operations, a key whose entry is empty, a
-  commit that replaces or conflicts or gives slabs back, a request the native parser does
+  commit that replaces or conflicts, a request the native parser does
   not accept, a full log, a master still rebuilding its index: the native side declines
   and the Python handler answers the whole call.
 
@@ -54,7 +56,8 @@ if TYPE_CHECKING:
     from mooncake_ray._private.master.slabs import Slab
     from mooncake_ray._private.master.table import ObjectTable
 
-GRANT, RELEASE, COMMIT, HELD, COMMIT_RINGED = 0, 1, 2, 3, 4  # COMMIT_RINGED: COMMIT whose node has its ring record only
+GRANT, RELEASE, COMMIT, HELD, COMMIT_RINGED, RETURN = 0, 1, 2, 3, 4, 5  # COMMIT_RINGED: COMMIT whose node has its ring record only
+MAX_RETURNS = 64  # slabs one PUT_COMMIT may give back natively (RETURN: the slab id in the lease field)
 FIRST_LEASE = 1 << 40  # native lease ids; the state machine's own counter stays far below
 
 

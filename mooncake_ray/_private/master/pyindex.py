@@ -19,7 +19,7 @@ import msgpack
 
 from mooncake_ray._private import rpc
 from mooncake_ray._private.master.allocator import carve, extent_length
-from mooncake_ray._private.master.fastpath import COMMIT, FIRST_LEASE, GRANT, RELEASE
+from mooncake_ray._private.master.fastpath import COMMIT, FIRST_LEASE, GRANT, MAX_RETURNS, RELEASE, RETURN
 from mooncake_ray._private.master.types import Tier
 from mooncake_ray._private.wire import Commit, ReadGrant, ReplicaLoc
 
@@ -522,7 +522,9 @@ class PyIndex:
         if len(req) not in (3, 4) or not isinstance(req[1], list) or not req[1] or type(req[2]) is not str:
             return None
         owner = req[2]
-        if len(req) == 4 and req[3] is not None and req[3] != []:
+        returns = req[3] if len(req) == 4 and req[3] is not None else []
+        if not (isinstance(returns, list) and len(returns) <= MAX_RETURNS
+                and all(type(x) is int and 0 <= x < 1 << 64 for x in returns)):
             return None
         items = []
         for it in req[1]:
@@ -532,7 +534,7 @@ class PyIndex:
                     and (len(it) < 7 or it[6] is None or (type(it[6]) is int and 0 <= it[6] < 1 << 32))):
                 return None
             items.append(Commit(*it))
-        if not self._enabled or not self._commits or len(self._log) + len(items) > self._max_log:
+        if not self._enabled or not self._commits or len(self._log) + len(items) + len(returns) > self._max_log:
             return None
         scratch: dict[int, dict] = {}
         seen: set[str] = set()
@@ -567,6 +569,9 @@ class PyIndex:
             self.sample(REF_PUT, key, size, bool(parent))
             self._log.append((COMMIT, key, gen, slab_id, now, offset, size, parent))
             gens.append(gen)
+        for slab_id in returns:  # after the commits: a returned slab may hold some of them
+            self._slabs.pop(slab_id, None)
+            self._log.append((RETURN, "", 0, slab_id, now, 0, 0, ""))
         self._served += 1
         return rpc.pack([rpc.OK, gens])
 

@@ -54,7 +54,7 @@ from mooncake_ray._private.checks import check_records, check_replicas, check_tt
 from mooncake_ray._private.master.allocator import ExtentAllocator
 from mooncake_ray._private.master.drain import Drains
 from mooncake_ray._private.master.membership import Membership
-from mooncake_ray._private.master.fastpath import COMMIT, COMMIT_RINGED, GRANT, HELD, ReadMirror
+from mooncake_ray._private.master.fastpath import COMMIT, COMMIT_RINGED, GRANT, HELD, RETURN, ReadMirror
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.replicas import ReplicaTable
 from mooncake_ray._private.master.adaptive import InsertionPolicy
@@ -417,6 +417,9 @@ class MasterState(Membership):
             if kind == HELD:  # the reply to the commits just applied (key: its bytes)
                 self.held.append(((lease, gen, offset), key, [v[0] for v in call], call))
                 call = []
+                continue
+            if kind == RETURN:  # a used-up slab given back with the commits before it
+                self._slab_table.give_back(lease)
                 continue
             obj = objects.get(key)
             if obj is None or obj.gen != gen:  # a release of a dropped value (a grant cannot be: see fastpath.py)

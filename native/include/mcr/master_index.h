@@ -172,7 +172,8 @@ struct CommitRing {
 };
 
 // What a native call did, for Python to apply: kGrant / kRelease (lease = the lease id),
-// kCommit (lease = the slab id; offset, size of the committed value; parent), kHeld (the reply to
+// kCommit (lease = the slab id; offset, size of the committed value; parent), kReturn (a
+// slab the committing client gave back after its commits: lease = the slab id), kHeld (the reply to
 // the commits logged just before it, kept until they are durable: key = the reply, lease
 // = the caller's peer uid, gen = its call id, offset = the lane; see HeldReply).
 struct IndexLogEntry {
@@ -200,6 +201,8 @@ class MasterIndex {
   static constexpr int kCommit = 2;
   static constexpr int kHeld = 3;
   static constexpr int kCommitRinged = 4;  // kCommit answered through its node's ring: no message to the node
+  static constexpr int kReturn = 5;        // a put slab given back with a commit (lease = its id)
+  static constexpr uint32_t kMaxReturns = 64;  // slabs one commit may give back natively
   // The master's RPC operation ids (mooncake_ray/_private/rpc.py) this index answers.
   static constexpr uint64_t kOpGet = 4, kOpExists = 5, kOpRelease = 15, kOpPutCommit = 17;
   static constexpr uint64_t kAlign = 4096;   // paged extents (allocator.py ALIGN)

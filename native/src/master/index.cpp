@@ -928,7 +928,10 @@ bool MasterIndex::wait_commits(double timeout_s) {
 
 // ``[PUT_COMMIT, [[key, slab_id, offset, size, upsert?], ...], owner, returns?]``. Only the
 // clean case: every key new (not stored, no put in flight, not twice in the call), every
-// extent an uncommitted part of the caller's slab, no slabs given back. All or nothing.
+// extent an uncommitted part of the caller's slab. All or nothing. ``returns``: the caller's
+// used-up slabs, given back after the commits (as Python's ``_put_commit`` does): they leave
+// the mirror at once, so no later commit lands in them, and Python frees what is left of
+// them when it applies the log (kReturn).
 bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold,
                                bool* held) {
   Reader r(data, len);
@@ -958,14 +961,19 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
   }
   std::string owner;
   if (!r.str(&owner)) return false;
+  std::vector<uint64_t> returns;
   if (nargs == 4 && !r.nil()) {
     uint32_t nret;
-    if (!r.array(&nret) || nret != 0) return false;
+    if (!r.array(&nret) || nret > kMaxReturns) return false;
+    returns.resize(nret);
+    for (auto& id : returns)
+      if (!r.uint(&id)) return false;
   }
   if (!r.ok() || !r.at_end() || items.empty()) return false;
 
   std::lock_guard<std::recursive_mutex> g(mu_);
-  if (!enabled_ || !commits_ || log_.size() + items.size() + (hold != nullptr) > max_log_) return false;
+  if (!enabled_ || !commits_ || log_.size() + items.size() + returns.size() + (hold != nullptr) > max_log_)
+    return false;
   std::unordered_map<uint64_t, std::map<uint64_t, uint64_t>> scratch;  // carved copies
   std::unordered_set<std::string> seen;
   // Durable through commit rings: every item's node has a usable ring with room for its
@@ -1035,6 +1043,10 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
       // the ring when it restarts; a held reply below waits for the message instead).
       for (size_t k = log_.size() - items.size(); k < log_.size(); ++k) log_[k].kind = kCommitRinged;
     }
+  }
+  for (uint64_t id : returns) {  // after the commits: a returned slab may hold some of them
+    slabs_.erase(id);
+    log_.push_back(IndexLogEntry{kReturn, std::string(), 0, id, now, 0, 0, std::string()});
   }
   if (hold != nullptr && !by_ring) {
     log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
