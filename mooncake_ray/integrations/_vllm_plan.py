@@ -66,6 +66,7 @@ class _Req:
     saves_sent: bool = False
     keep: tuple[str, float] | None = None  # the request's conversation hint (kv.ConversationHint)
     hold_s: float | None = None  # a prefill for a decode engine: hold its prompt's blocks until read
+    held_from_start: bool = False  # its first held save covered the blocks it found stored or cached
     release: list[str] = field(default_factory=list)  # a decode of a prefill's blocks: the blocks it held
 
 
@@ -132,7 +133,9 @@ class SchedulerPlan:
     def hold(self, req_id: str, hold_s: float) -> None:
         """A prefill whose decode runs elsewhere: its saves hold the prompt's blocks (each
         soft-pinned by the call that stores it) until the decode engine's read releases
-        them, or ``hold_s``."""
+        them, or ``hold_s``. Its first save run starts at block 0: the blocks it loaded
+        from the store or had in the engine's cache are held too (the worker pins those
+        the store has and stores again those it lost)."""
         self._reqs.setdefault(req_id, _Req()).hold_s = hold_s
 
     def release_source(self, req_id: str, tokens: Sequence[int], stored_tokens: Any) -> None:
@@ -194,17 +197,20 @@ class SchedulerPlan:
                 r.saved_upto = max(computed // bs, first + found)
             limit = len(tokens) if self.save_decode else prompt_len
             full = min(computed + n_sched, limit) // bs
-            if full <= r.saved_upto:
+            start = r.saved_upto
+            if r.hold_s is not None and not r.held_from_start:
+                start = 0  # the blocks before saved_upto are read by the decode too
+            if full <= start:
                 continue
             ids = block_ids_of(req_id)
             full = min(full, len(ids))
-            if full <= r.saved_upto:
+            if full <= start:
                 continue
             hs = self.hashes(req_id, tokens, full)
-            plan.saves.append(BlockRun(req_id, r.saved_upto, hs[r.saved_upto:full], list(ids[r.saved_upto:full]),
-                                       parent=hs[r.saved_upto - 1] if r.saved_upto else "", keep=r.keep,
-                                       hold_s=r.hold_s))
-            r.saved_upto = full
+            plan.saves.append(BlockRun(req_id, start, hs[start:full], list(ids[start:full]),
+                                       parent=hs[start - 1] if start else "", keep=r.keep, hold_s=r.hold_s))
+            r.saved_upto = max(full, r.saved_upto)
+            r.held_from_start = r.hold_s is not None
             r.saves_sent = True
         return plan
 

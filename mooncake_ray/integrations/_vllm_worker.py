@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from mooncake_ray._private.client.staged import device_marker
-from mooncake_ray.errors import MooncakeRayError, ObjectExistsError
+from mooncake_ray.errors import MooncakeRayError, ObjectExistsError, ObjectNotFoundError
 from mooncake_ray.integrations._vllm_direct import DirectReader, Holds
 from mooncake_ray.integrations._vllm_layout import LayerBlocks
 from mooncake_ray.integrations._vllm_plan import BlockRun
@@ -254,6 +254,7 @@ class KVTransfer:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             present = self.client.batch_exists(keys)
+            self._hold_present(keys, present, holds)
             todo = [i for i, p in enumerate(present) if not p]
             res: list = [None] * len(todo)
             for hold in dict.fromkeys(holds[i] for i in todo):  # one call per hold: the step's runs share one
@@ -284,6 +285,16 @@ class KVTransfer:
             self.stats["saved_blocks"] += len(todo) - len(failed)
         if self.metrics is not None:
             self.metrics.observe("save", dt)
+
+    def _hold_present(self, keys: list[str], present: list[bool], holds: list) -> None:
+        """Held runs' blocks the store has already (a prefill's prefix, loaded from the
+        store or found in the engine's cache): held from now, as the put holds the rest;
+        a block evicted since the check is marked absent, to be stored (and held) again."""
+        for hold in dict.fromkeys(h for h, p in zip(holds, present) if p and h is not None):
+            idx = [i for i, (h, p) in enumerate(zip(holds, present)) if p and h == hold]
+            for i, r in zip(idx, self.client.batch_pin([keys[i] for i in idx], ttl_s=hold)):
+                if isinstance(r, ObjectNotFoundError):
+                    present[i] = False
 
     def _keep(self, run: BlockRun) -> None:
         """A conversation hint: soft-pin the run's last block (kv.ConversationPins)."""

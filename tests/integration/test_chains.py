@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from mooncake_ray.errors import InvalidArgumentError
+from mooncake_ray.errors import InvalidArgumentError, MasterUnavailableError
 from mooncake_ray.kv import ConversationHint, KVGeometry, KVStore, PagePool
 from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 from tests.conftest import wait_for
@@ -222,6 +222,18 @@ def test_pages_saved_for_a_handoff_stay_until_their_read(make_store, insert):
     assert kv.load(plain, decode, list(range(32))) < 32, "the turn saved without a hold survived: nothing pressed"
     assert kv.load(held, decode, list(range(32)), handoff=True) == 32, "a handoff's pages went before its read"
     assert s.stats()["soft_pinned"] == 0  # the read released the hold
+
+    # a release no master answers: the read stands, the failure is counted, the holds stay
+    again = prompt()
+    kv.save(again, chat.pool, list(range(32)), handoff_s=60)
+    s.batch_unpin = lambda keys: (_ for _ in ()).throw(MasterUnavailableError("no master shard answered"))
+    try:
+        assert kv.load(again, decode, list(range(32)), handoff=True) == 32
+    finally:
+        del s.batch_unpin
+    assert kv.failures.get("unpin:MasterUnavailableError") == 1 and s.stats()["soft_pinned"] == 32
+    kv.load(again, decode, list(range(32)), handoff=True)
+    assert s.stats()["soft_pinned"] == 0
 
     if insert == "old":  # (which unread turn goes first is the policy's; under LRU the oldest)
         return

@@ -21,6 +21,7 @@ class FakeClient:
     def __init__(self, refuse=()):
         self.puts, self.gets, self.stored, self.refuse = [], [], {}, set(refuse)
         self.pins = {}
+        self.held, self.gone = {}, set()  # soft pins of handoff holds; keys to lose before a pin
         self.groups_seen = []
 
     def register_buffer(self, t):
@@ -37,8 +38,22 @@ class FakeClient:
     def unpin(self, key):
         self.pins.pop(key, None)
 
-    def batch_put_from(self, keys, bufs, after=None, parents=None):
+    def batch_pin(self, keys, hard=False, ttl_s=None):
+        out = []
+        for k in keys:
+            if k in self.gone:  # evicted between the save's check and its pin
+                self.stored.pop(k, None)
+                self.gone.discard(k)
+            out.append(None if k in self.stored else ObjectNotFoundError(k))
+            if k in self.stored:
+                self.held[k] = ttl_s
+        return out
+
+    def batch_put_from(self, keys, bufs, after=None, parents=None, hold_s=None):
         self.puts.append(list(keys))
+        for k in keys:
+            if hold_s is not None:
+                self.held[k] = hold_s
         self.parents = list(parents) if parents is not None else None
         out = []
         for k, ranges in zip(keys, bufs):
@@ -174,4 +189,22 @@ def test_a_conversation_hint_pins_the_last_saved_block_and_moves_forward():
     assert c.pins == {"p/h2": 60.0}  # one pin per conversation: its newest block
     t._save([BlockRun("q", 0, ["h9"], [2])])
     assert c.pins == {"p/h2": 60.0}
+    t.close()
+
+
+def test_a_held_save_holds_the_blocks_stored_before_it_and_stores_again_those_lost():
+    """A prefill for a remote decode whose prefix was in the store: its save holds the
+    stored blocks with one pin call (they are not written again), stores and holds the new
+    ones, and a block evicted between the check and the pin is stored again, held."""
+    c = FakeClient()
+    t = transfer(c)
+    t._save([BlockRun("old", 0, ["h0", "h1", "h2"], [0, 1, 2])])  # an earlier request stored these
+    assert c.held == {}
+    c.gone.add("p/h1")
+    t._save([BlockRun("r", 0, ["h0", "h1", "h2", "h3"], [0, 1, 2, 3], hold_s=30.0)])
+    assert c.held == {"p/h0": 30.0, "p/h1": 30.0, "p/h2": 30.0, "p/h3": 30.0}
+    assert c.puts[-1] == ["p/h1", "p/h3"]  # only the lost block and the new one were written
+    assert t.stats["skipped_blocks"] == 2 and t.stats["saved_blocks"] == 5
+    t._save([BlockRun("q", 0, ["h0", "h4"], [0, 3])])  # no hold: nothing pinned
+    assert "p/h4" not in c.held
     t.close()

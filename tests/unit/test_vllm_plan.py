@@ -81,6 +81,16 @@ def test_a_prefill_for_a_remote_decode_holds_its_prompt_until_the_decodes_load_r
     first = p.step([("r", tokens, 26, 0, 16)], ids).saves  # chunk 1: blocks 0-3
     last = p.step([("r", tokens, 26, 16, 10)], ids).saves  # chunk 2: blocks 4, 5
     assert [(s.first, len(s.hashes), s.hold_s) for s in first + last] == [(0, 4, 30.0), (4, 2, 30.0)]
+    found = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # blocks 0-2 in the store: held too
+    assert found.match("f", tokens, 0, stored(3)) == 12
+    found.hold("f", 30.0)
+    runs = found.step([("f", tokens, 26, 12, 14)], ids).saves
+    assert [(s.first, len(s.hashes), s.parent, s.hold_s) for s in runs] == [(0, 6, "", 30.0)]
+    assert found.step([("f", tokens, 26, 26, 1)], ids).saves == []  # once
+    cached = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # all but the last block found
+    cached.match("c", tokens, 0, stored(6))
+    cached.hold("c", 30.0)
+    assert [(s.first, len(s.hashes)) for s in cached.step([("c", tokens, 26, 24, 2)], ids).saves] == [(0, 6)]
     other = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # no remote decode: nothing held
     other.match("o", tokens, 0, stored(0))
     assert [s.hold_s for s in other.step([("o", tokens, 26, 0, 26)], ids).saves] == [None]
