@@ -19,6 +19,7 @@ from mooncake_ray._private import rpc, wire
 from mooncake_ray._private.checks import check_replicas
 from mooncake_ray._private.client.args import key_errors, sources
 from mooncake_ray._private.client.backoff import Backoff
+from mooncake_ray._private.client.locations import Loc, _new
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
 from mooncake_ray._private.master.allocator import ALIGN, GRANULE
 
@@ -119,9 +120,10 @@ class Writer:
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
         limit = self._slabs.slab_bytes // 2
-        # allocator.extent_length, inline: whole pages from 4 KiB, 64-byte granules below
-        lengths = [-(-s[1] // ALIGN) * ALIGN if s[1] >= ALIGN else max(GRANULE, -(-s[1] // GRANULE) * GRANULE)
-                   for s in srcs]
+        # allocator.extent_length of each distinct size (a batch's values mostly share one)
+        ext = {n: -(-n // ALIGN) * ALIGN if n >= ALIGN else max(GRANULE, -(-n // GRANULE) * GRANULE)
+               for n in {s[1] for s in srcs}}
+        lengths = [ext[s[1]] for s in srcs]
         if not lengths:
             return []
         if max(lengths) <= limit:
@@ -153,8 +155,9 @@ class Writer:
         if failed:  # the slab's node failed us: give the slab up, retry those the two-call way
             self._slabs.give_up({s.slab_id for i, s, _ in items if i in failed})
         # PUT_COMMIT items as lists in wire.Commit's field order (a Commit record costs 0.15 us a key more)
-        commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items
-                   if i not in failed]
+        if failed:
+            items = [it for it in items if it[0] not in failed]
+        commits = [(i, [keys[i], slab.slab_id, off, srcs[i][1], upsert]) for i, slab, off in items]
         if parents is not None or sums:  # the optional last fields: parent, then the checksum
             for i, c in commits:
                 parent = parents[i] if parents is not None else ""
@@ -176,20 +179,20 @@ class Writer:
                 for i, _ in commits:
                     results[i] = e
                 return sorted(rest)
-            where = {i: (slab, off) for i, slab, off in items}
-            remember = self._locs.remember
-            for (i, _), r in zip(commits, done):
+            seen, moved = [], 0  # (key, Loc) of each value stored, for the location cache
+            for (i, slab, off), r in zip(items, done):
                 if type(r) is int:  # the value's gen (else an error entry)
                     n = srcs[i][1]
-                    self.moved += n
-                    slab, off = where[i]
-                    remember(keys[i], n, r, slab.node_id, off, slab.incarnation, 0)
+                    moved += n
+                    seen.append((keys[i], _new(Loc, (n, r, slab.node_id, off, slab.incarnation, 0))))
                     continue
                 exc = rpc.to_exc(r)
                 if isinstance(exc, LeaseExpiredError):
                     rest.append(i)  # the slab died under us (master restart, node loss)
                 else:
                     results[i] = exc
+            self.moved += moved
+            self._locs.remember_many(seen)
         return sorted(rest)
 
     def _put_round(self, keys, srcs, replicas, upsert, parents=None, hold_s=None) -> list:
