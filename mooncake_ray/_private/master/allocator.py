@@ -67,6 +67,20 @@ def carve(free: dict, offset: int, length: int) -> bool:
     return False
 
 
+def carve_span(free: dict, start: int, end: int) -> bool:
+    """``carve`` of ``[start, end)``, the extents of several values side by side (each
+    checked for alignment by the caller)."""
+    for s, ln in free.items():
+        if s <= start and end <= s + ln:
+            del free[s]
+            if start > s:
+                free[s] = start - s
+            if end < s + ln:
+                free[end] = s + ln - end
+            return True
+    return False
+
+
 class ExtentAllocator:
     """Best-fit allocator of aligned extents over ``[origin, origin + capacity)``.
 

@@ -59,7 +59,7 @@ from mooncake_ray.errors import (
     ObjectExistsError,
     ObjectPendingError,
 )
-from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, carve, extent_length, page_up
+from mooncake_ray._private.master.allocator import ALIGN, ExtentAllocator, carve, carve_span, extent_align, extent_length, page_up
 from mooncake_ray._private.master.placement import order_nodes
 from mooncake_ray._private.master.types import Generations, NodeInfo, Obj, Policy, Replica, Tier
 from mooncake_ray._private.wire import SlabGrant
@@ -301,6 +301,28 @@ class SlabTable:
         self._gens.seen(gen)
         self._replicas.published_natively(key, gen, size, slab.node_id, offset, length, parent, message)
         self._objects.stored_natively(key, parent)
+        return slab.node_id
+
+    def apply_logged_run(self, entries: list, message: bool = True) -> str:
+        """``apply_logged`` of consecutive log entries committing values into one slab and
+        naming no parent (a batch's): one carve per contiguous span of their extents, the
+        counters once. Returns the slab's node."""
+        slab = self.slabs[entries[0][3]]
+        free = slab.free
+        start = end = -1
+        for e in entries:
+            offset, length = e[5], extent_length(e[6])
+            assert offset % extent_align(length) == 0, f"index committed {e[1]!r} at a misaligned offset"
+            if offset == end:
+                end += length
+                continue
+            if start >= 0:
+                assert carve_span(free, start, end), f"index committed {e[1]!r} outside the free pieces of slab {e[3]}"
+            start, end = offset, offset + length
+        assert carve_span(free, start, end), f"index committed {entries[-1][1]!r} outside the free pieces of slab {entries[-1][3]}"
+        self._gens.seen(max(e[2] for e in entries))
+        self._replicas.published_natively_many(entries, slab.node_id, message)
+        self._objects.stored_natively_many([e[1] for e in entries])
         return slab.node_id
 
     def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, parent: str = "") -> None:

@@ -407,12 +407,24 @@ class MasterState(Membership):
         objects = self._objects
         full = self._watermark_due  # nodes that took logged commits, not checked yet
         call: list = []  # the values of the call whose commits are being applied
-        for kind, key, gen, lease, now, offset, size, parent in log:
+        i, n = 0, len(log)
+        while i < n:
+            kind, key, gen, lease, now, offset, size, parent = log[i]
+            i += 1
             if kind == COMMIT or kind == COMMIT_RINGED:
-                node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent,
-                                                        message=kind == COMMIT)
+                j = i  # a batch's commits into one slab, naming no parent: applied as one run
+                while not parent and j < n and log[j][0] == kind and log[j][3] == lease and not log[j][7]:
+                    j += 1
+                if j > i:
+                    run = log[i - 1:j]
+                    node_id = self._slab_table.apply_logged_run(run, message=kind == COMMIT)
+                    call.extend((e[1], e[2], (node_id,)) for e in run)
+                    i = j
+                else:
+                    node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent,
+                                                            message=kind == COMMIT)
+                    call.append((key, gen, (node_id,)))
                 full.add(node_id)
-                call.append((key, gen, (node_id,)))
                 continue
             if kind == HELD:  # the reply to the commits just applied (key: its bytes)
                 self.held.append(((lease, gen, offset), key, [v[0] for v in call], call))

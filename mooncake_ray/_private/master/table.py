@@ -172,6 +172,14 @@ class ObjectTable:
         the insertion policy put it, linked to its parent)."""
         self._linked(key, parent, native=True)
 
+    def stored_natively_many(self, keys: list[str]) -> None:
+        """``stored_natively`` of keys naming no parent: anything to do only where a chain
+        knows of them (a child waiting, a link held elsewhere, a key lost with a node)."""
+        chains = self.chains
+        if chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent:
+            for key in keys:
+                self._linked(key, "", native=True)
+
     def restored_plain(self, keys: list[str]) -> None:
         """These keys came back cold with a mounting node, naming no parent
         (``ReplicaTable.restore_plain``): their chain links, where any refer to them
