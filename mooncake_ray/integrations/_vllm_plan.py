@@ -200,6 +200,7 @@ class SchedulerPlan:
             start = r.saved_upto
             if r.hold_s is not None and not r.held_from_start:
                 start = 0  # the blocks before saved_upto are read by the decode too
+                full = max(full, r.saved_upto)
             if full <= start:
                 continue
             ids = block_ids_of(req_id)

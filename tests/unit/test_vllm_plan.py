@@ -91,6 +91,11 @@ def test_a_prefill_for_a_remote_decode_holds_its_prompt_until_the_decodes_load_r
     cached.match("c", tokens, 0, stored(6))
     cached.hold("c", 30.0)
     assert [(s.first, len(s.hashes)) for s in cached.step([("c", tokens, 26, 24, 2)], ids).saves] == [(0, 6)]
+    short = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # a first chunk shorter than the hit
+    short.match("s", tokens, 0, stored(5))
+    short.hold("s", 30.0)
+    assert [(s.first, len(s.hashes)) for s in short.step([("s", tokens, 26, 0, 8)], ids).saves] == [(0, 5)]
+    assert [(s.first, len(s.hashes)) for s in short.step([("s", tokens, 26, 8, 18)], ids).saves] == [(5, 1)]
     other = SchedulerPlan(BS, save_decode=False, sync_saves=True)  # no remote decode: nothing held
     other.match("o", tokens, 0, stored(0))
     assert [s.hold_s for s in other.step([("o", tokens, 26, 0, 26)], ids).saves] == [None]
