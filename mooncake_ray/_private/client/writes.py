@@ -21,7 +21,7 @@ from mooncake_ray._private.client.args import key_errors, sources
 from mooncake_ray._private.client.backoff import Backoff
 from mooncake_ray._private.client.locations import Loc, _new
 from mooncake_ray._private.client.nodes import TRANSFER_ERRORS
-from mooncake_ray._private.master.allocator import ALIGN, GRANULE
+from mooncake_ray._private.master.allocator import extent_length
 
 PUT_ATTEMPTS = 3  # rounds a key whose write failed (a node lost) is tried in
 # Values from this size on have their CRC-32C taken in the client's copy (config
@@ -120,9 +120,7 @@ class Writer:
         (carve, write, commit). Returns the indices left for the two-call path: values too
         large for a slab, no slab to be had, or a retryable failure here."""
         limit = self._slabs.slab_bytes // 2
-        # allocator.extent_length of each distinct size (a batch's values mostly share one)
-        ext = {n: -(-n // ALIGN) * ALIGN if n >= ALIGN else max(GRANULE, -(-n // GRANULE) * GRANULE)
-               for n in {s[1] for s in srcs}}
+        ext = {n: extent_length(n) for n in {s[1] for s in srcs}}  # a batch's values mostly share a size
         lengths = [ext[s[1]] for s in srcs]
         if not lengths:
             return []
@@ -258,15 +256,9 @@ class Writer:
             return {}
         failed: dict[int, Exception] = {}
         try:
-            regions: dict = {}  # (node, incarnation) -> its region: one lookup per node, not per op
-
-            def region(nid, inc):
-                r = regions.get((nid, inc))
-                if r is None:
-                    r = regions[(nid, inc)] = self._nodes.get(nid, inc).region
-                return r
-
-            wire_ops = [(regions.get((nid, inc)) or region(nid, inc), off, addr, n) for nid, off, addr, n, inc in ops]
+            # one lookup per (node, incarnation), not per op
+            regions = {k: self._nodes.get(*k).region for k in {(op[0], op[4]) for op in ops}}
+            wire_ops = [(regions[(nid, inc)], off, addr, n) for nid, off, addr, n, inc in ops]
             if sums is None:
                 self._engine.write(wire_ops, timeout_s=self._timeout)
                 return failed

@@ -56,20 +56,12 @@ def carve(free: dict, offset: int, length: int) -> bool:
     ``pyindex.py``; the C++ index carves the same way)."""
     if not isinstance(offset, int) or offset % extent_align(length):
         return False
-    for start, ln in free.items():
-        if start <= offset and offset + length <= start + ln:
-            del free[start]
-            if offset > start:
-                free[start] = offset - start
-            if offset + length < start + ln:
-                free[offset + length] = start + ln - offset - length
-            return True
-    return False
+    return carve_span(free, offset, offset + length)
 
 
 def carve_span(free: dict, start: int, end: int) -> bool:
-    """``carve`` of ``[start, end)``, the extents of several values side by side (each
-    checked for alignment by the caller)."""
+    """``carve`` of ``[start, end)`` without the alignment check: one extent, or the
+    extents of several values side by side (each checked by the caller)."""
     for s, ln in free.items():
         if s <= start and end <= s + ln:
             del free[s]
