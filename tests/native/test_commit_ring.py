@@ -321,3 +321,34 @@ def test_the_nodes_native_read_applies_and_journals_what_the_ring_holds(tmp_path
     assert len(table) == n
     master.close()
     node.close()
+
+
+def test_the_applier_is_woken_by_the_first_commit_after_a_drain_and_by_a_held_reply(tmp_path):
+    """Only these wake the master's applier (a commit into a log it has not drained yet
+    wakes nobody: it is gathering them): each must reach a thread already waiting."""
+    import threading
+
+    node, master, ix = attached(tmp_path)
+
+    def waited(wait, act):
+        out = {}
+        t = threading.Thread(target=lambda: out.update(ok=wait(10.0), at=time.monotonic()))
+        t.start()
+        time.sleep(0.1)  # the thread is waiting
+        t0 = time.monotonic()
+        act()
+        t.join(12.0)
+        return out["ok"], out["at"] - t0
+
+    ok, took = waited(ix.wait_commits, lambda: commit(ix, [("a", 0, 100, "")]))
+    assert ok and took < 2.0
+    commit(ix, [("b", 4096, 100, "")])  # the log not drained: the applier is gathering
+    fcntl.flock(node.fd, fcntl.LOCK_UN)  # as if the node's process were gone: the reply is held
+    ok, took = waited(ix.wait_held, lambda: commit(ix, [("c", 8192, 100, "")]))
+    assert ok and took < 2.0
+    ix.drain()
+    fcntl.flock(node.fd, fcntl.LOCK_EX)
+    ok, took = waited(ix.wait_commits, lambda: commit(ix, [("d", 12288, 100, "")]))
+    assert ok and took < 2.0
+    master.close()
+    node.close()

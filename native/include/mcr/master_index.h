@@ -381,6 +381,8 @@ class MasterIndex {
 
  private:
   bool serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held);
+  bool serve_commit_locked(const char* data, size_t len, std::string* out, const HeldReply* hold, bool* held,
+                           bool* wake);
   CommitRing* usable_ring(const std::string& node_id, const std::string& incarnation);
   CommitRing* usable_ring(const IndexNode& node) { return usable_ring(node.node_id, node.incarnation); }
   static bool ring_node_alive(const CommitRing& ring);

@@ -934,6 +934,17 @@ bool MasterIndex::wait_commits(double timeout_s) {
 // them when it applies the log (kReturn).
 bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, const HeldReply* hold,
                                bool* held) {
+  bool wake = false;
+  const bool ok = serve_commit_locked(data, len, out, hold, held, &wake);
+  // Python's applier waits for the first commit since it drained the log, or for a held
+  // reply; the commits that follow within its gathering window wake nobody. Notified with
+  // mu_ released, so the woken thread does not block on it while the reply is still to go.
+  if (wake) commit_cv_.notify_all();
+  return ok;
+}
+
+bool MasterIndex::serve_commit_locked(const char* data, size_t len, std::string* out, const HeldReply* hold,
+                                      bool* held, bool* wake) {
   Reader r(data, len);
   uint32_t nargs, nitems;
   uint64_t op;
@@ -1048,15 +1059,16 @@ bool MasterIndex::serve_commit(const char* data, size_t len, std::string* out, c
     slabs_.erase(id);
     log_.push_back(IndexLogEntry{kReturn, std::string(), 0, id, now, 0, 0, std::string()});
   }
+  *wake = !commit_logged_;
   if (hold != nullptr && !by_ring) {
     log_.push_back(IndexLogEntry{kHeld, std::move(*out), hold->call_id, hold->peer_uid, now, hold->lane, 0});
     held_logged_++;
     out->clear();
     if (held != nullptr) *held = true;
+    *wake = true;
   }
   served_++;
   commit_logged_ = true;
-  commit_cv_.notify_all();
   return true;
 }
 
