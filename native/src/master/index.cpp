@@ -614,7 +614,7 @@ void MasterIndex::touch(const std::string& key, bool unread) {
   IndexRecord* r = find(key);
   if (r == nullptr) return;
   r->unread = unread;
-  if (r == newest_) return;
+  if (r == newest_ && !r->probation) return;  // (on probation it is newest only when all are)
   unlink(r);
   link_recent(r);
 }
@@ -1285,7 +1285,7 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
       hits_++;
     }
     r->unread = false;
-    if (r != newest_) {  // a hit is a use
+    if (r != newest_ || r->probation) {  // a hit is a use (and ends a probation)
       unlink(r);
       link_recent(r);
     }
