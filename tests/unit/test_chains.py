@@ -459,3 +459,37 @@ def test_other_shards_hear_a_lost_parent_went_only_once_its_node_is_not_waited_f
     tick(20.0)
     assert t.chain_outbox() == {0: [("gone", "a", "")]}
     t.check_invariants()
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_gone_many_leaves_the_state_gone_leaves_key_by_key(shards):
+    """``Chains.gone_many`` (the read index's evictions) against ``gone`` one key at a
+    time, on seeded chains, forks, children stored before their parents, remote children
+    and lost keys, the keys dropped leaf first, root first and at random."""
+    import random
+
+    def build(seed):
+        rng = random.Random(seed)
+        c = Chains(shard=0, shards=shards)
+        keys = []
+        for i in range(300):
+            key = f"k{i}"
+            parent = rng.choice(["", *keys[-20:], f"absent{i % 7}"]) if rng.random() < 0.9 else ""
+            c.stored(key, parent, lambda k: k in keys)
+            keys.append(key)
+        for key in rng.sample(keys, 15):
+            c.remote.setdefault(key, set()).add(f"far/{key}")
+        c.lost.update(rng.sample(keys, 5))
+        return c, keys, rng
+
+    def state(c):
+        return (c.parent, c.kids, c.orphans, c.remote, c.foreign_gone, c.outbox, c.missing, c.lost)
+
+    for seed in range(12):
+        one, keys, rng = build(seed)
+        many, _, _ = build(seed)
+        order = [keys[::-1], keys, rng.sample(keys, len(keys))][seed % 3][: rng.randrange(50, 300)]
+        for key in order:
+            one.gone(key)
+        many.gone_many(order)
+        assert state(many) == state(one), seed

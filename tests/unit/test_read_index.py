@@ -128,3 +128,36 @@ def test_an_add_and_a_drop_in_one_delta_leave_the_node_without_the_value():
     m.remove("new")
     delta = m.drain_effects()["n0"]
     assert all(e.key != "new" for e in delta.adds) and ("new", m._next_gen, "dram") in delta.drops
+
+
+def test_a_batch_of_chained_commits_is_applied_as_one_run_as_put_commit_would_apply_it():
+    """A batch's native commits into one slab are applied as one run, parents and all: the
+    chain links (a child committed before its parent in the same batch, a key naming no
+    parent whose child was stored earlier), the objects and the node's inventory delta
+    come out as ``put_commit`` key by key makes them."""
+    items = [("p2", "p1"), ("p1", ""), ("q1", ""), ("q2", "q1"), ("q3", "q2"), ("r", "gone")]
+    states = []
+    for native_path in (True, False):
+        m, clock = make(n_nodes=1, cap=256 * K, put_slab_bytes=16 * K)
+        ix = with_index(m, clock)
+        sid, nid, off, _length, _inc, _ttl = m.slab_grant("c1")
+        m.put_commit("early", sid, off, 100, False, "c1", "q1")  # stored before its parent
+        section(m, ix)
+        m.drain_effects()
+        batch = [[key, sid, off + (i + 1) * K, 100, False, parent] for i, (key, parent) in enumerate(items)]
+        if native_path:
+            assert native(ix, rpc.PUT_COMMIT, batch, "c1", [])
+            assert m._objects.chains.parent.get("q2") is None  # not applied yet
+            section(m, ix)
+        else:
+            for key, s, o, n, upsert, parent in batch:
+                m.put_commit(key, s, o, n, upsert, "c1", parent)
+        ch = m._objects.chains
+        delta = m.drain_effects()[nid]
+        states.append((dict(ch.parent), {k: set(v) for k, v in ch.kids.items()}, set(ch.orphans),
+                       m.counters["puts"], sorted(m._slab_table.slabs[sid].free.items()),
+                       [(e.key, e.parent, e.offset) for e in delta.adds if e.tier == "dram"]))
+        m.check_invariants()
+    assert states[0] == states[1]
+    parents, kids, orphans = states[0][:3]
+    assert parents["q2"] == "q1" and kids["q1"] == {"early", "q2"} and orphans == {"r"}

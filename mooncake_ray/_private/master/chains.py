@@ -137,6 +137,31 @@ class Chains:
             return None
         return parent if self._unlink(key, parent) else None
 
+    def gone_many(self, keys) -> None:
+        """``gone`` for each key, in order (what the read index's eviction dropped): the
+        same state, with a shard's own parents unlinked inline. An eviction takes a chain
+        from its leaf, so nearly every key unlinks itself from a parent it leaves empty."""
+        orphans, kids_of, parents, remote = self.orphans, self.kids, self.parent, self.remote
+        sharded = self.shards > 1
+        for key in keys:
+            orphans.discard(key)
+            kids = kids_of.get(key)
+            if kids:
+                orphans.update(kids)
+            if remote and key in remote and key not in self.lost:
+                self._tell(key, GONE)
+            parent = parents.pop(key, None)
+            if parent is None:
+                continue
+            if sharded:
+                self._unlink(key, parent)
+                continue
+            sibs = kids_of.get(parent)
+            if sibs is not None:
+                sibs.discard(key)
+                if not sibs:
+                    del kids_of[parent]
+
     def _unlink(self, key: str, parent: str) -> bool:
         """Drop ``key`` from its parent's children; True if it was the last (of a
         parent of this shard's own)."""

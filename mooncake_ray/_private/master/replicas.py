@@ -202,15 +202,15 @@ class ReplicaTable:
             self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0, parent))
 
     def published_natively_many(self, entries: list, node_id: str, message: bool = True) -> None:
-        """``published_natively`` of a run of log entries (``SlabTable.apply_logged_run``):
-        values naming no parent, all on ``node_id``."""
+        """``published_natively`` of a run of log entries (``SlabTable.apply_logged_run``),
+        all on ``node_id``."""
         self.counters["puts"] += len(entries)
         self.counters["put_bytes"] += sum(e[6] for e in entries)
         self._nodes[node_id].tier_keys["dram"] += len(entries)
         if message:
             delta = self.delta(node_id)
             for e in entries:
-                delta.add(InventoryEntry(e[1], e[2], e[6], "dram", e[5], extent_length(e[6]), 0, ""))
+                delta.add(InventoryEntry(e[1], e[2], e[6], "dram", e[5], extent_length(e[6]), 0, e[7]))
 
     def restore(self, node: NodeInfo, e: InventoryEntry, now: float) -> None:
         """Take in one entry of a mounting node's inventory (newest first)."""

@@ -304,9 +304,9 @@ class SlabTable:
         return slab.node_id
 
     def apply_logged_run(self, entries: list, message: bool = True) -> str:
-        """``apply_logged`` of consecutive log entries committing values into one slab and
-        naming no parent (a batch's): one carve per contiguous span of their extents, the
-        counters once. Returns the slab's node."""
+        """``apply_logged`` of consecutive log entries committing values into one slab (a
+        batch's): one carve per contiguous span of their extents, the counters once, then
+        the chain links in the log's order. Returns the slab's node."""
         slab = self.slabs[entries[0][3]]
         free = slab.free
         start = end = -1
@@ -322,7 +322,7 @@ class SlabTable:
         assert carve_span(free, start, end), f"index committed {entries[-1][1]!r} outside the free pieces of slab {entries[-1][3]}"
         self._gens.seen(max(e[2] for e in entries))
         self._replicas.published_natively_many(entries, slab.node_id, message)
-        self._objects.stored_natively_many([e[1] for e in entries])
+        self._objects.stored_natively_run(entries)
         return slab.node_id
 
     def _publish(self, slab: Slab, key: str, size: int, gen: int, offset: int, now: float, parent: str = "") -> None:

@@ -412,8 +412,8 @@ class MasterState(Membership):
             kind, key, gen, lease, now, offset, size, parent = log[i]
             i += 1
             if kind == COMMIT or kind == COMMIT_RINGED:
-                j = i  # a batch's commits into one slab, naming no parent: applied as one run
-                while not parent and j < n and log[j][0] == kind and log[j][3] == lease and not log[j][7]:
+                j = i  # a batch's commits into one slab: applied as one run
+                while j < n and log[j][0] == kind and log[j][3] == lease:
                     j += 1
                 if j > i:
                     run = log[i - 1:j]

@@ -172,13 +172,18 @@ class ObjectTable:
         the insertion policy put it, linked to its parent)."""
         self._linked(key, parent, native=True)
 
-    def stored_natively_many(self, keys: list[str]) -> None:
-        """``stored_natively`` of keys naming no parent: anything to do only where a chain
-        knows of them (a child waiting, a link held elsewhere, a key lost with a node)."""
+    def stored_natively_run(self, entries: list) -> None:
+        """``stored_natively`` of a run of commit log entries, in order (``e[1]`` the key,
+        ``e[7]`` its parent). A key naming no parent has anything to do only where a chain
+        knows of it (a child waiting, a link held elsewhere, a key lost with a node)."""
         chains = self.chains
-        if chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent:
-            for key in keys:
-                self._linked(key, "", native=True)
+        if not (chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent) and \
+                not any(e[7] for e in entries):
+            return
+        linked = self._linked
+        for e in entries:  # (a link made earlier in the run may concern a later key)
+            if e[7] or chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent:
+                linked(e[1], e[7], native=True)
 
     def restored_plain(self, keys: list[str]) -> None:
         """These keys came back cold with a mounting node, naming no parent
@@ -192,8 +197,7 @@ class ObjectTable:
     def dropped_natively(self, keys: list[str]) -> None:
         """The read index dropped these keys (its eviction)."""
         if self.chains.parent or self.chains.kids or self.chains.remote:
-            for key in keys:
-                self._unlinked(key)
+            self.chains.gone_many(keys)
 
     def __len__(self) -> int:
         return len(self.index)
