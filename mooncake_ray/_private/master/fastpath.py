@@ -31,7 +31,7 @@ The contract between the two halves:
   slabs' uncommitted pieces, the keys with a put in flight, and the generation counter
   (pushed at the end of every section). The value is visible to native GETs at once; the
   commit is logged, and a thread of the actor that the log wakes applies it within
-  milliseconds (``SlabTable.apply_logged``: carve, counters, inventory delta; the record
+  milliseconds (``SlabTable.apply_logged_run``: carve, counters, inventory delta; the record
   is cold in the index already). Watermark eviction for
   the logged commits runs after the whole log is applied, so it sees every lease granted
   in it: evicting a value before its logged lease would free extents a reader holds.

@@ -188,22 +188,13 @@ class ReplicaTable:
                 self.ring.append((r.node_id, node.incarnation, False, obj.key, obj.gen, obj.size, r.offset, r.length,
                                   obj.parent or "", obj.want, crc))
 
-    def published_natively(self, key: str, gen: int, size: int, node_id: str, offset: int, length: int,
-                           parent: str = "", message: bool = True) -> None:
-        """The bookkeeping of a value the read index committed (its record is in the
-        table already, cold): what ``publish`` does besides the record. ``message=False``:
-        the index answered it through the node's commit ring, whose record is all the node
-        gets of the value (the node reads its ring before any later message, so a drop or
-        replacement of the value still applies after it)."""
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += size
-        self._nodes[node_id].tier_keys["dram"] += 1
-        if message:
-            self.delta(node_id).add(InventoryEntry(key, gen, size, "dram", offset, length, 0, parent))
-
     def published_natively_many(self, entries: list, node_id: str, message: bool = True) -> None:
-        """``published_natively`` of a run of log entries (``SlabTable.apply_logged_run``),
-        all on ``node_id``."""
+        """The bookkeeping of values the read index committed, a run of log entries all on
+        ``node_id`` (``SlabTable.apply_logged_run``; their records are in the table already,
+        cold): what ``publish`` does besides the record. ``message=False``: the index
+        answered them through the node's commit ring, whose records are all the node gets of
+        them (the node reads its ring before any later message, so a drop or replacement of
+        a value still applies after it)."""
         self.counters["puts"] += len(entries)
         self.counters["put_bytes"] += sum(e[6] for e in entries)
         self._nodes[node_id].tier_keys["dram"] += len(entries)

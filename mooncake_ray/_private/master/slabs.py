@@ -288,25 +288,13 @@ class SlabTable:
             return done.gen
         return None
 
-    def apply_logged(self, key: str, gen: int, slab_id: int, offset: int, size: int, now: float,
-                     parent: str = "", message: bool = True) -> str:
-        """A commit the read index answered (its checks made, its pieces carved there):
-        ``commit`` without the watermark check, which the caller makes once the whole log is
-        applied (see ``fastpath.py``). Returns the slab's node. ``message=False``: the
-        commit went through the node's commit ring, which is all the node gets of it."""
-        slab = self.slabs[slab_id]
-        length = extent_length(size)
-        taken = carve(slab.free, offset, length)
-        assert taken, f"index committed {key!r} outside the free pieces of slab {slab_id}"
-        self._gens.seen(gen)
-        self._replicas.published_natively(key, gen, size, slab.node_id, offset, length, parent, message)
-        self._objects.stored_natively(key, parent)
-        return slab.node_id
-
     def apply_logged_run(self, entries: list, message: bool = True) -> str:
-        """``apply_logged`` of consecutive log entries committing values into one slab (a
-        batch's): one carve per contiguous span of their extents, the counters once, then
-        the chain links in the log's order. Returns the slab's node."""
+        """Commits the read index answered (its checks made, its pieces carved there):
+        consecutive log entries into one slab (a batch's, or one), as ``commit`` without the
+        watermark check, which the caller makes once the whole log is applied (see
+        ``fastpath.py``). One carve per contiguous span of their extents, the counters once,
+        then the chain links in the log's order. Returns the slab's node. ``message=False``:
+        the commits went through the node's commit ring, which is all the node gets of them."""
         slab = self.slabs[entries[0][3]]
         free = slab.free
         start = end = -1

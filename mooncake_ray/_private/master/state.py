@@ -415,15 +415,10 @@ class MasterState(Membership):
                 j = i  # a batch's commits into one slab: applied as one run
                 while j < n and log[j][0] == kind and log[j][3] == lease:
                     j += 1
-                if j > i:
-                    run = log[i - 1:j]
-                    node_id = self._slab_table.apply_logged_run(run, message=kind == COMMIT)
-                    call.extend((e[1], e[2], (node_id,)) for e in run)
-                    i = j
-                else:
-                    node_id = self._slab_table.apply_logged(key, gen, lease, offset, size, now, parent,
-                                                            message=kind == COMMIT)
-                    call.append((key, gen, (node_id,)))
+                run = log[i - 1:j]
+                i = j
+                node_id = self._slab_table.apply_logged_run(run, message=kind == COMMIT)
+                call.extend((e[1], e[2], (node_id,)) for e in run)
                 full.add(node_id)
                 continue
             if kind == HELD:  # the reply to the commits just applied (key: its bytes)

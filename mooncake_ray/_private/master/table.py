@@ -167,14 +167,10 @@ class ObjectTable:
         for parent in before.symmetric_difference(self.chains.remote):
             self._sync_holds(parent)
 
-    def stored_natively(self, key: str, parent: str) -> None:
-        """The read index committed ``key`` (its record is in the index already, where
-        the insertion policy put it, linked to its parent)."""
-        self._linked(key, parent, native=True)
-
     def stored_natively_run(self, entries: list) -> None:
-        """``stored_natively`` of a run of commit log entries, in order (``e[1]`` the key,
-        ``e[7]`` its parent). A key naming no parent has anything to do only where a chain
+        """The read index committed these keys, a run of log entries in order (``e[1]`` the
+        key, ``e[7]`` its parent; each record is in the index already, where the insertion
+        policy put it, linked to its parent). A key naming no parent has anything to do only where a chain
         knows of it (a child waiting, a link held elsewhere, a key lost with a node)."""
         chains = self.chains
         if not (chains.lost or chains.kids or chains.waiting or chains.remote or chains.parent) and \
