@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "mcr/master_index.h"
+#include "mcr/policy_sim.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -22,7 +23,45 @@ static nb::object cold_tuple(const mcr::ColdRecord& c) {
                         c.lease_until, leases);
 }
 
+static nb::list windows_list(const std::vector<mcr::PolicyWindow>& ws) {
+  nb::list out;
+  for (const auto& w : ws) out.append(nb::make_tuple(w.n, w.hits[0], w.hits[1], w.hits[2], w.hits[3], w.pressed));
+  return out;
+}
+
+static void bind_policy_sim(nb::module_& m) {
+  nb::class_<mcr::PolicySim>(m, "PolicySim")
+      .def(nb::init<>())
+      // samples: [(hash, kind, size, chained), ...] as MasterIndex.take_samples gives them
+      .def("feed", [](mcr::PolicySim& sim, nb::handle samples, int shift, uint64_t capacity) {
+        std::vector<mcr::RefSample> v;
+        for (nb::handle h : samples) {
+          nb::tuple t = nb::cast<nb::tuple>(h);
+          if (t.size() != 4) throw nb::type_error("a sample is (hash, kind, size, chained)");
+          v.push_back(mcr::RefSample{nb::cast<uint64_t>(t[0]), nb::cast<uint64_t>(t[2]), nb::cast<int>(t[1]),
+                                     nb::cast<bool>(t[3])});
+        }
+        return windows_list(sim.feed(v, shift, capacity));
+      }, "samples"_a, "shift"_a, "capacity"_a)
+      .def_prop_ro("pressed", &mcr::PolicySim::pressed)
+      .def("tracked", &mcr::PolicySim::tracked)
+      .def("halve", &mcr::PolicySim::halve, "bound"_a, "shift"_a)
+      .def_prop_ro("window", [](const mcr::PolicySim& sim) {
+        const uint32_t* w = sim.window();
+        return std::vector<uint32_t>(w, w + 5);
+      })
+      // cache i (0 "recent", 1 "old", 2 and 3 the same at half size): (bytes, grace bytes,
+      // evictions, main order, grace window, stack), as adaptive.MiniCache.state() gives them
+      .def("cache_state", [](const mcr::PolicySim& sim, int i) {
+        if (i < 0 || i > 3) throw nb::index_error("a cache is 0-3");
+        const mcr::MiniCache& c = sim.cache(i);
+        return nb::make_tuple(c.bytes, c.grace_bytes, c.evictions, c.order(mcr::MiniCache::kMain),
+                              c.order(mcr::MiniCache::kGraceList), c.order(mcr::MiniCache::kStack));
+      });
+}
+
 void bind_master(nb::module_& m) {
+  bind_policy_sim(m);
   nb::class_<mcr::MasterIndex>(m, "MasterIndex")
       .def(nb::init<>())
       // reps: [(node_id, ray_node_id, offset, length, incarnation, placed), ...]
@@ -110,6 +149,13 @@ void bind_master(nb::module_& m) {
         nb::list out;
         for (auto& s : got) out.append(nb::make_tuple(s.hash, s.kind, s.size, s.chained));
         return nb::make_tuple(dropped, out);
+      })
+      // The samples since the last call, run through ``sim`` -> (dropped, [window, ...]),
+      // each window (n, hits recent, old, half-size recent, half-size old, pressed)
+      .def("feed_policy", [](mcr::MasterIndex& ix, mcr::PolicySim& sim, int shift, uint64_t capacity) {
+        uint64_t dropped = 0;
+        auto got = ix.take_samples(&dropped);
+        return nb::make_tuple(dropped, windows_list(sim.feed(got, shift, capacity)));
       })
       // -> ([(key, None | (gen, size, offset, length)), ...], next key or None)
       .def("scan", [](mcr::MasterIndex& ix, const std::string& after, const std::string& node_id, bool disk,

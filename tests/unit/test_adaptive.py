@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mooncake_ray._private import rpc
-from mooncake_ray._private.master.adaptive import GRACE, InsertionPolicy, MiniCache
+from mooncake_ray._private.master.adaptive import GRACE, InsertionPolicy, MiniCache, PolicySim
 from mooncake_ray._private.master.pyindex import REF_GET, REF_PUT, PyIndex
 from mooncake_ray._private.native import _native
 
@@ -123,7 +123,7 @@ def converse(ix, p, keys):
     """One request over a chain of pages as an engine makes it against a store that
     follows ``p``: a read of each page the store holds (its cache under the policy in
     force stands for it), a put of each page it lost."""
-    held = p.caches[p.old]
+    held = p.sim.caches[p.old]
     for k in keys:
         h = int.from_bytes(__import__("hashlib").blake2b(k.encode(), digest_size=8).digest(), "big")
         refs(ix, REF_GET if h in held else REF_PUT, [k])
@@ -161,8 +161,8 @@ def test_the_first_window_decides_alone():
     ix = PyIndex()
     p = InsertionPolicy("adaptive", ix)
     cap = 100 * 1000
-    p.caches[1].put(7, 1000, True, cap, new=True)  # "old" (and its half-size twin) hold one key
-    p.half[1].put(7, 1000, True, cap // 2, new=True)
+    p.sim.caches[1].put(7, 1000, True, cap, new=True)  # "old" (and its half-size twin) hold one key
+    p.sim.half[1].put(7, 1000, True, cap // 2, new=True)
     samples = [(7, REF_GET, 1000, True)] * 20 + [(8 + i, REF_GET, 1000, True) for i in range(44)]
     ix._samples.extend(samples)  # one window of 64: "old" hits 20, "recent" none
     assert p.update(cap) and p.old, p.stats()
@@ -185,11 +185,11 @@ def test_the_sample_rate_halves_past_its_bound():
     p.MAX_TRACKED = 500
     refs(ix, REF_GET, [f"k{i}" for i in range(2000)])
     p.update(10 ** 9)
-    assert p.shift >= 2 and len(p._seen) <= 500
-    kept = len(p._seen)
+    assert p.shift >= 2 and p.sim.tracked() <= 500
+    kept = p.sim.tracked()
     refs(ix, REF_GET, [f"k{i}" for i in range(2000)])  # the same keys: the sample holds
     p.update(10 ** 9)
-    assert len(p._seen) == kept
+    assert p.sim.tracked() == kept
     assert ix._shift == p.shift
 
 
@@ -201,7 +201,7 @@ def test_reads_and_puts_again_count_and_a_first_put_does_not():
     refs(ix, REF_GET, ["zz"])  # a read of a key never stored: a miss for both
     refs(ix, REF_PUT, ["b"])  # put again: both caches still hold it
     p.update(10 ** 6)
-    assert p._window == [3, 2, 2, 2, 2]  # at full and at half size
+    assert p.sim.window == [3, 2, 2, 2, 2]  # at full and at half size
     assert ix.take_samples() == (0, [])
     ix.set_enabled(True)
     assert ix.serve(rpc.pack([rpc.EXISTS, ["a", "b"]])) is not None  # a lookup is not a use
@@ -234,3 +234,74 @@ def test_a_handoff_page_is_not_the_first_to_go_under_the_old_policy():
         m.release(k, g.gen, g.lease)
     assert m.index.keys("")[-3:] == handoff  # read: the recent end
     m.check_invariants()
+
+
+def sample_stream(rng, n, keys, put_share, shift_bits=0):
+    """``n`` references over ``keys`` hashes (top bits set on some, so a halved rate
+    rejects them), puts and reads mixed, chained or not, of varied sizes."""
+    hashes = [rng.getrandbits(64) >> shift_bits for _ in range(keys)]
+    out = []
+    for _ in range(n):
+        h = rng.choice(hashes[: rng.randrange(1, keys + 1)])  # a skew toward the first keys
+        kind = REF_PUT if rng.random() < put_share else REF_GET
+        out.append((h, kind, rng.choice((700, 1000, 4096)), rng.random() < 0.8))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_native_caches_take_the_reference_steps(seed):
+    """The native miniature caches against the reference on seeded streams: the same
+    windows (hit counts, pressure) and the same orders in each cache after every feed, at
+    capacities from no pressure to heavy, with the rate halved midway."""
+    rng = random.Random(seed)
+    ref, nat = PolicySim(), _native.PolicySim()
+    capacity = rng.choice((50_000, 200_000, 2_000_000))
+    shift = 0
+    for step in range(12):
+        samples = sample_stream(rng, rng.randrange(50, 600), rng.choice((40, 300, 2000)), rng.random())
+        got_ref, got_nat = ref.feed(samples, shift, capacity), nat.feed(samples, shift, capacity)
+        assert got_nat == got_ref, (seed, step)
+        assert nat.window == ref.window and nat.pressed == ref.pressed and nat.tracked() == ref.tracked()
+        for i in range(4):
+            assert nat.cache_state(i) == ref.cache_state(i), (seed, step, i)
+        if step in (5, 9):  # the rate halved: the same keys forgotten
+            bound = ref.tracked() // 3
+            was, shift = shift, ref.halve(bound, shift)
+            assert nat.halve(bound, was) == shift > was
+            for i in range(4):
+                assert nat.cache_state(i) == ref.cache_state(i), (seed, step, "halved", i)
+            assert nat.tracked() == ref.tracked()
+    assert ref.pressed or capacity == 2_000_000  # the stream exercised eviction
+
+
+def test_the_native_index_feeds_its_samples_to_the_native_caches():
+    """``MasterIndex.feed_policy``: the samples the index took, through the native caches,
+    close the windows the reference caches close over the same samples."""
+    twin, ix = _native.MasterIndex(), _native.MasterIndex()
+    rng = random.Random(3)
+    for x in (twin, ix):
+        x.set_sample_shift(0)
+    for _ in range(700):
+        k, kind = f"k{rng.randrange(150)}", rng.choice((REF_GET, REF_PUT))
+        for x in (twin, ix):
+            x.sample(kind, k, 1000, True)
+    _dropped, samples = twin.take_samples()
+    sim = _native.PolicySim()
+    dropped, windows = ix.feed_policy(sim, 0, 60_000)
+    assert dropped == 0 and len(windows) >= 8 and windows[-1][5]  # pressed by the end
+    assert windows == PolicySim().feed(samples, 0, 60_000)
+    assert ix.take_samples() == (0, [])  # taken
+
+
+def test_a_policy_beside_the_native_index_runs_the_native_caches():
+    ix = _native.MasterIndex()
+    p = InsertionPolicy("adaptive", ix)
+    assert isinstance(p.sim, _native.PolicySim)
+    for _round in range(3):  # 30 conversations of 10 pages in turn over 100 pages: the loop
+        for c in range(30):
+            for i in range(10):
+                ix.sample(REF_PUT if _round == 0 else REF_GET, f"c{c}.{i}", 1000, True)
+        p.update(100 * 1000)
+    assert p.stats()["sampled_refs"] > 0 and p.pressed
+    p.rebind(PyIndex())  # another kind of index: the reference caches, empty
+    assert isinstance(p.sim, PolicySim) and not p.pressed

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from mooncake_ray._private.master.pyindex import REF_PUT
+from mooncake_ray._private.master.pyindex import REF_PUT, PyIndex
+from mooncake_ray._private.native import _native
 
 MODES = ("adaptive", "recent", "old")
 OFF_SHIFT = 64  # a shift that samples nothing (a fixed policy)
@@ -134,87 +135,62 @@ class MiniCache:
         for h in [h for h in (*self.main, *self.grace, *self.stack) if not sampled(h)]:
             self.drop(h)
 
+    def state(self) -> tuple:
+        """(bytes, grace bytes, evictions, main order, grace window, stack), as the native
+        ``PolicySim.cache_state`` gives them."""
+        return self.bytes, self.grace_bytes, self.evictions, list(self.main), list(self.grace), list(self.stack)
 
-class InsertionPolicy:
-    """The master's choice of insertion policy (module docstring). ``old`` is what the
-    read index and the table apply now; ``update`` reads the index's samples and decides."""
 
-    MAX_TRACKED = 16384  # sampled keys remembered as seen
-    WINDOW = 64  # counted references per decision
-    SMOOTH = 0.1  # weight of the newest window in the score
-    BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
+def sampled(h: int, shift: int) -> bool:
+    """Whether the sample rate 1 / 2^shift takes the key hashed to ``h``."""
+    return not shift or not h >> (64 - shift)
 
-    def __init__(self, mode: str, index) -> None:
-        if mode not in MODES:
-            raise ValueError(f"chain_insert must be one of {MODES}, got {mode!r}")
-        self.mode = mode
-        self.index = index
-        self.old = mode == "old"
-        self.shift = 0 if mode == "adaptive" else OFF_SHIFT
+
+class PolicySim:
+    """The miniature caches and the references counted in them: "recent" and "old" at the
+    sampled share of the capacity, and the same pair at half of it (the module docstring).
+    The reference of the native ``_native.PolicySim``, which the master runs (the same
+    steps; ``tests/unit/test_adaptive.py`` compares them): in Python a sample cost about
+    2 us, and at the first sample rates of a put stream that was 6% of the put rate."""
+
+    WINDOW = 64  # counted references per window
+
+    def __init__(self) -> None:
         self.caches = (MiniCache(old=False), MiniCache(old=True))
-        # The same at half the capacity: they feel pressure first, and choose until the
-        # full-size pair has evicted anything (see the module docstring).
         self.half = (MiniCache(old=False), MiniCache(old=True))
         self._seen: set[int] = set()  # sampled keys referenced so far (a put of one is a put again)
         # counted references, hits of "recent" and "old" at full size, at half size
-        self._window = [0, 0, 0, 0, 0]
-        self.score = 0.0  # smoothed hit ratio of "old" less that of "recent", full size
-        self.score_half = 0.0
-        self._weight = 0.0  # the windows' total weight in the scores: they are divided by it
-        self._grace = 0
-        self.counters = {"refs": 0, "hits_recent": 0, "hits_old": 0, "switches": 0, "dropped": 0}
-        index.set_insert_old(self.old)
-        index.set_sample_shift(self.shift)
-
-    def rebind(self, index) -> None:
-        """The table moved to ``index``: it applies and samples from now on."""
-        self.index = index
-        index.set_insert_old(self.old)
-        index.set_sample_shift(self.shift)
-        index.set_grace_bytes(self._grace)
+        self.window = [0, 0, 0, 0, 0]
 
     @property
     def pressed(self) -> bool:
         """Whether the full-size caches have felt pressure (evicted anything)."""
         return any(c.evictions for c in self.caches)
 
-    @property
-    def sampling(self) -> bool:
-        return self.shift < OFF_SHIFT
+    def tracked(self) -> int:
+        return len(self._seen)
 
-    def _sampled(self, h: int) -> bool:
-        return not self.shift or not h >> (64 - self.shift)
-
-    def update(self, capacity: int) -> bool:
-        """Size the grace window to ``capacity`` (this master's DRAM bytes), run the
-        caches over the samples taken since the last call and decide; True when the
-        policy changed."""
-        grace = int(capacity * GRACE)
-        if grace != self._grace:
-            self._grace = grace
-            self.index.set_grace_bytes(grace)
-        if not self.sampling:
-            return False
-        dropped, samples = self.index.take_samples()
-        self.counters["dropped"] += dropped
-        was = self.old
-        seen_before, window = self._seen, self._window
-        cap = capacity >> self.shift
+    def feed(self, samples, shift: int, capacity: int) -> list[tuple]:
+        """Run the caches over ``samples`` ((hash, kind, size, chained), in order) at
+        1 / 2^shift of ``capacity`` bytes; the windows that closed, each (references,
+        hits of "recent", "old", the same at half size, pressed when it closed)."""
+        out = []
+        seen_before, window = self._seen, self.window
+        cap = capacity >> shift
         caps = (cap, cap, cap // 2, cap // 2)  # the full-size pair's, then the half-size pair's
-        shift, full, both = self.shift, self.caches, (*self.caches, *self.half)
-        # The half-size pair decides only until the full-size pair feels pressure
-        # (``_decide``): from then on it is not kept.
+        full, both = self.caches, (*self.caches, *self.half)
+        # The half-size pair decides only until the full-size pair feels pressure: from
+        # then on it is not kept.
         caches = full if self.pressed else both
         for h, kind, size, chained in samples:
             if shift and h >> (64 - shift):
                 continue  # taken before the rate was halved
             if caches is both and (full[0].evictions or full[1].evictions):
                 caches = full
-            seen = h in seen_before
             if kind == REF_PUT:
                 # Stored again: this store had lost it (or it is replaced). A policy whose
                 # cache still holds it would have served it; a first put counts for neither.
-                if not seen:
+                if h not in seen_before:
                     seen_before.add(h)
                     for c, c_cap in zip(caches, caps):
                         c.put(h, size, chained, c_cap, new=True)
@@ -229,23 +205,107 @@ class InsertionPolicy:
             for i, hit in enumerate(hits, 1):
                 window[i] += hit
             if window[0] >= self.WINDOW:
-                self._decide()
-        if len(seen_before) > self.MAX_TRACKED:
-            self._halve()
+                out.append((*window, self.pressed))
+                window[:] = [0, 0, 0, 0, 0]
+        return out
+
+    def halve(self, bound: int, shift: int) -> int:
+        """Halve the sample rate while more than ``bound`` sampled keys are tracked (to
+        1 / 2^32 at most), forgetting what the new rate rejects; the new shift."""
+        while len(self._seen) > bound and shift < 32:
+            shift += 1
+            self._seen = {h for h in self._seen if sampled(h, shift)}
+        for cache in (*self.caches, *self.half):
+            cache.keep_only(lambda h: sampled(h, shift))
+        return shift
+
+    def cache_state(self, i: int) -> tuple:
+        return (*self.caches, *self.half)[i].state()
+
+
+def new_sim(index):
+    """The miniature caches for ``index``: native beside the native index, the reference
+    beside the reference index."""
+    return PolicySim() if isinstance(index, PyIndex) else _native.PolicySim()
+
+
+class InsertionPolicy:
+    """The master's choice of insertion policy (module docstring). ``old`` is what the
+    read index and the table apply now; ``update`` reads the index's samples and decides."""
+
+    MAX_TRACKED = 16384  # sampled keys remembered as seen
+    SMOOTH = 0.1  # weight of the newest window in the score
+    BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
+
+    def __init__(self, mode: str, index) -> None:
+        if mode not in MODES:
+            raise ValueError(f"chain_insert must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.index = index
+        self.old = mode == "old"
+        self.shift = 0 if mode == "adaptive" else OFF_SHIFT
+        # The caches at full size and, feeling pressure first, at half of it (they choose
+        # until the full-size pair has evicted anything; see the module docstring).
+        self.sim = new_sim(index)
+        self.score = 0.0  # smoothed hit ratio of "old" less that of "recent", full size
+        self.score_half = 0.0
+        self._weight = 0.0  # the windows' total weight in the scores: they are divided by it
+        self._grace = 0
+        self.counters = {"refs": 0, "hits_recent": 0, "hits_old": 0, "switches": 0, "dropped": 0}
+        index.set_insert_old(self.old)
+        index.set_sample_shift(self.shift)
+
+    def rebind(self, index) -> None:
+        """The table moved to ``index``: it applies and samples from now on."""
+        self.index = index
+        if isinstance(index, PyIndex) != isinstance(self.sim, PolicySim):
+            self.sim = new_sim(index)  # another kind of index: its kind of caches, empty
+        index.set_insert_old(self.old)
+        index.set_sample_shift(self.shift)
+        index.set_grace_bytes(self._grace)
+
+    @property
+    def pressed(self) -> bool:
+        """Whether the full-size caches have felt pressure (evicted anything)."""
+        return self.sim.pressed
+
+    @property
+    def sampling(self) -> bool:
+        return self.shift < OFF_SHIFT
+
+    def update(self, capacity: int) -> bool:
+        """Size the grace window to ``capacity`` (this master's DRAM bytes), run the
+        caches over the samples taken since the last call and decide; True when the
+        policy changed."""
+        grace = int(capacity * GRACE)
+        if grace != self._grace:
+            self._grace = grace
+            self.index.set_grace_bytes(grace)
+        if not self.sampling:
+            return False
+        dropped, windows = self.index.feed_policy(self.sim, self.shift, capacity)
+        self.counters["dropped"] += dropped
+        was = self.old
+        for window in windows:
+            self._decide(window)
+        if self.sim.tracked() > self.MAX_TRACKED:
+            self.shift = self.sim.halve(self.MAX_TRACKED // 2, self.shift)
+            self.index.set_sample_shift(self.shift)
         return self.old != was
 
-    def _decide(self) -> None:
-        n, hit_recent, hit_old, half_recent, half_old = self._window
+    def _decide(self, window: tuple) -> None:
+        """One window of counted references (``PolicySim.feed``) into the scores; the
+        policy turns when the score in force passes the dead band."""
+        n, hit_recent, hit_old, half_recent, half_old, pressed = window
         self.counters["refs"] += n
         self.counters["hits_recent"] += hit_recent
         self.counters["hits_old"] += hit_old
         self.score += self.SMOOTH * ((hit_old - hit_recent) / n - self.score)
         self.score_half += self.SMOOTH * ((half_old - half_recent) / n - self.score_half)
         self._weight += self.SMOOTH * (1 - self._weight)
-        self._window[:] = [0, 0, 0, 0, 0]
         # Scores start at 0: divided by their weight so far, the first windows count in full
         # (the first one alone decides) rather than a tenth of their difference.
-        score = self.scores()[0 if self.pressed else 1]
+        score = self.scores()[0 if pressed else 1]
         want = score > self.BAND if not self.old else score > -self.BAND
         if want != self.old:
             self.old = want
@@ -256,14 +316,6 @@ class InsertionPolicy:
         """The full-size and half-size scores, each divided by its windows' weight."""
         w = self._weight or 1.0
         return self.score / w, self.score_half / w
-
-    def _halve(self) -> None:
-        while len(self._seen) > self.MAX_TRACKED // 2 and self.shift < 32:
-            self.shift += 1
-            self._seen = {h for h in self._seen if self._sampled(h)}
-        for cache in (*self.caches, *self.half):
-            cache.keep_only(self._sampled)
-        self.index.set_sample_shift(self.shift)
 
     def stats(self) -> dict:
         c = self.counters

@@ -201,6 +201,12 @@ class PyIndex:
         out, self._samples, dropped, self._dropped = self._samples, [], self._dropped, 0
         return dropped, out
 
+    def feed_policy(self, sim, shift: int, capacity: int):
+        """The samples since the last call, run through ``sim`` (``adaptive.PolicySim``)
+        -> (dropped, the windows that closed)."""
+        dropped, samples = self.take_samples()
+        return dropped, sim.feed(samples, shift, capacity)
+
     def _order(self) -> list:
         """Every key, least recent first: those on probation, then the rest."""
         if not self._stack and not self._grace:
