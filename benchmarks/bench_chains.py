@@ -53,6 +53,11 @@ worst case again, and leaves no room for a turn's pages until its decode: at the
 records each workload's definition, its live conversations' KV and the pages put in all
 against the arena, and per seed the other turns between a conversation's consecutive turns.
 
+Our store runs on one store node, or with ``--store-nodes N`` on a local cluster of N store
+nodes, each holding 1/N of the arena, the benchmark's driver on a head without one (a KV
+chain then spans nodes wherever its pages are put; chain-aware eviction places a page
+beside its parent).
+
 Configurations, each on a fresh store, interleaved over ``--repeats`` seeds:
 
 - ``chain``:        mooncake_ray with its default eviction: ``master.chain_eviction: true``
@@ -128,7 +133,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from _common import Processes, free_port, git_state, host_info, host_label, local_ray, spread, versions, wait_port
+from _common import (Processes, free_port, git_state, host_info, host_label, local_ray, spread, store_cluster,
+                     versions, wait_port)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("chain", "chain-recent", "chain-old", "lru", "mooncake", "chain-sharded")
@@ -612,7 +618,7 @@ def run_one(kind: str, cfg: str, frac: float, rep: int, args, geometry, wl: Work
             marks = {k: v for k, v in (("high_watermark", args.high_watermark), ("evict_ratio", args.evict_ratio))
                      if v is not None}
             client = mooncake_ray.start({
-                "namespace": ns, "segment_size_bytes": arena, "transport": {"devices": ["lo"]},
+                "namespace": ns, "segment_size_bytes": arena // args.store_nodes, "transport": {"devices": ["lo"]},
                 "master": {**MASTER[cfg], **marks,
                            "lease_ttl_s": args.lease_ttl_s, **({"shards": args.shards} if cfg == "chain-sharded" else {})}})
             drv = OursDriver(client, KVStore(client, MODEL, geometry, "page_first"), (pool, dpool))
@@ -957,6 +963,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"of {','.join(CONFIGS)} (chain-sharded: chain with master.shards --shards)")
     ap.add_argument("--shards", type=int, default=4, help="master shards of config chain-sharded")
+    ap.add_argument("--store-nodes", type=int, default=1,
+                    help="store nodes our store runs on (a local cluster; each takes 1/n of the arena). Mooncake "
+                         "Store runs one segment of the whole arena either way")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-turn", type=int, default=4, help="rounds: the summary's share counts turns from this one")
@@ -1013,7 +1022,9 @@ def main() -> None:
 
     import ray
 
-    local_ray()  # each run its own store on it
+    # each run its own store on it; with --store-nodes, a local cluster of that many store
+    # nodes (the driver on a head with none), each with 1/n of the arena
+    cluster = store_cluster(args.store_nodes) if args.store_nodes > 1 else local_ray()
     git = git_state()
     rows, t_start = [], time.perf_counter()
     try:
@@ -1051,6 +1062,8 @@ def main() -> None:
                               flush=True)
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     summary = summarize(rows, args)
     ver = versions(["mooncake-ray", "ray", "torch", "numpy", "mooncake-transfer-engine-non-cuda"])
     chain_landed = any(r.get("store_orphaned_last") is not None for r in rows)

@@ -84,6 +84,7 @@ def test_a_conversation_with_priority_stays_whole(make_store):
         for c in range(1, 10):
             chat.turn(c)
     assert s.stats()["evictions"] > 100, s.stats()["evictions"]
+    print("DBG", [(n[-4:], v["dram"]["used"], v["dram"]["keys"]) for n, v in s.stats()["nodes"].items()], s.stats()["evictions"], list(s.batch_exists(vip_keys)), s.stats().get("chain_tail_evictions"))
     assert all(s.batch_exists(vip_keys)), "the hinted conversation lost pages"
     assert s.stats()["soft_pinned"] == 1  # one pin per conversation, moved forward each turn
     with pytest.raises(Exception, match="priority must be an int"):
@@ -164,6 +165,34 @@ def test_the_default_insertion_learns_a_round_over_more_conversations_than_fit(m
     assert policy["sampled_refs"] > 1000 and policy["score"] > 0.05, policy
     wait_for(lambda: s.stats()["orphaned_pages"] == 0, timeout_s=10, what="orphans to be dropped")
     assert chat.gaps() == 0
+
+
+@pytest.mark.parametrize("chain_eviction", [True, False])
+def test_a_conversations_pages_go_beside_the_page_before_them(make_store, chain_eviction):
+    """Two store nodes of 64 MiB, the client on neither, put slabs of two pages (a turn
+    takes one slab after another, or the two-call path): conversations taking turns, each
+    turn's pages named after the page it loaded last. With chain-aware eviction a page goes
+    to the node of its parent (the client's slab is asked for there, the master places a
+    two-call put there) while that node is no fuller than the other by more than 5% of an
+    arena (3.2 MiB here: more than these conversations put), so no link crosses nodes and
+    each node can evict its chains from their leaves. Under plain LRU (no chains to keep)
+    each slab and put goes to the emptier node, and conversations cross nodes all along."""
+    s = make_store(master={"chain_eviction": chain_eviction, "put_slab_bytes": "64kb"})
+    chat = Chat(s, 4, seed=1)
+    for _ in range(4):
+        for c in random.Random(1).sample(range(4), 4):
+            chat.turn(c)
+    links = cross = 0
+    for h in chat.hist:
+        nodes = [loc.node_id for loc in (s._locs.get(k) for k in chat.kv.keys(h)) if loc is not None]
+        assert len(nodes) >= 16, len(nodes)  # (the last answer is not saved yet)
+        links += len(nodes) - 1
+        cross += sum(a != b for a, b in zip(nodes, nodes[1:]))
+    assert links > 60
+    if chain_eviction:
+        assert cross == 0, f"{cross} of {links} links cross nodes"
+    else:
+        assert cross > links // 4, f"only {cross} of {links} links cross nodes without chains"
 
 
 def test_chains_keep_their_links_across_four_master_shards(make_store):

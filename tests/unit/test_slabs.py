@@ -126,6 +126,29 @@ def test_grant_size_placement_and_refusals():
     m.check_invariants()
 
 
+def test_a_grant_goes_to_the_preferred_node_only_where_it_has_the_room_free():
+    """``prefer`` (the node of a KV chain's parent): taken first where a slab fits in its
+    free room; a full preferred node evicts nothing for it, the next node in the strategy's
+    order gives the slab; an unknown node is no preference; a bad one is a typed error."""
+    m, _ = make(n_nodes=2, cap=64 * K, put_slab_bytes=4 * K, high_watermark=1.0,
+                allocation_strategy="local_first")
+    assert m.slab_grant("c1", "ray0", 0, "n1")[1] == "n1"  # preferred over the caller's own node
+    assert m.slab_grant("c1", "ray0", 0)[1] == "n0"
+    assert m.slab_grant("c1", "ray0", 0, "nope")[1] == "n0"
+    i = 0
+    while m._alloc["n1"].free >= 4 * K:  # n1 full: values on all of it but its slab
+        gen, ext = m.put_start(f"k{i}", K, client_node="ray1")
+        assert ext[0][0] == "n1"
+        m.put_end(f"k{i}", gen)
+        i += 1
+    evictions = m.counters["evictions"]
+    assert m.slab_grant("c1", "ray0", 0, "n1")[1] == "n0"
+    assert m.counters["evictions"] == evictions  # nothing evicted for a preference
+    with pytest.raises(InvalidArgumentError, match="prefer"):
+        m.slab_grant("c1", "ray0", 0, 7)
+    m.check_invariants()
+
+
 def test_grant_evicts_like_a_put_when_the_node_is_full():
     m, _ = make(n_nodes=1, cap=64 * K, put_slab_bytes=4 * K, high_watermark=1.0)
     for i in range(64):

@@ -200,7 +200,7 @@ class Reader:
                     promote.append((i, keys[i], g.gen, g.size, reps[0]))
         failed_promotions = self._promote_many(promote) if promote else {}
         self._stats["disk_reads"] += len(promote) - len(failed_promotions)
-        reads = []  # (index, size, replicas, dst_addr, result, ttl)
+        reads = []  # (index, size, replicas, dst_addr, result, ttl, gen)
         mine = []
         for i, g in zip(todo, descs):
             if g is None:  # a miss or an error, recorded above
@@ -219,7 +219,7 @@ class Reader:
                         f"buffer of {cap} bytes is smaller than the value of {keys[i]!r} ({size} bytes)")
                     continue
                 out = size
-            reads.append((i, size, g.replicas, addr, out, g.ttl))
+            reads.append((i, size, g.replicas, addr, out, g.ttl, g.gen))
         retry = []
         pending = reads
         for rank in range(max((len(r[2]) for r in reads), default=0)):
@@ -249,6 +249,14 @@ class Reader:
                 if r[1] == 0:
                     results[r[0]] = r[4]
             pending = still
+        # Where the batch's last value read lives: a KV chain's next pages name it as their
+        # parent, and their slab is asked for beside it (writes.Writer._parent_node). One
+        # entry a batch: remembering every value read cost a batch GET more than its gain.
+        for r in reversed(reads):
+            if r[1] and not isinstance(results[r[0]], Exception):
+                rep = r[2][0]
+                self._locs.remember(keys[r[0]], r[1], r[6], rep.node_id, rep.offset, rep.incarnation, rep.placed)
+                break
         if time.monotonic() - t0 > min((r[5] for r in reads), default=1e9):
             # The copy may have outlived the lease: the extents could belong to another
             # key by now. Never return such bytes.

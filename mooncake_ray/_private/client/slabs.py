@@ -20,6 +20,7 @@ from mooncake_ray._private import rpc, wire
 from mooncake_ray._private.master.allocator import ALIGN
 
 _GRANTS_PER_CARVE = 8  # new slabs one carve may ask for before it leaves the rest uncarved
+_DECLINED_S = 1.0  # a node that had no room free for a preferred slab is not asked again for this long
 
 
 @dataclass
@@ -49,20 +50,35 @@ class Slabs:
         self._retired: set[int] = set()  # replaced slabs waiting for their puts to settle
         self._timer: threading.Timer | None = None
         self._closed = False
+        self._prefer: str | None = None  # the node the slab being asked for should be on (carve)
+        self._declined: dict[str, float] = {}  # node -> until when not to prefer it (it had no room)
 
     @property
     def current(self) -> Slab | None:
         return self._slab
 
-    def carve(self, lengths: list[int]) -> list:
+    def carve(self, lengths: list[int], prefer: str | None = None, chained: bool = False) -> list:
         """``(slab, offset)`` per extent length (``allocator.extent_length``) from this
         client's slab, asking the master for a new one when it runs out; ``None`` for
         lengths that got no room. Packed extents follow each other; a paged one starts at
-        the next 4 KiB boundary (the gap stays uncommitted and goes back with the slab)."""
+        the next 4 KiB boundary (the gap stays uncommitted and goes back with the slab).
+
+        ``prefer``: a store node these values should go to (their KV chain's parent is
+        there). A slab on another node is replaced by one on ``prefer`` where that node has
+        the room free; where it had none, it is not asked again for ``_DECLINED_S``.
+        ``chained``: the values form a chain, so a new slab the carve needs midway prefers
+        the node of the slab it ran out of."""
         out: list = []
         total = len(lengths)
         with self._lock:
             grants = j = 0
+            s = self._slab
+            if prefer is not None and self._declined.get(prefer, 0.0) <= time.monotonic():
+                self._declined.pop(prefer, None)
+                self._prefer = prefer  # for each slab this carve asks for
+                if s is not None and s.node_id != prefer:
+                    self._retire(s)
+                    self._slab = None
             while j < total:
                 s = self._slab
                 if s is not None and time.monotonic() <= s.use_until:
@@ -80,6 +96,8 @@ class Slabs:
                         self._inuse[s.slab_id] = self._inuse.get(s.slab_id, 0) + (j - first)
                     if j == total:
                         break
+                if chained and j > 0 and self._prefer is None and s is not None:
+                    self._prefer = s.node_id  # the rest of the chain beside its start
                 if grants >= _GRANTS_PER_CARVE or not self._new_slab(min(sum(lengths[j:]), self.slab_bytes)):
                     out.extend([None] * (total - j))
                     break
@@ -88,6 +106,7 @@ class Slabs:
                 if s.end - s.cur < lengths[j]:  # too large even for a new slab (which starts on a page)
                     out.append(None)
                     j += 1
+            self._prefer = None
         return out
 
     def settle(self, slab_ids: list[int]) -> None:
@@ -137,12 +156,16 @@ class Slabs:
         if self._slab is not None:
             self._retire(self._slab)
             self._slab = None
-        sent = time.monotonic()
+        sent, prefer = time.monotonic(), self._prefer
         try:
             g = wire.slab_grant(self._master.call(
-                rpc.SLAB_GRANT, self._owner, self._here, need, self._take_returns()))
+                rpc.SLAB_GRANT, self._owner, self._here, need, self._take_returns(),
+                *(() if prefer is None else (prefer,))))
         except (NoCapacityError, MasterUnavailableError, InvalidArgumentError, NodeUnavailableError):
             return False
+        if prefer is not None and g.node_id != prefer:
+            self._declined[prefer] = sent + _DECLINED_S
+            self._prefer = None
         # Writes start at most 3/4 of the ttl after the request left: the master's window
         # (counted from when it granted) ends later still.
         self._slab = Slab(g.slab_id, g.node_id, g.incarnation, g.offset, g.offset + g.length, sent + 0.75 * g.ttl)

@@ -58,6 +58,7 @@ class Writer:
         self._max_key = config.master.max_key_bytes
         self._backpressure_s = config.client.backpressure_timeout_s
         self._checksums = config.client.checksum_in_copy
+        self._beside = config.master.chain_eviction  # chained values go beside their parent
         self.moved = 0  # bytes written by the call being timed (metrics only)
 
     def put_many(self, keys, values, replicas, upsert, parents=None, hold_s=None) -> list:
@@ -115,6 +116,19 @@ class Writer:
         return [MasterUnavailableError(f"{r} (put {PUT_ATTEMPTS} times)") if isinstance(r, _PutLost) else r
                 for r in results]
 
+    def _parent_node(self, idxs, parents) -> str | None:
+        """The store node of the first parent these puts name that this client wrote or
+        read lately (the location cache): its KV chain's children go beside it, so each
+        node holds whole chains and evicts them from their leaves."""
+        if parents is None or not self._beside:
+            return None
+        for i in idxs:
+            p = parents[i]
+            if p:
+                loc = self._locs.get(p)
+                return None if loc is None else loc.node_id
+        return None
+
     def _put_slabbed(self, keys, srcs, upsert, results, parents=None, hold_s=None) -> list[int]:
         """Put what fits into this client's slab with one master call for all of them
         (carve, write, commit). Returns the indices left for the two-call path: values too
@@ -133,7 +147,8 @@ class Writer:
             return rest
         if sum(lengths[i] for i in idxs) > SLABS_PER_BATCH * self._slabs.slab_bytes:
             return list(range(len(srcs)))  # one slab grant per slab: two calls for all are fewer
-        placed = self._slabs.carve([lengths[i] for i in idxs])
+        placed = self._slabs.carve([lengths[i] for i in idxs], self._parent_node(idxs, parents),
+                                   parents is not None and self._beside)
         ops, owners, items = [], [], []
         for i, got in zip(idxs, placed):
             if got is None:

@@ -300,9 +300,9 @@ class MasterActor:
     def _return_slabs(self, ids) -> list:
         return [self.state.slab_return(i) for i in ids]
 
-    def _slab_grant(self, owner, client_node=None, need=0, returns=()):
+    def _slab_grant(self, owner, client_node=None, need=0, returns=(), prefer=None):
         self._return_slabs(returns)  # the caller's used-up slabs, piggybacked
-        return self.state.slab_grant(owner, client_node, need)
+        return self.state.slab_grant(owner, client_node, need, prefer)
 
     def _put_end(self, key, gen, crc=None, hold_s=None):
         _check_crc(key, crc)

@@ -72,6 +72,10 @@ if TYPE_CHECKING:
 
 RETIRED_SLABS = 4096  # slabs given back that a retried commit is still recognised in
 SLAB_MIN = 1 << 20  # the shortest slab granted out of a fragmented arena rather than evicting
+# A slab goes to the node a client prefers (its KV chain's parent's) while that node is no
+# fuller than the least full one plus this share of an arena: chains stay whole on a node,
+# and a node that fills faster sends new pages, and the chains that follow them, elsewhere.
+PREFER_SLACK = 0.05
 
 
 def slab_key(slab_id: int) -> str:
@@ -127,35 +131,64 @@ class SlabTable:
         self._first_id = self._wall_ns()  # ids below: slabs of a previous master incarnation
 
     # ------------------------------------------------------------------ grant ----
-    def grant(self, owner: str, client_node: str | None, need: int, now: float) -> SlabGrant:
-        """Reserve a slab for ``owner`` (see ``MasterState.slab_grant``)."""
+    def grant(self, owner: str, client_node: str | None, need: int, now: float,
+              prefer: str | None = None) -> SlabGrant:
+        """Reserve a slab for ``owner`` (see ``MasterState.slab_grant``): on ``prefer``
+        while that node's values fill no more of its arena than the least filled node's
+        plus ``PREFER_SLACK`` (evicting there like any grant: a chain on one node is evicted
+        from its leaves there), else on the first node in the allocation strategy's order
+        that has the room or can evict for it."""
         usable = [n for n in self._nodes.values() if not n.suspect and not n.draining]
         if not usable:
             raise NoCapacityError("no usable store node for a put slab")
-        policy = self.policy
-        for node in order_nodes(policy.allocation_strategy, usable, self._alloc, client_node, self._rng):
-            cap = self._alloc[node.node_id].capacity
-            left = self.budget(cap) - self.room(node.node_id)
-            length = max(page_up(need), min(policy.put_slab_bytes, cap // 16, left) // ALIGN * ALIGN)
-            if length > cap // 4 or length > left:
-                continue  # a slab must not take a large share of any arena, nor more than the slabs' budget
-            got = self._fit(node.node_id, length, need, now)
-            if got is None:
-                got = self._evict_fit(node.node_id, length, need, now)
-            if got is None:
-                continue
-            # Unique across master incarnations (like generations), so a commit into a
-            # previous master's slab can never match one of ours.
-            self._next_id = max(self._next_id + 1, self._wall_ns())
-            slab = Slab(self._next_id, node.node_id, got[0], got[1], owner,
-                        now + policy.put_slab_ttl_s + policy.put_timeout_s, {got[0]: got[1]})
-            self.slabs[slab.slab_id] = slab
-            self._mirror.slab(slab.slab_id, slab)
-            self._replicas.note_reserved(node.node_id, slab_key(slab.slab_id), slab.slab_id, slab.offset, slab.length)
-            return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
-                             policy.put_slab_ttl_s)
+        ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
+        for node in self.beside(ordered, prefer):
+            got = self._grant_on(node, owner, need, now, evict=True)
+            if got is not None:
+                return got
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more (or the put slabs "
                               "of other clients hold their budget: the value goes the two-call way)")
+
+    def _fill(self, node_id: str) -> float:
+        """The share of ``node_id``'s arena its values hold (not the slabs' room)."""
+        alloc = self._alloc[node_id]
+        return (alloc.used - self.room(node_id)) / alloc.capacity
+
+    def beside(self, ordered: list, prefer: str | None) -> list:
+        """``ordered`` (usable nodes in the allocation strategy's order) with ``prefer``
+        first while that node's values fill no more of its arena than the least filled
+        node's plus ``PREFER_SLACK``: the node a KV chain's parent is on, so the chain is
+        whole on a node and evicted from its leaves there."""
+        if not prefer or len(ordered) < 2 or ordered[0].node_id == prefer:
+            return ordered
+        node = next((n for n in ordered if n.node_id == prefer), None)
+        if node is None or self._fill(prefer) > min(self._fill(n.node_id) for n in ordered) + PREFER_SLACK:
+            return ordered
+        return [node, *(n for n in ordered if n is not node)]
+
+    def _grant_on(self, node, owner: str, need: int, now: float, evict: bool) -> SlabGrant | None:
+        """A slab on ``node``, evicting for it if ``evict``; None where it has no room."""
+        policy = self.policy
+        cap = self._alloc[node.node_id].capacity
+        left = self.budget(cap) - self.room(node.node_id)
+        length = max(page_up(need), min(policy.put_slab_bytes, cap // 16, left) // ALIGN * ALIGN)
+        if length > cap // 4 or length > left:
+            return None  # a slab must not take a large share of any arena, nor more than the slabs' budget
+        got = self._fit(node.node_id, length, need, now)
+        if got is None and evict:
+            got = self._evict_fit(node.node_id, length, need, now)
+        if got is None:
+            return None
+        # Unique across master incarnations (like generations), so a commit into a
+        # previous master's slab can never match one of ours.
+        self._next_id = max(self._next_id + 1, self._wall_ns())
+        slab = Slab(self._next_id, node.node_id, got[0], got[1], owner,
+                    now + policy.put_slab_ttl_s + policy.put_timeout_s, {got[0]: got[1]})
+        self.slabs[slab.slab_id] = slab
+        self._mirror.slab(slab.slab_id, slab)
+        self._replicas.note_reserved(node.node_id, slab_key(slab.slab_id), slab.slab_id, slab.offset, slab.length)
+        return SlabGrant(slab.slab_id, node.node_id, slab.offset, slab.length, node.incarnation,
+                         policy.put_slab_ttl_s)
 
     def _evict_fit(self, node_id: str, length: int, need: int, now: float) -> tuple[int, int] | None:
         """A slab of ``length`` bytes where no free run holds one: the largest free run if it

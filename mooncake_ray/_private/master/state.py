@@ -205,6 +205,14 @@ class MasterState(Membership):
             raise InvalidArgumentError(
                 f"key of {n} bytes is longer than max_key_bytes={self.policy.max_key_bytes}: {key[:64]!r}...")
 
+    def _node_of(self, key: str) -> str | None:
+        """The node of ``key``'s first DRAM copy, if it is stored or being put (a batch's
+        parent is put just before its child)."""
+        obj = self._pending.get(key) or self._objects.peek(key)
+        if obj is None:
+            return None
+        return next((r.node_id for r in obj.replicas if r.tier is Tier.DRAM), None)
+
     def _check_parent(self, key: str, parent) -> None:
         if parent == "":
             return
@@ -265,6 +273,8 @@ class MasterState(Membership):
                      "equal part)")
             raise InvalidArgumentError(f"value of {size} bytes is larger than {where} (largest: {biggest} bytes)")
         ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
+        if parent and self.policy.chain_eviction:  # beside its parent, where that node is not the fuller
+            ordered = self._slab_table.beside(ordered, self._node_of(parent))
         # The put holds its parent from here until it ends: its room never comes from it.
         self._objects.wait_child(parent)
         try:
@@ -354,9 +364,12 @@ class MasterState(Membership):
         finally:
             self._tier.no_room = None
 
-    def slab_grant(self, owner: str, client_node: str | None = None, need: int = 0) -> SlabGrant:
+    def slab_grant(self, owner: str, client_node: str | None = None, need: int = 0,
+                   prefer: str | None = None) -> SlabGrant:
         """Reserve a slab for ``owner``. Its length is ``put_slab_bytes`` (at most 1/16 of
-        the node's arena), or ``need`` if larger.
+        the node's arena), or ``need`` if larger. ``prefer``: a store node id, taken first
+        where it has the room free (the node of the KV chain's parent the client is about
+        to put children of: a chain on one node is evicted from its leaves there).
 
         Raises:
             MasterUnavailableError: rebuilding, or within ``put_slab_ttl_s`` of a restart.
@@ -368,7 +381,9 @@ class MasterState(Membership):
         now = self._clock()
         self._allocation_gate(now)
         self._replicas.release_deferred(now)
-        return self._slab_table.grant(owner, client_node, need, now)
+        if prefer is not None and not isinstance(prefer, str):
+            raise InvalidArgumentError(f"prefer must be a store node id (str) or None, got {type(prefer).__name__}")
+        return self._slab_table.grant(owner, client_node, need, now, prefer)
 
     def slab_return(self, slab_id: int) -> int:
         """Free a slab's uncommitted space; returns the bytes freed. Idempotent."""
