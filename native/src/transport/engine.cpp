@@ -265,7 +265,11 @@ void Lane::run() {
       std::lock_guard<std::mutex> g(core->peers_mu);
       if (!core->peers.empty()) timeout = keepalive_ms;  // drives UCX keepalive
     }
-    if (idx == 0 && timeout > keepalive_ms / 2) timeout = std::max(10, keepalive_ms / 2);
+    // Lane 0 watches same-host peers' processes (watch_peers) every keepalive / 2, also
+    // when it went to sleep with no peer yet: a peer added meanwhile whose traffic all
+    // goes through other lanes would otherwise never be watched, and a call to it that
+    // was in flight when it died waited for its own timeout (tests/native/test_faults.py).
+    if (idx == 0 && (timeout < 0 || timeout > keepalive_ms / 2)) timeout = std::max(10, keepalive_ms / 2);
     int n = epoll_wait(ep_fd, evs, 4, timeout);
     if (idx == 0) core->watch_peers();
     for (int i = 0; i < n; ++i) {
