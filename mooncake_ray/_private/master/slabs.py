@@ -143,16 +143,11 @@ class SlabTable:
             raise NoCapacityError("no usable store node for a put slab")
         ordered = order_nodes(self.policy.allocation_strategy, usable, self._alloc, client_node, self._rng)
         for node in self.beside(ordered, prefer):
-            got = self._grant_on(node, owner, need, now, evict=True)
+            got = self._grant_on(node, owner, need, now)
             if got is not None:
                 return got
         raise NoCapacityError(f"no store node has room for a put slab of {need} bytes or more (or the put slabs "
                               "of other clients hold their budget: the value goes the two-call way)")
-
-    def _fill(self, node_id: str) -> float:
-        """The share of ``node_id``'s arena its values hold (not the slabs' room)."""
-        alloc = self._alloc[node_id]
-        return (alloc.used - self.room(node_id)) / alloc.capacity
 
     def beside(self, ordered: list, prefer: str | None) -> list:
         """``ordered`` (usable nodes in the allocation strategy's order) with ``prefer``
@@ -162,12 +157,19 @@ class SlabTable:
         if not prefer or len(ordered) < 2 or ordered[0].node_id == prefer:
             return ordered
         node = next((n for n in ordered if n.node_id == prefer), None)
-        if node is None or self._fill(prefer) > min(self._fill(n.node_id) for n in ordered) + PREFER_SLACK:
+        if node is None:
+            return ordered
+        room = collections.Counter()  # each node's bytes slabs hold uncommitted, in one pass (``room``)
+        for s in self.slabs.values():
+            room[s.node_id] += sum(s.free.values())
+        fill = {n.node_id: (self._alloc[n.node_id].used - room[n.node_id]) / self._alloc[n.node_id].capacity
+                for n in ordered}  # the share of each arena its values hold
+        if fill[prefer] > min(fill.values()) + PREFER_SLACK:
             return ordered
         return [node, *(n for n in ordered if n is not node)]
 
-    def _grant_on(self, node, owner: str, need: int, now: float, evict: bool) -> SlabGrant | None:
-        """A slab on ``node``, evicting for it if ``evict``; None where it has no room."""
+    def _grant_on(self, node, owner: str, need: int, now: float) -> SlabGrant | None:
+        """A slab on ``node``, evicting for it if need be; None where it has no room."""
         policy = self.policy
         cap = self._alloc[node.node_id].capacity
         left = self.budget(cap) - self.room(node.node_id)
@@ -175,7 +177,7 @@ class SlabTable:
         if length > cap // 4 or length > left:
             return None  # a slab must not take a large share of any arena, nor more than the slabs' budget
         got = self._fit(node.node_id, length, need, now)
-        if got is None and evict:
+        if got is None:
             got = self._evict_fit(node.node_id, length, need, now)
         if got is None:
             return None

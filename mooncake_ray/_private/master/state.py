@@ -368,8 +368,9 @@ class MasterState(Membership):
                    prefer: str | None = None) -> SlabGrant:
         """Reserve a slab for ``owner``. Its length is ``put_slab_bytes`` (at most 1/16 of
         the node's arena), or ``need`` if larger. ``prefer``: a store node id, taken first
-        where it has the room free (the node of the KV chain's parent the client is about
-        to put children of: a chain on one node is evicted from its leaves there).
+        while it is not fuller than the least full node by more than ``PREFER_SLACK`` (the
+        node of the KV chain's parent the client is about to put children of: a chain on one
+        node is evicted from its leaves there; ``SlabTable.beside``).
 
         Raises:
             MasterUnavailableError: rebuilding, or within ``put_slab_ttl_s`` of a restart.
