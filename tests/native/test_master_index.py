@@ -364,6 +364,43 @@ def test_using_the_only_record_on_probation_ends_its_probation(make, use):
     assert ix.keys("") == ["b", "a"]  # b on probation, the oldest; a is not
 
 
+@pytest.mark.parametrize("remote_holds", [True, False])
+@pytest.mark.parametrize("make", [_native.MasterIndex, PyIndex], ids=["native", "reference"])
+def test_a_page_never_read_goes_before_a_read_leaf_although_a_child_on_another_shard_holds_it(make, remote_holds):
+    """With master shards, a page's child may live on another shard: it holds the page, so
+    on one shard of four most pages on probation are held and a pass found its leaves among
+    the read pages (bench_chains.py: conversations kept cut at random). Leaving the probation
+    records short of its need, a pass first takes those that nothing but remote children
+    holds, newest first, and the parents they leave childless; a page held by a child here,
+    or by a put in flight, still waits."""
+    ix = make()
+    ix.set_chain_links(True)
+    ix.set_remote_holds(remote_holds)
+    ix.set_grace_bytes(0)  # each page on probation goes straight to the stack
+    for i, key in enumerate(["r1", "r2", "p1", "p2", "w", "q1", "q2"]):
+        ix.set_cold(key, 100, i + 1, "n1", "ray0", "inc", False, 1000 * i, 100, 0, 0.0, [])
+    ix.link("r2", "r1")  # a read chain: r1 <- r2, r2 its leaf
+    ix.link("p2", "p1")  # never read: p1 <- p2, p2's child on another shard
+    ix.link("q2", "q1")
+    for key in ("p1", "p2", "w", "q1", "q2"):
+        ix.probation(key)
+    for key in ("p2", "w", "q1"):  # q1: held by q2 here and by a child elsewhere
+        ix.set_holds(key, 2)
+    ix.set_holds("w", 3)  # and a put naming w is in flight
+    assert ix.keys("") == ["q2", "q1", "w", "p2", "p1", "r1", "r2"]
+    keys, _g, _r, freed, stop, held = ix.evict_cold("", "n1", time.monotonic(), 250, True)
+    if remote_holds:
+        # q2, the stack's top, is a leaf; at the read pages the pass takes what only
+        # remote children held, least recent first: q1 (q2 gone), then p2 (p1 waits for
+        # nothing now, but the need is met); w waits for its put, the read leaf stays
+        assert keys == ["q2", "q1", "p2"] and freed == 300 and held == []
+        assert ix.keys("") == ["w", "p1", "r1", "r2"]
+        keys, *_rest = ix.evict_cold("", "n1", time.monotonic(), 150, True)
+        assert keys == ["p1", "r2"]  # a new pass: p1 is a leaf now; then the read leaf
+    else:  # one shard (remote holds off): only local children and puts hold
+        assert keys == ["q2", "q1", "p2"] and freed == 300
+
+
 @pytest.mark.parametrize("make", [_native.MasterIndex, PyIndex], ids=["native", "reference"])
 def test_chain_eviction_takes_leaves_first_and_a_parent_right_after_its_last_child(make):
     ix = make()

@@ -337,9 +337,41 @@ def test_a_grant_evicts_a_round_then_takes_a_shorter_run_rather_than_the_newest_
     assert length == K and m.counters["evictions"] == 4
     assert sorted(k for k in m._objects if int(k[1:]) % 4 == 0) == [f"k{i}" for i in range(16, 64, 4)]
     commit(m, "new", sid, off, K)
-    # a need no free run holds: rounds go on until one does (here the next round's 4)
-    sid, _nid, off, length = grant(m, need=2 * K + 1)
-    assert length >= 3 * K and m.counters["evictions"] >= 8
+    # a need the free bytes hold, only not in one run: no round more (the batch goes the
+    # two-call way, each value into a run of its own)
+    with pytest.raises(NoCapacityError):
+        grant(m, need=2 * K + 1)
+    assert m.counters["evictions"] == 4
+    # a need past the free bytes: a round (the next 4 least recent values), and then the
+    # bytes are there, in single pages: no slab, and no round more
+    with pytest.raises(NoCapacityError):
+        grant(m, need=3 * K + 1)
+    assert m.counters["evictions"] == 8
+    # the two-call way, a value that needs one run evicts until one forms
+    _gen, ext = put(m, "big", 3 * K + 1)
+    assert ext[0].length >= 3 * K + 1 and m.counters["evictions"] > 8
+    m.check_invariants()
+
+
+def test_a_grant_takes_the_longest_piece_of_free_room_rather_than_evicting_for_one_run():
+    """Free bytes enough for the batch, in runs shorter than it: the longest run is granted
+    where it is worth a slab (64 KiB and up), with no eviction. Evicting until one run held
+    the whole batch took far more than the puts needed (the least recent values lie
+    anywhere): an arena split four ways by master shards stayed a third full."""
+    m, _clock = make(n_nodes=1, cap=256 * K, put_slab_bytes=1 << 30, high_watermark=1.0, evict_ratio=0.0625)
+    for i in range(256):
+        put(m, f"k{i}")
+    for i in range(16, 32):  # one run of 16 pages (64 KiB)
+        m.remove(f"k{i}")
+    for i in range(64, 256, 8):  # and 24 single pages
+        m.remove(f"k{i}")
+    sid, _nid, off, length = grant(m, need=32 * K)  # 40 pages free, none in a run of 32
+    assert (off, length) == (16 * K, 16 * K) and m.counters["evictions"] == 0
+    commit(m, "new", sid, off, 32 * K // 2)
+    # what is left is single pages: no piece worth a slab, and still no eviction
+    with pytest.raises(NoCapacityError):
+        grant(m, need=20 * K)
+    assert m.counters["evictions"] == 0
     m.check_invariants()
 
 

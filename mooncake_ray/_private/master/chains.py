@@ -44,6 +44,14 @@ parent's shard says when a parent with remote children goes (they become orphans
 or comes back. A link to a parent that is not stored is reported gone only after
 ``grace_s`` (the parent's put may still be on its way: a batch's parts run on their
 shards at the same time).
+
+On one shard of four, three in four pages have their child elsewhere, so a chain's leaf is
+seldom here to take and most of a shard's pages on probation (never read) are held. The
+read index's pass (``MasterIndex.evict_cold``) therefore takes, when it leaves the records
+on probation short of its need, those that nothing but remote children holds, least
+recent first, before any read page: a page never read goes before a read one, as on one
+shard. Their children elsewhere go as orphans. (Python's ``Picker``, which judges the hot
+values and a node with a spill tier, holds them as before.)
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class PyIndex:
         self._down: dict[str, list[str]] = {}  # parent -> its stored children, newest link first
         self._holds: dict[str, int] = {}  # key -> HOLD_* bits
         self._pass: dict[str, int] = {}  # the eviction pass's held keys -> when met
+        self._pass_cut = False  # the pass took its held probation records (evict_cold)
 
     # ------------------------------------------------------------- the table --
     def _resize(self, key, size) -> None:
@@ -243,6 +244,12 @@ class PyIndex:
             del self._up[kid]
         self._holds.pop(key, None)
 
+    def _probed(self, key) -> bool:
+        return key in self._stack or key in self._grace
+
+    def _remote_only(self, key) -> bool:
+        return key not in self._down and self._holds.get(key, 0) & (HOLD_WAIT | HOLD_REMOTE) == HOLD_REMOTE
+
     def _held(self, key) -> bool:
         h = self._holds.get(key, 0)
         return key in self._down or bool(h & HOLD_WAIT) or (self._remote_holds and bool(h & HOLD_REMOTE))
@@ -302,6 +309,7 @@ class PyIndex:
         i = 0 if not after or after not in self._map else keys.index(after) + 1
         if not after:
             self._pass.clear()
+            self._pass_cut = False
         chains = chains and self._links_on
         out_keys, gens, extents, stop = [], [], [], None
         freed = 0
@@ -315,6 +323,24 @@ class PyIndex:
             freed += r.rep[4]
             self.drop(key)
 
+        def drop_up(key) -> None:
+            parent = self._up.get(key) if chains else None
+            drop(key)
+            while parent is not None and freed < need and parent in self._pass and not self._held(parent):
+                up = self._up.get(parent)
+                drop(parent)
+                parent = up
+
+        def cut() -> None:  # MasterIndex::evict_cold: leaving the probation records short
+            self._pass_cut = True
+            for key in sorted((k for k in self._pass if self._probed(k) and self._remote_only(k)),
+                              key=self._pass.__getitem__):
+                if freed >= need:
+                    return
+                if key in self._pass and self._remote_only(key):
+                    drop_up(key)
+
+        cutting = chains and self._remote_holds and not self._pass_cut
         ended = True
         for key in keys[i:]:
             if freed >= need:
@@ -324,16 +350,19 @@ class PyIndex:
             if r.hot:
                 stop = key
                 break
+            if cutting and not self._probed(key):
+                cutting = False
+                cut()
+                if freed >= need:
+                    ended = False
+                    break
             if not r.disk and r.lease_until <= now and r.rep[0] == node_id:
                 if chains and self._held(key):
                     self._pass.setdefault(key, len(self._pass))
                     continue
-                parent = self._up.get(key) if chains else None
-                drop(key)
-                while parent is not None and freed < need and parent in self._pass and not self._held(parent):
-                    up = self._up.get(parent)
-                    drop(parent)
-                    parent = up
+                drop_up(key)
+        if cutting and ended and stop is None and freed < need:
+            cut()
         held = []
         if chains and ended and stop is None and freed < need:
             recs = ((k, self._map[k]) for k in sorted(self._pass, key=self._pass.__getitem__))

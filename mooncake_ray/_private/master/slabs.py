@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 RETIRED_SLABS = 4096  # slabs given back that a retried commit is still recognised in
 SLAB_MIN = 1 << 20  # the shortest slab granted out of a fragmented arena rather than evicting
+SLAB_PIECE = 64 << 10  # the shortest run granted where the free room is there but in pieces
 # A slab goes to the node a client prefers (its KV chain's parent's) while that node is no
 # fuller than the least full one plus this share of an arena: chains stay whole on a node,
 # and a node that fills faster sends new pages, and the chains that follow them, elsewhere.
@@ -202,11 +203,21 @@ class SlabTable:
         quarter of the working set it took pages a decode was about to read
         (benchmarks/bench_chains.py, recency)."""
         alloc, replicas = self._alloc[node_id], self._replicas
+        need = page_up(need)
         while True:
             got = alloc.allocate(length)
             if got is None:
                 shorter = min(length, alloc.largest_paged())
-                if shorter >= page_up(need):
+                if shorter >= need:
+                    got = alloc.allocate(shorter)
+                elif alloc.free >= need:
+                    # The room is there, in shorter runs: the longest of them if a piece
+                    # worth a grant, else none (the values go the two-call way, each into
+                    # a run of its own). Evicting until a run of the whole need formed
+                    # took values far beyond what the puts needed, scattered as they were
+                    # (an arena split four ways by master shards kept a third of it full).
+                    if shorter < min(need, SLAB_PIECE):
+                        return None
                     got = alloc.allocate(shorter)
             if got is not None:
                 replicas.watermark(node_id, now)

@@ -276,6 +276,14 @@ class MasterIndex {
   // last child drops it next, while the need lasts, and so on up the chain: a chain goes
   // from its end toward its start. If the list ends short of the need, *held lists the
   // held records left (least recent first) for Python's forced eviction.
+  //
+  // With master shards (``remote_holds``), a page on probation is held by a child on another
+  // shard as by one here, but a pass that leaves the probation records for the read ones
+  // (or the list) short of its need first takes those it passed over that nothing but
+  // remote children holds, least recent first (the top of the stack: the newest pages),
+  // with the parents they leave childless: a page never read goes before a read one, as
+  // on one shard, where its chain's leaf would have been here to take. Their children
+  // elsewhere go as orphans (chains.py).
   Evicted evict_cold(const std::string& after, const std::string& node_id, double now, uint64_t need,
                      bool chains = false);
   // KV chain links (see ChainLink). Off: none are kept (and none made by native commits).
@@ -409,6 +417,7 @@ class MasterIndex {
   void unchain(IndexRecord* r);  // r goes: out of its parent's children, its children parentless
   void trim_link(IndexRecord* r);  // forgets r's links if they hold nothing
   bool chain_held(const IndexRecord* r) const;
+  bool remote_only(const IndexRecord* r) const;  // held by children on other shards alone
   IndexRecord* parent_of(const IndexRecord* r) const;  // its linked parent (nullptr: none)
   void end_pass();
   // ``r``: the key's record if there is one (its hash is taken once, with the table's).
@@ -429,6 +438,7 @@ class MasterIndex {
   // The current eviction pass's held records: record -> when met.
   std::unordered_map<IndexRecord*, uint64_t> pass_held_;
   uint64_t pass_seq_ = 0;
+  bool pass_cut_ = false;  // the pass took its held probation records (evict_cold)
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;
   // Records on probation are the oldest ones: the stack (from oldest_ to stack_last_),

@@ -283,6 +283,12 @@ bool MasterIndex::chain_held(const IndexRecord* r) const {
   return l.kids > 0 || (l.holds & kHoldWait) || (remote_holds_ && (l.holds & kHoldRemote));
 }
 
+bool MasterIndex::remote_only(const IndexRecord* r) const {
+  if (!r->linked) return false;
+  const ChainLink& l = links_.at(r);
+  return l.kids == 0 && !(l.holds & kHoldWait) && (l.holds & kHoldRemote);
+}
+
 void MasterIndex::trim_link(IndexRecord* r) {
   if (!r->linked) return;
   auto it = links_.find(r);
@@ -387,6 +393,7 @@ void MasterIndex::end_pass() {
   for (auto& kv : pass_held_) kv.first->pass_held = false;
   pass_held_.clear();
   pass_seq_ = 0;
+  pass_cut_ = false;
 }
 
 IndexEntry MasterIndex::answer(const IndexRecord& r) const {
@@ -676,30 +683,54 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
     out.freed += d->rep.length;
     erase(d);
   };
+  // Drop d; its parent, if met while held and now left with nothing holding it, is the
+  // least recent leaf: it goes next (a held record was met before d, so is not next).
+  auto drop_up = [&](IndexRecord* d) {
+    IndexRecord* p = chains ? parent_of(d) : nullptr;
+    drop(d);
+    while (p != nullptr && out.freed < need && p->pass_held && !chain_held(p)) {
+      IndexRecord* pp = parent_of(p);
+      drop(p);
+      p = pp;
+    }
+  };
+  // Leaving the probation records short of the need: those held by remote children alone
+  // go first (see the header).
+  auto cut = [&]() {
+    pass_cut_ = true;
+    std::vector<std::pair<uint64_t, IndexRecord*>> left;
+    for (auto& kv : pass_held_)
+      if (kv.first->probation && remote_only(kv.first)) left.emplace_back(kv.second, kv.first);
+    std::sort(left.begin(), left.end());
+    for (auto& [seq, h] : left) {
+      if (out.freed >= need) break;
+      // (h may have gone above as a parent: only a pointer compare until it is found)
+      if (pass_held_.count(h) && remote_only(h)) drop_up(h);
+    }
+  };
+  bool cutting = chains && remote_holds_ && !pass_cut_;
   while (r != nullptr && out.freed < need) {
     IndexRecord* next = r->newer;
     if (r->hot) {
       out.stop = r->key();
       break;
     }
+    if (cutting && !r->probation) {
+      cutting = false;
+      cut();
+      if (out.freed >= need) break;
+    }
     if (!r->disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
       if (chains && chain_held(r)) {  // waits for its children
         r->pass_held = true;
         pass_held_.emplace(r, pass_seq_++);
       } else {
-        // Its parent, if met while held and now left with nothing holding it, is the
-        // least recent leaf: it goes next (a held record was met before r, so is not next).
-        IndexRecord* p = chains ? parent_of(r) : nullptr;
-        drop(r);
-        while (p != nullptr && out.freed < need && p->pass_held && !chain_held(p)) {
-          IndexRecord* pp = parent_of(p);
-          drop(p);
-          p = pp;
-        }
+        drop_up(r);
       }
     }
     r = next;
   }
+  if (cutting && r == nullptr && out.stop.empty() && out.freed < need) cut();
   if (chains && r == nullptr && out.stop.empty() && out.freed < need && !pass_held_.empty()) {
     std::vector<std::pair<uint64_t, IndexRecord*>> left;
     for (auto& kv : pass_held_) left.emplace_back(kv.second, kv.first);
