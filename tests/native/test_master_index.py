@@ -364,6 +364,23 @@ def test_using_the_only_record_on_probation_ends_its_probation(make, use):
     assert ix.keys("") == ["b", "a"]  # b on probation, the oldest; a is not
 
 
+@pytest.mark.parametrize("links", [True, False])
+@pytest.mark.parametrize("make", [_native.MasterIndex, PyIndex], ids=["native", "reference"])
+def test_with_chain_links_a_batch_read_uses_its_hits_last_to_first(make, links):
+    """A prefix read is a batch GET of a chain's pages in order: with chain links its hits
+    are used last to first, so the chain's end is the least recent of them and recency
+    order alone (another master shard's, which cannot see the links) takes a chain from
+    its end. Without links (plain LRU) a batch is used in order."""
+    ix = make()
+    ix.set_enabled(True)
+    ix.set_chain_links(links)
+    for i, key in enumerate(["p1", "p2", "p3", "x"]):
+        ix.set_cold(key, 100, i + 1, "n1", "ray0", "inc", False, 1000 * i, 100, 0, 0.0, [])
+    got = msgpack.unpackb(ix.serve(msgpack.packb([rpc.GET, ["p1", "nope", "p2", "p3"]], use_bin_type=True)))
+    assert got[0] == rpc.OK and [g is None for g in got[1]] == [False, True, False, False]
+    assert ix.keys("") == (["x", "p3", "p2", "p1"] if links else ["x", "p1", "p2", "p3"])
+
+
 @pytest.mark.parametrize("remote_holds", [True, False])
 @pytest.mark.parametrize("make", [_native.MasterIndex, PyIndex], ids=["native", "reference"])
 def test_a_page_never_read_goes_before_a_read_leaf_although_a_child_on_another_shard_holds_it(make, remote_holds):

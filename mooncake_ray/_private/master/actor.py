@@ -345,6 +345,9 @@ class MasterActor:
         if done:  # leases of the caller's finished reads, piggybacked
             self._release(done)
         with self.state.one_call():
+            if self.state.policy.chain_eviction and len(keys) > 1:
+                # a batch's hits used last to first, as the index does (MasterIndex::serve)
+                return rpc.per_key(self.state.get, keys[::-1], client_node)[::-1]
             return rpc.per_key(self.state.get, keys, client_node)
 
 

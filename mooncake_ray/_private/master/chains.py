@@ -22,10 +22,12 @@ With ``master.chain_eviction`` on, an eviction pass takes leaves first (``Picker
 read index's own pass over its cold records, ``MasterIndex.evict_cold``, which keeps the
 same links between its records: ``ObjectTable._linked``): a value
 is held while a child of it is stored, and the pass takes the least recent leaf each time.
-A parent is older than its children (it was stored or read before them), so once its last
-child is taken it is the least recent leaf and goes next, before the pass moves on: a
-chain goes from its end toward its start, the least recent chain first, and the pages a
-conversation just saved are the last to go. (Taking one round of leaves first, each
+A parent stored before its children is older than them, so once its last child is taken
+it is the least recent leaf and goes next, before the pass moves on; a prefix read (a
+batch GET of a chain's pages in order) uses its hits last to first
+(``MasterIndex::serve``), so a chain read back has its end the least recent of it and the
+pass meets it end first. Either way a chain goes from its end toward its start, the least
+recent chain first, and the pages a conversation just saved are the last to go. (Taking one round of leaves first, each
 chain's tail, then the next round, cut the newest conversations' tails before the oldest
 conversations' second pages: a recency-friendly workload served 66.6% against plain
 LRU's 83.5%, benchmarks/bench_chains.py.) Only a pass that frees nothing else takes a

@@ -545,11 +545,13 @@ class PyIndex:
             else:
                 _grant_cold(r, lease, now, self._ttl)
                 self._hits += 1
-            self.touch(key)
             if client_node and len(reps) > 1:
                 reps = sorted(reps, key=lambda r: r[0] != client_node and r[1] != client_node)
             out.append(ReadGrant(size, gen, float(self._ttl),
                                  [ReplicaLoc(r[0], _DRAM, r[2], r[3], r[4], r[5]) for r in reps], lease))
+        for key, r in (reversed(list(zip(keys, found))) if self._links_on else zip(keys, found)):
+            if r is not None:
+                self.touch(key)  # MasterIndex::serve: with chain links, last to first
         return rpc.pack([rpc.OK, out])
 
     def _commit(self, req) -> bytes | None:

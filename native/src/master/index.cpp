@@ -1316,10 +1316,6 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
       hits_++;
     }
     r->unread = false;
-    if (r != newest_ || r->probation) {  // a hit is a use (and ends a probation)
-      unlink(r);
-      link_recent(r);
-    }
     // The caller's own replicas first (by store-node id or Ray node id), otherwise in
     // the state machine's order, as its get() does.
     order.clear();
@@ -1346,6 +1342,19 @@ bool MasterIndex::serve(const char* data, size_t len, std::string* out, const He
     }
     w.uint(lease);
   }
+  // A hit is a use (and ends a probation). With chain links, a batch's hits are used last
+  // to first: a prefix read leaves its chain's end the least recent of it, so recency order
+  // takes a chain from its end (on another master shard too, which cannot see the links).
+  auto use = [&](IndexRecord* r) {
+    if (r != nullptr && (r != newest_ || r->probation)) {
+      unlink(r);
+      link_recent(r);
+    }
+  };
+  if (links_on_)
+    for (size_t i = found.size(); i-- > 0;) use(found[i]);
+  else
+    for (IndexRecord* r : found) use(r);
   return true;
 }
 
