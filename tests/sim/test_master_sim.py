@@ -670,11 +670,14 @@ def test_random_operations_keep_invariants(seed):
 
 
 def test_spill_runs_exercise_offload_and_promotion():
+    # Twenty runs: a run's choices depend on set order (PYTHONHASHSEED) as well as its seed,
+    # and the first ten promoted 3 or 4 values in all, at the bound, by hash seed; twenty
+    # promote 18-19 (and offload 109-111) over 16 hash seeds.
     offloads = promotions = 0
-    for seed in range(10):
+    for seed in range(20):
         sim = Sim(seed, spill=True)
         for _ in range(STEPS):
             sim.step()
         offloads += sim.m.counters["offloads"] + sim.totals.get("offloads", 0)
         promotions += sim.m.counters["promotions"] + sim.totals.get("promotions", 0)
-    assert offloads > 20 and promotions > 3, (offloads, promotions)
+    assert offloads > 60 and promotions > 9, (offloads, promotions)
