@@ -90,11 +90,14 @@ class SchedulerPlan:
         self._reqs: dict[str, _Req] = {}
         self._holds: list[str] = []
 
+    def _req(self, req_id: str) -> _Req:
+        return self._reqs.setdefault(req_id, _Req())
+
     # --------------------------------------------------------------- hashes ----
     def hashes(self, req_id: str, tokens: Sequence[int], n_blocks: int) -> list[str]:
         """Chained hashes of the first ``n_blocks`` full blocks of ``tokens`` (extended
         incrementally as the request grows)."""
-        r = self._reqs.setdefault(req_id, _Req())
+        r = self._req(req_id)
         have = len(r.hashes)
         if have < n_blocks:
             bs = self.block_size
@@ -136,7 +139,7 @@ class SchedulerPlan:
         them, or ``hold_s``. Its first save run starts at block 0: the blocks it loaded
         from the store or had in the engine's cache are held too (the worker pins those
         the store has and stores again those it lost)."""
-        self._reqs.setdefault(req_id, _Req()).hold_s = hold_s
+        self._req(req_id).hold_s = hold_s
 
     def release_source(self, req_id: str, tokens: Sequence[int], stored_tokens: Any) -> None:
         """A decode request whose prefill stored ``stored_tokens`` of its prompt (the
@@ -144,7 +147,7 @@ class SchedulerPlan:
         those it loads and those the engine had (and the last, which vLLM computes)."""
         bs = self.block_size
         if type(stored_tokens) is int and bs <= stored_tokens <= len(tokens):
-            self._reqs.setdefault(req_id, _Req()).release = self.hashes(req_id, tokens, stored_tokens // bs)
+            self._req(req_id).release = self.hashes(req_id, tokens, stored_tokens // bs)
 
     def direct_source(self, req_id: str, params: dict | None) -> None:
         """Remember the prefill engine's blocks named by a decode request's params."""
@@ -243,7 +246,14 @@ class HybridPlan(SchedulerPlan):
     ``BlockRun.kind`` names the kind; ``block_ids[i]`` is a tuple of vLLM block ids, one
     per group of the kind. Saves are synchronous (vLLM frees a sliding window's old blocks
     and a state-space layer's old states while the request runs, so a save cannot wait for
-    the request to finish); a prefill engine's direct handoff is not used."""
+    the request to finish); a prefill engine's direct handoff is not used.
+
+    A prefill for a decode engine (``hold``) holds every block it saves, of every kind, and
+    its first held save also takes what the decode reads of the blocks it found stored or
+    cached (``needs(0, found)`` per kind: pinned if stored, stored again if lost). The
+    decode's loads release, per kind, every block of the producer's ``stored_tokens``
+    (``release_source``): a superset of what was held, which costs a not-found answer per
+    block never stored and leaves nothing held past the read."""
 
     def __init__(self, block_size: int, kinds, *, load: bool = True, save: bool = True,
                  save_decode: bool = True, null_block: int = 0):
@@ -292,7 +302,9 @@ class HybridPlan(SchedulerPlan):
             idx = list(k.needs(first, n))
             if idx:
                 r.loads.append(BlockRun(req_id, idx[0], [r.hashes[i] for i in idx],
-                                        [tuple(block_ids[g][i] for g in k.groups) for i in idx], kind=k.tag))
+                                        [tuple(block_ids[g][i] for g in k.groups) for i in idx], kind=k.tag,
+                                        release=r.release))
+        r.release = []  # released once
 
     def step(self, scheduled, block_ids_of, preempted: bool = False) -> StepPlan:
         from mooncake_ray.integrations._vllm_groups import STATE, state_block
@@ -314,7 +326,10 @@ class HybridPlan(SchedulerPlan):
             limit = len(tokens) if self.save_decode else prompt_len
             end = computed + n_sched
             full = min(end, limit) // bs
-            if full <= min(r.saved.values()):
+            held_first = r.hold_s is not None and not r.held_from_start
+            if held_first:  # the decode reads what was found too
+                full = max(full, r.saved_upto)
+            elif full <= min(r.saved.values()):
                 continue
             ids = block_ids_of(req_id)
             hs = self.hashes(req_id, tokens, full)
@@ -324,12 +339,15 @@ class HybridPlan(SchedulerPlan):
                     b = state_block(end, bs) if end <= limit else None
                     todo = [b] if b is not None and b >= start else []
                 else:
-                    todo = list(range(start, full))
+                    todo = list(range(0 if held_first else start, full))
+                if held_first:
+                    todo = sorted(set(todo).union(k.needs(0, r.saved_upto)))
                 todo = [i for i in todo if all(i < len(ids[g]) and ids[g][i] != self.null_block for g in k.groups)]
                 if todo:
                     plan.saves.append(BlockRun(req_id, todo[0], [hs[i] for i in todo],
                                                [tuple(ids[g][i] for g in k.groups) for i in todo],
-                                               keep=r.keep, kind=k.tag))
+                                               keep=r.keep, kind=k.tag, hold_s=r.hold_s))
                 r.saved[k.tag] = max(start, full)
             r.saved_upto = min(r.saved.values())
+            r.held_from_start = r.hold_s is not None
         return plan

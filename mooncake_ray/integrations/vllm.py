@@ -399,19 +399,19 @@ class MooncakeRayConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs[request.request_id] = request
         self._local_hits[request.request_id] = num_computed_tokens
         self._note_hint(request)
-        if self.hybrid:
-            hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens,
-                                  self._present_kinds)
-            return hit, hit > 0
         direct, params = None, request.kv_transfer_params or {}
         if self.kv_role == "kv_producer" and params.get("do_remote_decode"):
             self.plan.hold(request.request_id, self.cfg.direct_hold_s)
         elif self.kv_role != "kv_producer":
             ours = params.get("mooncake_ray") if isinstance(params.get("mooncake_ray"), dict) else {}
             self.plan.release_source(request.request_id, request.all_token_ids, ours.get("stored_tokens"))
-            if self.cfg.direct_handoff:
+            if self.cfg.direct_handoff and not self.hybrid:
                 direct = ours.get("direct")
                 self.plan.direct_source(request.request_id, direct)
+        if self.hybrid:
+            hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens,
+                                  self._present_kinds)
+            return hit, hit > 0
         hit = self.plan.match(request.request_id, request.all_token_ids, num_computed_tokens, self._present)
         asynchronous = self.cfg.load_mode == "async" or direct is not None
         if hit and not asynchronous:

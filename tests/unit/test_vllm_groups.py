@@ -189,6 +189,48 @@ def test_a_request_with_a_local_hit_saves_only_past_it():
     assert saves["full"].first == 4 and saves["ssm"].first == 5
 
 
+def test_a_held_hybrid_prefill_holds_what_its_decode_reads_and_the_decodes_loads_release_it():
+    """A prefill for a remote decode: every save carries the hold, and the first also takes,
+    per kind, what the decode reads of the blocks found in the store (all of them for full
+    attention, the window's, the state at the hit's end). The decode's loads, one per kind,
+    each release every block of the producer's stored tokens, once."""
+    k = [F, W, S]
+    t = tokens(30)  # 7 full blocks of 4
+    table = ids(k, 8)
+    p = plan(k, save_decode=False)
+    assert p.match("r", t, 0, lambda pairs: [i < 3 for i in range(len(pairs))]) == 0  # the state misses
+    p = plan(k, save_decode=False)
+    found = {(kind.tag, h) for kind in k for h in p.hashes("r", t, 3)}
+    assert p.match("r", t, 0, lambda pairs: [x in found for x in pairs]) == 12  # blocks 0-2
+    p.hold("r", 30.0)
+    first = {run.kind: run for run in p.step([("r", t, 30, 12, 8)], lambda r: table).saves}  # to 20
+    assert {kind: [b[0] % 100 for b in run.block_ids] for kind, run in first.items()} == {
+        "full": [0, 1, 2, 3, 4], "swa": [0, 1, 2, 3, 4], "ssm": [2, 4]}
+    assert {run.hold_s for run in first.values()} == {30.0}
+    last = p.step([("r", t, 30, 20, 10)], lambda r: table).saves  # to 30: blocks 5, 6; no state
+    assert [(run.kind, [b[0] % 100 for b in run.block_ids], run.hold_s) for run in last] == [
+        ("full", [5, 6], 30.0), ("swa", [5, 6], 30.0)]
+    other = plan(k, save_decode=False)  # no remote decode: nothing held
+    other.match("o", t, 0, lambda pairs: [False] * len(pairs))
+    assert {run.hold_s for run in other.step([("o", t, 30, 0, 30)], lambda r: table).saves} == {None}
+
+    c = plan(k, save=False)
+    prompt = t + [99]
+    c.release_source("d", prompt, 28)  # the producer's stored_tokens
+    assert c.match("d", prompt, 0, lambda pairs: [True] * len(pairs)) == 28
+    c.allocated("d", ids(k, 8), 28)
+    loads = {run.kind: run for run in c.step([], lambda r: ()).loads}
+    assert {kind: len(run.hashes) for kind, run in loads.items()} == {"full": 7, "swa": 2, "ssm": 1}
+    assert all(run.release == c.hashes("d", prompt, 7) for run in loads.values())
+    c.match("d", prompt, 0, lambda pairs: [True] * len(pairs))
+    c.allocated("d", ids(k, 8), 28)
+    assert all(run.release == [] for run in c.step([], lambda r: ()).loads)  # released once
+    c.release_source("x", prompt, None)  # no producer's figure
+    c.match("x", prompt, 0, lambda pairs: [True] * len(pairs))
+    c.allocated("x", ids(k, 8), 28)
+    assert all(run.release == [] for run in c.step([], lambda r: ()).loads)
+
+
 # ---------------------------------------------------------------- worker ----
 def hybrid_transfer(client):
     """An attention layer (CPU layout) and a state layer in pages padded to 640 bytes, one

@@ -150,22 +150,27 @@ def test_a_value_gone_before_the_load_recomputes_the_whole_request(engines):
 
 
 def test_prefill_engine_to_decode_engine_through_the_store(engines):
-    """A kv_producer computes the prompt (its saves finish within the step); a kv_consumer
-    in another process loads it and answers as the reference engine does from its own
-    prefix cache."""
-    name, es, _ = engines
+    """A kv_producer computes the prompt for a remote decode (its saves finish within the
+    step, each held in the store for the decode's read); a kv_consumer in another process
+    loads it, answers as the reference engine does from its own prefix cache, and releases
+    what the producer held."""
+    name, es, client = engines
     n1, _, _ = MODELS[name][3]
     p = text(31, n1)
     base = es["base"]
     base.generate([p], logprobs=True)
     want = base.generate([p], logprobs=True)[0]
     assert want["cached"] > 0
-    first = es["prefill"].generate([p], max_tokens=1)[0]
+    pinned = client.stats()["soft_pinned"]
+    first = es["prefill"].generate([p], max_tokens=1, params=[{"do_remote_decode": True}])[0]
     assert first["params"]["mooncake_ray"]["direct"] is None  # hybrid: no direct handoff
+    held = client.stats()["soft_pinned"] - pinned
+    assert held > n1 // MODELS[name][2], held  # every full-attention block, and the other kind's
     got = es["decode"].generate([p], logprobs=True, params=[first["params"]])[0]
     assert got["cached"] == want["cached"]
     same_output(got, want)
     assert es["decode"].call(op="connector_stats")["saved_blocks"] == 0  # a consumer only loads
+    assert client.stats()["soft_pinned"] == pinned  # released by the read, not at the hold's end
 
 
 def test_what_the_store_cannot_hold_completely_is_refused_at_start(store):
