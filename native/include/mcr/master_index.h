@@ -25,6 +25,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,7 +75,7 @@ struct ColdRecord {
 // A record of the table (see the top of this file).
 struct IndexRecord {
   IndexRecord()
-      : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false), linked(false),
+      : hot(false), disk(false), has_rep(false), has_more(false), probation(false), grace(false),
         pass_held(false), unread(false) {}
 
   uint64_t size = 0;
@@ -84,8 +85,9 @@ struct IndexRecord {
   uint64_t leases[2] = {0, 0};  // cold only: lease ids held (0: a free slot)
   IndexRecord* older = nullptr;  // the recency list
   IndexRecord* newer = nullptr;
-  size_t hash = 0;               // RecordMap's fields: the key's hash, the bucket chain,
-  IndexRecord* chain = nullptr;  // the key's length and its bytes (key_data)
+  uint32_t hash = 0;             // RecordMap's fields: the key's hash (32 bits), the bucket
+  uint32_t link = 0;             // (its KV chain links: MasterIndex::links_[link]; 0 none)
+  IndexRecord* chain = nullptr;  // chain, the key's length and its bytes (key_data)
   uint32_t key_len = 0;
   bool hot : 1;
   bool disk : 1;       // cold: the replica is on disk
@@ -93,7 +95,6 @@ struct IndexRecord {
   bool has_more : 1;   // hot: the GET answer has other replicas (MasterIndex::more_)
   bool probation : 1;  // put on probation (insert_old), not used since: see probation()
   bool grace : 1;      // on probation, among the newest (grace_bytes): they go last of them
-  bool linked : 1;     // has a ChainLink (MasterIndex::links_)
   bool pass_held : 1;  // met by the current eviction pass while held (MasterIndex::pass_held_)
   bool unread : 1;     // a chained value placed at the recent end by its put, not read since
   // The key's first bytes; the rest follow in the same allocation (RecordMap::make), so a
@@ -106,7 +107,7 @@ struct IndexRecord {
 static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 118");
 
 // A record's KV chain links (MasterIndex::link): kept beside the records, for the chained
-// ones only. ``parent`` is the stored record it names; ``kid`` / ``sib`` list the stored
+// ones only, in a pool the record indexes (IndexRecord::link). ``parent`` is the stored record it names; ``kid`` / ``sib`` list the stored
 // records naming it (first child, next sibling); ``holds``: bits Python sets (kHoldWait: a
 // put naming it is in flight; kHoldRemote: another master shard holds a child of it).
 struct ChainLink {
@@ -115,12 +116,15 @@ struct ChainLink {
   IndexRecord* sib = nullptr;
   uint32_t kids = 0;
   uint32_t holds = 0;
+  // While the record is pass_held: its place in MasterIndex::pass_held_ (the order the
+  // pass met it). The links stay while it is set (trim_link).
+  uint32_t pass_seq = 0;
 };
 
 // A reference to a key, sampled for the eviction policy's miniature caches
 // (mooncake_ray/_private/master/adaptive.py): a read (GET) or a put.
 struct RefSample {
-  uint64_t hash = 0;  // of the key (std::hash: the top bits decide the sample)
+  uint64_t hash = 0;  // of the key: its 32-bit table hash in the top bits (they decide the sample)
   uint64_t size = 0;  // a put's value size
   int kind = 0;
   bool chained = false;  // a put naming a parent
@@ -412,13 +416,16 @@ class MasterIndex {
   void put_on_probation(IndexRecord* r);
   void link_after(IndexRecord* r, IndexRecord* after);  // nullptr: at the oldest end
   void resize(IndexRecord& r, uint64_t size);
-  ChainLink& chain(IndexRecord* r);  // its links (made on first use)
+  ChainLink& chain(IndexRecord* r);  // its links (made on first use; the pool's other links stay put)
+  ChainLink* link_of(const IndexRecord* r);  // its links, or nullptr
   void set_parent(IndexRecord* r, IndexRecord* p);  // nullptr: none
-  void unchain(IndexRecord* r);  // r goes: out of its parent's children, its children parentless
-  void trim_link(IndexRecord* r);  // forgets r's links if they hold nothing
+  void detach(IndexRecord* r, ChainLink* l);  // r out of its parent's children (it has a parent)
+  void unchain(IndexRecord* r, ChainLink* l);  // r goes: out of its parent's children, its children parentless
+  void trim_link(IndexRecord* r, ChainLink* l);  // forgets r's links if they hold nothing
+  void free_link(IndexRecord* r);
+  bool held_by(const ChainLink* l) const;  // what chain_held tells of a record with links l (nullptr: none)
   bool chain_held(const IndexRecord* r) const;
   bool remote_only(const IndexRecord* r) const;  // held by children on other shards alone
-  IndexRecord* parent_of(const IndexRecord* r) const;  // its linked parent (nullptr: none)
   void end_pass();
   // ``r``: the key's record if there is one (its hash is taken once, with the table's).
   void note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained);  // mutex held
@@ -431,13 +438,16 @@ class MasterIndex {
   // A hot record's GET answer beyond its first replica (few records have one: a value put
   // with replicas > 1), kept here rather than a pointer in every record.
   std::unordered_map<const IndexRecord*, std::vector<IndexReplica>> more_;
-  // KV chain links, for the chained records only (see ChainLink).
-  std::unordered_map<const IndexRecord*, ChainLink> links_;
+  // KV chain links, for the chained records only (see ChainLink): IndexRecord::link
+  // indexes it (0 is no link); a deque, so a link made never moves the others.
+  std::deque<ChainLink> links_;
+  std::vector<uint32_t> free_links_;  // indexes of links_ to use again
   bool links_on_ = false;
   bool remote_holds_ = true;
-  // The current eviction pass's held records: record -> when met.
-  std::unordered_map<IndexRecord*, uint64_t> pass_held_;
-  uint64_t pass_seq_ = 0;
+  // The current eviction pass's held records in the order met (ChainLink::pass_seq is each
+  // one's index; a record erased meanwhile leaves nullptr), and how many are left.
+  std::vector<IndexRecord*> pass_held_;
+  size_t pass_live_ = 0;
   bool pass_cut_ = false;  // the pass took its held probation records (evict_cold)
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;

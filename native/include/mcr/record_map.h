@@ -117,8 +117,11 @@ class RecordMap {
     size_t n_ = 0;
   };
 
-  // equal to std::hash<std::string> of the same bytes (the standard says so)
-  static size_t hash(std::string_view key) { return std::hash<std::string_view>{}(key); }
+  // std::hash<std::string> of the same bytes (the standard says so), its low 32 bits
+ public:
+  static uint32_t hash(std::string_view key) { return uint32_t(std::hash<std::string_view>{}(key)); }
+
+ private:
 
   // A record with room for its key after it (key_data is the struct's last member).
   static Record* make(const std::string& key) {

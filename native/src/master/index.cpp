@@ -262,90 +262,111 @@ void MasterIndex::erase(IndexRecord* r) {
   unlink(r);
   if (!r->hot) cold_--;
   if (r->has_more) more_.erase(r);
-  if (r->linked) unchain(r);
-  if (r->pass_held) pass_held_.erase(r);
+  if (ChainLink* l = link_of(r)) {
+    if (r->pass_held) {
+      pass_held_[l->pass_seq] = nullptr;
+      pass_live_--;
+      r->pass_held = false;
+    }
+    unchain(r, l);
+  }
   map_.erase(r);
 }
 
 // ---- KV chain links -------------------------------------------------------------------
 ChainLink& MasterIndex::chain(IndexRecord* r) {
-  r->linked = true;
-  return links_[r];
+  if (r->link == 0) {
+    if (links_.empty()) links_.emplace_back();  // index 0: no link
+    if (free_links_.empty()) {
+      if (links_.size() > UINT32_MAX) throw std::length_error("MasterIndex: over 2^32 chain links");
+      r->link = uint32_t(links_.size());
+      links_.emplace_back();
+    } else {
+      r->link = free_links_.back();
+      free_links_.pop_back();
+      links_[r->link] = ChainLink{};
+    }
+  }
+  return links_[r->link];
 }
 
-IndexRecord* MasterIndex::parent_of(const IndexRecord* r) const {
-  return r->linked ? links_.at(r).parent : nullptr;
+ChainLink* MasterIndex::link_of(const IndexRecord* r) {
+  return r->link ? &links_[r->link] : nullptr;
+}
+
+void MasterIndex::free_link(IndexRecord* r) {
+  free_links_.push_back(r->link);
+  r->link = 0;
+}
+
+bool MasterIndex::held_by(const ChainLink* l) const {
+  return l != nullptr && (l->kids > 0 || (l->holds & kHoldWait) || (remote_holds_ && (l->holds & kHoldRemote)));
 }
 
 bool MasterIndex::chain_held(const IndexRecord* r) const {
-  if (!r->linked) return false;
-  const ChainLink& l = links_.at(r);
-  return l.kids > 0 || (l.holds & kHoldWait) || (remote_holds_ && (l.holds & kHoldRemote));
+  return r->link && held_by(&links_[r->link]);
 }
 
 bool MasterIndex::remote_only(const IndexRecord* r) const {
-  if (!r->linked) return false;
-  const ChainLink& l = links_.at(r);
+  if (!r->link) return false;
+  const ChainLink& l = links_[r->link];
   return l.kids == 0 && !(l.holds & kHoldWait) && (l.holds & kHoldRemote);
 }
 
-void MasterIndex::trim_link(IndexRecord* r) {
-  if (!r->linked) return;
-  auto it = links_.find(r);
-  const ChainLink& l = it->second;
-  if (l.parent == nullptr && l.kid == nullptr && l.holds == 0) {
-    links_.erase(it);
-    r->linked = false;
-  }
+// (A record the current eviction pass holds keeps its links, its place in the pass among
+// them: end_pass trims them.)
+void MasterIndex::trim_link(IndexRecord* r, ChainLink* l) {
+  if (l->parent == nullptr && l->kid == nullptr && l->holds == 0 && !r->pass_held) free_link(r);
+}
+
+void MasterIndex::detach(IndexRecord* r, ChainLink* l) {
+  IndexRecord* old = l->parent;
+  ChainLink* ol = &links_[old->link];
+  IndexRecord** at = &ol->kid;
+  while (*at != r) at = &links_[(*at)->link].sib;
+  *at = l->sib;
+  l->sib = nullptr;
+  l->parent = nullptr;
+  ol->kids--;
+  trim_link(old, ol);
 }
 
 void MasterIndex::set_parent(IndexRecord* r, IndexRecord* p) {
-  ChainLink* l = r->linked ? &links_.at(r) : nullptr;
-  IndexRecord* old = l ? l->parent : nullptr;
-  if (old == p) return;
-  if (old != nullptr) {  // out of the old parent's children
-    ChainLink& ol = links_.at(old);
-    IndexRecord** at = &ol.kid;
-    while (*at != r) at = &links_.at(*at).sib;
-    *at = l->sib;
-    l->sib = nullptr;
-    l->parent = nullptr;
-    ol.kids--;
-    trim_link(old);
-  }
+  ChainLink* l = link_of(r);
+  if ((l ? l->parent : nullptr) == p) return;
+  if (l != nullptr && l->parent != nullptr) detach(r, l);  // out of the old parent's children
   if (p != nullptr) {
     ChainLink& pl = chain(p);
-    l = &chain(r);  // (the map's nodes stay put: pl is still good)
+    l = &chain(r);  // (a deque: pl is still good)
     l->parent = p;
     l->sib = pl.kid;
     pl.kid = r;
     pl.kids++;
-  } else {
-    trim_link(r);
+  } else if (l != nullptr) {
+    trim_link(r, l);
   }
 }
 
-void MasterIndex::unchain(IndexRecord* r) {
-  set_parent(r, nullptr);
-  if (!r->linked) return;
-  auto it = links_.find(r);
-  for (IndexRecord* k = it->second.kid; k != nullptr;) {
-    ChainLink& kl = links_.at(k);
-    IndexRecord* next = kl.sib;
-    kl.parent = kl.sib = nullptr;
-    trim_link(k);
+void MasterIndex::unchain(IndexRecord* r, ChainLink* l) {
+  if (l->parent != nullptr) detach(r, l);
+  for (IndexRecord* k = l->kid; k != nullptr;) {
+    ChainLink* kl = &links_[k->link];
+    IndexRecord* next = kl->sib;
+    kl->parent = kl->sib = nullptr;
+    trim_link(k, kl);
     k = next;
   }
-  links_.erase(it);
-  r->linked = false;
+  free_link(r);
 }
 
 void MasterIndex::set_chain_links(bool on) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   links_on_ = on;
   if (!on) {
-    for (auto& kv : links_) const_cast<IndexRecord*>(kv.first)->linked = false;
+    end_pass();
+    for (IndexRecord* r = oldest_; r != nullptr; r = r->newer) r->link = 0;
     links_.clear();
+    free_links_.clear();
   }
 }
 
@@ -365,9 +386,9 @@ void MasterIndex::set_holds(const std::string& key, uint32_t holds) {
   if (r == nullptr) return;
   if (holds != 0) {
     chain(r).holds = holds;
-  } else if (r->linked) {
-    links_.at(r).holds = 0;
-    trim_link(r);
+  } else if (ChainLink* l = link_of(r)) {
+    l->holds = 0;
+    trim_link(r, l);
   }
 }
 
@@ -379,20 +400,24 @@ void MasterIndex::set_remote_holds(bool on) {
 std::tuple<std::string, uint32_t, uint32_t> MasterIndex::chain_of(const std::string& key) {
   std::lock_guard<std::recursive_mutex> g(mu_);
   IndexRecord* r = find(key);
-  if (r == nullptr || !r->linked) return {"", 0, 0};
-  const ChainLink& l = links_.at(r);
+  if (r == nullptr || !r->link) return {"", 0, 0};
+  const ChainLink& l = links_[r->link];
   return {l.parent ? std::string(l.parent->key()) : std::string(), l.kids, l.holds};
 }
 
 size_t MasterIndex::link_count() {
   std::lock_guard<std::recursive_mutex> g(mu_);
-  return links_.size();
+  return links_.empty() ? 0 : links_.size() - 1 - free_links_.size();
 }
 
 void MasterIndex::end_pass() {
-  for (auto& kv : pass_held_) kv.first->pass_held = false;
+  for (IndexRecord* r : pass_held_)
+    if (r != nullptr) {
+      r->pass_held = false;
+      trim_link(r, &links_[r->link]);
+    }
   pass_held_.clear();
-  pass_seq_ = 0;
+  pass_live_ = 0;
   pass_cut_ = false;
 }
 
@@ -588,7 +613,8 @@ void MasterIndex::set_insert_old(bool on) {
 
 void MasterIndex::note(int kind, const std::string& key, const IndexRecord* r, uint64_t size, bool chained) {
   if (sample_shift_ >= 64) return;  // sampling off
-  const uint64_t h = r != nullptr ? r->hash : std::hash<std::string>{}(key);  // as RecordMap hashes
+  // the key's 32-bit hash as RecordMap takes it, in the top bits (they decide the sample)
+  const uint64_t h = uint64_t(r != nullptr ? r->hash : RecordMap<IndexRecord>::hash(key)) << 32;
   if (sample_shift_ > 0 && (h >> (64 - sample_shift_)) != 0) return;
   if (samples_.size() >= kMaxSamples) {
     samples_dropped_++;
@@ -685,11 +711,13 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
   };
   // Drop d; its parent, if met while held and now left with nothing holding it, is the
   // least recent leaf: it goes next (a held record was met before d, so is not next).
-  auto drop_up = [&](IndexRecord* d) {
-    IndexRecord* p = chains ? parent_of(d) : nullptr;
+  auto drop_up = [&](IndexRecord* d, const ChainLink* l) {
+    IndexRecord* p = l != nullptr ? l->parent : nullptr;
     drop(d);
-    while (p != nullptr && out.freed < need && p->pass_held && !chain_held(p)) {
-      IndexRecord* pp = parent_of(p);
+    while (p != nullptr && out.freed < need && p->pass_held) {
+      const ChainLink* pl = &links_[p->link];  // (a record the pass holds keeps its links)
+      if (held_by(pl)) break;
+      IndexRecord* pp = pl->parent;
       drop(p);
       p = pp;
     }
@@ -698,14 +726,13 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
   // go first (see the header).
   auto cut = [&]() {
     pass_cut_ = true;
-    std::vector<std::pair<uint64_t, IndexRecord*>> left;
-    for (auto& kv : pass_held_)
-      if (kv.first->probation && remote_only(kv.first)) left.emplace_back(kv.second, kv.first);
-    std::sort(left.begin(), left.end());
-    for (auto& [seq, h] : left) {
+    std::vector<size_t> left;  // in the order met
+    for (size_t i = 0; i < pass_held_.size(); ++i)
+      if (pass_held_[i] != nullptr && pass_held_[i]->probation && remote_only(pass_held_[i])) left.push_back(i);
+    for (size_t i : left) {
       if (out.freed >= need) break;
-      // (h may have gone above as a parent: only a pointer compare until it is found)
-      if (pass_held_.count(h) && remote_only(h)) drop_up(h);
+      IndexRecord* h = pass_held_[i];  // (nullptr: it went above, as a parent)
+      if (h != nullptr && remote_only(h)) drop_up(h, link_of(h));
     }
   };
   bool cutting = chains && remote_holds_ && !pass_cut_;
@@ -721,22 +748,25 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
       if (out.freed >= need) break;
     }
     if (!r->disk && r->lease_until <= now && r->rep.node && r->rep.node->node_id == node_id) {
-      if (chains && chain_held(r)) {  // waits for its children
-        r->pass_held = true;
-        pass_held_.emplace(r, pass_seq_++);
+      ChainLink* l = chains ? link_of(r) : nullptr;
+      if (held_by(l)) {  // waits for its children
+        if (!r->pass_held) {
+          r->pass_held = true;
+          l->pass_seq = uint32_t(pass_held_.size());
+          pass_held_.push_back(r);
+          pass_live_++;
+        }
       } else {
-        drop_up(r);
+        drop_up(r, l);
       }
     }
     r = next;
   }
   if (cutting && r == nullptr && out.stop.empty() && out.freed < need) cut();
-  if (chains && r == nullptr && out.stop.empty() && out.freed < need && !pass_held_.empty()) {
-    std::vector<std::pair<uint64_t, IndexRecord*>> left;
-    for (auto& kv : pass_held_) left.emplace_back(kv.second, kv.first);
-    std::sort(left.begin(), left.end());
-    for (auto& [seq, h] : left)
-      out.held.push_back(ScanItem{std::string(h->key()), false, h->gen, h->size, h->rep.offset, h->rep.length});
+  if (chains && r == nullptr && out.stop.empty() && out.freed < need && pass_live_ > 0) {
+    for (IndexRecord* h : pass_held_)
+      if (h != nullptr)
+        out.held.push_back(ScanItem{std::string(h->key()), false, h->gen, h->size, h->rep.offset, h->rep.length});
   }
   std::sort(extents.begin(), extents.end());
   for (auto& [off, len] : extents) {
@@ -829,8 +859,9 @@ void MasterIndex::clear() {
   std::lock_guard<std::recursive_mutex> g(mu_);
   more_.clear();
   links_.clear();
+  free_links_.clear();
   pass_held_.clear();
-  pass_seq_ = 0;
+  pass_live_ = 0;
   map_.clear();
   oldest_ = newest_ = stack_last_ = grace_first_ = grace_last_ = nullptr;
   grace_bytes_ = 0;
