@@ -222,16 +222,28 @@ def local_ray(object_store_bytes: int = 128 << 20) -> None:
 
 
 def git_state() -> dict:
-    """The commit measured, and files of the store's code that differed from it."""
+    """The commit measured, files of the store's code that differed from it, and where the
+    store's package and native module were imported from (an editable install imports its
+    own checkout's package whatever the working directory or PYTHONPATH: a copy of the tree
+    measures the copy only where that says so)."""
     root = Path(__file__).resolve().parents[1]
+    out: dict = {}
+    try:
+        import importlib.util
+
+        for name in ("mooncake_ray", "mooncake_ray._native"):
+            spec = importlib.util.find_spec(name)
+            out[f"{name.split('.')[-1]}_from"] = spec.origin if spec else None
+    except Exception as e:  # noqa: BLE001
+        out["import_error"] = str(e)
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "mooncake_ray", "native"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.splitlines()
-        return {"head": head, "uncommitted_store_files": [d[3:] for d in dirty]}
+        return {"head": head, "uncommitted_store_files": [d[3:] for d in dirty], **out}
     except Exception as e:  # noqa: BLE001
-        return {"error": str(e)}
+        return {"error": str(e), **out}
 
 
 def store_cluster(n_store_nodes: int = 2):
