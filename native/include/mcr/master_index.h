@@ -107,9 +107,10 @@ struct IndexRecord {
 static_assert(sizeof(void*) != 8 || sizeof(IndexRecord) == 120, "IndexRecord's layout: its key starts at byte 118");
 
 // A record's KV chain links (MasterIndex::link): kept beside the records, for the chained
-// ones only, in a pool the record indexes (IndexRecord::link). ``parent`` is the stored record it names; ``kid`` / ``sib`` list the stored
-// records naming it (first child, next sibling); ``holds``: bits Python sets (kHoldWait: a
-// put naming it is in flight; kHoldRemote: another master shard holds a child of it).
+// ones only, in a pool the record indexes (IndexRecord::link). ``parent`` is the stored
+// record it names; ``kid`` / ``sib`` list the stored records naming it (first child, next
+// sibling); ``holds``: bits Python sets (kHoldWait: a put naming it is in flight;
+// kHoldRemote: another master shard holds a child of it).
 struct ChainLink {
   IndexRecord* parent = nullptr;
   IndexRecord* kid = nullptr;
@@ -423,8 +424,7 @@ class MasterIndex {
   void unchain(IndexRecord* r, ChainLink* l);  // r goes: out of its parent's children, its children parentless
   void trim_link(IndexRecord* r, ChainLink* l);  // forgets r's links if they hold nothing
   void free_link(IndexRecord* r);
-  bool held_by(const ChainLink* l) const;  // what chain_held tells of a record with links l (nullptr: none)
-  bool chain_held(const IndexRecord* r) const;
+  bool held_by(const ChainLink* l) const;  // whether links l hold their record (nullptr: none)
   bool remote_only(const IndexRecord* r) const;  // held by children on other shards alone
   void end_pass();
   // ``r``: the key's record if there is one (its hash is taken once, with the table's).
@@ -445,9 +445,8 @@ class MasterIndex {
   bool links_on_ = false;
   bool remote_holds_ = true;
   // The current eviction pass's held records in the order met (ChainLink::pass_seq is each
-  // one's index; a record erased meanwhile leaves nullptr), and how many are left.
+  // one's index; a record erased meanwhile leaves nullptr).
   std::vector<IndexRecord*> pass_held_;
-  size_t pass_live_ = 0;
   bool pass_cut_ = false;  // the pass took its held probation records (evict_cold)
   IndexRecord* oldest_ = nullptr;
   IndexRecord* newest_ = nullptr;

@@ -265,7 +265,6 @@ void MasterIndex::erase(IndexRecord* r) {
   if (ChainLink* l = link_of(r)) {
     if (r->pass_held) {
       pass_held_[l->pass_seq] = nullptr;
-      pass_live_--;
       r->pass_held = false;
     }
     unchain(r, l);
@@ -301,10 +300,6 @@ void MasterIndex::free_link(IndexRecord* r) {
 
 bool MasterIndex::held_by(const ChainLink* l) const {
   return l != nullptr && (l->kids > 0 || (l->holds & kHoldWait) || (remote_holds_ && (l->holds & kHoldRemote)));
-}
-
-bool MasterIndex::chain_held(const IndexRecord* r) const {
-  return r->link && held_by(&links_[r->link]);
 }
 
 bool MasterIndex::remote_only(const IndexRecord* r) const {
@@ -417,7 +412,6 @@ void MasterIndex::end_pass() {
       trim_link(r, &links_[r->link]);
     }
   pass_held_.clear();
-  pass_live_ = 0;
   pass_cut_ = false;
 }
 
@@ -754,7 +748,6 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
           r->pass_held = true;
           l->pass_seq = uint32_t(pass_held_.size());
           pass_held_.push_back(r);
-          pass_live_++;
         }
       } else {
         drop_up(r, l);
@@ -763,7 +756,7 @@ MasterIndex::Evicted MasterIndex::evict_cold(const std::string& after, const std
     r = next;
   }
   if (cutting && r == nullptr && out.stop.empty() && out.freed < need) cut();
-  if (chains && r == nullptr && out.stop.empty() && out.freed < need && pass_live_ > 0) {
+  if (chains && r == nullptr && out.stop.empty() && out.freed < need) {
     for (IndexRecord* h : pass_held_)
       if (h != nullptr)
         out.held.push_back(ScanItem{std::string(h->key()), false, h->gen, h->size, h->rep.offset, h->rep.length});
@@ -861,7 +854,6 @@ void MasterIndex::clear() {
   links_.clear();
   free_links_.clear();
   pass_held_.clear();
-  pass_live_ = 0;
   map_.clear();
   oldest_ = newest_ = stack_last_ = grace_first_ = grace_last_ = nullptr;
   grace_bytes_ = 0;
