@@ -24,8 +24,8 @@ keys: two miniature caches (Waldspurger et al., "Cache Modeling and Optimization
 Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times this
 master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
-(``_decide``: a smoothed difference of hit ratios, with a dead band so that a tie does not
-flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
+(``_decide``: a difference of hit ratios smoothed over about 3,200 counted references,
+with a dead band so that a tie does not flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
 half the capacity, feels pressure first, and chooses until the full-size pair has evicted
 anything: the choice is made when the real order starts to matter, not some time after
 (too late for a working set LRU has already cycled out, or for the first handoffs). The
@@ -234,7 +234,13 @@ class InsertionPolicy:
     read index and the table apply now; ``update`` reads the index's samples and decides."""
 
     MAX_TRACKED = 16384  # sampled keys remembered as seen
-    SMOOTH = 0.1  # weight of the newest window in the score
+    # Weight of the newest window in the score: about the last 50 windows (3,200 counted
+    # references) decide. A window is often one conversation's pages, which one cache
+    # holds whole and the other not; with a tenth, 96 conversations taking turns at half
+    # their working set swung the score from -0.18 to +0.62 around a mean of +0.22 and the
+    # policy turned 21 times in a run, each turn to ``recent`` an LRU pass over the
+    # conversations about to speak (docs/internals.md, "adaptive").
+    SMOOTH = 0.02
     BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
 
     def __init__(self, mode: str, index) -> None:
