@@ -45,6 +45,7 @@ static void bind_policy_sim(nb::module_& m) {
       }, "samples"_a, "shift"_a, "capacity"_a)
       .def_prop_ro("pressed", &mcr::PolicySim::pressed)
       .def("tracked", &mcr::PolicySim::tracked)
+      .def("cache_keys", &mcr::PolicySim::cache_keys)
       .def("halve", &mcr::PolicySim::halve, "bound"_a, "shift"_a)
       .def_prop_ro("window", [](const mcr::PolicySim& sim) {
         const uint32_t* w = sim.window();

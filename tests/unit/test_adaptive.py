@@ -173,25 +173,36 @@ def test_windows_that_favour_one_policy_in_bursts_do_not_turn_it_back():
     """A window of 64 references is often one conversation's pages, which one cache holds
     whole and the other not, so the windows' differences jump between -1 and +1 around
     their mean. Here "old" wins by 0.23 on average (the mean a probe measured with 96
-    conversations taking turns at half their working set) in windows drawn from five
-    kinds: the policy turns to "old" once and stays. With the newest window weighing a
-    tenth (the weight before), the same windows turn it 7 times."""
+    conversations taking turns at half their working set, 5,472 keys in the cache) in
+    windows drawn from five kinds: at the weight such a cache gives a window (0.02) the
+    policy turns to "old" once and stays; at a tenth, the same windows turn it 7 times."""
     kinds = [((0, 64), 20), ((20, 60), 25), ((64, 64), 30), ((64, 45), 17), ((64, 0), 8)]
     draw = [k for k, n in kinds for _ in range(n)]
     assert sum((o - r) / 64 for r, o in draw) / len(draw) == pytest.approx(0.23, abs=0.01)
 
-    def switches(smooth: float | None) -> tuple[int, bool]:
+    def switches(weight: float) -> tuple[int, bool]:
         p = InsertionPolicy("adaptive", PyIndex())
-        if smooth is not None:
-            p.SMOOTH = smooth
         rng = random.Random(0)
         for _ in range(1000):
             r, o = rng.choice(draw)
-            p._decide((64, r, o, r, o, True))
+            p._decide((64, r, o, r, o, True), weight)
         return p.counters["switches"], p.old
 
-    assert switches(None) == (1, True)
+    assert switches(0.02) == (1, True)
     assert switches(0.1) == (7, True)
+
+
+@pytest.mark.parametrize("keys, weight", [(0, 0.1), (300, 0.1), (1280, 0.05), (5472, 0.02), (100_000, 0.02)])
+def test_a_window_weighs_its_share_of_the_cache_between_a_fiftieth_and_a_tenth(keys, weight):
+    """The score averages over about one cache's worth of references: a window of 64
+    weighs 64 / (the keys the full-size "recent" cache holds), at least 0.02, at most
+    0.1 (the reference caches and the native ones count their keys alike)."""
+    for ix in (PyIndex(), _native.MasterIndex()):
+        p = InsertionPolicy("adaptive", ix)
+        cap = (keys + 1) * 1000
+        p.sim.feed([(h << 32, REF_PUT, 1000, True) for h in range(keys)], 0, cap)  # first puts: held, not counted
+        assert p.sim.cache_keys() == keys
+        assert p.weight() == pytest.approx(weight)
 
 
 def test_a_fixed_policy_samples_nothing():

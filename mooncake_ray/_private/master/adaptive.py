@@ -24,8 +24,8 @@ keys: two miniature caches (Waldspurger et al., "Cache Modeling and Optimization
 Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times this
 master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
-(``_decide``: a difference of hit ratios smoothed over about 3,200 counted references,
-with a dead band so that a tie does not flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
+(``_decide``: a difference of hit ratios smoothed over about one cache's worth of counted
+references, with a dead band so that a tie does not flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
 half the capacity, feels pressure first, and chooses until the full-size pair has evicted
 anything: the choice is made when the real order starts to matter, not some time after
 (too late for a working set LRU has already cycled out, or for the first handoffs). The
@@ -170,6 +170,11 @@ class PolicySim:
     def tracked(self) -> int:
         return len(self._seen)
 
+    def cache_keys(self) -> int:
+        """The keys the full-size "recent" cache holds."""
+        c = self.caches[0]
+        return len(c.main) + len(c.grace) + len(c.stack)
+
     def feed(self, samples, shift: int, capacity: int) -> list[tuple]:
         """Run the caches over ``samples`` ((hash, kind, size, chained), in order) at
         1 / 2^shift of ``capacity`` bytes; the windows that closed, each (references,
@@ -234,13 +239,17 @@ class InsertionPolicy:
     read index and the table apply now; ``update`` reads the index's samples and decides."""
 
     MAX_TRACKED = 16384  # sampled keys remembered as seen
-    # Weight of the newest window in the score: about the last 50 windows (3,200 counted
-    # references) decide. A window is often one conversation's pages, which one cache
+    # Weight of the newest window in the score: a window's share of the keys the cache
+    # holds, between SMOOTH_MIN and SMOOTH, so the score averages over about one cache's
+    # worth of references. A window is often one conversation's pages, which one cache
     # holds whole and the other not; with a tenth, 96 conversations taking turns at half
-    # their working set swung the score from -0.18 to +0.62 around a mean of +0.22 and the
-    # policy turned 21 times in a run, each turn to ``recent`` an LRU pass over the
-    # conversations about to speak (docs/internals.md, "adaptive").
-    SMOOTH = 0.02
+    # their working set (5,472 keys in the cache) swung the score from -0.18 to +0.62
+    # around a mean of +0.22 and the policy turned 21 times in a run, each turn to
+    # ``recent`` an LRU pass over the conversations about to speak. A fixed 0.02 held it,
+    # but made four shards (a quarter of the keys each) slow to turn back when recency
+    # returned (docs/internals.md, "adaptive").
+    SMOOTH = 0.1
+    SMOOTH_MIN = 0.02
     BAND = 0.05  # the score must pass +BAND to turn to "old", -BAND to turn back
 
     def __init__(self, mode: str, index) -> None:
@@ -292,23 +301,31 @@ class InsertionPolicy:
         dropped, windows = self.index.feed_policy(self.sim, self.shift, capacity)
         self.counters["dropped"] += dropped
         was = self.old
+        weight = self.weight()
         for window in windows:
-            self._decide(window)
+            self._decide(window, weight)
         if self.sim.tracked() > self.MAX_TRACKED:
             self.shift = self.sim.halve(self.MAX_TRACKED // 2, self.shift)
             self.index.set_sample_shift(self.shift)
         return self.old != was
 
-    def _decide(self, window: tuple) -> None:
-        """One window of counted references (``PolicySim.feed``) into the scores; the
-        policy turns when the score in force passes the dead band."""
+    def weight(self) -> float:
+        """The newest window's weight in the scores: its share of the keys the full-size
+        "recent" cache holds, between ``SMOOTH_MIN`` and ``SMOOTH``."""
+        return min(self.SMOOTH, max(self.SMOOTH_MIN, PolicySim.WINDOW / max(1, self.sim.cache_keys())))
+
+    def _decide(self, window: tuple, weight: float | None = None) -> None:
+        """One window of counted references (``PolicySim.feed``) into the scores, with
+        ``weight`` (default ``SMOOTH``); the policy turns when the score in force passes
+        the dead band."""
         n, hit_recent, hit_old, half_recent, half_old, pressed = window
+        w = self.SMOOTH if weight is None else weight
         self.counters["refs"] += n
         self.counters["hits_recent"] += hit_recent
         self.counters["hits_old"] += hit_old
-        self.score += self.SMOOTH * ((hit_old - hit_recent) / n - self.score)
-        self.score_half += self.SMOOTH * ((half_old - half_recent) / n - self.score_half)
-        self._weight += self.SMOOTH * (1 - self._weight)
+        self.score += w * ((hit_old - hit_recent) / n - self.score)
+        self.score_half += w * ((half_old - half_recent) / n - self.score_half)
+        self._weight += w * (1 - self._weight)
         # Scores start at 0: divided by their weight so far, the first windows count in full
         # (the first one alone decides) rather than a tenth of their difference.
         score = self.scores()[0 if pressed else 1]

@@ -24,6 +24,7 @@ class MiniCache {
 
   explicit MiniCache(bool old) : old_(old) {}
   bool contains(uint64_t h) const { return at_.count(h) != 0; }
+  size_t keys() const { return at_.size(); }  // the hashes it holds
   // A read: a hit moves ``h`` to the recent end (off probation).
   bool ref(uint64_t h);
   // ``h`` stored (``is_new``: never seen, so not here), then evict down to ``cap``.
@@ -81,6 +82,9 @@ class PolicySim {
   // The full-size pair has evicted anything.
   bool pressed() const { return caches_[0].evictions || caches_[1].evictions; }
   size_t tracked() const { return seen_.size(); }
+  // The keys the full-size "recent" cache holds (what a window's references are weighed
+  // against: InsertionPolicy's score averages over about one cache's worth of them).
+  size_t cache_keys() const { return caches_[0].keys(); }
   // Halves the sample rate (shift + 1) while more than ``bound`` sampled keys are tracked
   // (at most to 32), forgetting what the new rate rejects; the new shift.
   int halve(size_t bound, int shift);
