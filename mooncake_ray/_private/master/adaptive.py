@@ -25,9 +25,9 @@ Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times t
 master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
 (``_decide``: a difference of hit ratios smoothed over about one cache's worth of counted
-references, with a dead band so that a tie does not flap). With no pressure the two caches hold the same keys and tie; so a second pair runs at
-half the capacity, feels pressure first, and chooses until the full-size pair has evicted
-anything: the choice is made when the real order starts to matter, not some time after
+references, with a dead band so that a tie does not flap). With no pressure the two
+caches hold the same keys and tie; so a second pair runs at half the capacity, feels
+pressure first, and chooses until the full-size pair has evicted anything: the choice is made when the real order starts to matter, not some time after
 (too late for a working set LRU has already cycled out, or for the first handoffs). The
 policy starts at ``recent``: a stream of puts that nothing reads gives the caches nothing
 to count, and under ``old`` it would evict the newest values first, leaving the arena's
