@@ -25,15 +25,16 @@ Miniature Simulations", USENIX ATC '17), each sized at the sampling rate times t
 master's DRAM capacity, fed the sampled references (reads and puts) in their order,
 and counts each one's hits. The real order follows the one that has hit more lately
 (``_decide``: a difference of hit ratios smoothed over about one cache's worth of counted
-references, with a dead band so that a tie does not flap). With no pressure the two
-caches hold the same keys and tie; so a second pair runs at half the capacity, feels
-pressure first, and chooses until the full-size pair has evicted anything: the choice is made when the real order starts to matter, not some time after
-(too late for a working set LRU has already cycled out, or for the first handoffs). The
-policy starts at ``recent``: a stream of puts that nothing reads gives the caches nothing
-to count, and under ``old`` it would evict the newest values first, leaving the arena's
-free room in pieces that the next put slab cannot use. Set dueling (DIP: groups of keys follow each policy, the rest
-follow the winner) needs no shadow state but is biased in one fully associative order: the
-group following ``old`` evicts its own new pages first whatever the other group does.
+references, with a dead band so that a tie does not flap). With no pressure the two caches
+hold the same keys and tie; so a second pair runs at half the capacity, feels pressure
+first, and chooses until the full-size pair has evicted anything: the choice is made when
+the real order starts to matter, not some time after (too late for a working set LRU has
+already cycled out, or for the first handoffs). The policy starts at ``recent``: a stream
+of puts that nothing reads gives the caches nothing to count, and under ``old`` it would
+evict the newest values first, leaving the arena's free room in pieces that the next put
+slab cannot use. Set dueling (DIP: groups of keys follow each policy, the rest follow the
+winner) needs no shadow state but is biased in one fully associative order: the group
+following ``old`` evicts its own new pages first whatever the other group does.
 
 Sampling: a key is in the sample when the top ``shift`` bits of its hash are 0 (the read
 index hashes, natively for the calls it answers; ``MasterIndex.sample`` for Python's).
@@ -77,6 +78,10 @@ class MiniCache:
 
     def __contains__(self, h: int) -> bool:
         return h in self.main or h in self.grace or h in self.stack
+
+    def keys(self) -> int:
+        """How many hashes it holds."""
+        return len(self.main) + len(self.grace) + len(self.stack)
 
     def ref(self, h: int) -> bool:
         """A read of ``h``: a hit moves it to the recent end."""
@@ -172,8 +177,7 @@ class PolicySim:
 
     def cache_keys(self) -> int:
         """The keys the full-size "recent" cache holds."""
-        c = self.caches[0]
-        return len(c.main) + len(c.grace) + len(c.stack)
+        return self.caches[0].keys()
 
     def feed(self, samples, shift: int, capacity: int) -> list[tuple]:
         """Run the caches over ``samples`` ((hash, kind, size, chained), in order) at
@@ -314,12 +318,11 @@ class InsertionPolicy:
         "recent" cache holds, between ``SMOOTH_MIN`` and ``SMOOTH``."""
         return min(self.SMOOTH, max(self.SMOOTH_MIN, PolicySim.WINDOW / max(1, self.sim.cache_keys())))
 
-    def _decide(self, window: tuple, weight: float | None = None) -> None:
+    def _decide(self, window: tuple, w: float) -> None:
         """One window of counted references (``PolicySim.feed``) into the scores, with
-        ``weight`` (default ``SMOOTH``); the policy turns when the score in force passes
-        the dead band."""
+        weight ``w`` (``weight()``); the policy turns when the score in force passes the
+        dead band."""
         n, hit_recent, hit_old, half_recent, half_old, pressed = window
-        w = self.SMOOTH if weight is None else weight
         self.counters["refs"] += n
         self.counters["hits_recent"] += hit_recent
         self.counters["hits_old"] += hit_old
