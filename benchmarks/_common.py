@@ -213,6 +213,12 @@ class Processes:
         stop_processes(self.procs, wait_s)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def local_ray(object_store_bytes: int = 128 << 20) -> None:
     """A local Ray of the benchmark's own (never whatever cluster /tmp/ray names), quiet."""
     import ray

@@ -28,8 +28,11 @@ loopback transport), interleaved over ``--repeats`` rounds (the order rotates ea
    making the whole run one chain, whose only leaf is its newest key: chain eviction then
    takes the newest pages, or forces out old ones and drops their whole tail as orphans,
    which measures that path rather than the insertion policy). At the defaults the keys put take 2.4x the arena, so
-   eviction runs through most of the loop. Measured: keys/s over the whole loop, and the
-   latency of each ``batch_put`` call (p50, p99). Keys a put refused are counted.
+   eviction runs through most of the loop. Measured: keys/s over the whole loop, the
+   latency of each ``batch_put`` call (p50, p99), and the CPU each process used during the
+   loop per key put (this client, the master, the store node; user + system from ``/proc``:
+   on a small host they share the cores, so CPU one spends is rate the others lose). Keys a
+   put refused are counted.
 2. get: ``--reads`` ``client.batch_get`` calls of ``--get-batch`` keys drawn at random (seeded)
    from the last arena's worth of keys put (GETs are sampled too); keys/s, per-call p50 and
    p99, and the share of keys found (every value found is checked byte for byte, outside
@@ -63,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, git_state, host_info, host_label, local_ray, spread, versions
+from _common import RESULTS, cpu_s, git_state, host_info, host_label, local_ray, spread, versions
 
 CONFIGS = ("adaptive", "recent", "old", "lru")
 OTHERS = ("lru", "recent", "old")  # what adaptive is compared with
@@ -89,6 +92,18 @@ def pct(lat_s: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(lat_s) * 1e3, q))
 
 
+def role_pids(ns: str) -> dict[str, int]:
+    """The process of each role: this client, the master, the one store node."""
+    import ray
+
+    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    node_id = ray.get(master.nodes.remote())[0]["node_id"]
+    node = ray.get_actor(store_actor_name(node_id), namespace=ns)
+    return {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
+
+
 def run_one(cfg: str, rep: int, args, values: list[bytes]) -> dict:
     """One configuration on a fresh store: the put loop, then the reads; the JSON's row.
     ``values``: one value per position in a batch (key i holds ``values[i % batch]``)."""
@@ -101,6 +116,7 @@ def run_one(cfg: str, rep: int, args, values: list[bytes]) -> dict:
                                  "transport": {"devices": ["lo"]}, "master": dict(MASTER[cfg])})
     try:
         row["startup_s"] = time.perf_counter() - t_up
+        pids = role_pids(ns)
         n, b = args.keys, args.batch
         batches = [(s, min(s + b, n)) for s in range(0, n, b)]
         keys = [key_of(i) for i in range(n)]
@@ -109,6 +125,7 @@ def run_one(cfg: str, rep: int, args, values: list[bytes]) -> dict:
             first = keys[s - 1] if args.link_batches and s else None
             parents.append([first] + keys[s:e - 1])
         lat, failed = [], {}
+        cpu0 = {role: cpu_s(pid) for role, pid in pids.items()}
         t0 = time.perf_counter()
         for (s, e), ps in zip(batches, parents):
             t = time.perf_counter()
@@ -118,6 +135,7 @@ def run_one(cfg: str, rep: int, args, values: list[bytes]) -> dict:
                 if err is not None:
                     failed[type(err).__name__] = failed.get(type(err).__name__, 0) + 1
         put_s = time.perf_counter() - t0
+        row["put_cpu_us_per_key"] = {role: (cpu_s(pid) - cpu0[role]) / n * 1e6 for role, pid in pids.items()}
         row.update({"put_s": put_s, "put_keys_per_s": n / put_s, "put_batch_p50_ms": pct(lat, 50),
                     "put_batch_p99_ms": pct(lat, 99), "put_batch_max_ms": max(lat) * 1e3,
                     "put_failures": failed or None})
@@ -161,6 +179,9 @@ def summarize(rows: list[dict], args) -> dict:
     per repeat and of the medians; the target."""
     per = {cfg: {m: spread([r[m] for r in rows if r["config"] == cfg], keep=True) for m in METRICS}
            for cfg in args.config_list}
+    for cfg, p in per.items():  # CPU per key put, per process
+        mine = [r["put_cpu_us_per_key"] for r in rows if r["config"] == cfg]
+        p["put_cpu"] = {role: spread([m[role] for m in mine], keep=True) for role in (mine[0] if mine else {})}
 
     def ratio(metric: str, other: str) -> dict | None:
         pa, pb = per.get("adaptive", {}).get(metric), per.get(other, {}).get(metric)
@@ -314,7 +335,8 @@ def main() -> None:
                       f"{', BAD ' + str(row['get_bad_values']) if row['get_bad_values'] else ''} | evictions "
                       f"{st.get('evictions')}, keys {st.get('keys')}, orphaned {st.get('orphaned_pages')} | policy "
                       f"{pol.get('mode')}->{pol.get('insert')} sampled {pol.get('sampled_refs')} "
-                      f"({row['wall_s']:.0f}s)", flush=True)
+                      f"({row['wall_s']:.0f}s) | put CPU us/key "
+                      + " ".join(f"{k} {v:.2f}" for k, v in row["put_cpu_us_per_key"].items()), flush=True)
     finally:
         ray.shutdown()
     summary = summarize(rows, args)
@@ -324,6 +346,8 @@ def main() -> None:
            "versions": versions(["mooncake-ray", "ray", "numpy"]), "git": git,
            "put_bytes_over_arena": put_over_arena,
            "definitions": {"put_keys_per_s": "keys put / wall time of the whole put loop (batch_put calls only)",
+                           "put_cpu_us_per_key": "CPU (user + system, /proc) each process used during the put "
+                                                 "loop / keys put: this client, the master, the store node",
                            "put_batch_p50_ms/p99_ms": "latency of one batch_put call",
                            "get_keys_per_s": "keys asked / summed time of the batch_get calls (checks excluded)",
                            "get_window": "reads draw from the last arena_mb MiB / value_bytes keys put"},
@@ -338,7 +362,8 @@ def main() -> None:
         c = summary["configs"][cfg]
         print(f"  {cfg:8}: put {fmt_spread(c['put_keys_per_s'])} keys/s, batch p50 "
               f"{fmt_spread(c['put_batch_p50_ms'], digits=2)} ms, p99 {fmt_spread(c['put_batch_p99_ms'], digits=2)} ms"
-              f" | get {fmt_spread(c['get_keys_per_s'])} keys/s, found {fmt_spread(c['get_hit_pct'], digits=1)}%")
+              f" | get {fmt_spread(c['get_keys_per_s'])} keys/s, found {fmt_spread(c['get_hit_pct'], digits=1)}%"
+              f" | put CPU us/key " + " ".join(f"{role} {fmt_spread(v, digits=2)}" for role, v in c["put_cpu"].items()))
     for name, rs in summary["ratios"].items():
         for metric, r in rs.items():
             if r:

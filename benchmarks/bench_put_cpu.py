@@ -35,12 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _common import RESULTS, git_state, host_info, host_label, parse_size, spread, store_cluster
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from _common import RESULTS, cpu_s, git_state, host_info, host_label, parse_size, spread, store_cluster
 
 
 def one_size(s, pids: dict, size: int, n: int, settle_s: float, tag: str) -> dict:
