@@ -39,7 +39,10 @@ prefills ~600-700 tok/s: a cold 768-token prompt 1.3-1.4 s TTFT against 0.3 s fo
 prompt cached (prefill ~75-80 % of a cold request's TTFT). Each run measures it twice:
 ``probe_*`` (serial cold/hot pairs before the workload, see ``warm_up``) and ``prefill_fit``
 (``ttft = a + b * uncached_tokens`` over the workload's requests, with
-``prefill_share_of_ttft``, the share of mean TTFT the fitted prefill term explains).
+``prefill_share_of_ttft``, the share of mean TTFT the fitted prefill term explains), and
+``alone_ttft_s`` / ``queue_ttft_s`` (the mean TTFT the requests would have had with no queue,
+from the probes and each request's uncached tokens, and the rest: the part a router changes
+without changing what is computed).
 
 Workload (the client here, async httpx, streamed ``/v1/completions`` with text prompts; the
 tiny tokenizer maps each ``w<i>`` word to one token, so prompts have exact token counts):
@@ -376,6 +379,23 @@ async def warm_up(base_url: str, a) -> dict:
         out["cold_prefill_tok_per_s"] = (a.system_len - a.question_len) / max(1e-9, out["cold_ttft_s"]
                                                                              - out["hot_ttft_s"])
     return out
+
+
+def alone_ttft(records: list[dict], cold_s, hot_s, a) -> dict:
+    """What the requests' TTFT would have been with no queue: each request's uncached tokens
+    on the line through the run's serial probes (a cold prompt computes ``--system-len``
+    tokens, a hot one ``--question-len``), averaged. ``queue_ttft_s``: mean TTFT minus that,
+    the waiting a router's choices can change (it cannot change a request's own prefill
+    once the cached tokens are what they are)."""
+    ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
+    if not ok or not cold_s or not hot_s or a.system_len <= a.question_len:
+        return {}
+    per_token = (cold_s - hot_s) / (a.system_len - a.question_len)
+    alone = statistics.mean(
+        hot_s + per_token * (r["usage"]["prompt_tokens"] - a.question_len
+                             - ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+        for r in ok)
+    return {"alone_ttft_s": alone, "queue_ttft_s": statistics.mean(r["ttft"] for r in ok) - alone}
 
 
 def request_stats(records: list[dict]) -> dict:
@@ -743,6 +763,7 @@ def child(spec_path: str) -> None:
         res["records"] = wl["records"]
         stats = request_stats(wl["records"])
         res.update(stats)
+        res.update(alone_ttft(wl["records"], res.get("probe_cold_ttft_s"), res.get("probe_hot_ttft_s"), a))
         prompt = stats.get("prompt_tokens") or 0
         res["store"] = {
             "hit_tokens": metric_sum(delta, "ray_mooncake_connector_hit_tokens_total"),
@@ -1052,7 +1073,7 @@ def main() -> None:
 KEYS = ("mean_ttft_s", "p90_ttft_s", "p50_ttft_s", "input_throughput_tok_s", "hit_rate", "store_hit_rate",
         "local_hit_rate", "store_loaded_bytes", "store_hit_tokens", "achieved_request_rate", "app_ready_s",
         "workload_s", "prefill_share_of_ttft", "ideal_hit_rate", "probe_cold_ttft_s", "probe_hot_ttft_s",
-        "probe_prefill_share")
+        "probe_prefill_share", "alone_ttft_s", "queue_ttft_s")
 
 
 def summarize(results) -> dict:
