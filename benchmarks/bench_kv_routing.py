@@ -41,8 +41,8 @@ prompt cached (prefill ~75-80 % of a cold request's TTFT). Each run measures it 
 (``ttft = a + b * uncached_tokens`` over the workload's requests, with
 ``prefill_share_of_ttft``, the share of mean TTFT the fitted prefill term explains), and
 ``alone_ttft_s`` / ``queue_ttft_s`` (the mean TTFT the requests would have had with no queue,
-from the probes and each request's uncached tokens, and the rest: the part a router changes
-without changing what is computed).
+from each request's uncached tokens and the probes of every run of the study, pooled, and
+the rest: the part a router changes without changing what is computed).
 
 Workload (the client here, async httpx, streamed ``/v1/completions`` with text prompts; the
 tiny tokenizer maps each ``w<i>`` word to one token, so prompts have exact token counts):
@@ -381,18 +381,18 @@ async def warm_up(base_url: str, a) -> dict:
     return out
 
 
-def alone_ttft(records: list[dict], cold_s, hot_s, a) -> dict:
+def alone_ttft(records: list[dict], cold_s, hot_s, system_len: int, question_len: int) -> dict:
     """What the requests' TTFT would have been with no queue: each request's uncached tokens
-    on the line through the run's serial probes (a cold prompt computes ``--system-len``
-    tokens, a hot one ``--question-len``), averaged. ``queue_ttft_s``: mean TTFT minus that,
+    on the line through the serial probes' TTFT (a cold prompt computes ``system_len``
+    tokens, a hot one ``question_len``), averaged. ``queue_ttft_s``: mean TTFT minus that,
     the waiting a router's choices can change (it cannot change a request's own prefill
     once the cached tokens are what they are)."""
     ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
-    if not ok or not cold_s or not hot_s or a.system_len <= a.question_len:
+    if not ok or not cold_s or not hot_s or system_len <= question_len:
         return {}
-    per_token = (cold_s - hot_s) / (a.system_len - a.question_len)
+    per_token = (cold_s - hot_s) / (system_len - question_len)
     alone = statistics.mean(
-        hot_s + per_token * (r["usage"]["prompt_tokens"] - a.question_len
+        hot_s + per_token * (r["usage"]["prompt_tokens"] - question_len
                              - ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
         for r in ok)
     return {"alone_ttft_s": alone, "queue_ttft_s": statistics.mean(r["ttft"] for r in ok) - alone}
@@ -763,7 +763,6 @@ def child(spec_path: str) -> None:
         res["records"] = wl["records"]
         stats = request_stats(wl["records"])
         res.update(stats)
-        res.update(alone_ttft(wl["records"], res.get("probe_cold_ttft_s"), res.get("probe_hot_ttft_s"), a))
         prompt = stats.get("prompt_tokens") or 0
         res["store"] = {
             "hit_tokens": metric_sum(delta, "ray_mooncake_connector_hit_tokens_total"),
@@ -1079,6 +1078,16 @@ KEYS = ("mean_ttft_s", "p90_ttft_s", "p50_ttft_s", "input_throughput_tok_s", "hi
 def summarize(results) -> dict:
     ok = [r for r in results["runs"] if r.get("ok")]
     out: dict = {"routers": {}, "ratios": {}}
+    # Each run's no-queue TTFT from the probes of every run of the study (their medians):
+    # one run's three serial pairs vary up to 2x between runs of the same work.
+    colds = [r["probe_cold_ttft_s"] for r in ok if r.get("probe_cold_ttft_s")]
+    hots = [r["probe_hot_ttft_s"] for r in ok if r.get("probe_hot_ttft_s")]
+    if colds and hots:
+        args = results["args"]
+        out["probes_pooled"] = {"cold_ttft_s": statistics.median(colds), "hot_ttft_s": statistics.median(hots)}
+        for r in ok:
+            r.update(alone_ttft(r.get("records") or [], out["probes_pooled"]["cold_ttft_s"],
+                                out["probes_pooled"]["hot_ttft_s"], args["system_len"], args["question_len"]))
     for name in results["routers"]:
         rs = [r for r in ok if r["router"] == name]
         bad = [r for r in results["runs"] if r["router"] == name and not r.get("ok")]
