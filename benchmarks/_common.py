@@ -219,6 +219,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def role_pids(ns: str) -> dict[str, int]:
+    """The process of each role of a store with one store node in namespace ``ns``: this
+    client, the master, the store node."""
+    import ray
+
+    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
+
+    master = ray.get_actor(MASTER_NAME, namespace=ns)
+    node_id = ray.get(master.nodes.remote())[0]["node_id"]
+    node = ray.get_actor(store_actor_name(node_id), namespace=ns)
+    return {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
+
+
 def local_ray(object_store_bytes: int = 128 << 20) -> None:
     """A local Ray of the benchmark's own (never whatever cluster /tmp/ray names), quiet."""
     import ray

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, cpu_s, git_state, host_info, host_label, local_ray, spread, versions
+from _common import RESULTS, cpu_s, git_state, host_info, host_label, local_ray, role_pids, spread, versions
 
 CONFIGS = ("adaptive", "recent", "old", "lru")
 OTHERS = ("lru", "recent", "old")  # what adaptive is compared with
@@ -90,18 +90,6 @@ def key_of(i: int) -> str:
 def pct(lat_s: list[float], q: float) -> float:
     """The ``q`` percentile of latencies in seconds, in milliseconds."""
     return float(np.percentile(np.asarray(lat_s) * 1e3, q))
-
-
-def role_pids(ns: str) -> dict[str, int]:
-    """The process of each role: this client, the master, the one store node."""
-    import ray
-
-    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
-
-    master = ray.get_actor(MASTER_NAME, namespace=ns)
-    node_id = ray.get(master.nodes.remote())[0]["node_id"]
-    node = ray.get_actor(store_actor_name(node_id), namespace=ns)
-    return {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
 
 
 def run_one(cfg: str, rep: int, args, values: list[bytes]) -> dict:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from _common import RESULTS, cpu_s, git_state, host_info, host_label, parse_size, spread, store_cluster
+from _common import RESULTS, cpu_s, git_state, host_info, host_label, parse_size, role_pids, spread, store_cluster
 
 
 def one_size(s, pids: dict, size: int, n: int, settle_s: float, tag: str) -> dict:
@@ -110,7 +109,6 @@ def main() -> None:
     import ray  # before parse_size: the package itself, not _common's light import of it
 
     import mooncake_ray
-    from mooncake_ray._private.naming import MASTER_NAME, store_actor_name
 
     sizes = [parse_size(x) for x in args.sizes.split(",")]
     counts = {parse_size(k): int(v) for k, v in (kv.split("=") for kv in args.keys.split(","))}
@@ -118,10 +116,7 @@ def main() -> None:
     store_cluster(1)
     ns = f"cpu{uuid.uuid4().hex[:6]}"
     s = mooncake_ray.start({"namespace": ns, "segment_size_bytes": args.segment})
-    master = ray.get_actor(MASTER_NAME, namespace=ns)
-    node_id = ray.get(master.nodes.remote())[0]["node_id"]
-    node = ray.get_actor(store_actor_name(node_id), namespace=ns)
-    pids = {"client": os.getpid(), "master": ray.get(master.pid.remote()), "node": ray.get(node.pid.remote())}
+    pids = role_pids(ns)
     writers = [shard.writes for shard in s._shards]
     variants = {f"{args.label}-crc-in-copy": True, f"{args.label}-crc-by-node": False} if args.ab_checksum \
         else {args.label: None}
