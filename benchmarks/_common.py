@@ -294,3 +294,36 @@ def put_from_buffer(s, keys: list[str], size: int, buf, **kw) -> tuple[list, flo
         if bad:
             raise RuntimeError(f"put failed: {bad[0]!r}")
     return views, time.perf_counter() - t0
+
+
+def belady_min_pct(turns, capacity_pages: int) -> float | None:
+    """A bound on the share of counted prompt tokens any eviction policy lets a store of
+    ``capacity_pages`` pages serve: Belady's MIN, knowing the whole schedule, keeps after
+    each turn the pages whose next counted use comes soonest and counts every page present,
+    not only a leading run. ``turns``: in order, ``(conversation, counted, pages, usable,
+    prompt_tokens, page_tokens)``: a turn's prompt holds every page of the conversation's
+    earlier prompts (so all of a conversation's pages are next used at its next counted
+    turn); ``pages`` is what the conversation holds after it, ``usable`` how many kept pages
+    its prompt can take."""
+    turns = list(turns)
+    later: dict = {}  # conversation -> its counted turns' positions, last first
+    for i in range(len(turns) - 1, -1, -1):
+        if turns[i][1]:
+            later.setdefault(turns[i][0], []).append(i)
+    never, held, num, den = len(turns), {}, 0, 0
+    for i, (conv, counted, pages, usable, tokens, page_tokens) in enumerate(turns):
+        if counted:
+            num += min(held.get(conv, (0, 0))[0], usable) * page_tokens
+            den += tokens
+        nxt = later.get(conv, [])
+        while nxt and nxt[-1] <= i:
+            nxt.pop()
+        held[conv] = (pages, nxt[-1] if nxt else never)
+        over = sum(n for n, _ in held.values()) - capacity_pages
+        for c in sorted(held, key=lambda c: -held[c][1]):  # the furthest next use goes first
+            if over <= 0:
+                break
+            n, at = held[c]
+            cut = min(n, over)
+            held[c], over = (n - cut, at), over - cut
+    return 100.0 * num / den if den else None

@@ -133,7 +133,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from _common import (Processes, free_port, git_state, host_info, host_label, local_ray, spread, store_cluster,
+from _common import (Processes, belady_min_pct, free_port, git_state, host_info, host_label, local_ray, spread, store_cluster,
                      versions, wait_port)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -311,31 +311,10 @@ class Workload:
         page of the conversation's earlier prompts, so all of a conversation's pages are
         next used at its next counted turn), and counts every page present, not only a
         leading run. Decodes' reads count for nothing here, as in the share."""
-        ps, turns = self.args.page_size, self.turns()
-        later: dict[int, list[int]] = {}  # conversation -> its counted turns' positions, last first
-        for i in range(len(turns) - 1, -1, -1):
-            if turns[i].counted:
-                later.setdefault(turns[i].conv, []).append(i)
-        never = len(turns)
-        held: dict[int, tuple[int, int]] = {}  # conversation -> (pages kept, their next counted use)
-        num = den = 0
-        for i, ev in enumerate(turns):
-            pages = prompt_tokens(self.args, ev.turn) // ps
-            if ev.counted:
-                num += min(held.get(ev.conv, (0, 0))[0], pages) * ps
-                den += prompt_tokens(self.args, ev.turn)
-            nxt = later.get(ev.conv, [])
-            while nxt and nxt[-1] <= i:
-                nxt.pop()
-            held[ev.conv] = (pages, nxt[-1] if nxt else never)
-            over = sum(n for n, _ in held.values()) - capacity_pages
-            for c in sorted(held, key=lambda c: -held[c][1]):  # the furthest next use goes first
-                if over <= 0:
-                    break
-                n, at = held[c]
-                cut = min(n, over)
-                held[c], over = (n - cut, at), over - cut
-        return 100.0 * num / den
+        ps = self.args.page_size
+        return belady_min_pct(((ev.conv, ev.counted, prompt_tokens(self.args, ev.turn) // ps,
+                                prompt_tokens(self.args, ev.turn) // ps, prompt_tokens(self.args, ev.turn), ps)
+                               for ev in self.turns()), capacity_pages)
 
     def describe(self, seed: int) -> dict:
         """What the JSON records of this seed's schedule."""
