@@ -133,8 +133,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from _common import (Processes, belady_min_pct, free_port, git_state, host_info, host_label, local_ray, spread, store_cluster,
-                     versions, wait_port)
+from _common import (Processes, belady_min_pct, free_port, git_state, host_info, host_label, local_ray, spread,
+                     store_cluster, versions, wait_port)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("chain", "chain-recent", "chain-old", "lru", "mooncake", "chain-sharded")

@@ -821,7 +821,8 @@ def _chain_probe(conn, ray_ns, res, sink, client=None):
                 out["store"] = {k: st.get(k) for k in STORE_STATS}
                 pol = st.get("eviction_policy")
                 if isinstance(pol, dict):  # which insertion policy is in force, its score and switches
-                    out["store"]["eviction_policy"] = {k: pol.get(k) for k in ("mode", "insert", "score", "score_half", "switches")}
+                    out["store"]["eviction_policy"] = {k: pol.get(k) for k in
+                                                       ("mode", "insert", "score", "score_half", "switches")}
                 out["orphaned_pages"] = st.get("orphaned_pages")
                 out["orphan_source"] = "master stats orphaned_pages"
                 if client is not None:
