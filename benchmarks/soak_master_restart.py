@@ -21,6 +21,7 @@ the node and it remounts; that store node's engine has answered no new handshake
 are idle. Not root-caused.
 
     make bench B=benchmarks/soak_master_restart.py ARGS="--iterations 200"
+    make bench B=benchmarks/soak_master_restart.py ARGS="--iterations 250 --protocol tcp"
 
 Writes benchmarks/results/soak_master_restart.json and soak_master_restart.png.
 """
@@ -59,9 +60,10 @@ def engines(ns: str) -> dict:
     return out
 
 
-def one_put(ns_out: list) -> dict:
-    """The fault test, on a store of its own: the seconds its put took (the store's
-    deployment, timed apart, taken off); it raises if the put fails or reads back wrong."""
+def one_put(ns_out: list, protocol: str) -> dict:
+    """The fault test, on a store of its own (``transport.protocol``: ``protocol``): the
+    seconds its put took (the store's deployment, timed apart, taken off), and whether it
+    passed."""
     import mooncake_ray
     from mooncake_ray._private import deploy
     from tests.conftest import store_config
@@ -71,28 +73,30 @@ def one_put(ns_out: list) -> dict:
 
     def make_store(**overrides):
         cfg = store_config(**overrides)
+        cfg["transport"]["protocol"] = protocol
         ns_out.append(cfg["namespace"])
         t = time.monotonic()
         made.append((mooncake_ray.start(cfg), cfg["namespace"]))
         deploy_s.append(time.monotonic() - t)
         return made[-1][0]
 
-    t = time.monotonic()
+    t, out = time.monotonic(), {"ok": True}
     try:
         run(make_store)
-        return {"put_s": round(time.monotonic() - t - sum(deploy_s), 3), "ok": True}
     except Exception as e:  # noqa: BLE001 - recorded, the soak goes on
-        return {"put_s": round(time.monotonic() - t - sum(deploy_s), 3), "ok": False, "error": repr(e)[:500]}
-    finally:
-        for client, ns in made:
-            client.close()
-            deploy.teardown(ns)
+        out = {"ok": False, "error": repr(e)[:500]}
+    out["put_s"] = round(time.monotonic() - t - sum(deploy_s), 3)
+    for client, ns in made:
+        client.close()
+        deploy.teardown(ns)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--stall-s", type=float, default=10.0)
+    ap.add_argument("--protocol", default="auto", help="transport.protocol of every store (auto, tcp, shm)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "soak_master_restart.json"))
     args = ap.parse_args()
 
@@ -102,7 +106,7 @@ def main() -> None:
     try:
         for i in range(args.iterations):
             ns, box = [], {}
-            th = threading.Thread(target=lambda: box.update(one_put(ns)), daemon=True)
+            th = threading.Thread(target=lambda: box.update(one_put(ns, args.protocol)), daemon=True)
             began = time.monotonic()
             th.start()
             th.join(15.0)
@@ -115,7 +119,7 @@ def main() -> None:
             th.join()
             row = {"i": i, **box, "wall_s": round(time.monotonic() - began, 3)}
             rows.append(row)
-            if row.get("put_s", 0) > args.stall_s or snap is not None:
+            if row["put_s"] > args.stall_s or snap is not None:
                 stalls.append({**row, "engines_at_15s": snap})
             print(f"{i} put {row.get('put_s')} s ok={row.get('ok')}" + (f" STALL {snap}" if snap else ""), flush=True)
     finally:
@@ -124,8 +128,8 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
 
-    puts = [r["put_s"] for r in rows if "put_s" in r]
-    result = {"host": host_info(), "git": git_state(), "iterations": args.iterations,
+    puts = [r["put_s"] for r in rows]
+    result = {"host": host_info(), "git": git_state(), "iterations": args.iterations, "protocol": args.protocol,
               "elapsed_s": round(time.monotonic() - t0, 1), "put_s": spread(puts),
               "stalled": len([p for p in puts if p > args.stall_s]),
               "failed": len([r for r in rows if not r.get("ok")]),
@@ -138,7 +142,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot([r["i"] for r in rows if "put_s" in r], puts, ".", ms=4)
+    ax.plot([r["i"] for r in rows], puts, ".", ms=4)
     ax.axhline(args.stall_s, color="grey", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.set_xlabel("iteration")
