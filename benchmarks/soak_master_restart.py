@@ -29,6 +29,7 @@ Writes benchmarks/results/soak_master_restart.json and soak_master_restart.png.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import json
 import sys
 import threading
@@ -40,8 +41,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import git_state, host_info, spread, store_cluster  # noqa: E402
 
-COUNTERS = ("auth_handshakes", "auth_rejected", "peers", "peers_failed", "pending", "calls_served",
-            "calls_sent", "malformed_dropped")
+COUNTERS = ("auth_handshakes", "hs_auth1_received", "hs_resp_received", "hs_acks_sent", "auth_rejected",
+            "peers", "peers_failed", "pending", "calls_served", "calls_sent", "malformed_dropped")
+
+
+def _stats_and_cpu(self) -> dict:
+    """Runs inside the actor: its engine's counters, its pid, and the CPU seconds its
+    process used over one second (a progress thread spinning shows as about 1)."""
+    import os
+    import time as t
+
+    def cpu() -> float:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    c0 = cpu()
+    t.sleep(1.0)
+    return {**self.engine.stats(), "pid": os.getpid(), "cpu_s_per_s": round(cpu() - c0, 2)}
 
 
 def engines(ns: str) -> dict:
@@ -55,8 +72,8 @@ def engines(ns: str) -> dict:
         if a["namespace"] != ns or not (a["name"] == MASTER_NAME or a["name"].startswith(STORE_PREFIX)):
             continue
         h = ray.get_actor(a["name"], namespace=ns)
-        st = ray.get(h.__ray_call__.remote(lambda self: self.engine.stats()), timeout=10)
-        out[a["name"]] = {k: st.get(k) for k in COUNTERS}
+        st = ray.get(h.__ray_call__.remote(_stats_and_cpu), timeout=10)
+        out[a["name"]] = {k: st.get(k) for k in (*COUNTERS, "pid", "cpu_s_per_s")}
     return out
 
 
@@ -97,6 +114,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--stall-s", type=float, default=10.0)
     ap.add_argument("--protocol", default="auto", help="transport.protocol of every store (auto, tcp, shm)")
+    ap.add_argument("--backtraces", default="", help="a folder: every engine process's native stacks (gdb) at a stall")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "soak_master_restart.json"))
     args = ap.parse_args()
 
@@ -116,6 +134,14 @@ def main() -> None:
                     snap = engines(ns[0])
                 except Exception as e:  # noqa: BLE001 - a snapshot is best effort
                     snap = {"error": repr(e)}
+                if args.backtraces and isinstance(snap, dict):
+                    for name, st in snap.items():
+                        if isinstance(st, dict) and st.get("pid"):
+                            dump = subprocess.run(["gdb", "-p", str(st["pid"]), "-batch", "-ex", "thread apply all bt"],
+                                                  capture_output=True, text=True, timeout=60).stdout
+                            d = Path(args.backtraces)
+                            d.mkdir(parents=True, exist_ok=True)
+                            (d / f"{i}-{name.replace(':', '_')}-{st['pid']}.txt").write_text(dump)
             th.join()
             row = {"i": i, **box, "wall_s": round(time.monotonic() - began, 3)}
             rows.append(row)

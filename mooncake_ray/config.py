@@ -84,8 +84,10 @@ class TransportConfig(_Model):
     and doc live here once; the others are read by the Python engine or its callers."""
 
     protocol: Protocol = "auto"
-    """UCX transports: auto (UCX chooses: shared memory on one host, tcp/RDMA across), or
-    force one family."""
+    """UCX transports: auto (UCX chooses among all but its shared-memory message queues,
+    which a sender killed mid-message leaves blocked: on one host messages go over loopback
+    tcp, data through shared memory by cma and mapped arenas; tcp/RDMA across hosts), tcp,
+    shm (cma and mapped arenas, messages over tcp on lo), or rdma (rc, ud, cma)."""
     devices: Devices = None
     """Network devices UCX may use (UCX_NET_DEVICES), e.g. ["eth0"] or ["mlx5_0:1"]. None:
     the store's engines use the interface holding their Ray node's address, loopback and

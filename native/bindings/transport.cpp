@@ -511,6 +511,11 @@ void bind_transport(nb::module_& m) {
         nb::gil_scoped_release nogil;
         e.debug_send_raw(a, am_id, h, d);
       }, "address"_a, "am_id"_a, "header"_a, "data"_a)
+      .def("_debug_die_mid_message", [](mcr::Engine& e, nb::bytes address) {
+        std::string a(address.c_str(), address.size());
+        nb::gil_scoped_release nogil;
+        e.debug_die_mid_message(a);
+      }, "address"_a)
       .def("_debug_last_auth2", [](mcr::Engine& e) {
         auto p = e.debug_last_auth2();
         return nb::make_tuple(nb::bytes(p.first.data(), p.first.size()),

@@ -112,6 +112,8 @@ def main() -> None:
             res = {"data": base64.b64encode(bytes(mv[cmd["off"] : cmd["off"] + cmd["len"]])).decode()}
         elif op == "connect":
             back["peer"] = eng.connect(base64.b64decode(cmd["address"]))
+        elif op == "die_mid_message":  # SIGKILLed by its own payload, inside the send
+            eng._native._debug_die_mid_message(base64.b64decode(cmd["address"]))
         elif op == "close_region":
             regions[cmd["region"]].close()
         elif op == "stats":

@@ -255,3 +255,42 @@ def test_closed_engine(engines):
     with pytest.raises(EngineClosedError):
         eng.connect(b"x" * 64)
     assert region.closed
+
+
+SECRET = "5e" * 32
+
+
+def _die_inside_a_message(spawn_peer, recv, **kw) -> None:
+    """A second engine connects to ``recv``, then is SIGKILLed by its own payload while
+    UCX packs it into the transport (``_debug_die_mid_message``)."""
+    import base64
+
+    dying = spawn_peer(name="dying", auth_secret=SECRET, **kw)
+    with pytest.raises(RuntimeError, match="exited"):
+        dying.cmd("die_mid_message", address=base64.b64encode(recv.address).decode())
+    assert dying.proc.wait(10) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("protocol", ["auto", "shm", "tcp"])
+def test_a_sender_killed_inside_a_message_leaves_the_receiver_serving(spawn_peer, engines, protocol):
+    """A process killed while its message is half in the transport (a client or a master
+    SIGKILLed mid-call) must not take the receiver's lane with it: the next engine's
+    handshake and call are answered at once."""
+    recv = spawn_peer(protocol=protocol, auth_secret=SECRET)
+    _die_inside_a_message(spawn_peer, recv, protocol=protocol)
+    eng = engines(protocol=protocol)
+    eng.set_auth_secret(bytes.fromhex(SECRET))
+    assert eng.call(eng.connect(recv.address, timeout_s=10), 1, b"after", timeout_s=10) == b"after"
+
+
+def test_a_sender_killed_inside_a_shared_memory_fifo_message_blocks_its_receiver(spawn_peer, engines):
+    """Why no protocol sends messages through UCX's shared-memory FIFO (sysv here): a
+    sender killed between taking a slot of the receiver's FIFO and filling it leaves the
+    receiver deaf to everyone. Also shows that the test above kills inside the message."""
+    fifo = {"protocol": "auto", "ucx_options": {"TLS": "sysv,cma,tcp,self"}}
+    recv = spawn_peer(auth_secret=SECRET, **fifo)
+    _die_inside_a_message(spawn_peer, recv, **fifo)
+    eng = engines(**fifo)
+    eng.set_auth_secret(bytes.fromhex(SECRET))
+    with pytest.raises(NodeUnavailableError, match="did not answer the connection handshake"):
+        eng.connect(recv.address, timeout_s=3)

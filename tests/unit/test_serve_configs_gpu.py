@@ -177,6 +177,8 @@ def test_ucx_environment_suits_gpu_memory(name):
         env = cfg["runtime_env"]["env_vars"]
         tls = env["UCX_TLS"].split(",")
         assert "cuda_copy" in tls, (where, tls)
+        # no shared-memory message queue: a sender dying mid-message blocks its receiver
+        assert not set(tls) & {"all", "sm", "shm", "mm", "posix", "sysv", "xpmem"}, (where, tls)
         assert set(tls) <= KNOWN_TLS, (where, set(tls) - KNOWN_TLS)
         assert env["UCX_MEMTYPE_CACHE"] == "n", where
         assert all(isinstance(v, str) for v in env.values()), env  # env vars are strings

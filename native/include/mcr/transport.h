@@ -162,6 +162,7 @@ class Region {
   void inflight_sub();
   void unmap_now();  // engine close
   std::atomic<int> cuda_device_{-2};  // cuda::device_of(addr_), asked at the first device copy
+  int shm_fd_ = -1;  // an arena's memfd (alloc_arena): unmapped and closed with the region
 
  private:
   void maybe_unmap_locked();
@@ -376,6 +377,10 @@ class Engine {
   // and the last AUTH2 (header, data) this engine sent.
   void debug_send_raw(const std::string& address, unsigned am_id, const std::string& header,
                       const std::string& data);
+  // Sends a message to the connected engine at `address` whose payload, packed by UCX into
+  // the transport's send buffer (a shared-memory FIFO slot, a socket buffer), SIGKILLs this
+  // process halfway: a sender dying inside a message. Never returns.
+  [[noreturn]] void debug_die_mid_message(const std::string& address);
   std::pair<std::string, std::string> debug_last_auth2() const;
   void close();
   bool closed() const;

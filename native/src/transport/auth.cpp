@@ -155,6 +155,7 @@ bool EngineCore::send_auth1_locked(Lane* lane, const std::shared_ptr<Peer>& peer
 }
 
 void EngineCore::on_auth1(Lane* lane, const Auth1Hdr& h, const ucp_am_recv_param_t* param) {
+  st.hs_auth1_received.fetch_add(1);
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep) {
     st.malformed_dropped.fetch_add(1);
     return;
@@ -188,6 +189,7 @@ void EngineCore::on_auth1(Lane* lane, const Auth1Hdr& h, const ucp_am_recv_param
 }
 
 void EngineCore::on_auth_resp(Lane* lane, const AuthRespHdr& h, const ucp_am_recv_param_t*) {
+  st.hs_resp_received.fetch_add(1);
   Handshake hs;
   {
     std::lock_guard<std::mutex> g(auth_mu);

@@ -41,11 +41,20 @@ uint64_t random_uid() {
   return v ? v : 1;
 }
 
+// UCX's shared-memory FIFO transports (posix, sysv, xpmem) carry messages through one queue
+// per receiving worker that all its senders share: a sender takes a slot, fills it, then
+// marks it full. A sender killed in between (SIGKILL, the OOM killer) leaves a slot that is
+// never marked, the receiver reads nothing behind it from anyone again, and its progress
+// thread spins (ucp_worker_arm answers BUSY for ever). Engines here belong to processes that
+// die on their own (a client, a restarted master), so no engine takes messages that way:
+// they go over tcp (loopback on one host); bulk data on one host still moves through shared
+// memory, by cross-memory attach (cma) and the mapped arenas. docs/internals.md, "Messages
+// and dying senders"; tests/native/test_faults.py kills a sender inside that window.
 const char* tls_for(const std::string& protocol) {
-  if (protocol == "auto") return nullptr;  // UCX chooses (here: shared memory + tcp)
+  if (protocol == "auto") return "^posix,sysv,xpmem";  // every transport UCX has but those
   if (protocol == "tcp") return "tcp";
-  if (protocol == "shm") return "sm,self";
-  if (protocol == "rdma") return "rc,ud,sm,self";
+  if (protocol == "shm") return "cma,tcp,self";  // messages over tcp on `lo` (start())
+  if (protocol == "rdma") return "rc,ud,cma,self";
   throw Error(Code::kBadConfig,
               "protocol must be one of auto, tcp, shm, rdma; got '" + protocol + "'");
 }
@@ -319,13 +328,17 @@ void EngineCore::start() {
                   "UCX setting " + k + "=" + v + " rejected: " + ucs_status_string(s));
     }
   };
-  if (const char* tls = tls_for(cfg.protocol)) {
+  const char* tls = tls_for(cfg.protocol);
+  if (cfg.protocol != "auto") {
     // A named protocol still lets UCX move device memory where a GPU is there: its CUDA
     // transports join the list (without them UCX registers host memory only).
     std::string list = tls;
     if (cuda::available()) list += ",cuda_copy,cuda_ipc";
     modify("TLS", list);
+  } else if (!getenv("UCX_TLS")) {
+    modify("TLS", tls);  // a UCX_TLS the user set is theirs (ucx_options below too)
   }
+  if (cfg.protocol == "shm" && cfg.devices.empty()) modify("NET_DEVICES", "lo");
   if (cuda::available() && !getenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")) {
     // UCX turns cuda_ipc reads off where it sees no NVLink (one GPU; GPUs on PCIe), and a
     // read of another process's device memory then goes through host bounce buffers
@@ -644,6 +657,7 @@ void Engine::debug_send_raw(const std::string& address, unsigned am_id, const st
                             const std::string& data) {
   core_->debug_send_raw(address, am_id, header, data);
 }
+void Engine::debug_die_mid_message(const std::string& address) { core_->debug_die_mid_message(address); }
 std::pair<std::string, std::string> Engine::debug_last_auth2() const {
   std::lock_guard<std::mutex> g(core_->auth_mu);
   return {core_->debug_auth2_hdr, core_->debug_auth2_data};
@@ -685,6 +699,9 @@ std::map<std::string, uint64_t> Engine::stats() const {
       {"auth_enabled", core_->auth_on() ? 1u : 0u},
       {"auth_rejected", s.auth_rejected.load()},
       {"auth_handshakes", s.auth_handshakes.load()},
+      {"hs_auth1_received", s.hs_auth1_received.load()},
+      {"hs_resp_received", s.hs_resp_received.load()},
+      {"hs_acks_sent", s.hs_acks_sent.load()},
       {"malformed_dropped", s.malformed_dropped.load()},
       {"ucx_errors_quieted", g_ucx_quieted.load()},
   };

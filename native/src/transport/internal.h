@@ -119,6 +119,18 @@ bool in_progress_context();  // true inside UCP progress / lane tasks on this th
 // Same-host identity: boot id + pid namespace (peers.cpp). Peers with the same id share
 // /proc, so a dead process is seen by its pid disappearing.
 std::string local_host_id();
+// An arena in a memfd (alloc_arena) travels with a trailer on its rkey: the owner's pid,
+// the memfd's number and inode, the arena's address and length, then the magic. A peer on
+// the same host maps /proc/<pid>/fd/<fd> once its inode matches (memory.cpp, peer.cpp).
+constexpr char kHostShmMagic[9] = "MCRSHM01";
+constexpr size_t kHostShmTrailer = 5 * 8 + 8;
+struct HostShm {
+  uint32_t pid;
+  int fd;
+  uint64_t ino, addr, len;
+};
+std::string host_shm_export(int fd, uintptr_t addr, uint64_t len);
+bool host_shm_split(std::string* rkey, HostShm* out);  // strips the trailer if there is one
 uint64_t process_start_time(uint32_t pid);  // 0 if the process is gone (or a zombie)
 std::string ucs_msg(const char* what, ucs_status_t st);
 
@@ -217,6 +229,9 @@ struct Stats {
   // check (bad MAC, unknown or reused nonce), or an unauthenticated HELLO.
   std::atomic<uint64_t> auth_rejected{0};
   std::atomic<uint64_t> auth_handshakes{0};  // handshakes completed as responder
+  // Each step of the handshake as it arrives (auth.cpp): where a connect that timed out
+  // stopped. Responder: AUTH1 in, HELLO_ACK out; initiator: AUTH_RESP in.
+  std::atomic<uint64_t> hs_auth1_received{0}, hs_resp_received{0}, hs_acks_sent{0};
   std::atomic<uint64_t> malformed_dropped{0};  // messages failing a size or format check
 };
 
@@ -375,6 +390,7 @@ class EngineCore : public std::enable_shared_from_this<EngineCore> {
   void finish_hello_locked(Lane* lane, uint64_t uid, uint64_t call_id, const std::string& addr);
   void debug_send_raw(const std::string& address, unsigned am_id, const std::string& header,
                       const std::string& data);
+  [[noreturn]] void debug_die_mid_message(const std::string& address);
 
   std::atomic<bool> auth_on_{false};
   std::string auth_key;  // K (read-only once auth_on_ is set)

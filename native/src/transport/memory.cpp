@@ -2,6 +2,8 @@
 // classifies a local range as registered / unregistered / closed, and the staging
 // buffer that bounces unregistered memory.
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -28,7 +30,62 @@ void prefault(void* p, uint64_t len) {
 void unmap_memh(void* ctx, void* memh) {
   ucp_mem_unmap(static_cast<ucp_context_h>(ctx), static_cast<ucp_mem_h>(memh));
 }
+
+// Deregisters, then frees an arena's memfd mapping (alloc_arena).
+void release(void* ctx, void* memh, int shm_fd, uintptr_t addr, uint64_t len) {
+  unmap_memh(ctx, memh);
+  if (shm_fd >= 0) {
+    munmap(reinterpret_cast<void*>(addr), len);
+    ::close(shm_fd);
+  }
+}
+
+// An arena in a memfd of its own, mapped shared: peers on this host map the same pages
+// (the rkey's trailer, host_shm_export), where UCX's posix/sysv transports, which mapped
+// UCX-allocated memory before, are off (engine.cpp, tls_for). -1 where memfd is missing.
+int alloc_shm(uint64_t len, void** out) {
+  int fd = memfd_create("mooncake-ray-arena", MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, off_t(len)) != 0) {
+    ::close(fd);
+    throw Error(Code::kInternal, "ftruncate of a " + std::to_string(len) + "-byte arena: " + strerror(errno));
+  }
+  void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) {
+    ::close(fd);
+    throw Error(Code::kInternal, "mmap of a " + std::to_string(len) + "-byte arena: " + strerror(errno));
+  }
+  *out = m;
+  return fd;
+}
+
+void put64(std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); }
 }  // namespace
+
+std::string host_shm_export(int fd, uintptr_t addr, uint64_t len) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return "";
+  std::string t;
+  put64(&t, uint64_t(getpid()));
+  put64(&t, uint64_t(fd));
+  put64(&t, uint64_t(st.st_ino));
+  put64(&t, addr);
+  put64(&t, len);
+  t.append(kHostShmMagic, 8);
+  return t;
+}
+
+bool host_shm_split(std::string* rkey, HostShm* out) {
+  if (rkey->size() <= kHostShmTrailer ||
+      rkey->compare(rkey->size() - 8, 8, kHostShmMagic, 8) != 0)
+    return false;
+  const char* t = rkey->data() + rkey->size() - kHostShmTrailer;
+  uint64_t v[5];
+  memcpy(v, t, sizeof v);
+  *out = HostShm{uint32_t(v[0]), int(v[1]), v[2], v[3], v[4]};
+  rkey->resize(rkey->size() - kHostShmTrailer);
+  return true;
+}
 
 // ---- Region -------------------------------------------------------------------------
 
@@ -55,18 +112,21 @@ Region::~Region() {
       if (c && !c->closing.load() && !c->lanes.empty()) {
         auto holder = ctx_;
         void* memh = memh_;
-        c->lanes[0]->post_task([holder, ctx, memh] { unmap_memh(ctx, memh); });
+        int fd = shm_fd_;
+        uintptr_t a = addr_;
+        uint64_t n = length_;
+        c->lanes[0]->post_task([holder, ctx, memh, fd, a, n] { release(ctx, memh, fd, a, n); });
         return;
       }
     }
-    unmap_memh(ctx, memh_);
+    release(ctx, memh_, shm_fd_, addr_, length_);
   }
 }
 
 void Region::maybe_unmap_locked() {
   if (unmapped_ || !closed_.load() || views_ > 0 || inflight_.load() > 0) return;
   unmapped_ = true;
-  unmap_memh(ctx_of(ctx_), memh_);
+  release(ctx_of(ctx_), memh_, shm_fd_, addr_, length_);
 }
 
 bool Region::close(double wait_s) {
@@ -99,7 +159,7 @@ void Region::unmap_now() {
   std::lock_guard<std::mutex> g(mu_);
   if (views_ > 0 || unmapped_) return;  // a live view keeps the mapping (and the context)
   unmapped_ = true;
-  unmap_memh(ctx_of(ctx_), memh_);
+  release(ctx_of(ctx_), memh_, shm_fd_, addr_, length_);
 }
 
 // ---- registry -----------------------------------------------------------------------
@@ -108,6 +168,19 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
                                                MemType mt, bool track) {
   if (len == 0) throw Error(Code::kInvalidArgument, "cannot register 0 bytes");
   if (!allocate && addr == 0) throw Error(Code::kInvalidArgument, "cannot register address 0");
+  int shm_fd = -1;
+  if (allocate && mt == MemType::kHost) {
+    void* m = nullptr;
+    shm_fd = alloc_shm(len, &m);
+    if (shm_fd >= 0) {
+      allocate = false;  // registered below like user memory; freed with the region
+      addr = reinterpret_cast<uintptr_t>(m);
+      prefault(m, len);
+    }
+  }
+  auto drop_shm = [&] {
+    if (shm_fd >= 0) munmap(reinterpret_cast<void*>(addr), len), ::close(shm_fd);
+  };
   ucp_mem_map_params_t p;
   memset(&p, 0, sizeof p);
   p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -123,6 +196,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx, &p, &memh);
   if (st != UCS_OK) {
+    drop_shm();
     throw Error(allocate ? Code::kInternal : Code::kInvalidArgument,
                 ucs_msg(allocate ? "ucp_mem_map (allocate)" : "ucp_mem_map (register)", st) +
                     " for " + std::to_string(len) + " bytes");
@@ -140,6 +214,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   st = ucp_rkey_pack(ctx, memh, &rbuf, &rsize);
   if (st != UCS_OK) {
     ucp_mem_unmap(ctx, memh);
+    drop_shm();
     throw Error(Code::kInternal, ucs_msg("ucp_rkey_pack", st));
   }
   std::string rkey(static_cast<char*>(rbuf), rsize);
@@ -147,8 +222,10 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   // Same-host importers map device memory themselves (CUDA IPC, unless MCR_CUDA_IPC=0):
   // UCX's cuda_ipc costs about 7 us a copy, which block-sized reads feel.
   if (mt == MemType::kCuda) rkey += cuda::ipc_export(addr, len);
+  if (shm_fd >= 0) rkey += host_shm_export(shm_fd, addr, len);
   auto r = std::make_shared<Region>(shared_from_this(), next_id.fetch_add(1), addr, len,
-                                    allocate, mt, memh, std::move(rkey));
+                                    allocate || shm_fd >= 0, mt, memh, std::move(rkey));
+  r->shm_fd_ = shm_fd;
   if (track) {
     std::unique_lock<std::shared_mutex> g(regions_mu);
     regions[addr].push_back(r);

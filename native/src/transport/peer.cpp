@@ -13,6 +13,8 @@
 // to each other share the same Peer objects on both sides.
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 
@@ -310,6 +312,7 @@ void EngineCore::finish_hello_locked(Lane* lane, uint64_t id, uint64_t call_id,
     peer_failed(peer.get(), Code::kUnreachable, ucs_msg("endpoint back to caller", st_));
     return;
   }
+  st.hs_acks_sent.fetch_add(1);
   send_reply_locked(lane, peer.get(), call_id, Code::kOk, std::string(), kAmHelloAck);
 }
 
@@ -324,6 +327,43 @@ void EngineCore::debug_send_raw(const std::string& addr, unsigned am_id, const s
   ucs_status_t err = UCS_OK;
   if (!am_send_locked(this, l, peer->eps_[0], am_id, header.data(), header.size(), data, 0, true, &err))
     throw Error(Code::kUnreachable, ucs_msg("debug_send_raw", err));
+}
+
+namespace {
+// A UCP generic datatype whose packing kills the process: UCX calls pack() after it has
+// taken its place in the transport (mm: a slot of the receiver's FIFO).
+void* die_start_pack(void*, const void* buf, size_t) { return const_cast<void*>(buf); }
+size_t die_packed_size(void*) { return 512; }
+size_t die_pack(void*, size_t, void* dest, size_t max) {
+  memset(dest, 0x5a, std::min<size_t>(max, 64));  // half a message
+  raise(SIGKILL);
+  return 0;
+}
+void die_finish(void*) {}
+}  // namespace
+
+void EngineCore::debug_die_mid_message(const std::string& addr) {
+  std::shared_ptr<Peer> peer = connect(addr, 10.0);
+  Lane* l = lanes[0].get();
+  std::lock_guard<std::mutex> g(l->mu);
+  ucp_generic_dt_ops_t ops;
+  memset(&ops, 0, sizeof ops);
+  ops.start_pack = die_start_pack;
+  ops.packed_size = die_packed_size;
+  ops.pack = die_pack;
+  ops.finish = die_finish;
+  ucp_datatype_t dt;
+  if (ucp_dt_create_generic(&ops, nullptr, &dt) != UCS_OK) abort();
+  ucp_request_param_t rp;
+  memset(&rp, 0, sizeof rp);
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS;
+  rp.datatype = dt;
+  rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
+  static char one;
+  RpcReqHdr h;
+  memset(&h, 0, sizeof h);
+  ucp_am_send_nbx(static_cast<ucp_ep_h>(peer->eps_[0]), kAmRpcReq, &h, sizeof h, &one, 1, &rp);
+  for (;;) l->progress_locked();
 }
 
 void EngineCore::peer_failed(Peer* peer, Code code, const std::string& msg) {
@@ -471,6 +511,8 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
   if (rkey.empty()) throw Error(Code::kNotRegistered, "empty remote key");
   if (base + len < base) throw Error(Code::kOutOfBounds, "remote range wraps around");
   std::string ucx_rkey = rkey;
+  HostShm shm;
+  const bool has_shm = host_shm_split(&ucx_rkey, &shm);  // an arena in a memfd
   const std::string ipc = cuda::ipc_split(&ucx_rkey);  // a device region's CUDA IPC handle
   std::string key = rkey;
   key.append(reinterpret_cast<const char*>(&base), 8);
@@ -518,6 +560,28 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     rr->file_map_len_ = len + skew;
     rr->ptr_ = static_cast<char*>(m) + skew;
     p0 = rr->ptr_;
+  } else if (len > 0 && has_shm && peer->same_host_ && shm.pid == peer->pid_ && base >= shm.addr &&
+             base - shm.addr <= shm.len && len <= shm.len - (base - shm.addr) &&
+             cfg.protocol != "tcp") {
+    // The owner's arena in a memfd: mapped here through its /proc entry, once the inode
+    // shows it is that memfd (another PID namespace's pid could name another process).
+    // Where it cannot be opened the region is read and written through UCX instead.
+    const std::string path = "/proc/" + std::to_string(shm.pid) + "/fd/" + std::to_string(shm.fd);
+    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st) == 0 && uint64_t(st.st_ino) == shm.ino &&
+        uint64_t(st.st_size) >= shm.len) {
+      const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+      const uint64_t off = base - shm.addr, start = off / page * page, skew = off - start;
+      void* m = mmap(nullptr, len + skew, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
+      if (m != MAP_FAILED) {
+        rr->file_map_ = m;
+        rr->file_map_len_ = len + skew;
+        rr->ptr_ = static_cast<char*>(m) + skew;
+        p0 = rr->ptr_;
+      }
+    }
+    if (fd >= 0) ::close(fd);
   }
   if (!ipc.empty() && !rr->ptr_ && len > 0 && peer->same_host_ && cfg.protocol != "tcp" &&
       cuda::available()) {
