@@ -168,6 +168,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
                                                MemType mt, bool track) {
   if (len == 0) throw Error(Code::kInvalidArgument, "cannot register 0 bytes");
   if (!allocate && addr == 0) throw Error(Code::kInvalidArgument, "cannot register address 0");
+  const bool arena = allocate;
   int shm_fd = -1;
   if (allocate && mt == MemType::kHost) {
     void* m = nullptr;
@@ -197,8 +198,8 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   ucs_status_t st = ucp_mem_map(ctx, &p, &memh);
   if (st != UCS_OK) {
     drop_shm();
-    throw Error(allocate ? Code::kInternal : Code::kInvalidArgument,
-                ucs_msg(allocate ? "ucp_mem_map (allocate)" : "ucp_mem_map (register)", st) +
+    throw Error(arena ? Code::kInternal : Code::kInvalidArgument,
+                ucs_msg(arena ? "ucp_mem_map (arena)" : "ucp_mem_map (register)", st) +
                     " for " + std::to_string(len) + " bytes");
   }
   if (allocate) {
@@ -224,7 +225,7 @@ std::shared_ptr<Region> EngineCore::map_memory(uintptr_t addr, uint64_t len, boo
   if (mt == MemType::kCuda) rkey += cuda::ipc_export(addr, len);
   if (shm_fd >= 0) rkey += host_shm_export(shm_fd, addr, len);
   auto r = std::make_shared<Region>(shared_from_this(), next_id.fetch_add(1), addr, len,
-                                    allocate || shm_fd >= 0, mt, memh, std::move(rkey));
+                                    arena, mt, memh, std::move(rkey));
   r->shm_fd_ = shm_fd;
   if (track) {
     std::unique_lock<std::shared_mutex> g(regions_mu);
