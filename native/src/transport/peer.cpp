@@ -142,6 +142,19 @@ std::shared_ptr<Peer> peer_for(EngineCore* c, const ParsedAddress& pa, const std
   return peer;
 }
 
+// Maps [offset, offset + len) of a shared file into rr (a page-aligned mapping, the range
+// at its skew); false where mmap fails (errno set).
+bool map_file_range(RemoteRegion* rr, int fd, uint64_t offset, uint64_t len) {
+  const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+  const uint64_t start = offset / page * page, skew = offset - start;
+  void* m = mmap(nullptr, len + skew, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
+  if (m == MAP_FAILED) return false;
+  rr->file_map_ = m;
+  rr->file_map_len_ = len + skew;
+  rr->ptr_ = static_cast<char*>(m) + skew;
+  return true;
+}
+
 void close_ep(void* ep, bool err_peer) {
   ucp_request_param_t rp;
   memset(&rp, 0, sizeof rp);
@@ -547,18 +560,13 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     int fd = ::open(map_path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) throw Error(Code::kInvalidArgument, "cannot open " + map_path + ": " + strerror(errno));
     struct stat st;
-    const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
-    const uint64_t start = map_offset / page * page, skew = map_offset - start;
     if (fstat(fd, &st) != 0 || uint64_t(st.st_size) < map_offset + len) {
       ::close(fd);
       throw Error(Code::kOutOfBounds, map_path + " is smaller than the remote region");
     }
-    void* m = mmap(nullptr, len + skew, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
+    const bool mapped = map_file_range(rr.get(), fd, map_offset, len);
     ::close(fd);
-    if (m == MAP_FAILED) throw Error(Code::kInternal, "mmap " + map_path + ": " + strerror(errno));
-    rr->file_map_ = m;
-    rr->file_map_len_ = len + skew;
-    rr->ptr_ = static_cast<char*>(m) + skew;
+    if (!mapped) throw Error(Code::kInternal, "mmap " + map_path + ": " + strerror(errno));
     p0 = rr->ptr_;
   } else if (len > 0 && has_shm && peer->same_host_ && shm.pid == peer->pid_ && base >= shm.addr &&
              base - shm.addr <= shm.len && len <= shm.len - (base - shm.addr) &&
@@ -570,17 +578,8 @@ std::shared_ptr<RemoteRegion> EngineCore::import_remote(const std::shared_ptr<Pe
     int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) == 0 && uint64_t(st.st_ino) == shm.ino &&
-        uint64_t(st.st_size) >= shm.len) {
-      const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
-      const uint64_t off = base - shm.addr, start = off / page * page, skew = off - start;
-      void* m = mmap(nullptr, len + skew, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
-      if (m != MAP_FAILED) {
-        rr->file_map_ = m;
-        rr->file_map_len_ = len + skew;
-        rr->ptr_ = static_cast<char*>(m) + skew;
-        p0 = rr->ptr_;
-      }
-    }
+        uint64_t(st.st_size) >= shm.len && map_file_range(rr.get(), fd, base - shm.addr, len))
+      p0 = rr->ptr_;
     if (fd >= 0) ::close(fd);
   }
   if (!ipc.empty() && !rr->ptr_ && len > 0 && peer->same_host_ && cfg.protocol != "tcp" &&
