@@ -62,8 +62,13 @@ def pytest_collection_modifyitems(session, config, items):
         return item.nodeid.split("::")[0]
 
     users = {module(i) for i in items if _uses_cluster(i)}
-    items[:] = [i for i in items if module(i) in users] + [i for i in items if module(i) not in users]
-    config.stash[_LAST_CLUSTER_TEST] = next((i.nodeid for i in reversed(items) if _uses_cluster(i)), None)
+    first = [i for i in items if module(i) in users]
+    items[:] = first + [i for i in items if module(i) not in users]
+    # The last test of the last module that uses it, not the last test that asks for it:
+    # a module-scoped fixture built on the cluster (an actor pair) is torn down only when
+    # its module ends, and a test after the last user in that module would otherwise run
+    # with the cluster gone under it (the fixture's teardown then met a new local Ray).
+    config.stash[_LAST_CLUSTER_TEST] = first[-1].nodeid if first else None
 
 
 _LAST_CLUSTER_TEST = pytest.StashKey[str]()
