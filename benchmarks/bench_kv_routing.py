@@ -113,8 +113,7 @@ Metrics, per router and repeat (``runs``), then median and range over repeats (`
   ``engine_costs``: what each engine learned its tokens cost (the ``costs`` part of its
   router record: seconds per computed and per loaded token, their ratio ``load_cost``);
   ``mooncake-fixed`` is the same router with ``learn_costs: false`` (``load_cost`` 0.4 for
-  every replica), ``mooncake-nospread`` with ``spread_cost: 0`` (no weight on the requests
-  each replica was sent lately);
+  every replica);
 - ``per_replica``: vLLM's counters per Serve replica (requests, prompt tokens by source:
   computed, local cache, external = loaded by the connector), i.e. how the router spread
   the load;
@@ -184,12 +183,11 @@ ROUTERS = {
     "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "mooncake": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "mooncake-fixed": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
-    "mooncake-nospread": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "kvaware": "ray.serve.llm.request_router:KVAwareRouter",
 }
 # request_router_kwargs a router name stands for (``--router-kwargs`` adds to them)
-ROUTER_KWARGS = {"mooncake-fixed": {"learn_costs": False}, "mooncake-nospread": {"spread_cost": 0}}
-COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "mooncake-fixed": "tab:olive", "mooncake-nospread": "tab:brown",
+ROUTER_KWARGS = {"mooncake-fixed": {"learn_costs": False}}
+COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "mooncake-fixed": "tab:olive",
           "kvaware": "tab:purple"}
 QUICK = dict(system_prompts=6, conversations=12, turns=3, active=6, repeats=1)
 
@@ -1122,8 +1120,7 @@ def summarize(results) -> dict:
         return {"of_medians": pn["median"] / pd["median"], "paired": spread(paired)}
 
     for num, den in (("mooncake", "prefix"), ("mooncake", "default"), ("prefix", "default"),
-                     ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix"),
-                     ("mooncake", "mooncake-nospread"), ("mooncake-nospread", "prefix")):
+                     ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix")):
         for key, short in (("mean_ttft_s", "mean_ttft"), ("input_throughput_tok_s", "input_throughput"),
                            ("p90_ttft_s", "p90_ttft")):
             out["ratios"][f"{num}/{den} {short}"] = ratio(num, den, key)

@@ -231,9 +231,6 @@ class CostModel:
 
     load_cost: float = 0.4  # loading a token from the store / computing one (measured, docs/performance.md)
     request_cost: float = 64.0  # per request in flight (its decode steps, scheduling)
-    # per request routed lately (``Recent``) above the replica routed the fewest: what a
-    # conversation started on a replica brings there in its later turns
-    spread_cost: float = 0.0
     min_hit_blocks: int = 1  # a replica's hit shorter than this counts as none
     # replica -> its engine's own load_cost, learned from its steps (``_step_costs``); the
     # others are weighed by ``load_cost``
@@ -244,8 +241,6 @@ class CostModel:
             raise ValueError(f"load_cost must be in [0, 1], got {self.load_cost}")
         if self.request_cost < 0:
             raise ValueError(f"request_cost must be >= 0, got {self.request_cost}")
-        if not self.spread_cost >= 0:
-            raise ValueError(f"spread_cost must be >= 0, got {self.spread_cost}")
 
 
 @dataclass
@@ -296,37 +291,8 @@ def store_run(present: Sequence[bool], start: int) -> int:
     return n
 
 
-class Recent:
-    """Requests routed to each replica lately: a count that halves every ``half_life_s``.
-    A conversation's later turns follow its first to the replica holding it, so these
-    counts are the work each replica has coming, where the requests in flight are only
-    the work it has now."""
-
-    def __init__(self, half_life_s: float = 30.0, clock=time.monotonic):
-        if not half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {half_life_s!r}")
-        self.half_life_s = float(half_life_s)
-        self._clock = clock
-        self._n: dict = {}  # replica -> (count, when)
-
-    def _at(self, key, now: float) -> float:
-        n, t = self._n.get(key, (0.0, now))
-        return n * 0.5 ** ((now - t) / self.half_life_s)
-
-    def add(self, key) -> None:
-        now = self._clock()
-        self._n[key] = (self._at(key, now) + 1.0, now)
-
-    def forget(self, key) -> None:
-        self._n.pop(key, None)
-
-    def counts(self, keys) -> dict:
-        now = self._clock()
-        return {k: self._at(k, now) for k in keys}
-
-
 def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_present: Sequence[bool] | None,
-           load: dict, model: CostModel, tie=None, pressure: float = 0.0, recent: dict | None = None) -> Decision:
+           load: dict, model: CostModel, tie=None, pressure: float = 0.0) -> Decision:
     """Rank replicas (``engine_blocks``'s keys) for a prompt of ``prompt_tokens`` tokens.
 
     Args:
@@ -339,14 +305,11 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
             one holding most pays ``pressure`` per token of the difference: a store below
             the working set does not back what a conversation leaves behind when it moves,
             and its next turns compute what neither engine then holds whole.
-        recent: replica -> requests routed to it lately (:class:`Recent`); each replica
-            pays ``model.spread_cost`` per request above the fewest.
     """
     # the engine computes at least the last token, and reuses whole blocks only
     limit = max(prompt_tokens - 1, 0) // block_size * block_size
     most = max((e for e in engine_blocks.values() if e >= model.min_hit_blocks), default=0)
     most_tokens = min(most * block_size, limit)
-    least = min(recent.values(), default=0.0) if recent else 0.0
     opts = []
     for r, e in engine_blocks.items():
         e = e if e >= model.min_hit_blocks else 0
@@ -358,8 +321,6 @@ def choose(prompt_tokens: int, block_size: int, engine_blocks: dict, store_prese
             + model.request_cost * ld.requests
         if pressure > 0:
             cost += pressure * max(most_tokens - min(e * block_size, limit), 0)
-        if recent and model.spread_cost:
-            cost += model.spread_cost * (recent.get(r, least) - least)
         opts.append(Option(r, e, s, cost, hit, loaded))
     tie = tie or {}
     opts.sort(key=lambda o: (o.cost, tie.get(o.key, 0)))

@@ -88,7 +88,6 @@ BEST_TRIES = 4
 COSTS_EVERY_S = 5.0
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
 PROBE_S = 1.0  # until a subscription delivers its first live batch, the replay is asked this often
-SPREAD_COST = 32.0  # request_router_kwargs.spread_cost's default (docs/performance.md)
 MEAN_S = 1.0  # a request's time from routed to finished, until this router has measured one
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
@@ -646,12 +645,10 @@ class MooncakeKVRouter(_router_base()):
 
     def initialize_state(self, load_cost: float = 0.4, request_cost: float = 64.0, stale_s: float = 5.0,
                          lookup_timeout_s: float = 0.5, tokenizer: str | None = None, silent_s: float = 30.0,
-                         learn_costs: bool = True, spread_cost: float = SPREAD_COST, spread_half_life_s: float = 30.0,
-                         **_unknown):
+                         learn_costs: bool = True, **_unknown):
         if _unknown:
             raise ValueError(f"MooncakeKVRouter: unknown request_router_kwargs {sorted(_unknown)}; allowed: "
-                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer, silent_s, learn_costs, "
-                             "spread_cost, spread_half_life_s")
+                             "load_cost, request_cost, stale_s, lookup_timeout_s, tokenizer, silent_s, learn_costs")
         if not isinstance(learn_costs, bool):
             raise ValueError(f"MooncakeKVRouter: learn_costs must be true or false, got {learn_costs!r}")
         self._learn_costs = learn_costs
@@ -663,8 +660,7 @@ class MooncakeKVRouter(_router_base()):
         # replica -> [since, the feed's progress mark then, requests since]: requests routed
         # there that must make its engine store blocks, and no batch of its applied since
         self._expect: dict[str, list] = {}
-        self._model = kvi.CostModel(load_cost=load_cost, request_cost=request_cost, spread_cost=spread_cost)
-        self._recent = kvi.Recent(spread_half_life_s)  # requests routed to each replica lately
+        self._model = kvi.CostModel(load_cost=load_cost, request_cost=request_cost)
         self._coverage = kvi.StoreCoverage()  # how much of what the engines hold the store backs
         self._lookup_timeout_s = lookup_timeout_s
         self._tokenizer_source = tokenizer
@@ -729,7 +725,6 @@ class MooncakeKVRouter(_router_base()):
         self._records.pop(rid, None)
         self._missing.discard(rid)
         self._load.pop(rid, None)
-        self._recent.forget(rid)
         self._model.load_costs.pop(rid, None)
         self._feed.remove(rid)
 
@@ -839,8 +834,7 @@ class MooncakeKVRouter(_router_base()):
 
     def _by_load(self, candidates, reason: str) -> kvi.Decision:
         zero = {r.replica_id.to_full_id_str(): 0 for r in candidates}
-        dec = kvi.choose(0, 1, zero, None, self._loads(candidates), self._model, self._ties(candidates),
-                         recent=self._recent.counts(zero))
+        dec = kvi.choose(0, 1, zero, None, self._loads(candidates), self._model, self._ties(candidates))
         dec.reason = reason
         return dec
 
@@ -918,7 +912,7 @@ class MooncakeKVRouter(_router_base()):
         if self._metrics is not None:
             self._metrics.pressure(self._coverage.pressure)
         return kvi.choose(len(tokens), bs, engine, present, self._loads(candidates), self._model,
-                          self._ties(candidates), self._coverage.pressure, self._recent.counts(engine))
+                          self._ties(candidates), self._coverage.pressure)
 
     async def _lookup(self, hashes: list[str], skip: int) -> list[bool] | None:
         """Which of the prompt's blocks the store holds (every rank's value of a block), in
@@ -959,7 +953,6 @@ class MooncakeKVRouter(_router_base()):
         reason = dec.reason if opt is dec.best else "load"
         compute = dec.prompt_tokens - (opt.hit_tokens if opt else 0)
         self._inflight[key] = self._hold(rid, compute)
-        self._recent.add(rid)
         self._mean_tokens = compute if self._mean_tokens is None else self._mean_tokens + 0.2 * (compute - self._mean_tokens)
         report = self._queue_report.pop(rid, None)  # the replica's answer as it accepted this one
         if report is not None and time.monotonic() - report[1] < 1.0:

@@ -162,48 +162,8 @@ def test_store_coverage_reads_the_lookups_blocks_some_engine_holds_and_another_n
         kvi.StoreCoverage(alpha=0)
 
 
-def test_recent_requests_halve_every_half_life_and_a_forgotten_replica_has_none():
-    now = [100.0]
-    rec = kvi.Recent(half_life_s=10.0, clock=lambda: now[0])
-    for _ in range(4):
-        rec.add("a")
-    rec.add("b")
-    assert rec.counts(["a", "b", "c"]) == {"a": 4.0, "b": 1.0, "c": 0.0}
-    now[0] = 110.0
-    rec.add("b")
-    assert rec.counts(["a", "b"]) == {"a": pytest.approx(2.0), "b": pytest.approx(1.5)}
-    now[0] = 130.0
-    assert rec.counts(["a"])["a"] == pytest.approx(0.5)
-    rec.forget("a")
-    assert rec.counts(["a"]) == {"a": 0.0}
-    with pytest.raises(ValueError, match="half_life_s.*0"):
-        kvi.Recent(half_life_s=0)
-
-
-def test_a_replica_with_more_recent_requests_pays_for_them_above_the_fewest():
-    """A new conversation whose shared prefix one engine holds and the store backs: the
-    holder keeps it while the conversations lately started are spread, and gives it up
-    once the holder has had spread_cost x (the difference) more than the load saves."""
-    present = [True] * 8 + [False, False]
-    spread = kvi.CostModel(load_cost=0.4, request_cost=64, spread_cost=32)
-    # a: computes 200 + loads 800 (320) = 520; b: computes 200, plus 32 per recent request above a's
-    d = kvi.choose(1000, 100, {"a": 0, "b": 8}, present, {}, spread, recent={"a": 2.0, "b": 11.0})
-    assert d.best.key == "b" and d.reason == "engine" and d.best.cost == pytest.approx(200 + 32 * 9)
-    d = kvi.choose(1000, 100, {"a": 0, "b": 8}, present, {}, spread, recent={"a": 2.0, "b": 12.5})
-    assert d.best.key == "a" and d.reason == "store" and d.ranked[1].cost == pytest.approx(200 + 32 * 10.5)
-    # no term without a weight, or without counts
-    off = kvi.CostModel(load_cost=0.4, request_cost=64)
-    assert kvi.choose(1000, 100, {"a": 0, "b": 8}, present, {}, off, recent={"a": 0.0, "b": 50.0}).best.key == "b"
-    assert kvi.choose(1000, 100, {"a": 0, "b": 8}, present, {}, spread).best.key == "b"
-    # no hit anywhere: the replica with fewer recent requests, whatever the tie order
-    d = kvi.choose(1000, 100, {"a": 0, "b": 0}, None, {}, spread, tie={"a": 0, "b": 1}, recent={"a": 3.0, "b": 1.0})
-    assert d.best.key == "b" and d.reason == "balance"
-
-
 def test_cost_model_bounds_name_the_bad_value():
     with pytest.raises(ValueError, match="load_cost.*1.5"):
         kvi.CostModel(load_cost=1.5)
     with pytest.raises(ValueError, match="request_cost.*-1"):
         kvi.CostModel(request_cost=-1)
-    with pytest.raises(ValueError, match="spread_cost.*-2"):
-        kvi.CostModel(spread_cost=-2)
