@@ -113,7 +113,7 @@ Metrics, per router and repeat (``runs``), then median and range over repeats (`
   ``engine_costs``: what each engine learned its tokens cost (the ``costs`` part of its
   router record: seconds per computed and per loaded token, their ratio ``load_cost``);
   ``mooncake-fixed`` is the same router with ``learn_costs: false`` (``load_cost`` 0.4 for
-  every replica, a request's tokens counted until it finishes);
+  every replica);
 - ``per_replica``: vLLM's counters per Serve replica (requests, prompt tokens by source:
   computed, local cache, external = loaded by the connector), i.e. how the router spread
   the load;

@@ -46,8 +46,7 @@ and works off the tokens in hand at the seconds per computed token published bes
 
 Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
 docs/performance.md; the starting value), ``learn_costs`` (true: each engine's learned
-prices replace it and work off the tokens in hand; false: ``load_cost`` for every replica,
-and a request's tokens count until it finishes), ``request_cost`` (64), ``stale_s`` (5.0:
+price replaces it; false: ``load_cost`` for every replica), ``request_cost`` (64), ``stale_s`` (5.0:
 how long an index whose events were lost counts as empty), ``lookup_timeout_s`` (0.5),
 ``tokenizer`` (a path or model id, when the model source is not one), ``silent_s`` (30:
 an engine sent two or more requests that must store new blocks, and not one event batch
@@ -910,7 +909,7 @@ class MooncakeKVRouter(_router_base()):
                     if self._metrics is not None:
                         self._metrics.compute_seconds(rid, float(cs))
                 lc = (rec or {}).get("load_cost")
-                if isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
+                if self._learn_costs and isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
                     self._model.load_costs[rid] = float(lc)
                     if self._metrics is not None:
                         self._metrics.load_cost(rid, float(lc))
@@ -922,7 +921,7 @@ class MooncakeKVRouter(_router_base()):
         if self._missing and now - self._looked_at > 1.0:
             self._looked_at = now
             self._find_records()
-        if self._learn_costs and self._records and not self._costs_reading and now - self._costs_read_at > COSTS_EVERY_S:
+        if self._records and not self._costs_reading and now - self._costs_read_at > COSTS_EVERY_S:
             self._costs_read_at, self._costs_reading = now, True
             threading.Thread(target=self._read_costs, name="mooncake-router-costs", daemon=True).start()
         got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
