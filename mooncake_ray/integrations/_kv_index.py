@@ -209,49 +209,8 @@ def _hkey(h: Any) -> Any:
 class Load:
     """Work a replica has in hand, as the router sees it."""
 
-    tokens: int = 0  # prompt tokens still to compute of the requests routed to it (``PrefillQueue``)
+    tokens: int = 0  # prompt tokens still to compute of the requests routed to it, in flight
     requests: int = 0  # requests in flight (ours, and other routers' seen at the replica lately)
-
-
-class PrefillQueue:
-    """The prompt tokens one replica still has to compute, as one router sees them: each
-    request's from when it is held there, in that order, worked off at the engine's own
-    seconds per computed token (``s_per_token``, learned from its steps). A request whose
-    prefill is done by that reckoning counts as a request in flight only (its decode steps:
-    ``request_cost``), no longer as tokens in hand; a request of many output tokens would
-    otherwise keep its whole prompt counted long after its first token. With no price known
-    (None) nothing is worked off: a request's tokens count until it is released."""
-
-    def __init__(self):
-        self._left: dict[Any, float] = {}  # hold -> tokens still to compute, in the order held
-        self._at: float | None = None  # when last worked off
-
-    def _work_off(self, now: float, s_per_token: float | None) -> None:
-        if s_per_token and s_per_token > 0 and self._at is not None and now > self._at:
-            budget = (now - self._at) / s_per_token
-            for hold, left in self._left.items():
-                if budget <= 0:
-                    break
-                if left:
-                    done = min(left, budget)
-                    self._left[hold] = left - done
-                    budget -= done
-        self._at = now
-
-    def add(self, hold: Any, tokens: int, now: float, s_per_token: float | None = None) -> None:
-        self._work_off(now, s_per_token)
-        self._left[hold] = float(max(tokens, 0))
-
-    def remove(self, hold: Any, now: float, s_per_token: float | None = None) -> None:
-        self._work_off(now, s_per_token)
-        self._left.pop(hold, None)
-
-    def tokens(self, now: float, s_per_token: float | None = None) -> int:
-        self._work_off(now, s_per_token)
-        return int(round(sum(self._left.values())))
-
-    def __len__(self) -> int:
-        return len(self._left)
 
 
 @dataclass

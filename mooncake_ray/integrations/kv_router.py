@@ -14,10 +14,8 @@ deployment's router is the one that matters.) Per request it weighs, for every r
   connector's Serve backend switches on, one port per replica);
 - what the mooncake-ray store holds, which every replica can load: one batched lookup of
   the prompt's chained block hashes (the keys the connector stores blocks under);
-- the prefill work the replica has in hand (the prompt tokens still to compute of the
-  requests routed to it: each request's from when it is routed, in that order, worked off
-  at the engine's own seconds per computed token once the engine has learned it, counted
-  until the request finishes before then) and its requests in flight; with several ingress replicas (a router each),
+- the prefill work the replica has in hand (prompt tokens of the requests routed to it and
+  not finished) and its requests in flight; with several ingress replicas (a router each),
   the requests of the others too, as the replica reports them when it accepts one of this
   router's, each counted until that request of this router's finishes, or for one mean
   request time from the report;
@@ -41,8 +39,7 @@ load balancing. A replica that dies leaves the index.
 Each engine learns its own price of a loaded token over a computed one from its steps'
 times (``_step_costs``: the connector fits step seconds to the tokens each step computed
 and loaded) and publishes it in its record every ``COSTS_EVERY_S``; the router weighs that
-replica's loads by it, and by ``load_cost`` until the engine has loaded enough to know,
-and works off the tokens in hand at the seconds per computed token published beside it.
+replica's loads by it, and by ``load_cost`` until the engine has loaded enough to know.
 
 Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
 docs/performance.md; the starting value), ``learn_costs`` (true: each engine's learned
@@ -62,16 +59,13 @@ tokenize; error), ``mooncake_router_prompt_tokens``,
 connector's ``mooncake_connector_engine_hit_tokens`` and ``mooncake_connector_hit_tokens``,
 what the engines then reported), ``mooncake_router_event_batches``,
 ``mooncake_router_event_gaps{outcome=replayed|lost|silent}``, ``mooncake_router_index_blocks{replica}``,
-``mooncake_router_load_cost{replica}`` (the learned price in use),
-``mooncake_router_compute_seconds_per_token{replica}`` (the rate tokens in hand are worked off),
-``mooncake_router_store_pressure``,
+``mooncake_router_load_cost{replica}`` (the learned price in use), ``mooncake_router_store_pressure``,
 ``mooncake_router_decision_seconds``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import queue
@@ -535,10 +529,6 @@ class _Metrics:
         self.load_costs = metrics.Gauge("mooncake_router_load_cost",
                                         "Price of a token loaded from the store over one computed, per replica "
                                         "(learned from its engine's steps)", tag_keys=("replica",))
-        self.compute_s = metrics.Gauge("mooncake_router_compute_seconds_per_token",
-                                       "Seconds per computed prompt token, per replica (learned from its engine's "
-                                       "steps): the rate the router works off the tokens it sent there",
-                                       tag_keys=("replica",))
         self.store_pressure = metrics.Gauge(
             "mooncake_router_store_pressure",
             "Share of the blocks engines hold that the store lacks, from this router's lookups (0: the store "
@@ -551,7 +541,6 @@ class _Metrics:
         self._seconds: list[float] = []
         self._blocks: dict[str, int] = {}
         self._load_costs: dict[str, float] = {}
-        self._compute_s: dict[str, float] = {}
         _flush_every(self, 1.0, "mooncake-router-metrics")
 
     def decided(self, reason: str, prompt: int, engine: int, store: int, seconds: float) -> None:
@@ -579,10 +568,6 @@ class _Metrics:
         with self._lock:
             self._load_costs[rid] = value
 
-    def compute_seconds(self, rid: str, value: float) -> None:
-        with self._lock:
-            self._compute_s[rid] = value
-
     def pressure(self, value: float) -> None:
         self._pressure = value
 
@@ -591,15 +576,12 @@ class _Metrics:
             seconds, self._seconds = self._seconds, []
             blocks = dict(self._blocks)
             load_costs = dict(self._load_costs)
-            compute_s = dict(self._compute_s)
         for v in seconds:
             self.seconds.observe(v)
         for rid, n in blocks.items():
             self.blocks.set(n, tags={"replica": rid})
         for rid, v in load_costs.items():
             self.load_costs.set(v, tags={"replica": rid})
-        for rid, v in compute_s.items():
-            self.compute_s.set(v, tags={"replica": rid})
         if self._pressure is not None:
             self.store_pressure.set(self._pressure)
         self.totals.export()
@@ -696,13 +678,8 @@ class MooncakeKVRouter(_router_base()):
         self._block_size: int | None = None
         self._store: dict | None = None  # {"namespace", "prefixes"}
         self._client = None
-        self._load: dict[str, kvi.Load] = {}  # requests and tokens held, until released
-        # replica -> the tokens of its holds still to compute, worked off at its engine's
-        # seconds per computed token (``_compute_s``, from its record, once learned)
-        self._prefill: dict[str, kvi.PrefillQueue] = {}
-        self._compute_s: dict[str, float] = {}
-        self._holds = itertools.count()
-        self._inflight: dict[str, tuple[str, int, int]] = {}  # internal request id -> its hold
+        self._load: dict[str, kvi.Load] = {}
+        self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         # Other routers' requests (other ingress replicas): a replica reports its requests in
         # flight when it accepts one of ours (Serve's queue-length answer); what it holds
         # beyond ours then counts until that request of ours finishes, or for one mean request
@@ -748,8 +725,6 @@ class MooncakeKVRouter(_router_base()):
         self._records.pop(rid, None)
         self._missing.discard(rid)
         self._load.pop(rid, None)
-        self._prefill.pop(rid, None)
-        self._compute_s.pop(rid, None)
         self._model.load_costs.pop(rid, None)
         self._feed.remove(rid)
 
@@ -880,12 +855,10 @@ class MooncakeKVRouter(_router_base()):
         for r in candidates:
             rid = r.replica_id.to_full_id_str()
             mine = self._load.get(rid) or kvi.Load()
-            q = self._prefill.get(rid)
-            tokens = q.tokens(now, self._compute_s.get(rid)) if q is not None else 0
             n, seen = self._others.get(rid, (0, 0.0))
             if n and now - seen > (MEAN_S if self._mean_s is None else self._mean_s):
                 n = 0  # most likely finished by now
-            out[rid] = kvi.Load(int(tokens + n * (self._mean_tokens or 0)), mine.requests + n)
+            out[rid] = kvi.Load(int(mine.tokens + n * (self._mean_tokens or 0)), mine.requests + n)
         return out
 
     def on_new_queue_len_info(self, replica_id, num_ongoing_requests):
@@ -893,9 +866,8 @@ class MooncakeKVRouter(_router_base()):
         self._queue_report[replica_id.to_full_id_str()] = (int(num_ongoing_requests), time.monotonic())
 
     def _read_costs(self) -> None:
-        """Each engine's ``load_cost`` and seconds per computed token as it learned them
-        (its record's ``costs`` part), in a thread: the routing path never waits on the GCS
-        for them."""
+        """Each engine's ``load_cost`` as it learned it (its record's ``costs`` part), in a
+        thread: the routing path never waits on the GCS for it."""
         try:
             for rid in list(self._records):
                 try:
@@ -903,13 +875,8 @@ class MooncakeKVRouter(_router_base()):
                 except Exception as e:  # noqa: BLE001
                     self._warn_once("gcs-costs", "cannot read the engines' token costs from the GCS: %s", e)
                     return
-                cs = (rec or {}).get("compute_s_per_token")
-                if isinstance(cs, (int, float)) and 0 < cs < 1 and rid in self._records:
-                    self._compute_s[rid] = float(cs)
-                    if self._metrics is not None:
-                        self._metrics.compute_seconds(rid, float(cs))
                 lc = (rec or {}).get("load_cost")
-                if self._learn_costs and isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
+                if isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
                     self._model.load_costs[rid] = float(lc)
                     if self._metrics is not None:
                         self._metrics.load_cost(rid, float(lc))
@@ -921,7 +888,7 @@ class MooncakeKVRouter(_router_base()):
         if self._missing and now - self._looked_at > 1.0:
             self._looked_at = now
             self._find_records()
-        if self._records and not self._costs_reading and now - self._costs_read_at > COSTS_EVERY_S:
+        if self._learn_costs and self._records and not self._costs_reading and now - self._costs_read_at > COSTS_EVERY_S:
             self._costs_read_at, self._costs_reading = now, True
             threading.Thread(target=self._read_costs, name="mooncake-router-costs", daemon=True).start()
         got = prompt_text_or_ids(pending_request.args) if pending_request is not None else None
@@ -1021,23 +988,18 @@ class MooncakeKVRouter(_router_base()):
         if pending is not None:
             self._release(pending[2])
 
-    def _hold(self, rid: str, tokens: int) -> tuple[str, int, int]:
+    def _hold(self, rid: str, tokens: int) -> tuple[str, int]:
         """Count a request's work on replica ``rid``; returns what ``_release`` takes back."""
         ld = self._load.setdefault(rid, kvi.Load())
         ld.tokens += tokens
         ld.requests += 1
-        hold = next(self._holds)
-        self._prefill.setdefault(rid, kvi.PrefillQueue()).add(hold, tokens, time.monotonic(), self._compute_s.get(rid))
-        return rid, tokens, hold
+        return rid, tokens
 
-    def _release(self, held: tuple[str, int, int] | None) -> None:
+    def _release(self, held: tuple[str, int] | None) -> None:
         if held is None:
             return
-        rid, tokens, hold = held
+        rid, tokens = held
         ld = self._load.get(rid)
         if ld is not None:
             ld.tokens = max(ld.tokens - tokens, 0)
             ld.requests = max(ld.requests - 1, 0)
-        q = self._prefill.get(rid)
-        if q is not None:
-            q.remove(hold, time.monotonic(), self._compute_s.get(rid))

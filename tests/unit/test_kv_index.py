@@ -146,34 +146,6 @@ def test_under_store_pressure_leaving_the_holder_costs_what_it_holds():
     assert d.best.key == "a"
 
 
-def test_prefill_queue_works_off_holds_in_order_at_the_engines_price():
-    q = kvi.PrefillQueue()
-    q.add("r1", 1000, now=0.0, s_per_token=0.001)
-    q.add("r2", 500, now=0.0, s_per_token=0.001)
-    assert q.tokens(0.0, 0.001) == 1500
-    assert q.tokens(0.4, 0.001) == 1100  # 400 of r1's done
-    assert q.tokens(1.2, 0.001) == 300  # r1 done (1.0 s), 200 of r2's
-    q.remove("r2", 1.2, 0.001)  # finished early: what it had left goes with it
-    assert q.tokens(1.2, 0.001) == 0
-    q.add("r3", 100, now=5.0, s_per_token=0.001)  # time with nothing in hand works nothing off ahead
-    assert q.tokens(5.05, 0.001) == 50
-    q.remove("r1", 5.05, 0.001)  # done long ago, finished now: nothing left of it
-    assert q.tokens(5.05, 0.001) == 50 and len(q) == 1
-    q.remove("r3", 5.2, 0.001)
-    assert len(q) == 0 and q.tokens(6.0, 0.001) == 0
-
-
-def test_prefill_queue_with_no_price_counts_each_hold_until_removed():
-    q = kvi.PrefillQueue()
-    q.add("r1", 800, now=0.0)
-    q.add("r2", 0, now=0.0)
-    assert q.tokens(100.0) == 800 and q.tokens(100.0, 0.0) == 800
-    q.remove("r1", 100.0)
-    assert q.tokens(100.0) == 0
-    q.add("r3", 300, now=100.0)
-    assert q.tokens(100.3, 0.001) == 0  # a price learned later applies from the last reckoning
-
-
 def test_store_coverage_reads_the_lookups_blocks_some_engine_holds_and_another_not():
     cov = kvi.StoreCoverage(alpha=1.0)
     assert cov.pressure == 0.0

@@ -181,30 +181,3 @@ def test_the_mean_request_time_is_the_first_measured_until_more_come(router):
     n, seen = r._others["a"]
     r._others["a"] = (n, seen - 0.5)  # half a second after the report: that request is done
     assert r._loads(reps)["a"] == kvi.Load(0, 0)
-
-
-def test_a_request_past_its_prefill_counts_as_a_request_not_as_its_prompt(router):
-    """Once the engine has published its seconds per computed token, the tokens a request
-    held are worked off from when it was routed: a holder whose requests are decoding
-    (many output tokens) is not taken for one with prompts still to compute."""
-    import time as _time
-
-    r = router
-    reps = [fake_replica("a"), fake_replica("b")]
-    a = reps[0].replica_id
-    r._hold("a", 2000)  # a request routed to "a", before its engine's price is known
-    assert r._loads(reps)["a"] == kvi.Load(2000, 1)
-    r._release(r._inflight.pop("x", None))  # nothing held under that id: nothing released
-    r._compute_s["a"] = 0.001  # now known: 1 ms per computed token
-    q = r._prefill["a"]
-    q._at -= 2.5  # 2.5 s since it was last reckoned: its 2000 tokens are computed
-    assert r._loads(reps)["a"] == kvi.Load(0, 1)  # still in flight, no tokens in hand
-    req = fake_request(0)
-    asyncio.run(r.choose_replicas(reps, req))
-    r.on_request_routed(req, a, None)
-    left = r._loads(reps)["a"].tokens
-    assert 0 < left <= 100  # the new request's prompt (no prefix: kvi.choose of 100 tokens)
-    q._at = _time.monotonic() - 0.05  # 50 ms later: 50 of them done
-    assert r._loads(reps)["a"].tokens == pytest.approx(max(left - 50, 0), abs=2)
-    r.on_request_completed(a, "req0")
-    assert r._loads(reps)["a"] == kvi.Load(0, 1) and r._load["a"].tokens == 2000
