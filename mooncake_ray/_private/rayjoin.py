@@ -45,6 +45,32 @@ def _ago(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+CHECK_TIMEOUT_MS = 2000  # the token check's wait for a GCS; ray.init then waits as it always did
+
+
+def _check_token(address: str | None) -> None:
+    """One GCS call with this process's token before ``ray.init``: a refused token raises
+    ``AuthenticationError`` in milliseconds, where ``ray.init`` retries it once a second
+    for 20 s. Any other outcome (no cluster at ``address``, a GCS still starting) is left
+    to ``ray.init`` as before."""
+    from ray._private import services
+    from ray._raylet import InnerGcsClient
+    from ray.exceptions import AuthenticationError, RpcError
+
+    try:
+        gcs = services.canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError):  # ray.init reports a bad or absent address itself
+        return
+    if not gcs:
+        return
+    try:
+        InnerGcsClient.standalone(gcs, None, CHECK_TIMEOUT_MS)
+    except AuthenticationError:
+        raise
+    except RpcError:  # not up yet or unreachable: ray.init waits for it and reports
+        return
+
+
 def join(address: str | None, **kwargs) -> None:
     """``ray.init(address, **kwargs)``.
 
@@ -64,6 +90,8 @@ def join(address: str | None, **kwargs) -> None:
         except (ImportError, AttributeError):
             pass
     try:
+        if joining:
+            _check_token(address)
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
         if address in (None, "local"):

@@ -8,7 +8,8 @@ its Serve app to the process exit, takes under 10 s.
 The demo's local Ray leaves ``~/.ray/auth_token``; ``ray start --head`` then turns token
 authentication on, and ``mooncake-ray start``, a driver's ``connect()`` and ``mooncake-ray
 status`` must still join (Ray 2.60 alone refuses them: ``RAY_AUTH_MODE`` unset, they send no
-token). A process holding another token gets an error that names where its token came from.
+token). A process holding another token gets an error that names where its token came from,
+on its first call to the GCS.
 Everything runs in a mount namespace of its own whose ``~/.ray`` is a private tmpfs, so the
 user's home is neither read nor changed."""
 
@@ -100,3 +101,7 @@ def test_cluster_flow_after_the_demo_joins_with_the_default_token(flow):
     assert "wrong-token status exited 2" in p.stdout, (p.stdout, logs["wrong.log"])
     wrong = logs["wrong.log"]
     assert "token comes from the RAY_AUTH_TOKEN environment variable" in wrong and "ray get-auth-token" in wrong, wrong
+    # refused on its first call to the GCS: ray.init alone retries a refused token once a
+    # second for 20 s, and Ray logs each try
+    assert "AuthenticationError" in wrong, wrong
+    assert full["wrong.log"].count("Failed to get cluster ID from GCS server") == 1, wrong
