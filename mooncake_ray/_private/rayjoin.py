@@ -55,11 +55,13 @@ def _check_token(address: str | None) -> None:
     to ``ray.init`` as before."""
     from ray._private import services
     from ray._raylet import InnerGcsClient
-    from ray.exceptions import AuthenticationError, RpcError
+    from ray.exceptions import AuthenticationError
 
+    if address and address.startswith("ray://"):  # Ray Client: its server, not a GCS, answers there
+        return
     try:
         gcs = services.canonicalize_bootstrap_address(address)
-    except (ConnectionError, ValueError):  # ray.init reports a bad or absent address itself
+    except Exception:  # noqa: BLE001 - ray.init reports a bad or absent address itself
         return
     if not gcs:
         return
@@ -67,7 +69,7 @@ def _check_token(address: str | None) -> None:
         InnerGcsClient.standalone(gcs, None, CHECK_TIMEOUT_MS)
     except AuthenticationError:
         raise
-    except RpcError:  # not up yet or unreachable: ray.init waits for it and reports
+    except Exception:  # noqa: BLE001 - not up yet, unreachable: ray.init waits for it and reports
         return
 
 
