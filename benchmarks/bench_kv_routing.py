@@ -183,11 +183,16 @@ ROUTERS = {
     "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "mooncake": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "mooncake-fixed": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
+    "mooncake-layerwise": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "kvaware": "ray.serve.llm.request_router:KVAwareRouter",
 }
 # request_router_kwargs a router name stands for (``--router-kwargs`` adds to them)
 ROUTER_KWARGS = {"mooncake-fixed": {"learn_costs": False}}
+# the connector's settings a router name stands for, over ``--load-mode``
+ROUTER_CONNECTOR = {"mooncake-layerwise": {"load_mode": "layerwise"}}
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "mooncake-fixed": "tab:olive",
+          "mooncake-layerwise": "tab:cyan",
           "kvaware": "tab:purple"}
 QUICK = dict(system_prompts=6, conversations=12, turns=3, active=6, repeats=1)
 
@@ -197,8 +202,8 @@ def model_dir(g: dict) -> str:
             f"-I{g['intermediate']}-P{g['max_positions']}")
 
 
-def kv_bytes_per_token(g: dict) -> int:
-    return 2 * g["layers"] * g["kv_heads"] * (g["hidden"] // g["heads"]) * 2
+def kv_bytes_per_token(g: dict, dtype: str = "bfloat16") -> int:
+    return 2 * g["layers"] * g["kv_heads"] * (g["hidden"] // g["heads"]) * DTYPE_BYTES[dtype]
 
 
 def blocks(tokens: int) -> int:
@@ -234,7 +239,7 @@ def workload_shape(a) -> dict:
     max_prompt = a.system_len + own
     plan = conversation_plan(a)
     counts = [sum(1 for p in plan if p["sys"] == k) for k in range(a.system_prompts)]
-    return {"working_set_blocks": ws, "working_set_bytes": ws * BLOCK * kv_bytes_per_token(a.geometry),
+    return {"working_set_blocks": ws, "working_set_bytes": ws * BLOCK * kv_bytes_per_token(a.geometry, a.dtype),
             "working_set_definition": "every system prompt + --active conversations' own history at their last "
                                       "turn (questions and answers), in 32-token blocks",
             "vllm_kv_blocks_per_replica": per_replica, "one_replica_holds_fraction": per_replica / ws,
@@ -666,15 +671,16 @@ def app_args(a, router: str, shape: dict) -> dict:
             "log_engine_metrics": True,
             "engine_kwargs": {
                 "block_size": BLOCK, "max_model_len": shape["max_model_len"], "max_num_seqs": a.max_num_seqs,
-                "enforce_eager": True, "dtype": "bfloat16", "enable_prefix_caching": True,
+                "enforce_eager": True, "dtype": a.dtype, "enable_prefix_caching": True,
                 "enable_prompt_tokens_details": True, "seed": 0,
-                "num_gpu_blocks_override": nblocks, "kv_cache_memory_bytes": nblocks * BLOCK * kv_bytes_per_token(a.geometry),
+                "num_gpu_blocks_override": nblocks, "kv_cache_memory_bytes": nblocks * BLOCK * kv_bytes_per_token(a.geometry, a.dtype),
                 "kv_transfer_config": {
                     "kv_connector": "MooncakeRayConnector",
                     "kv_connector_module_path": "mooncake_ray.integrations.vllm",
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {
                         "namespace": a.store_namespace,
+                        "load_mode": ROUTER_CONNECTOR.get(router, {}).get("load_mode", a.load_mode),
                         "deploy_store": {"namespace": a.store_namespace, "segment_size_bytes": a.store_size,
                                          "transport": {"devices": ["lo"]}}}}}}]}
 
@@ -955,6 +961,11 @@ def main() -> None:
     ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (a router each; --ray-cpus "
                     "needs 4 for the engines plus one per ingress replica)")
     ap.add_argument("--store-size", default="256mb")
+    ap.add_argument("--load-mode", default="async", choices=("async", "layerwise"),
+                    help="the connector's load_mode (mooncake-layerwise: always layerwise)")
+    ap.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES),
+                    help="the engines' dtype: float32 on a host without AVX-512 BF16, where torch's bf16 "
+                         "matmul is two orders of magnitude slower")
     ap.add_argument("--store-namespace", default="kvr_bench")
     ap.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (nobind or auto, see above)")
     ap.add_argument("--reserved-cpus", type=int, default=None, help="VLLM_CPU_NUM_OF_RESERVED_CPU (unset by default)")
@@ -1035,8 +1046,8 @@ def main() -> None:
                               "workload",
                "args": {k: v for k, v in vars(a).items() if k not in ("child", "resummarize")},
                "routers": routers, "router_classes": {r: ROUTERS[r] for r in routers}, **checks,
-               "geometry": {**a.geometry, "block_size": BLOCK, "kv_bytes_per_token": kv_bytes_per_token(a.geometry),
-                            "block_bytes": BLOCK * kv_bytes_per_token(a.geometry), "model_dir": model_dir(a.geometry)},
+               "geometry": {**a.geometry, "block_size": BLOCK, "kv_bytes_per_token": kv_bytes_per_token(a.geometry, a.dtype),
+                            "block_bytes": BLOCK * kv_bytes_per_token(a.geometry, a.dtype), "model_dir": model_dir(a.geometry)},
                "workload": shape, "host": host_info(), "versions": _versions(), "git": git_state(),
                "run_dir": str(run_dir), "runs": []}
     out = Path(a.out)
@@ -1120,7 +1131,8 @@ def summarize(results) -> dict:
         return {"of_medians": pn["median"] / pd["median"], "paired": spread(paired)}
 
     for num, den in (("mooncake", "prefix"), ("mooncake", "default"), ("prefix", "default"),
-                     ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix")):
+                     ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix"),
+                     ("mooncake-layerwise", "prefix"), ("mooncake-layerwise", "mooncake")):
         for key, short in (("mean_ttft_s", "mean_ttft"), ("input_throughput_tok_s", "input_throughput"),
                            ("p90_ttft_s", "p90_ttft")):
             out["ratios"][f"{num}/{den} {short}"] = ratio(num, den, key)

@@ -11,6 +11,7 @@ not the cluster's still fails; the error then names where the token came from an
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -46,13 +47,33 @@ def _ago(s: float) -> str:
 
 
 CHECK_TIMEOUT_MS = 2000  # the token check's wait for a GCS; ray.init then waits as it always did
+REFUSED_WAIT_S = 3.0  # how long a refused connection may last before nothing is taken to listen there
+
+
+def _refused(gcs: str, wait_s: float) -> bool:
+    """Whether every TCP connection to ``gcs`` (``host:port``) is refused for ``wait_s``:
+    nothing listens there. A connection made, or any other failure (a timeout, no route),
+    is not that, and is left to ``ray.init``."""
+    host, _, port = gcs.rpartition(":")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return False
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
+        except (OSError, ValueError):
+            return False
 
 
 def _check_token(address: str | None) -> None:
     """One GCS call with this process's token before ``ray.init``: a refused token raises
     ``AuthenticationError`` in milliseconds, where ``ray.init`` retries it once a second
-    for 20 s. Any other outcome (no cluster at ``address``, a GCS still starting) is left
-    to ``ray.init`` as before."""
+    for 20 s. A port nothing listens on (every connection refused for ``REFUSED_WAIT_S``)
+    raises ``ConfigError``, where ``ray.init`` retries for minutes. Any other outcome (a
+    GCS still starting, a host that does not answer) is left to ``ray.init`` as before."""
     from ray._private import services
     from ray._raylet import InnerGcsClient
     from ray.exceptions import AuthenticationError
@@ -65,6 +86,11 @@ def _check_token(address: str | None) -> None:
         return
     if not gcs:
         return
+    if _refused(gcs, REFUSED_WAIT_S):
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address!r}: nothing listens at {gcs} (every connection refused "
+            f"for {REFUSED_WAIT_S:g} s). Start the cluster (`ray start --head`), or give the address its head "
+            "printed (`ray status` on the head shows it).")
     try:
         InnerGcsClient.standalone(gcs, None, CHECK_TIMEOUT_MS)
     except AuthenticationError:

@@ -3,7 +3,7 @@
 The connector's scheduler side sees every engine step as it is scheduled: the tokens the
 step computes (``num_scheduled_tokens``) and the tokens it loads from the store (the
 requests whose external hit is loaded inside the step's forward pass, as the connector's
-default synchronous loads are). The time from one step's scheduling to the next is that
+``layerwise`` load mode does). The time from one step's scheduling to the next is that
 step's time, when the engine ran them back to back: a request of the earlier step is among
 the later one's running requests (else the engine may have waited for work in between, and
 the interval says nothing). Over the last ``window`` such steps, a least-squares fit of

@@ -9,7 +9,7 @@ The demo's local Ray leaves ``~/.ray/auth_token``; ``ray start --head`` then tur
 authentication on, and ``mooncake-ray start``, a driver's ``connect()`` and ``mooncake-ray
 status`` must still join (Ray 2.60 alone refuses them: ``RAY_AUTH_MODE`` unset, they send no
 token). A process holding another token gets an error that names where its token came from,
-on its first call to the GCS.
+on its first call to the GCS; an address nothing listens on, an error within seconds.
 Everything runs in a mount namespace of its own whose ``~/.ray`` is a private tmpfs, so the
 user's home is neither read nor changed."""
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -63,6 +64,8 @@ print('driver ok')
 RAY_AUTH_TOKEN=0000000000000000000000000000000000000000000000000000000000000000 \
   "$BIN/mooncake-ray" status > "$OUT/wrong.log" 2>&1
 echo "wrong-token status exited $?"
+"$BIN/mooncake-ray" status --address "127.0.0.1:$DEADPORT" > "$OUT/dead.log" 2>&1
+echo "dead-port status exited $?"
 "$BIN/mooncake-ray" stop > "$OUT/stop.log" 2>&1 || { echo "mooncake-ray stop failed"; exit 14; }
 echo "flow ok"
 """
@@ -72,10 +75,14 @@ echo "flow ok"
 def flow(tmp_path_factory):
     """The demo, then the cluster flow: (the flow's process, its logs by file name)."""
     out = tmp_path_factory.mktemp("demo-flow")
-    env = {**os.environ, "ROOT": ROOT, "PY": sys.executable, "BIN": BIN, "OUT": str(out),
-           "PORT": str(free_port())}
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", FLOW], env=env,
-                       capture_output=True, text=True, timeout=400)
+    # a port nothing listens on: bound here and never listened on, so no process of the
+    # flow takes it and every connection to it is refused
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        env = {**os.environ, "ROOT": ROOT, "PY": sys.executable, "BIN": BIN, "OUT": str(out),
+               "PORT": str(free_port()), "DEADPORT": str(dead.getsockname()[1])}
+        p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", FLOW], env=env,
+                           capture_output=True, text=True, timeout=400)
     return p, {f.name: f.read_text(errors="replace") for f in out.iterdir() if f.suffix == ".log"}
 
 
@@ -105,3 +112,6 @@ def test_cluster_flow_after_the_demo_joins_with_the_default_token(flow):
     # second for 20 s, and Ray logs each try
     assert "AuthenticationError" in wrong, wrong
     assert full["wrong.log"].count("Failed to get cluster ID from GCS server") == 1, wrong
+    # an address nothing listens on: exit 2 within seconds (ray.init alone retries for minutes)
+    assert "dead-port status exited 2" in p.stdout, (p.stdout, logs["dead.log"])
+    assert "nothing listens at 127.0.0.1:" in logs["dead.log"], logs["dead.log"]
