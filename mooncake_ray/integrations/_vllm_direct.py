@@ -26,6 +26,8 @@ import logging
 import time
 from typing import Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 PEER_PREFIX = "mcr-direct/peer/"
@@ -70,30 +72,51 @@ class DirectReader:
         return got
 
     def read(self, engine_id: str, tp_rank: int, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
-        """Read every layer of ``remote_blocks`` into ``local_blocks``.
+        """Read every layer of ``remote_blocks`` into ``local_blocks``: one transfer whose ops
+        are arrays, one op per (layer, part, prefill region) holding every block's range.
 
         Raises:
-            MooncakeRayError, ValueError, KeyError: the caller falls back to the store.
+            MooncakeRayError, ValueError, KeyError, IndexError: the caller falls back to the
+                store.
         """
         key = peer_key(engine_id, tp_rank)
         try:
             _, regions, rlayers = self._peer(key)
             if len(rlayers) != len(self.layers):
                 raise ValueError(f"prefill engine {engine_id} has {len(rlayers)} layers, this one {len(self.layers)}")
+            rb = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+            lb = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+            if rb.size != lb.size:
+                raise ValueError(f"{rb.size} remote blocks for {lb.size} local ones")
+            order = sorted(range(len(regions)), key=lambda k: regions[k][1])
+            bases = np.array([regions[k][1] for k in order], dtype=np.int64)
+            ends = np.array([regions[k][2] for k in order], dtype=np.int64)
             ops = []
             for li, layer in enumerate(self.layers):
                 rparts, rbytes, rstride, rblocks = rlayers[li]
                 if rbytes != layer.part_bytes or len(rparts) != layer.num_parts:
                     raise ValueError(f"layer {li}: {len(rparts)} parts of {rbytes} bytes per block there, "
                                      f"{layer.num_parts} of {layer.part_bytes} here")
-                for rb, lb in zip(remote_blocks, local_blocks):
-                    if not 0 <= rb < rblocks:
-                        raise ValueError(f"remote block {rb} outside {rblocks} blocks")
-                    for rpart, (local_addr, n) in zip(rparts, layer.block(lb)):
-                        addr = rpart + rb * rstride
-                        rr, base = next((rr, base) for rr, base, end in regions
-                                        if base <= addr and addr + n <= end)
-                        ops.append((rr, addr - base, local_addr, n))
+                if rb.size and not (0 <= rb.min() and rb.max() < rblocks):
+                    bad = int(rb[(rb < 0) | (rb >= rblocks)][0])
+                    raise ValueError(f"remote block {bad} outside {rblocks} blocks")
+                if lb.size and not (0 <= lb.min() and lb.max() < layer.num_blocks):
+                    bad = int(lb[(lb < 0) | (lb >= layer.num_blocks)][0])
+                    raise IndexError(f"block {bad} outside layer {layer.name!r} of {layer.num_blocks} blocks")
+                n = layer.part_bytes
+                for rpart, lpart in zip(rparts, layer.parts):
+                    raddr = rpart + rb * rstride
+                    laddr = lpart + lb * layer.block_stride
+                    at = np.searchsorted(bases, raddr, side="right") - 1  # the region each range starts in
+                    inside = (at >= 0) & (raddr + n <= ends[np.maximum(at, 0)])
+                    if not inside.all():
+                        bad = int(raddr[~inside][0])
+                        raise ValueError(f"layer {li}: remote range [{bad}, +{n}) lies outside the prefill "
+                                         f"engine's registered memory")
+                    for k in np.unique(at):
+                        rr, base, _ = regions[order[k]]
+                        sel = at == k
+                        ops.append((rr, raddr[sel] - base, laddr[sel], n))
             self.client.engine.read(ops, self.timeout_s)
         except BaseException:
             self._peers.pop(key, None)  # reconnect next time (the prefill engine may have restarted)

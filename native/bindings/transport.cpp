@@ -13,6 +13,8 @@
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstring>
 #include <optional>
 
 #include "mcr/master_index.h"
@@ -101,13 +103,93 @@ class OpParser {
     return PyTuple_Check(x) ? PyTuple_GET_ITEM(x, k) : PyList_GET_ITEM(x, k);
   }
 
+  // A column of an array op: a 1-D C-contiguous buffer of 64-bit ints (numpy uint64 or
+  // int64), or one int standing for every row.
+  struct Column {
+    Py_buffer view{};
+    bool held = false;
+    uint64_t scalar = 0;
+    const uint64_t* data = nullptr;
+    bool is_signed = false;
+    Py_ssize_t n = -1;  // -1: a scalar
+    Column() = default;
+    Column(const Column&) = delete;
+    Column& operator=(const Column&) = delete;
+    ~Column() {
+      if (held) PyBuffer_Release(&view);
+    }
+    uint64_t operator[](Py_ssize_t k) const { return n < 0 ? scalar : data[k]; }
+  };
+
+  // A buffer of one or more dimensions (a numpy integer scalar is a buffer of none: an int).
+  static bool is_array(PyObject* x) {
+    if (PyLong_Check(x) || PyTuple_Check(x) || PyList_Check(x) || !PyObject_CheckBuffer(x)) return false;
+    Py_buffer v;
+    if (PyObject_GetBuffer(x, &v, PyBUF_ND) != 0) {
+      PyErr_Clear();
+      return true;  // column() says why it cannot be read
+    }
+    const bool dims = v.ndim >= 1;
+    PyBuffer_Release(&v);
+    return dims;
+  }
+
+  // false: neither a non-negative int nor a 1-D buffer of 64-bit ints (why says which).
+  static bool column(PyObject* x, Column* c, const char** why) {
+    if (!is_array(x)) {
+      if (u64(x, &c->scalar)) return true;
+      *why = "its columns must be non-negative ints or 1-D arrays of 64-bit ints";
+      return false;
+    }
+    if (PyObject_GetBuffer(x, &c->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      *why = "an array column must be C-contiguous";
+      return false;
+    }
+    c->held = true;
+    const char* f = c->view.format ? c->view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    const bool fmt_ok = f[0] != '\0' && f[1] == '\0' && std::strchr("QqLlNn", f[0]) != nullptr;
+    if (c->view.ndim != 1 || c->view.itemsize != 8 || !fmt_ok) {
+      *why = "an array column must be one-dimensional, of 64-bit ints (numpy uint64 or int64)";
+      return false;
+    }
+    c->data = static_cast<const uint64_t*>(c->view.buf);
+    c->n = c->view.shape ? c->view.shape[0] : c->view.len / 8;
+    c->is_signed = std::islower(static_cast<unsigned char>(f[0])) != 0;
+    return true;
+  }
+
+  // (rr, remote_offsets, local_addrs, lengths) with one or more array columns: one op per
+  // row (row k: remote_offsets[k], local_addrs[k], lengths[k]; an int column repeats).
+  void add_rows(PyObject* item, size_t i) {
+    Column cols[3];
+    const char* why = nullptr;
+    Py_ssize_t n = -1;
+    for (int k = 0; k < 3; ++k) {
+      if (!column(at(item, k + 1), &cols[k], &why)) bad(item, i, why);
+      if (cols[k].n >= 0) {
+        if (n >= 0 && cols[k].n != n) bad(item, i, "its array columns differ in length");
+        n = cols[k].n;
+      }
+    }
+    for (auto& c : cols)
+      if (c.is_signed)
+        for (Py_ssize_t k = 0; k < c.n; ++k)
+          if (int64_t(c.data[k]) < 0)
+            bad(item, i, ("row " + std::to_string(k) + " holds a negative value (" +
+                          std::to_string(int64_t(c.data[k])) + ")").c_str());
+    out_.reserve(out_.size() + size_t(n));
+    for (Py_ssize_t k = 0; k < n; ++k)
+      push(mcr::IoOp{last_rr_, cols[0][k], uintptr_t(cols[1][k]), cols[2][k]}, i);
+  }
+
   void add(PyObject* item, size_t i) {
     static const char* kShape =
-        "not (RemoteRegion, remote_offset, local_addr or ((addr, length), ...), length) with non-negative ints";
+        "not (RemoteRegion, remote_offset, local_addr or ((addr, length), ...), length) with non-negative ints, "
+        "or with arrays of them";
     if (!pair_or_quad(item, 4)) bad(item, i, kShape);
     PyObject* r = at(item, 0);
-    uint64_t off, len;
-    if (!u64(at(item, 1), &off) || !u64(at(item, 3), &len)) bad(item, i, kShape);
     if (r != last_obj_) {
       std::shared_ptr<mcr::RemoteRegion> rr;
       if (r != Py_None && !nb::try_cast<std::shared_ptr<mcr::RemoteRegion>>(nb::handle(r), rr)) bad(item, i, kShape);
@@ -115,6 +197,11 @@ class OpParser {
       last_obj_ = r;
     }
     PyObject* local = at(item, 2);
+    // Python ints (the common case) skip the look for array columns
+    const bool ints = PyLong_CheckExact(at(item, 1)) && PyLong_CheckExact(at(item, 3));
+    if (!ints && (is_array(at(item, 1)) || is_array(local) || is_array(at(item, 3)))) return add_rows(item, i);
+    uint64_t off, len;
+    if (!u64(at(item, 1), &off) || !u64(at(item, 3), &len)) bad(item, i, kShape);
     uint64_t addr;
     if (PyTuple_Check(local) || PyList_Check(local)) {  // a multi-range value
       const Py_ssize_t k = PySequence_Fast_GET_SIZE(local);
@@ -130,7 +217,10 @@ class OpParser {
       }
       return;
     }
-    if (!u64(local, &addr)) bad(item, i, kShape);
+    if (!u64(local, &addr)) {
+      if (is_array(local)) return add_rows(item, i);  // local addresses an array, the rest ints
+      bad(item, i, kShape);
+    }
     push(mcr::IoOp{last_rr_, off, uintptr_t(addr), len}, i);
   }
 

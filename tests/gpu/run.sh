@@ -180,7 +180,8 @@ if os.path.exists(bench):
         t = b["targets"][k]
         print(f"  {k:<22} {v:6.2f}  target >= {t}: {'met' if v >= t else 'MISSED'}")
     if "submit_overhead_ms" in b:
-        print(f"  transfer call of {b['ranges']} ops before anything moves: {b['submit_overhead_ms']:.1f} ms")
+        print(f"  transfer call of {b['ranges']} ops before anything moves: {b['submit_overhead_ms']:.2f} ms as a list, "
+              f"{b.get('submit_overhead_arrays_ms', float('nan')):.2f} ms as arrays")
     print(f"  paths: {b.get('paths')}")
     print(f"  verified: {b.get('verified')}")
     for n in b.get("notes", []):

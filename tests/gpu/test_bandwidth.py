@@ -22,6 +22,12 @@ counted once):
                           the copy kernel off (MCR_CUDA_COPY_KERNEL=0's path: the DMA
                           engines, one batched call); the names without it are the default
                           path (the kernel takes batches of many small ranges)
+  ..._arrays              load, save and gpu_to_gpu_blocks with the 18432 ops passed as
+                          one op of arrays (remote offsets, local addresses, one length)
+                          instead of a list of 18432 tuples
+What one call costs before anything moves (its last op out of bounds, so the engine reads
+and checks every op, then refuses the call; median of 5): submit_overhead_ms for the list,
+submit_overhead_arrays_ms for the arrays.
 Targets: load >= 0.8 h2d, save >= 0.8 d2h, staged >= host memcpy,
 GPU->GPU >= 0.5 d2d. Misses are reported, not failed, unless MCR_GPU_STRICT=1; wrong bytes
 always fail. Writes $OUT/gpu_bench.json (/tmp/gpu_bench.json without $OUT).
@@ -51,18 +57,32 @@ REPS = 5
 T = 60.0  # seconds one transfer of 576 MiB may take
 TARGETS = {"load/h2d": 0.8, "save/d2h": 0.8, "staged/host_memcpy": 1.0, "gpu_to_gpu/d2d": 0.5,
            "gpu_to_gpu_blocks/d2d": 0.5, "gpu_to_gpu_write/d2d": 0.5,
-           "load_dma/h2d": 0.8, "save_dma/d2h": 0.8, "gpu_to_gpu_blocks_dma/d2d": 0.5}
+           "load_dma/h2d": 0.8, "save_dma/d2h": 0.8, "gpu_to_gpu_blocks_dma/d2d": 0.5,
+           "load_arrays/h2d": 0.8, "save_arrays/d2h": 0.8, "gpu_to_gpu_blocks_arrays/d2d": 0.5}
 RATIO_OF = {"load/h2d": ("load", "h2d_pinned"), "save/d2h": ("save", "d2h_pinned"),
             "staged/host_memcpy": ("staged_gather", "host_memcpy"), "gpu_to_gpu/d2d": ("gpu_to_gpu", "d2d"),
             "gpu_to_gpu_blocks/d2d": ("gpu_to_gpu_blocks", "d2d"),
             "gpu_to_gpu_write/d2d": ("gpu_to_gpu_write", "d2d"),
             "load_dma/h2d": ("load_dma", "h2d_pinned"), "save_dma/d2h": ("save_dma", "d2h_pinned"),
-            "gpu_to_gpu_blocks_dma/d2d": ("gpu_to_gpu_blocks_dma", "d2d")}
+            "gpu_to_gpu_blocks_dma/d2d": ("gpu_to_gpu_blocks_dma", "d2d"),
+            "load_arrays/h2d": ("load_arrays", "h2d_pinned"), "save_arrays/d2h": ("save_arrays", "d2h_pinned"),
+            "gpu_to_gpu_blocks_arrays/d2d": ("gpu_to_gpu_blocks_arrays", "d2d")}
 
 
 def _out_path() -> Path:
     out = os.environ.get("OUT")
     return Path(out) / "gpu_bench.json" if out else Path("/tmp/gpu_bench.json")
+
+
+def refused_ms(call, reps: int = REPS) -> float:
+    """Median ms of ``call``, which must raise (a transfer refused at its last op)."""
+    ts = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        with pytest.raises(Exception):
+            call()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts[1:]) * 1e3)
 
 
 def test_bandwidth(gpu, engines, spawn_peer):
@@ -119,10 +139,11 @@ def test_bandwidth(gpu, engines, spawn_peer):
         default_mode = _native.cuda_copy_kernel_mode()
         res["copy_kernel"] = {"mode": default_mode, "unavailable": _native.cuda_copy_kernel_unavailable(gpu.dev)}
 
-        def dma_and_default(name, prepare, run, counters, check) -> None:
-            """``name`` timed with the copy kernel off (``name_dma``), then as by default;
-            ``prepare`` resets the memory before each, ``check`` verifies after each."""
-            for suffix, mode in (("_dma", 0), ("", default_mode)):
+        def dma_and_default(name, prepare, run, counters, check, dma=True) -> None:
+            """``name`` timed with the copy kernel off (``name_dma``; not with dma=False),
+            then as by default; ``prepare`` resets the memory before each, ``check``
+            verifies after each."""
+            for suffix, mode in ((("_dma", 0),) if dma else ()) + (("", default_mode),):
                 _native.cuda_copy_kernel_mode(mode)
                 prepare()
                 sync()
@@ -145,13 +166,17 @@ def test_bandwidth(gpu, engines, spawn_peer):
             paths["arena"] = {"kind": peer.arena_kind, "map_path": peer.arena_file, "mapped": rr.mapped,
                               "read_path": rr.read_path, "write_path": rr.write_path}
             ops = [(rr, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
+            offsets = np.arange(N_RANGES, dtype=np.uint64) * PART
+            addrs = np.array(gpu_addrs, dtype=np.uint64)
+            array_ops = [(rr, offsets, addrs, PART)]
             # what one call costs before anything moves: its last op is out of bounds, so the
             # engine converts and checks all 18432 and then refuses the call
             bad = ops[:-1] + [(rr, rr.length, gpu_addrs[-1], PART)]
-            t0 = time.perf_counter()
-            with pytest.raises(Exception):
-                eng.transfer(bad, True, 60.0)
-            res["submit_overhead_ms"] = (time.perf_counter() - t0) * 1e3
+            bad_offsets = offsets.copy()
+            bad_offsets[-1] = rr.length
+            res["submit_overhead_ms"] = refused_ms(lambda: eng.transfer(bad, True, 60.0))
+            res["submit_overhead_arrays_ms"] = refused_ms(
+                lambda: eng.transfer([(rr, bad_offsets, addrs, PART)], True, 60.0))
             s0 = eng.stats()
             arena_sha = peer.sha("arena", [(0, TOTAL)])
             dma_and_default("load", poison, lambda: eng.transfer(ops, True, T),
@@ -165,6 +190,12 @@ def test_bandwidth(gpu, engines, spawn_peer):
             dma_and_default("save", fresh, lambda: eng.transfer(ops, False, T),
                             ("write_cuda_bytes", "write_put_bytes", "cuda_kernel_launches"),
                             lambda: peer.sha("arena", [(0, TOTAL)]) == sha_blocks())
+            saved_sha = peer.sha("arena", [(0, TOTAL)])
+            dma_and_default("load_arrays", poison, lambda: eng.transfer(array_ops, True, T),
+                            ("read_cuda_bytes", "cuda_kernel_launches"), lambda: sha_blocks() == saved_sha, dma=False)
+            dma_and_default("save_arrays", fresh, lambda: eng.transfer(array_ops, False, T),
+                            ("write_cuda_bytes", "cuda_kernel_launches"),
+                            lambda: peer.sha("arena", [(0, TOTAL)]) == sha_blocks(), dma=False)
             gpu_sha = sha_blocks()
             s2 = eng.stats()
             paths["arena"]["cuda_pin_refused"] = delta(s2, s0, "cuda_pin_refused")
@@ -217,6 +248,10 @@ def test_bandwidth(gpu, engines, spawn_peer):
             ops_g = [(rrc, i * PART, a, PART) for i, a in enumerate(gpu_addrs)]
             dma_and_default("gpu_to_gpu_blocks", poison, lambda: eng.transfer(ops_g, True, T),
                             ("cuda_kernel_launches",), lambda: sha_blocks() == peer_sha)
+            array_ops_g = [(rrc, np.arange(N_RANGES, dtype=np.uint64) * PART, np.array(gpu_addrs, dtype=np.uint64),
+                            PART)]
+            dma_and_default("gpu_to_gpu_blocks_arrays", poison, lambda: eng.transfer(array_ops_g, True, T),
+                            ("cuda_kernel_launches",), lambda: sha_blocks() == peer_sha, dma=False)
             g1 = eng.stats()
             paths["gpu_to_gpu"].update(read_cuda_bytes=delta(g1, g0, "read_cuda_bytes"),
                                        read_get_bytes=delta(g1, g0, "read_get_bytes"))
@@ -248,8 +283,8 @@ def test_bandwidth(gpu, engines, spawn_peer):
         for k, v in ratios.items():
             print(f"[gpu]   {k:<22} {v:6.2f}  (target >= {TARGETS[k]}: {'met' if v >= TARGETS[k] else 'MISSED'})")
         if "submit_overhead_ms" in res:
-            print(f"[gpu]   one transfer call of {N_RANGES} ops costs {res['submit_overhead_ms']:.1f} ms before "
-                  f"anything moves")
+            print(f"[gpu]   one transfer call of {N_RANGES} ops costs {res['submit_overhead_ms']:.2f} ms before "
+                  f"anything moves as a list, {res['submit_overhead_arrays_ms']:.2f} ms as arrays")
         print(f"[gpu]   verified {verified}; paths {paths}", flush=True)
 
     bad = [k for k, ok in verified.items() if not ok]

@@ -360,6 +360,66 @@ def test_op_lists_of_every_shape_are_read_alike(peers, expected, engines):
 
 
 
+@pytest.mark.parametrize("protocol", ["auto", "tcp"])
+def test_ops_given_as_arrays_move_the_same_bytes_as_op_lists(peers, expected, engines, protocol):
+    """An op whose remote offsets, local addresses and lengths are 1-D arrays of 64-bit
+    ints (an int column repeats) stands for one op per row: rows in any order, in several
+    array ops of one call and beside ordinary ops, read and written alike (a mapped arena
+    and tcp). A malformed array op is refused before anything moves, its fault named."""
+    peer = peers(protocol)
+    eng = engines(protocol=protocol)
+    exp_arena, _ = expected
+    rr, wr = peer.remote(eng, "arena"), peer.remote(eng, "scratch")
+    rng = np.random.default_rng(11)
+    dst = np.zeros(2 * MIB, dtype=np.uint8)
+    reg = eng.register(dst)
+    base = addr_of(dst)
+    rows = rng.permutation(256)                                      # 256 rows of 4 KiB, shuffled
+    offs = (rows * 8192 + 5).astype(np.uint64)                       # odd remote offsets
+    addrs = (base + np.arange(256) * 4096).astype(np.int64)          # int64 addresses
+    lens = np.full(256, 4096, dtype=np.uint64)
+    eng.read([(rr, offs[:100], addrs[:100], 4096),                   # an int length for every row
+              (rr, 3, base + 256 * 4096 + 1, 999),                   # an ordinary op between them
+              (rr, offs[100:], addrs[100:], lens[100:])], timeout_s=30)
+    for k in range(256):
+        o = int(offs[k])
+        assert np.array_equal(dst[4096 * k:4096 * (k + 1)], exp_arena[o:o + 4096]), k
+    assert np.array_equal(dst[256 * 4096 + 1:256 * 4096 + 1000], exp_arena[3:1002])
+    dst[:] = 0
+    eng.read([(rr, 777, addrs[:3] + 100, 50)], timeout_s=30)  # only the addresses an array: one range, 3 copies
+    for k in range(3):
+        assert np.array_equal(dst[4096 * k + 100:4096 * k + 150], exp_arena[777:827]), k
+    assert int(dst.astype(np.int64).sum()) == 3 * int(exp_arena[777:827].astype(np.int64).sum())
+    # writes: rows of several lengths (0 among them) into the scratch region, then read back
+    src = rng.integers(0, 256, 1 * MIB, dtype=np.uint8)
+    reg2 = eng.register(src)
+    n = np.array([1, 0, 4096, 777, 65536, 12], dtype=np.uint64)
+    at = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.uint64)
+    eng.write([(wr, 70000 + at, addr_of(src) + at * 2, n)], timeout_s=30)
+    for k in range(len(n)):
+        got = peer.sha("scratch", 70000 + int(at[k]), int(n[k]))
+        a = int(at[k]) * 2
+        assert got == hashlib.sha256(src[a:a + int(n[k])]).hexdigest(), k
+    dst[:] = 0
+    good = (rr, offs[:4], addrs[:4], 4096)
+    for bad, what in [((rr, offs[:3], addrs[:4], 4096), "op 1 is .*array columns differ in length"),
+                      ((rr, np.array([0, 8192, -1, 4096]), addrs[:4], 4096), "op 1 is .*row 2 holds a negative value \\(-1\\)"),
+                      ((rr, offs[:8:2], addrs[:4], 4096), "op 1 is .*C-contiguous"),
+                      ((rr, offs[:4].astype(np.uint32), addrs[:4], 4096), "op 1 is .*64-bit ints"),
+                      ((rr, offs[:4], addrs[:4].astype(np.float64), 4096), "op 1 is .*64-bit ints"),
+                      ((rr, offs[:4].reshape(2, 2), addrs[:4], 4096), "op 1 is .*one-dimensional"),
+                      ((rr, offs[:4], addrs[:4], -1), "op 1 is .*non-negative ints or 1-D arrays")]:
+        with pytest.raises(InvalidArgumentError, match="(?s)" + what):  # numpy's repr spans lines
+            eng.read([good, bad], timeout_s=30)
+        assert not dst.any(), what  # nothing moved, the good op's rows neither
+    # a row outside the remote region: refused as a bound, before anything moves
+    with pytest.raises(Exception, match="outside the remote region"):
+        eng.read([good, (rr, np.array([0, rr.length - 10], dtype=np.uint64), addrs[:2], 4096)], timeout_s=30)
+    assert not dst.any()
+    reg.close()
+    reg2.close()
+
+
 @pytest.mark.parametrize("protocol,write_mode", [("shm", "auto"), ("shm", "put"), ("tcp", "auto")])
 def test_a_checksummed_write_returns_the_crc_of_each_value_it_copied(peers, engines, protocol, write_mode):
     """``write_checksummed``: where the engine copies the bytes itself (the peer's arena

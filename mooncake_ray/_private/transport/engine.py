@@ -29,7 +29,7 @@ RemoteRegion = _native.RemoteRegion
 Peer = _native.Peer
 
 # (remote region, remote offset, local address or a multi-range value's ranges, length)
-TransferOp = tuple[Any, int, "int | tuple[tuple[int, int], ...]", int]
+TransferOp = tuple[Any, "int | Any", "int | tuple[tuple[int, int], ...] | Any", "int | Any"]  # Any: an array column
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -383,13 +383,18 @@ class Engine:
     def write(self, ops: Iterable[TransferOp], timeout_s: float | None = None) -> None:
         """Writes local bytes into remote regions: ops are (rr, remote_offset, local_addr,
         length), local_addr an address or a multi-range value's ((address, length), ...)
-        (one op per range, contiguous in the remote region, up to length bytes). Completes
-        when the bytes are visible at the target. Idempotent.
+        (one op per range, contiguous in the remote region, up to length bytes). An op may
+        also give remote_offset, local_addr and length as 1-D arrays of 64-bit ints (numpy
+        uint64 or int64, C-contiguous, of one length; an int repeats for every row): one op
+        per row, read without a Python object per row (a block table's ranges built with
+        numpy). Completes when the bytes are visible at the target. Idempotent.
 
         Raises:
             NotRegisteredError: a remote range outside its RemoteRegion or a local range in
                 a closed Region (checked before anything is sent).
-            InvalidArgumentError: an op of another shape (named in the message).
+            InvalidArgumentError: an op of another shape, or an array column that is not
+                1-D, contiguous, of 64-bit ints, as long as the others and non-negative
+                (the op and the fault named in the message).
             TransferTimeoutError, NodeUnavailableError, TransferError.
         """
         t = self.default_timeout_s if timeout_s is None else timeout_s
