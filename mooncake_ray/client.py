@@ -65,6 +65,24 @@ from mooncake_ray._private.naming import master_name
 __all__ = ["Client"]
 
 
+
+class _InsideRegistered:
+    """``registered(address, length)`` for a client's reads and writes: inside a buffer it
+    registered. ``ranges`` (its RangeSet) lets a value's raw ranges be checked in one
+    native call (``buffers.gathered``)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client):
+        self._client = client
+
+    def __call__(self, addr: int, n: int) -> bool:
+        return self._client._inside_registered(addr, n)
+
+    @property
+    def ranges(self):
+        return self._client._registered
+
 class _Shard:
     """One master shard as this client sees it: its channel, the read leases to give
     back to it, the put slab it granted, and the put and get paths through it."""
@@ -101,6 +119,7 @@ class Client:
         done while the lookup was in flight (location cache), and such reads whose bytes
         were dropped because the value had moved or gone."""
         self._locs = LocationCache()
+        inside = _InsideRegistered(self)
         table = NodeTable(self.engine, masters[0], masters[1:])
         self._shards = []
         for i, master in enumerate(masters):
@@ -110,9 +129,9 @@ class Client:
             self._shards.append(_Shard(
                 master, releases, slabs,
                 Writer(self.engine, master, nodes, slabs, self._locs, config=config, owner=owner, here=self._here,
-                       registered=self._inside_registered),
+                       registered=inside),
                 Reader(self.engine, master, nodes, self._locs, releases, self.local_stats, config=config,
-                       here=self._here, registered=self._inside_registered)))
+                       here=self._here, registered=inside)))
         # Shard 0's parts (the only shard of an unsharded store).
         first = self._shards[0]
         self._master, self._releases, self._slabs = first.master, first.releases, first.slabs

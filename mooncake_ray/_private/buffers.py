@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mooncake_ray.errors import InvalidArgumentError, NotRegisteredError
+from mooncake_ray._private.native import _native
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
@@ -79,13 +80,20 @@ def gathered(bufs: list, one: Callable[[Any], tuple],
     """``(ranges, nbytes, keep)`` of a value made of the buffers of ``bufs``, each turned
     into ``(address, nbytes, keep)`` by ``one``; empty buffers are dropped. A raw
     ``(address, length)`` that ``registered`` accepts is taken as it is (the common case:
-    a KV block's ranges in registered memory, dozens a value).
+    a KV block's ranges in registered memory, dozens a value). Where ``registered`` has a
+    ``ranges`` RangeSet (the client's), a list of nothing but such ranges inside it is
+    checked in one native call.
 
     Raises:
         InvalidArgumentError: an empty list, a nested list, or a bad buffer (naming its index).
     """
     if not bufs:
         raise InvalidArgumentError("a list of buffers must hold at least one buffer")
+    spans = getattr(registered, "ranges", None)
+    if spans is not None and type(bufs) is list:
+        got = _native.raw_ranges(bufs, *spans.arrays())
+        if got is not None:
+            return got[0], got[1], []
     ranges, keeps, total = [], [], 0
     for i, b in enumerate(bufs):
         if type(b) is tuple and registered is not None and len(b) == 2:
@@ -115,6 +123,11 @@ class RangeSet:
 
     def __init__(self):
         self._lists: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])  # starts; (start, end, value)
+        self._arrays = self._arrays_of([])
+
+    @staticmethod
+    def _arrays_of(items) -> tuple[np.ndarray, np.ndarray]:
+        return (np.array([it[0] for it in items], dtype=np.uint64), np.array([it[1] for it in items], dtype=np.uint64))
 
     def add(self, start: int, length: int, value: Any) -> None:
         starts, items = list(self._lists[0]), list(self._lists[1])
@@ -122,10 +135,16 @@ class RangeSet:
         starts.insert(i, start)
         items.insert(i, (start, start + length, value))
         self._lists = (starts, items)
+        self._arrays = self._arrays_of(items)  # after: the native check never sees a range find() lacks
 
     def remove(self, value: Any) -> None:
         items = [it for it in self._lists[1] if it[2] is not value]
+        self._arrays = self._arrays_of(items)  # first: the native check never sees a range find() lacks
         self._lists = ([it[0] for it in items], items)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Starts and ends of the ranges, by start, as uint64 arrays (replaced whole on change)."""
+        return self._arrays
 
     def find(self, addr: int, n: int) -> Any:
         """The value of a range holding ``[addr, addr + n)``, or None."""

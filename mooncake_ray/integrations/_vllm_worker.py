@@ -57,6 +57,12 @@ class KVTransfer:
         self.kinds = {k.tag: [(p, by_name[n]) for p, names in enumerate(k.layers) for n in names]
                       for k in kinds or ()}
         self.kind_bytes = {tag: sum(layer.nbytes for _, layer in ls) for tag, ls in self.kinds.items()}
+        # A block's ranges from one table, (part address, block stride, part bytes) per part
+        # of every layer: 18,432 ranges of 256 blocks took 12 ms through LayerBlocks.block.
+        self._ranges = [(a, layer.block_stride, layer.part_bytes) for layer in self.layers for a in layer.parts]
+        self._blocks = min((layer.num_blocks for layer in self.layers), default=0)
+        self._kind_ranges = {tag: [(p, a, layer.block_stride, layer.part_bytes, layer.num_blocks)
+                                   for p, layer in ls for a in layer.parts] for tag, ls in self.kinds.items()}
         self._failed: set[str] = set()  # hybrid requests whose load failed, to report
         self._failed_out: set[str] = set()
         self.metrics, self.tp_rank = metrics, tp_rank
@@ -102,8 +108,13 @@ class KVTransfer:
         """vLLM block ``b`` as one value: every layer's parts, layer by layer. For a hybrid
         model's kind, ``b`` holds one block id per group of the kind."""
         if kind:
-            return [r for p, layer in self.kinds[kind] for r in layer.block(b[p])]
-        return [r for layer in self.layers for r in layer.block(b)]
+            tab = self._kind_ranges[kind]
+            if not all(0 <= b[p] < n for p, _, _, _, n in tab):
+                return [r for p, layer in self.kinds[kind] for r in layer.block(b[p])]  # raises, naming it
+            return [(a + b[p] * s, m) for p, a, s, m, _ in tab]
+        if not 0 <= b < self._blocks:
+            return [r for layer in self.layers for r in layer.block(b)]  # raises, naming the layer
+        return [(a + b * s, m) for a, s, m in self._ranges]
 
     def _key(self, run: BlockRun, h: str) -> str:
         return f"{self.prefix}{run.kind}/{h}" if run.kind else f"{self.prefix}{h}"

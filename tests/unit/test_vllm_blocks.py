@@ -113,6 +113,21 @@ def test_a_block_is_one_value_of_every_layers_parts_in_order():
     t.close()
 
 
+def test_a_blocks_ranges_come_from_one_table_and_a_bad_id_names_the_layer():
+    """The ranges of a block (every layer's parts, in order) as LayerBlocks gives them, for
+    both layouts; a block id outside the pool raises IndexError naming the layer."""
+    import pytest
+
+    for flash in (True, False):
+        t = transfer(FakeClient(), blocks=5, flash=flash)
+        for b in range(5):
+            assert t._block(b) == [r for layer in t.layers for r in layer.block(b)], (flash, b)
+        for b in (5, -1):
+            with pytest.raises(IndexError, match=f"block {b} outside layer 'l0' of 5 blocks"):
+                t._block(b)
+        t.close()
+
+
 def test_a_refused_block_is_a_failure_and_not_stored():
     c = FakeClient(refuse={"p/h1"})
     t = transfer(c, flash=False)
