@@ -126,8 +126,9 @@ class RangeSet:
         self._arrays = self._arrays_of([])
 
     @staticmethod
-    def _arrays_of(items) -> tuple[np.ndarray, np.ndarray]:
-        return (np.array([it[0] for it in items], dtype=np.uint64), np.array([it[1] for it in items], dtype=np.uint64))
+    def _arrays_of(items) -> tuple[np.ndarray, np.ndarray, list]:
+        return (np.array([it[0] for it in items], dtype=np.uint64), np.array([it[1] for it in items], dtype=np.uint64),
+                items)
 
     def add(self, start: int, length: int, value: Any) -> None:
         starts, items = list(self._lists[0]), list(self._lists[1])
@@ -144,6 +145,10 @@ class RangeSet:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Starts and ends of the ranges, by start, as uint64 arrays (replaced whole on change)."""
+        return self._arrays[:2]
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, Any]]]:
+        """``arrays()`` and the ``(start, end, value)`` items they index, of one state."""
         return self._arrays
 
     def find(self, addr: int, n: int) -> Any:

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "mcr/status.h"
 
@@ -73,44 +74,74 @@ nb::list put_sources(nb::list values, nb::handle sized_type, nb::handle ndarray_
   return out;
 }
 
+using Spans = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// One raw range: an exact tuple of two exact ints, both positive, not wrapping around.
+bool raw_range(PyObject* b, uint64_t* a, uint64_t* len) {
+  if (!PyTuple_CheckExact(b) || PyTuple_GET_SIZE(b) != 2) return false;
+  PyObject* pa = PyTuple_GET_ITEM(b, 0);
+  PyObject* pn = PyTuple_GET_ITEM(b, 1);
+  if (!PyLong_CheckExact(pa) || !PyLong_CheckExact(pn)) return false;
+  *a = PyLong_AsUnsignedLongLong(pa);
+  *len = PyLong_AsUnsignedLongLong(pn);
+  if (PyErr_Occurred()) {  // negative, or past 64 bits
+    PyErr_Clear();
+    return false;
+  }
+  return *a != 0 && *len != 0 && *a + *len >= *a;
+}
+
+// The span holding [a, a + len) as RangeSet.find picks it: the one with the greatest start
+// <= a, else the first earlier one long enough; -1 if none.
+long span_of(const uint64_t* st, const uint64_t* en, size_t spans, uint64_t a, uint64_t len) {
+  const size_t k = size_t(std::upper_bound(st, st + spans, a) - st);
+  if (k == 0) return -1;
+  if (a + len <= en[k - 1]) return long(k - 1);
+  for (size_t j = 0; j + 1 < k; ++j)
+    if (a + len <= en[j]) return long(j);
+  return -1;
+}
+
 // ``raw_ranges(bufs, starts, ends)``: a multi-range buffer made only of raw
 // ``(address, length)`` tuples of positive ints, each inside one of the registered spans
 // ``[starts[k], ends[k])`` (uint64 arrays sorted by start): ``(tuple of the same tuples,
 // total length)``. Anything else is None, for the Python path (``buffers.gathered``) to
 // take or reject with its errors. A KV block's dozens of ranges cost about 0.5 us each
 // there, a few nanoseconds here.
-nb::object raw_ranges(nb::list bufs, nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> starts,
-                      nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ends) {
+nb::object raw_ranges(nb::list bufs, Spans starts, Spans ends) {
   const size_t spans = starts.shape(0);
-  if (ends.shape(0) != spans) return nb::none();
-  const uint64_t* st = starts.data();
-  const uint64_t* en = ends.data();
   const Py_ssize_t n = PyList_GET_SIZE(bufs.ptr());
-  if (n == 0) return nb::none();
-  uint64_t total = 0;
+  if (ends.shape(0) != spans || n == 0) return nb::none();
+  uint64_t total = 0, a, len;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* b = PyList_GET_ITEM(bufs.ptr(), i);
-    if (!PyTuple_CheckExact(b) || PyTuple_GET_SIZE(b) != 2) return nb::none();
-    PyObject* pa = PyTuple_GET_ITEM(b, 0);
-    PyObject* pn = PyTuple_GET_ITEM(b, 1);
-    if (!PyLong_CheckExact(pa) || !PyLong_CheckExact(pn)) return nb::none();
-    const uint64_t a = PyLong_AsUnsignedLongLong(pa);
-    const uint64_t len = PyLong_AsUnsignedLongLong(pn);
-    if (PyErr_Occurred()) {  // negative, or past 64 bits
-      PyErr_Clear();
+    if (!raw_range(PyList_GET_ITEM(bufs.ptr(), i), &a, &len) ||
+        span_of(starts.data(), ends.data(), spans, a, len) < 0)
       return nb::none();
-    }
-    if (a == 0 || len == 0 || a + len < a) return nb::none();
-    // the span with the greatest start <= a, else an earlier, longer one (as RangeSet.find)
-    size_t k = size_t(std::upper_bound(st, st + spans, a) - st);
-    if (k == 0) return nb::none();
-    bool inside = a + len <= en[k - 1];
-    for (size_t j = 0; !inside && j + 1 < k; ++j) inside = a + len <= en[j];
-    if (!inside) return nb::none();
     total += len;
   }
   nb::tuple ranges = nb::steal<nb::tuple>(PyList_AsTuple(bufs.ptr()));
   return nb::make_tuple(ranges, total);
+}
+
+// ``span_set(bufs, starts, ends)``: for a list of nothing but raw ranges each inside a span
+// (as raw_ranges), the sorted indices of the spans they lie in, each once; else None. The
+// device path routes a KV block's ranges by the registrations they fall in.
+nb::object span_set(nb::list bufs, Spans starts, Spans ends) {
+  const size_t spans = starts.shape(0);
+  const Py_ssize_t n = PyList_GET_SIZE(bufs.ptr());
+  if (ends.shape(0) != spans || n == 0) return nb::none();
+  std::vector<long> seen;
+  uint64_t a, len;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!raw_range(PyList_GET_ITEM(bufs.ptr(), i), &a, &len)) return nb::none();
+    const long k = span_of(starts.data(), ends.data(), spans, a, len);
+    if (k < 0) return nb::none();
+    if (std::find(seen.begin(), seen.end(), k) == seen.end()) seen.push_back(k);
+  }
+  std::sort(seen.begin(), seen.end());
+  nb::list out;
+  for (long k : seen) out.append(k);
+  return nb::tuple(out);
 }
 
 }  // namespace
@@ -135,6 +166,7 @@ NB_MODULE(_native, m) {
   m.def("code_name", [](int c) { return mcr::code_name(static_cast<mcr::Code>(c)); });
   m.def("put_sources", &put_sources, "values"_a, "sized_type"_a, "ndarray_type"_a);
   m.def("raw_ranges", &raw_ranges, "bufs"_a, "starts"_a, "ends"_a);
+  m.def("span_set", &span_set, "bufs"_a, "starts"_a, "ends"_a);
   bind_transport(m);
   bind_spill(m);
   bind_master(m);

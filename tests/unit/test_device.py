@@ -98,3 +98,48 @@ def test_layout_refuses_blocks_that_are_not_ranges():
     t = torch.zeros(8, 4, 16)[:, :, :8]  # the innermost dimension is cut: a block has gaps
     with pytest.raises(ValueError, match=r"shape \(8, 4, 8\).*not one contiguous range"):
         LayerBlocks("bad", t)
+
+
+def test_a_value_of_raw_ranges_routes_in_one_pass_as_it_does_range_by_range():
+    """``DeviceIO._route_list`` takes a value made of raw ranges in registrations through one
+    native pass: over random registrations (direct and staged, several devices and kinds,
+    overlapping) and values (ranges in one registration or several, outside every one,
+    malformed), it routes exactly as ``route`` range by range, the error included."""
+    import random
+
+    from mooncake_ray._private.buffers import RangeSet
+    from mooncake_ray._private.client import staged
+
+    rng = random.Random(7)
+    for trial in range(40):
+        d = staged.DeviceIO.__new__(staged.DeviceIO)
+        d._regs, d._index, d.setting = [], RangeSet(), "auto"
+        for _ in range(rng.randrange(1, 8)):
+            a, n = rng.randrange(1, 50_000), rng.randrange(100, 20_000)
+            path = rng.choice(["direct", "staged"])
+            r = staged.Registration(a, n, rng.choice([device.CUDA, device.HOST]), rng.randrange(2), path, None, None)
+            d._regs.append(r)
+            d._index.add(a, n, r)
+        slow = staged.DeviceIO.__new__(staged.DeviceIO)
+        slow._regs, slow._index, slow.setting = d._regs, d._index, "auto"
+        slow._route_ranges = lambda bufs: staged._SLOW  # range by range only
+        fast_taken = 0
+        for _ in range(60):
+            regs = rng.sample(d._regs, rng.randrange(1, min(3, len(d._regs)) + 1))
+            bufs = []
+            for _ in range(rng.randrange(1, 12)):
+                r = rng.choice(regs)
+                off = rng.randrange(r.length)
+                bufs.append((r.addr + off, rng.randrange(1, r.length - off + 1)))
+            if rng.random() < 0.1:
+                bufs.append(rng.choice([(1 << 40, 8), (5, 0), [1, 2], (regs[0].addr, -1)]))
+
+            def outcome(io):
+                try:
+                    return io._route_list(list(bufs))
+                except InvalidArgumentError as e:
+                    return ("error", str(e))
+
+            fast_taken += d._route_ranges(list(bufs)) is not staged._SLOW
+            assert outcome(d) == outcome(slow), (trial, bufs)
+        assert fast_taken > 0

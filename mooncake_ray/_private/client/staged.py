@@ -37,6 +37,8 @@ from mooncake_ray._private.native import _native
 ALIGN = 64
 MAX_STAGERS = 8
 _PLAIN = (bytes, bytearray, memoryview, tuple, np.ndarray)
+_TUPLE = {tuple}
+_SLOW = object()  # _route_ranges: route this value range by range
 
 
 @dataclass
@@ -339,6 +341,9 @@ class DeviceIO:
         return Staged(mem.addr, mem.nbytes, device.CUDA, mem.device, mem.keep)
 
     def _route_list(self, bufs: list):
+        fast = self._route_ranges(bufs)
+        if fast is not _SLOW:
+            return fast
         routes = [self.route(b) for b in bufs]
         if all(r is None for r in routes):
             return None
@@ -351,6 +356,24 @@ class DeviceIO:
                  else f"direct cuda:{r[1]}" for r in routes]
         raise errors.InvalidArgumentError(
             f"a list of buffers is one value: its buffers must take one path, got {sorted(set(paths))}")
+
+    def _route_ranges(self, bufs: list):
+        """``_route_list`` of a value made of raw ranges (a KV block's dozens) in
+        registrations of one path and device, found in one native pass; ``_SLOW`` for
+        anything else, which ``route`` takes range by range."""
+        if not self._regs:
+            return _SLOW
+        starts, ends, items = self._index.snapshot()
+        ks = _native.span_set(bufs, starts, ends)
+        if ks is None:
+            return _SLOW
+        regs = [items[k][2] for k in ks]
+        r0 = regs[0]
+        if all(r.path == "direct" and r.device == r0.device for r in regs):
+            return list(bufs), r0.device
+        if all(r.path != "direct" and (r.kind, r.device) == (r0.kind, r0.device) for r in regs):
+            return Staged(tuple(bufs), sum(n for _, n in bufs), r0.kind, r0.device, [None] * len(bufs))
+        return _SLOW  # several paths: route names them in its error
 
     def split(self, bufs: Sequence[Any]) -> tuple[list, dict[int, Staged], set[int]]:
         """The call's buffers with direct device memory as raw ranges (and a list whose
@@ -381,7 +404,8 @@ class DeviceIO:
             return True
         for b in bufs:
             if isinstance(b, list):
-                if self.needed(b):
+                # a value of raw ranges (a KV block's dozens): its types in one C-level pass
+                if not set(map(type, b)) <= _TUPLE and self.needed(b):
                     return True
             elif not isinstance(b, _PLAIN) and device.describe(b) is not None:
                 return True
