@@ -122,38 +122,34 @@ class RangeSet:
     sorted lists whole, so lookups from other threads never see them half made."""
 
     def __init__(self):
-        self._lists: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])  # starts; (start, end, value)
-        self._arrays = self._arrays_of([])
+        self._set([])
 
-    @staticmethod
-    def _arrays_of(items) -> tuple[np.ndarray, np.ndarray, list]:
-        return (np.array([it[0] for it in items], dtype=np.uint64), np.array([it[1] for it in items], dtype=np.uint64),
-                items)
+    def _set(self, items: list[tuple[int, int, Any]]) -> None:
+        """One state, replaced whole: starts, ``(start, end, value)`` items, and the starts
+        and ends as uint64 arrays for the native checks (``_native.raw_ranges``, ``span_set``)."""
+        self._state = ([it[0] for it in items], items, np.array([it[0] for it in items], dtype=np.uint64),
+                       np.array([it[1] for it in items], dtype=np.uint64))
 
     def add(self, start: int, length: int, value: Any) -> None:
-        starts, items = list(self._lists[0]), list(self._lists[1])
-        i = bisect.bisect_right(starts, start)
-        starts.insert(i, start)
-        items.insert(i, (start, start + length, value))
-        self._lists = (starts, items)
-        self._arrays = self._arrays_of(items)  # after: the native check never sees a range find() lacks
+        items = list(self._state[1])
+        items.insert(bisect.bisect_right(self._state[0], start), (start, start + length, value))
+        self._set(items)
 
     def remove(self, value: Any) -> None:
-        items = [it for it in self._lists[1] if it[2] is not value]
-        self._arrays = self._arrays_of(items)  # first: the native check never sees a range find() lacks
-        self._lists = ([it[0] for it in items], items)
+        self._set([it for it in self._state[1] if it[2] is not value])
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Starts and ends of the ranges, by start, as uint64 arrays (replaced whole on change)."""
-        return self._arrays[:2]
+        """Starts and ends of the ranges, by start, as uint64 arrays."""
+        return self._state[2], self._state[3]
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, Any]]]:
         """``arrays()`` and the ``(start, end, value)`` items they index, of one state."""
-        return self._arrays
+        _, items, starts, ends = self._state
+        return starts, ends, items
 
     def find(self, addr: int, n: int) -> Any:
         """The value of a range holding ``[addr, addr + n)``, or None."""
-        starts, items = self._lists
+        starts, items = self._state[:2]
         i = bisect.bisect_right(starts, addr) - 1
         if i < 0:
             return None
@@ -165,10 +161,10 @@ class RangeSet:
         return None
 
     def values(self) -> list:
-        return [it[2] for it in self._lists[1]]
+        return [it[2] for it in self._state[1]]
 
     def __len__(self) -> int:
-        return len(self._lists[1])
+        return len(self._state[1])
 
 
 def spans(ranges: tuple, n: int) -> list[tuple[int, int, int]]:
