@@ -805,7 +805,7 @@ def child(spec_path: str) -> None:
                 from mooncake_ray.integrations.kv_router import list_records
 
                 res["engine_costs"] = {rid: {k: rec.get(k) for k in ("compute_s_per_token", "load_s_per_token",
-                                                                        "load_cost", "steps", "loads")}
+                                                                        "load_cost", "steps", "loads", "load_samples")}
                                        for rid, rec in list_records().items() if rid.startswith(f"SERVE_REPLICA::{APP}#")}
             except Exception as e:  # noqa: BLE001
                 res["engine_costs"] = {"error": f"{type(e).__name__}: {e}"}

@@ -17,9 +17,13 @@ step that schedules the request with its KV in place, which is what the load add
 request's time to first token (the copy, and the wait for a step to take the request
 again: on a busy engine most of it). Their price per token is that time summed over the
 window's loads over the tokens they loaded.
-``load_s / compute_s`` is the ``load_cost`` ``MooncakeKVRouter`` weighs loaded tokens by. A
-price is only given once enough steps or loads vary in what it multiplies (``min_steps``);
-until then the router keeps its configured ``load_cost``.
+``load_s / compute_s`` is the ``load_cost`` ``MooncakeKVRouter`` weighs loaded tokens by.
+A computed token's price needs ``min_steps`` prefill steps. A loaded token's is given from
+the first load on, with the number of loads behind it (``load_samples``): while fewer than
+``min_steps`` steps loaded, each loading step's time beyond what the fit of the others
+gives for its computed tokens is its load's. The router weighs a price by its samples
+against its configured ``load_cost`` (``kv_router.blend_price``): an engine that loads a
+few times a minute would otherwise run on the configured price for most of its life.
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ class StepCosts:
         return len(self._steps)
 
     def estimate(self) -> dict | None:
-        """``{"compute_s_per_token", "load_s_per_token" (None until enough steps loaded),
-        "load_cost" (the ratio, within [0, 1], or None), "steps"}``, or None while too few
-        steps computed a prefill's worth of tokens to price a computed one."""
+        """``{"compute_s_per_token", "load_s_per_token" (None until something loaded),
+        "load_cost" (the ratio, within [0, 1], or None), "steps", "loads" (timed outside the
+        steps), "load_samples" (the loads behind the price)}``, or None while too few steps
+        computed a prefill's worth of tokens to price a computed one."""
         import numpy as np
 
         with self._lock:
@@ -81,22 +86,35 @@ class StepCosts:
         prefill = sum(1 for c, _, _ in rows if c >= self._min_tokens)
         if prefill < self._min_steps or len(rows) < self._min_steps + 2:
             return None
-        with_loads = sum(1 for _, l, _ in rows if l > 0) >= self._min_steps
-        x = np.array([[c, l, 1.0] if with_loads else [c, 1.0] for c, l, _ in rows], dtype=float)
-        y = np.array([t for _, _, t in rows], dtype=float)
+        loading = sum(1 for _, l, _ in rows if l > 0)
+        with_loads = loading >= self._min_steps
+        # few loading steps: the price of a computed token from the others, and each loading
+        # step's time beyond it is its load's
+        fit = rows if with_loads or not loading else [r for r in rows if r[1] == 0]
+        x = np.array([[c, l, 1.0] if with_loads else [c, 1.0] for c, l, _ in fit], dtype=float)
+        y = np.array([t for _, _, t in fit], dtype=float)
+        if len(fit) < self._min_steps:
+            return None
         coef, _res, rank, _sv = np.linalg.lstsq(x, y, rcond=None)
         if rank < x.shape[1]:
             return None
         compute_s = float(coef[0])
         if not math.isfinite(compute_s) or compute_s <= 0:
             return None
-        load_s = max(float(coef[1]), 0.0) if with_loads else None
-        if load_s is None and len(loads) >= self._min_steps:
+        load_s, samples = None, 0
+        if with_loads:
+            load_s, samples = max(float(coef[1]), 0.0), loading
+        elif loads:  # outside the steps (async): their own times
             tokens = sum(n for n, _ in loads)
-            load_s = sum(t for _, t in loads) / tokens if tokens > 0 else None
+            if tokens > 0:
+                load_s, samples = sum(t for _, t in loads) / tokens, len(loads)
+        elif loading:
+            tokens = sum(l for _, l, _ in rows if l > 0)
+            beyond = sum(t - (compute_s * c + float(coef[1])) for c, l, t in rows if l > 0)
+            load_s, samples = max(beyond / tokens, 0.0), loading
         return {"compute_s_per_token": compute_s, "load_s_per_token": load_s,
                 "load_cost": None if load_s is None else min(load_s / compute_s, 1.0), "steps": len(rows),
-                "loads": len(loads)}
+                "loads": len(loads), "load_samples": samples}
 
 
 class NoCosts:

@@ -38,8 +38,12 @@ load balancing. A replica that dies leaves the index.
 
 Each engine learns its own price of a loaded token over a computed one from its steps'
 times (``_step_costs``: the connector fits step seconds to the tokens each step computed
-and loaded) and publishes it in its record every ``COSTS_EVERY_S``; the router weighs that
-replica's loads by it, and by ``load_cost`` until the engine has loaded enough to know.
+and loaded) and publishes it in its record every ``COSTS_EVERY_S``, with the number of loads behind
+it. The router weighs that replica's loads by the price blended with ``load_cost``, which
+counts as ``PRIOR_LOADS`` loads (``blend_price``): after one load the price is halfway,
+after nine nine tenths of the way. A replica whose engine has loaded nothing yet is
+weighed by the other engines' loads together, blended the same way (the replicas of one
+deployment run one model, mostly on one kind of host).
 
 Router options (``request_router_kwargs``): ``load_cost`` (default 0.4, measured: see
 docs/performance.md; the starting value), ``learn_costs`` (true: each engine's learned
@@ -86,10 +90,20 @@ ROUTER_CLASS = "mooncake_ray.integrations.kv_router:MooncakeKVRouter"
 BEST_TRIES = 4
 # How often an engine publishes its token costs (``_step_costs``) and a router reads them.
 COSTS_EVERY_S = 5.0
+# The configured ``load_cost`` counts as this many measured loads against an engine's own.
+PRIOR_LOADS = 1.0
+# Loads behind a price an engine published without saying (it gave one after 8).
+OLD_MIN_LOADS = 8
 KV_NAMESPACE = b"mooncake_ray"  # GCS internal KV namespace of the replicas' records
 PROBE_S = 1.0  # until a subscription delivers its first live batch, the replay is asked this often
 MEAN_S = 1.0  # a request's time from routed to finished, until this router has measured one
 END_SEQ = b"\xff" * 8  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
+
+
+def blend_price(measured: float, samples: float, configured: float, prior: float = PRIOR_LOADS) -> float:
+    """A load price from ``samples`` measured loads averaging ``measured`` and the
+    configured price counted as ``prior`` loads."""
+    return (samples * measured + prior * configured) / (samples + prior)
 
 
 # ----------------------------------------------------------------- records ----
@@ -869,17 +883,26 @@ class MooncakeKVRouter(_router_base()):
         """Each engine's ``load_cost`` as it learned it (its record's ``costs`` part), in a
         thread: the routing path never waits on the GCS for it."""
         try:
+            got: dict[str, tuple[float, float]] = {}  # replica -> (its price, loads behind it)
             for rid in list(self._records):
                 try:
-                    rec = get_record(rid, "costs")
+                    rec = get_record(rid, "costs") or {}
                 except Exception as e:  # noqa: BLE001
                     self._warn_once("gcs-costs", "cannot read the engines' token costs from the GCS: %s", e)
                     return
-                lc = (rec or {}).get("load_cost")
-                if isinstance(lc, (int, float)) and 0 <= lc <= 1 and rid in self._records:
-                    self._model.load_costs[rid] = float(lc)
-                    if self._metrics is not None:
-                        self._metrics.load_cost(rid, float(lc))
+                lc, n = rec.get("load_cost"), rec.get("load_samples", OLD_MIN_LOADS)
+                if isinstance(lc, (int, float)) and 0 <= lc <= 1 and isinstance(n, (int, float)) and n >= 1:
+                    got[rid] = (float(lc), float(n))
+            loads = sum(n for _, n in got.values())
+            pooled = sum(lc * n for lc, n in got.values()) / loads if loads else None
+            for rid in list(self._records):
+                lc, n = got.get(rid, (pooled, loads))
+                if lc is None:
+                    continue
+                price = blend_price(lc, n, self._model.load_cost)
+                self._model.load_costs[rid] = price
+                if self._metrics is not None:
+                    self._metrics.load_cost(rid, price)
         finally:
             self._costs_reading = False
 

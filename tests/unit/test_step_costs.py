@@ -80,10 +80,25 @@ def test_no_price_before_enough_steps_vary_in_what_it_multiplies():
     run(c, [(2, 0), (300, 0)] * 20)  # prefills, but nothing loaded yet
     est = c.estimate()
     assert est["compute_s_per_token"] == pytest.approx(COMPUTE_S) and est["load_cost"] is None
-    run(c, [(100, 500)] * 3)  # three loads: not enough to price one
-    assert c.estimate()["load_cost"] is None
-    run(c, [(100, 500), (50, 700)] * 4)
-    assert c.estimate()["load_cost"] == pytest.approx(LOAD_S / COMPUTE_S)
+    # fewer loading steps than a fit of three prices needs: each one's time beyond the
+    # others' fit is its load's, a price from the first load on, with its count
+    run(c, [(100, 500), (2, 0)])  # a step's time is known when the next one starts
+    est = c.estimate()
+    assert est["load_cost"] == pytest.approx(LOAD_S / COMPUTE_S) and est["load_samples"] == 1
+    assert est["compute_s_per_token"] == pytest.approx(COMPUTE_S)
+    run(c, [(100, 500), (50, 700)] * 4 + [(2, 0)])  # enough for the fit of all three
+    est = c.estimate()
+    assert est["load_cost"] == pytest.approx(LOAD_S / COMPUTE_S) and est["load_samples"] == 9
+
+
+def test_a_few_loading_steps_do_not_bend_the_computed_price():
+    """Loading steps left in a fit of the computed price alone would make each computed
+    token dearer (their load time on their few computed tokens): they are fitted apart."""
+    c = StepCosts(min_steps=8)
+    run(c, [(2, 0), (300, 0)] * 20 + [(16, 4000)] * 3 + [(2, 0)], noise=0.02, seed=3)
+    est = c.estimate()
+    assert est["compute_s_per_token"] == pytest.approx(COMPUTE_S, rel=0.05)
+    assert est["load_s_per_token"] == pytest.approx(LOAD_S, rel=0.1) and est["load_samples"] == 3
 
 
 def test_a_load_dearer_than_computing_is_priced_at_one():
@@ -125,9 +140,42 @@ def test_each_replicas_loads_are_weighed_by_its_own_engines_price(monkeypatch):
         monkeypatch.setattr(kv_router, "get_record", lambda rid, part: recs.get((rid, part)))
         r._costs_reading = True
         r._read_costs()
-        assert r._model.load_costs == {"a": 0.9} and not r._costs_reading
+        # a price given without its count stood for 8 loads; "b" (nothing valid) takes the others'
+        assert r._model.load_costs == pytest.approx({"a": (8 * 0.9 + 0.4) / 9, "b": (8 * 0.9 + 0.4) / 9})
+        assert not r._costs_reading
         r._forget("a")
+        assert r._model.load_costs == pytest.approx({"b": (8 * 0.9 + 0.4) / 9})
+    finally:
+        r._feed.close()
+
+
+def test_a_price_counts_by_the_loads_behind_it(monkeypatch):
+    """The configured price counts as one load: an engine's first load moves its replica's
+    price halfway; a replica whose engine loaded nothing takes the others' loads together;
+    with no load anywhere every replica keeps ``load_cost``."""
+    assert kv_router.blend_price(0.1, 1, 0.4) == pytest.approx(0.25)
+    assert kv_router.blend_price(0.1, 9, 0.4) == pytest.approx(0.13)
+    r = kv_router.MooncakeKVRouter.__new__(kv_router.MooncakeKVRouter)
+    r.initialize_state(load_cost=0.4)
+    try:
+        r._records = {"a": {}, "b": {}, "c": {}}
+        recs = {}
+        monkeypatch.setattr(kv_router, "get_record", lambda rid, part: recs.get((rid, part)))
+        r._read_costs()
         assert r._model.load_costs == {}
+        recs[("a", "costs")] = {"load_cost": 0.1, "load_samples": 1, "compute_s_per_token": 4e-3}
+        recs[("b", "costs")] = {"load_cost": None, "load_samples": 0, "compute_s_per_token": 4e-3}
+        r._read_costs()
+        assert r._model.load_costs == pytest.approx({"a": 0.25, "b": 0.25, "c": 0.25})
+        recs[("b", "costs")] = {"load_cost": 0.05, "load_samples": 3}
+        recs[("c", "costs")] = {"load_cost": 0.2, "load_samples": 0.5}  # under one load: not a price
+        r._read_costs()
+        pooled = (0.1 + 3 * 0.05) / 4
+        assert r._model.load_costs == pytest.approx(
+            {"a": 0.25, "b": (3 * 0.05 + 0.4) / 4, "c": (4 * pooled + 0.4) / 5})
+        # the decision weighs each replica's loads by it: all three hold nothing, the store all
+        dec = kvi.choose(320, 32, {"a": 0, "b": 0, "c": 0}, [True] * 10, {}, r._model, {"a": 0, "b": 1, "c": 2})
+        assert [o.key for o in dec.ranked] == ["c", "b", "a"]
     finally:
         r._feed.close()
 
@@ -147,10 +195,11 @@ def test_loads_outside_the_steps_are_priced_by_the_time_they_add():
     for i, (tokens, seconds) in enumerate([(100, 0.02), (300, 0.05), (200, 0.03), (400, 0.06)]):
         c.load_started(f"l{i}", tokens, 10.0)
         c.load_finished(f"l{i}", 10.0 + seconds)
+        assert c.estimate()["load_samples"] == i + 1  # a price from the first load on
     c.load_started("failed", 1000, 10.0)
     c.load_finished("failed", 20.0, ok=False)
     c.load_finished("never-started", 20.0)
     est = c.estimate()
-    assert est["loads"] == 4
+    assert est["loads"] == est["load_samples"] == 4
     assert est["load_s_per_token"] == pytest.approx(0.16 / 1000)
     assert est["load_cost"] == pytest.approx(0.16 / 1000 / COMPUTE_S)

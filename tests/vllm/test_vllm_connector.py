@@ -298,9 +298,9 @@ def test_engines_price_their_tokens_from_their_own_steps(env):
     for t in texts:
         assert writer.generate([t])[0]["cached"] > 0  # loaded before its step
 
-    def costs(name):
+    def costs(name):  # a price is published from the first load on: wait for one from all of them
         c = get_record(f"{ns}/{name}", "costs")
-        return c if c and c["load_cost"] is not None else None
+        return c if c and c["load_cost"] is not None and c["load_samples"] >= 8 else None
 
     got = {n: wait_for(lambda n=n: costs(n), timeout_s=3 * COSTS_EVERY_S, interval_s=0.5, what=f"the {n}'s token costs")
            for n in ("reader", "writer")}
