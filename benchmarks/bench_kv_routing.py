@@ -843,7 +843,9 @@ def child(spec_path: str) -> None:
         res["child_s"] = time.perf_counter() - t_start
         res["loadavg_end"] = os.getloadavg()
         Path(spec["out"]).write_text(json.dumps(res, default=str))
-        if res.get("ok") or not a.keep_failed_logs:
+        if getattr(a, "keep_logs", False):
+            print(f"  [{router} #{rep}] Ray logs kept in {work}", flush=True)
+        elif res.get("ok") or not a.keep_failed_logs:
             shutil.rmtree(work, ignore_errors=True)
 
 
@@ -984,6 +986,7 @@ def main() -> None:
     ap.add_argument("--run-timeout-s", type=float, default=1800.0, help="one router's whole run (child)")
     ap.add_argument("--max-failed-share", type=float, default=0.05)
     ap.add_argument("--keep-failed-logs", action="store_true", help="keep a failed run's Ray logs in /tmp")
+    ap.add_argument("--keep-logs", action="store_true", help="keep every run's Ray logs in /tmp (to trace requests)")
     ap.add_argument("--out", default=str(RESULTS / "bench_kv_routing.json"))
     ap.add_argument("--resummarize", metavar="JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
