@@ -127,8 +127,8 @@ class RangeSet:
     def _set(self, items: list[tuple[int, int, Any]]) -> None:
         """One state, replaced whole: starts, ``(start, end, value)`` items, and the starts
         and ends as uint64 arrays for the native checks (``_native.raw_ranges``, ``span_set``)."""
-        self._state = ([it[0] for it in items], items, np.array([it[0] for it in items], dtype=np.uint64),
-                       np.array([it[1] for it in items], dtype=np.uint64))
+        starts = [it[0] for it in items]
+        self._state = (starts, items, np.array(starts, dtype=np.uint64), np.array([it[1] for it in items], dtype=np.uint64))
 
     def add(self, start: int, length: int, value: Any) -> None:
         items = list(self._state[1])

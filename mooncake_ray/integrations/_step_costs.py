@@ -91,10 +91,10 @@ class StepCosts:
         # few loading steps: the price of a computed token from the others, and each loading
         # step's time beyond it is its load's
         fit = rows if with_loads or not loading else [r for r in rows if r[1] == 0]
-        x = np.array([[c, l, 1.0] if with_loads else [c, 1.0] for c, l, _ in fit], dtype=float)
-        y = np.array([t for _, _, t in fit], dtype=float)
         if len(fit) < self._min_steps:
             return None
+        x = np.array([[c, l, 1.0] if with_loads else [c, 1.0] for c, l, _ in fit], dtype=float)
+        y = np.array([t for _, _, t in fit], dtype=float)
         coef, _res, rank, _sv = np.linalg.lstsq(x, y, rcond=None)
         if rank < x.shape[1]:
             return None
