@@ -597,7 +597,8 @@ def engine_procs(head_pid: int) -> list[dict]:
 def scrape(port: int) -> dict:
     """The head's Prometheus endpoint: counters (``_total``) of mooncake-ray and vLLM, summed
     over Ray's own labels, keyed ``name{label=value,...}`` by the labels that mean something
-    here (replica, role, source, direction)."""
+    here (replica, role, source, direction); and the sums and counts of vLLM's request-timing
+    histograms (``ray_vllm_*_seconds_sum`` / ``_count``, see ``engine_timing``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -606,12 +607,50 @@ def scrape(port: int) -> dict:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.name.endswith("_total") or not (s.name.startswith("ray_mooncake_") or
-                                                      s.name.startswith("ray_vllm")):
+            timing = s.name.startswith("ray_vllm") and s.name.endswith(("_seconds_sum", "_seconds_count"))
+            if not timing and (not s.name.endswith("_total") or not (s.name.startswith("ray_mooncake_") or
+                                                                   s.name.startswith("ray_vllm"))):
                 continue
             labels = ",".join(f"{k}={s.labels[k]}" for k in keep if s.labels.get(k))
             key = f"{s.name}{{{labels}}}" if labels else s.name
             out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+# vLLM's per-request timings (its v1 histograms, per engine, exported by Ray as ray_vllm_*):
+# the engine's TTFT runs from the request's arrival in the replica's AsyncLLM to its first
+# token there; queue: waiting in the scheduler; prefill: first scheduled to first token
+ENGINE_TIMINGS = ("time_to_first_token", "request_queue_time", "request_prefill_time", "e2e_request_latency")
+
+
+def engine_timing(delta: dict) -> dict:
+    """Mean seconds per request of vLLM's request timings over the workload (both engines),
+    from the histograms' sums and counts."""
+    out = {}
+    for t in ENGINE_TIMINGS:
+        n = metric_sum(delta, f"ray_vllm_{t}_seconds_count")
+        if n:
+            out[f"{t}_s"] = metric_sum(delta, f"ray_vllm_{t}_seconds_sum") / n
+            out[f"{t}_n"] = n
+    return out
+
+
+def proc_cpu(head_pid: int) -> dict:
+    """CPU seconds so far of every process under the run's Ray head, by process name (the
+    first word of its command line: ``ray::ServeReplica:kvr:...``, ``VLLM::Worker``, ``raylet``)."""
+    out: dict[str, float] = {}
+    for pid in descendants(head_pid) + [head_pid]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        st = _stat(pid)
+        if st:
+            words = [os.path.basename(w) for w in argv[0].split()[:1] + [a for a in argv[1:] if a and a[0] != "-"][:1]]
+            if words and not words[0].startswith("python"):
+                words = words[:1]  # a set title (ray::..., VLLM::..., raylet) names it alone
+            name = " ".join(words)[:80] or "?"
+            out[name] = out.get(name, 0.0) + st["cpu_s"]
     return out
 
 
@@ -763,6 +802,7 @@ def child(spec_path: str) -> None:
             res[f"probe_{k}"] = res["warmup"].get(k)
         time.sleep(a.settle_s)
         procs0 = engine_procs(head.proc.pid)
+        cpu_by_name0 = proc_cpu(head.proc.pid)
         m0 = scrape(head.metrics_port)
         t0 = time.perf_counter()
         wl = asyncio.run(asyncio.wait_for(run_workload(base, a), a.workload_timeout_s))
@@ -770,6 +810,7 @@ def child(spec_path: str) -> None:
         time.sleep(a.settle_s)  # the connectors flush their counters each second, Ray exports each second
         m1 = scrape(head.metrics_port)
         procs1 = engine_procs(head.proc.pid)
+        cpu_by_name1 = proc_cpu(head.proc.pid)
         delta = {k: v - m0.get(k, 0.0) for k, v in m1.items() if v - m0.get(k, 0.0)}
         res["records"] = wl["records"]
         stats = request_stats(wl["records"])
@@ -815,6 +856,10 @@ def child(spec_path: str) -> None:
             p["cpu_s_workload"] = round(p["cpu_s"] - cpu0.get(p["pid"], p["cpu_s"]), 2)
             p["busy_fraction"] = round(p["cpu_s_workload"] / res["workload_s"], 3)
         res["engine_procs"] = procs1
+        # where the machine's CPU went during the workload, by process name (busy fraction of one core)
+        res["cpu_by_process"] = dict(sorted(((k, round((v - cpu_by_name0.get(k, 0.0)) / res["workload_s"], 3))
+                                             for k, v in cpu_by_name1.items()), key=lambda kv: -kv[1]))
+        res["engine_timing"] = engine_timing(delta)
         try:
             from mooncake_ray._private import deploy
 
@@ -1124,6 +1169,11 @@ def summarize(results) -> dict:
                                              reverse=True) for r in rs]
         c["engine_busy_fraction"] = [[p.get("busy_fraction") for p in r.get("engine_procs", [])
                                       if "Worker" in p.get("title", "")] for r in rs]
+        # the client's TTFT split: in the engine (queued, then prefill) and before it (Serve's path)
+        for t in ("time_to_first_token", "request_queue_time", "request_prefill_time"):
+            c[f"engine_{t}_s"] = spread([(r.get("engine_timing") or {}).get(f"{t}_s") for r in rs])
+        c["serve_path_ttft_s"] = spread([r["mean_ttft_s"] - r["engine_timing"]["time_to_first_token_s"] for r in rs
+                                         if (r.get("engine_timing") or {}).get("time_to_first_token_s")])
         learned = [v.get("load_cost") for r in rs for v in (r.get("engine_costs") or {}).values() if isinstance(v, dict)]
         if any(x is not None for x in learned):  # the prices the engines learned (mooncake* routers)
             c["learned_load_cost"] = spread([x for x in learned if x is not None])

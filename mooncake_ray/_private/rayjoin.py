@@ -11,6 +11,7 @@ not the cluster's still fails; the error then names where the token came from an
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -117,6 +118,14 @@ def join(address: str | None, **kwargs) -> None:
             Config.initialize("")
         except (ImportError, AttributeError):
             pass
+    # Ray names this process's GCS subscriptions (error and log channels) with ids drawn from
+    # Python's ``random``. Engines seed it before their connector joins (vLLM and SGLang
+    # seed every engine process, with one seed for all by default), so twin engine processes
+    # drew the same ids, and the GCS answered each one's long poll at once to take the
+    # other's: half a core of the GCS and a tenth in each process, without end. The ids come
+    # from fresh entropy here, and the process gets its seeded sequence back.
+    seeded = random.getstate()
+    random.seed()
     try:
         if joining:
             _check_token(address)
@@ -131,3 +140,5 @@ def join(address: str | None, **kwargs) -> None:
             "notebook) is not the cluster's. Give this process the cluster's token (`ray get-auth-token` "
             "on the head, into RAY_AUTH_TOKEN or a file named by RAY_AUTH_TOKEN_PATH), or move the "
             "stale file away and start the cluster again.") from None
+    finally:
+        random.setstate(seeded)

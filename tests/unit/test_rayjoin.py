@@ -72,3 +72,27 @@ def test_refused_distinguishes_a_listener(dead_port):
         assert not rayjoin._refused(f"127.0.0.1:{srv.getsockname()[1]}", 0.2)
     assert rayjoin._refused(f"127.0.0.1:{dead_port}", 0.2)
     assert not rayjoin._refused("no-port-here", 0.2)  # not host:port: left to ray.init
+
+
+def test_a_seeded_process_joins_with_ids_of_its_own_and_keeps_its_sequence(monkeypatch):
+    """Ray draws the ids of a joining process's GCS subscriptions from Python's ``random``;
+    two engine processes seeded alike must still draw different ones, and each must go on
+    with the sequence its seed gave it."""
+    import random
+
+    import ray
+
+    drawn = []
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: drawn.append(random.getrandbits(224)))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    random.seed(0)
+    expected_next = random.random()
+    after = []
+    for _ in range(2):  # two processes of one seed, each joining
+        random.seed(0)
+        rayjoin.join(None)
+        after.append(random.random())
+    random.seed(0)
+    seeded_draw = random.getrandbits(224)
+    assert drawn[0] != drawn[1] and seeded_draw not in drawn, drawn
+    assert after == [expected_next, expected_next]

@@ -1,0 +1,46 @@
+"""Processes that join the cluster as engines' connectors do (``rayjoin.join``, after the
+engine seeded Python's ``random``) cost the GCS nothing while idle: Ray draws the ids of
+their GCS subscriptions from ``random``, and two subscribers of one id displaced each
+other's long polls at the GCS without end (half a core on this machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+CHILD = """
+import random, sys
+random.seed(0)  # as vLLM and SGLang seed each engine process, one seed for all
+from mooncake_ray._private.rayjoin import join
+join(sys.argv[1], logging_level="WARNING", log_to_driver=False)
+print("joined", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_engines_seeded_alike_join_without_loading_the_gcs(ray_cluster):
+    gcs = ray_cluster.head_node.all_processes["gcs_server"][0].process.pid
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, ray_cluster.address], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for c in children:
+            line = c.stdout.readline()
+            assert line.strip() == "joined", (line, c.stderr.read() if c.poll() is not None else "")
+        time.sleep(1.0)  # both subscribed and polling
+        c0, t0 = _cpu_s(gcs), time.monotonic()
+        time.sleep(3.0)
+        share = (_cpu_s(gcs) - c0) / (time.monotonic() - t0)
+        # two subscribers of one id keep the GCS at 0.5 core or more; idle it is near 0.01
+        assert share < 0.15, f"the GCS used {share:.2f} of a core with two joined processes idle"
+    finally:
+        for c in children:
+            c.stdin.close()
+            c.wait(timeout=30)
