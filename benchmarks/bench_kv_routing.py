@@ -122,6 +122,16 @@ Metrics, per router and repeat (``runs``), then median and range over repeats (`
 - ``per_replica``: vLLM's counters per Serve replica (requests, prompt tokens by source:
   computed, local cache, external = loaded by the connector), i.e. how the router spread
   the load;
+- ``engine_timing``: vLLM's own per-request timings over the workload, both engines
+  (``time_to_first_token`` from the request's arrival in the replica's engine to its first
+  token there; ``request_queue_time``; ``request_prefill_time``; ``e2e_request_latency``),
+  means from the histograms' sums and counts. Ray exports a histogram's sum as its
+  buckets' midpoints times their counts, so these are approximate (a request queued 10 ms
+  counts as 0.15 s, the middle of the first 0-0.3 s bucket); the summary's
+  ``serve_path_ttft_s`` is the client's mean TTFT less the engines';
+- ``cpu_by_process``: every process under the run's Ray head, by name, and the share of
+  one core it used during the workload (the GCS, the dashboard agent, Serve's replicas,
+  the engines);
 - ratios ``mooncake/prefix``, ``mooncake/default``, ``mooncake/mooncake-fixed`` (and
   ``prefix/default``, ``mooncake-fixed/prefix``) of mean TTFT
   and of input throughput: of the medians, and paired per repeat.
