@@ -119,8 +119,8 @@ def join(address: str | None, **kwargs) -> None:
         except (ImportError, AttributeError):
             pass
     # Ray names this process's GCS subscriptions (error and log channels) with ids drawn from
-    # Python's ``random``. Engines seed it before their connector joins (vLLM and SGLang
-    # seed every engine process, with one seed for all by default), so twin engine processes
+    # Python's ``random``. Engines seed it before their connector joins (vLLM seeds every
+    # engine process, with one seed for all engines by default), so twin engine processes
     # drew the same ids, and the GCS answered each one's long poll at once to take the
     # other's: half a core of the GCS and a tenth in each process, without end. The ids come
     # from fresh entropy here, and the process gets its seeded sequence back.

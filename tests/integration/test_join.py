@@ -12,7 +12,7 @@ import time
 
 CHILD = """
 import random, sys
-random.seed(0)  # as vLLM and SGLang seed each engine process, one seed for all
+random.seed(0)  # as vLLM seeds each engine process, one seed for all engines
 from mooncake_ray._private.rayjoin import join
 join(sys.argv[1], logging_level="WARNING", log_to_driver=False)
 print("joined", flush=True)
@@ -26,14 +26,15 @@ def _cpu_s(pid: int) -> float:
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_engines_seeded_alike_join_without_loading_the_gcs(ray_cluster):
+def test_engines_seeded_alike_join_without_loading_the_gcs(ray_cluster, tmp_path):
     gcs = ray_cluster.head_node.all_processes["gcs_server"][0].process.pid
+    errs = [open(tmp_path / f"child{i}.err", "w+") for i in range(2)]
     children = [subprocess.Popen([sys.executable, "-c", CHILD, ray_cluster.address], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+                                 stdout=subprocess.PIPE, stderr=err, text=True) for err in errs]
     try:
-        for c in children:
+        for c, err in zip(children, errs):
             line = c.stdout.readline()
-            assert line.strip() == "joined", (line, c.stderr.read() if c.poll() is not None else "")
+            assert line.strip() == "joined", (line, err.seek(0) or err.read()[-3000:])
         time.sleep(1.0)  # both subscribed and polling
         c0, t0 = _cpu_s(gcs), time.monotonic()
         time.sleep(3.0)
@@ -41,6 +42,7 @@ def test_engines_seeded_alike_join_without_loading_the_gcs(ray_cluster):
         # two subscribers of one id keep the GCS at 0.5 core or more; idle it is near 0.01
         assert share < 0.15, f"the GCS used {share:.2f} of a core with two joined processes idle"
     finally:
-        for c in children:
+        for c, err in zip(children, errs):
             c.stdin.close()
             c.wait(timeout=30)
+            err.close()

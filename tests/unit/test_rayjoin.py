@@ -85,14 +85,18 @@ def test_a_seeded_process_joins_with_ids_of_its_own_and_keeps_its_sequence(monke
     drawn = []
     monkeypatch.setattr(ray, "init", lambda *a, **kw: drawn.append(random.getrandbits(224)))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    random.seed(0)
-    expected_next = random.random()
-    after = []
-    for _ in range(2):  # two processes of one seed, each joining
+    state = random.getstate()  # the other tests' sequence
+    try:
         random.seed(0)
-        rayjoin.join(None)
-        after.append(random.random())
-    random.seed(0)
-    seeded_draw = random.getrandbits(224)
+        expected_next = random.random()
+        after = []
+        for _ in range(2):  # two processes of one seed, each joining
+            random.seed(0)
+            rayjoin.join(None)
+            after.append(random.random())
+        random.seed(0)
+        seeded_draw = random.getrandbits(224)
+    finally:
+        random.setstate(state)
     assert drawn[0] != drawn[1] and seeded_draw not in drawn, drawn
     assert after == [expected_next, expected_next]
