@@ -570,11 +570,11 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def engine_procs(head_pid: int) -> list[dict]:
-    """vLLM's processes under this run's Ray head (process titles ``VLLM::...``): allowed
-    CPUs, threads, OpenMP environment, CPU seconds so far, RSS."""
+def engine_procs(pids: list[int]) -> list[dict]:
+    """vLLM's processes among ``pids`` (process titles ``VLLM::...``): allowed CPUs, threads,
+    OpenMP environment, CPU seconds so far, RSS."""
     out = []
-    for pid in descendants(head_pid):
+    for pid in pids:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             if not cmd.startswith("VLLM::"):
@@ -617,9 +617,9 @@ def scrape(port: int) -> dict:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            timing = s.name.startswith("ray_vllm") and s.name.endswith(("_seconds_sum", "_seconds_count"))
-            if not timing and (not s.name.endswith("_total") or not (s.name.startswith("ray_mooncake_") or
-                                                                   s.name.startswith("ray_vllm"))):
+            vllm = s.name.startswith("ray_vllm")
+            counter = s.name.endswith("_total") and (vllm or s.name.startswith("ray_mooncake_"))
+            if not counter and not (vllm and s.name.endswith(("_seconds_sum", "_seconds_count"))):
                 continue
             labels = ",".join(f"{k}={s.labels[k]}" for k in keep if s.labels.get(k))
             key = f"{s.name}{{{labels}}}" if labels else s.name
@@ -645,11 +645,11 @@ def engine_timing(delta: dict) -> dict:
     return out
 
 
-def proc_cpu(head_pid: int) -> dict:
-    """CPU seconds so far of every process under the run's Ray head, by process name (the
-    first word of its command line: ``ray::ServeReplica:kvr:...``, ``VLLM::Worker``, ``raylet``)."""
+def proc_cpu(pids: list[int]) -> dict:
+    """CPU seconds so far of the processes ``pids``, by process name (the first word of its
+    command line: ``ray::ServeReplica:kvr:...``, ``VLLM::Worker``, ``raylet``)."""
     out: dict[str, float] = {}
-    for pid in descendants(head_pid) + [head_pid]:
+    for pid in pids:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
@@ -811,16 +811,16 @@ def child(spec_path: str) -> None:
         for k in ("cold_ttft_s", "hot_ttft_s", "prefill_share"):
             res[f"probe_{k}"] = res["warmup"].get(k)
         time.sleep(a.settle_s)
-        procs0 = engine_procs(head.proc.pid)
-        cpu_by_name0 = proc_cpu(head.proc.pid)
+        tree = descendants(head.proc.pid)  # the run's processes: the head and all below it
+        procs0, cpu_by_name0 = engine_procs(tree), proc_cpu(tree + [head.proc.pid])
         m0 = scrape(head.metrics_port)
         t0 = time.perf_counter()
         wl = asyncio.run(asyncio.wait_for(run_workload(base, a), a.workload_timeout_s))
         res["workload_s"] = time.perf_counter() - t0
         time.sleep(a.settle_s)  # the connectors flush their counters each second, Ray exports each second
         m1 = scrape(head.metrics_port)
-        procs1 = engine_procs(head.proc.pid)
-        cpu_by_name1 = proc_cpu(head.proc.pid)
+        tree = descendants(head.proc.pid)
+        procs1, cpu_by_name1 = engine_procs(tree), proc_cpu(tree + [head.proc.pid])
         delta = {k: v - m0.get(k, 0.0) for k, v in m1.items() if v - m0.get(k, 0.0)}
         res["records"] = wl["records"]
         stats = request_stats(wl["records"])
