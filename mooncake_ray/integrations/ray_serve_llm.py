@@ -242,26 +242,62 @@ def _prepare(args: dict | None) -> dict:
 
 def build_pd_app(args: dict):
     """``import_path`` for a prefill/decode app: ``args`` as Ray's ``build_pd_openai_app``
-    (``prefill_config``, ``decode_config``, ...) plus optional ``tiny_model``."""
+    (``prefill_config``, ``decode_config``, ...) plus optional ``tiny_model``. The decode
+    deployment (one engine per replica: no ``data_parallel_size``) is served by
+    :mod:`mooncake_ray.integrations._serve_server`'s ``PDDecodeServer``, which sends a
+    stream's first token as soon as the engine makes it (``first_token_at_once: false`` in
+    ``args`` for Ray's, which sends it on its batching clock)."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
     from ray.serve.llm import build_pd_openai_app
 
-    return build_pd_openai_app(_prepare(args))
+    args = _prepare(args)
+    if not args.pop("first_token_at_once", True) or not hasattr(builder, "PDDecodeServer"):
+        return build_pd_openai_app(args)
+    from mooncake_ray.integrations._serve_server import PDDecodeServer
+
+    # Ray's builder names its decode server class itself: ours stands in while it builds
+    ray_cls, builder.PDDecodeServer = builder.PDDecodeServer, PDDecodeServer
+    try:
+        return build_pd_openai_app(args)
+    finally:
+        builder.PDDecodeServer = ray_cls
 
 
 WARM_INGRESS = "mooncake_ray.integrations._serve_ingress:OpenAiIngress"
+FIRST_OUT_SERVER = "mooncake_ray.integrations._serve_server:LLMServer"
+
+
+def _with_server(cfg):
+    """``cfg`` (as :func:`_with_callback`) served by :mod:`mooncake_ray.integrations._serve_server`'s
+    ``LLMServer`` (a stream's first token sent at once) where it names no ``server_cls``."""
+    if isinstance(cfg, dict):
+        if not cfg.get("server_cls"):
+            cfg["server_cls"] = FIRST_OUT_SERVER
+    elif isinstance(cfg, LLMConfig) and cfg.server_cls is None:
+        from mooncake_ray.integrations._serve_server import LLMServer
+
+        cfg.server_cls = LLMServer
+    return cfg
 
 
 def build_app(args: dict):
     """``import_path`` for an aggregated app: ``args`` as Ray's ``build_openai_app``
     (``llm_configs``, ...) plus optional ``tiny_model``. Where an LLM deployment routes
     with ``MooncakeKVRouter`` and no ``ingress_cls_config`` is given, the ingress makes its
-    routers as it starts (:mod:`mooncake_ray.integrations._serve_ingress`)."""
+    routers as it starts (:mod:`mooncake_ray.integrations._serve_ingress`). An LLM config
+    without a ``server_cls`` of its own is served by
+    :mod:`mooncake_ray.integrations._serve_server`'s ``LLMServer``, which sends a stream's
+    first token as soon as the engine makes it (``first_token_at_once: false`` in ``args``,
+    or a config's ``server_cls: ray.serve.llm:LLMServer``, for Ray's, which sends it on its
+    batching clock)."""
     from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
     from ray.serve.llm import build_openai_app
 
     from mooncake_ray.integrations.kv_router import uses_router
 
     args = _prepare(args)
+    if args.pop("first_token_at_once", True) and isinstance(args.get("llm_configs"), list):
+        args["llm_configs"] = [_with_server(c) for c in args["llm_configs"]]
     routed = any(uses_router(c.get("deployment_config") if isinstance(c, dict) else
                              c.deployment_config if isinstance(c, LLMConfig) else None)  # (a file's path: not read)
                  for c in args.get("llm_configs") or [])
