@@ -20,6 +20,10 @@ shared by both engines). The routers (``--routers``, default ``default,prefix,mo
 - ``mooncake``  ``mooncake_ray.integrations.kv_router:MooncakeKVRouter``;
 - ``mooncake-layerwise`` the same router over engines whose connector loads inside the step
                 (``load_mode: layerwise``; ``--load-mode`` sets every other router's);
+- ``prefix-ray-stream``, ``mooncake-ray-stream`` the same routers with Ray's own
+                ``LLMServer`` (``server_cls: ray.serve.llm:LLMServer``), which sends a
+                stream's first token on its batching clock; the others run the app's
+                default server, which sends it as the engine makes it;
 - ``kvaware``   ``ray.serve.llm.request_router:KVAwareRouter`` (needs Dynamo's
                 ``dynamo.llm``): every run checks ``import dynamo.llm`` and records the result
                 (``kv_aware_router_check``); it runs only when named and importable.
@@ -129,11 +133,16 @@ Metrics, per router and repeat (``runs``), then median and range over repeats (`
   buckets' midpoints times their counts, so these are approximate (a request queued 10 ms
   counts as 0.15 s, the middle of the first 0-0.3 s bucket); the summary's
   ``serve_path_ttft_s`` is the client's mean TTFT less the engines';
+- ``serve_timing``: the Serve path's own histograms over the workload, mean ms per
+  observation (approximate as above): each handle's wait for a replica to take a request
+  (``request_router_fulfillment_time_ms``, by deployment), each event loop's lag
+  (``event_loop_scheduling_latency_ms``, by component), MooncakeKVRouter's decision time;
 - ``cpu_by_process``: every process under the run's Ray head, by name, and the share of
   one core it used during the workload (the GCS, the dashboard agent, Serve's replicas,
   the engines);
 - ratios ``mooncake/prefix``, ``mooncake/default``, ``mooncake/mooncake-fixed`` (and
-  ``prefix/default``, ``mooncake-fixed/prefix``) of mean TTFT
+  ``prefix/default``, ``mooncake-fixed/prefix``, each router against its ``-ray-stream``
+  twin) of mean TTFT
   and of input throughput: of the medians, and paired per repeat.
 
 Run (always through ``make bench``: Ray gets a private network namespace, loopback only):
@@ -200,15 +209,21 @@ ROUTERS = {
     "mooncake-fixed": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "mooncake-layerwise": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
     "kvaware": "ray.serve.llm.request_router:KVAwareRouter",
+    "prefix-ray-stream": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    "mooncake-ray-stream": "mooncake_ray.integrations.kv_router:MooncakeKVRouter",
 }
 # request_router_kwargs a router name stands for (``--router-kwargs`` adds to them)
 ROUTER_KWARGS = {"mooncake-fixed": {"learn_costs": False}}
 # the connector's settings a router name stands for, over ``--load-mode``
 ROUTER_CONNECTOR = {"mooncake-layerwise": {"load_mode": "layerwise"}}
+# the LLM deployment's server class a router name stands for (the app's own by default: a
+# stream's first token sent at once, mooncake_ray.integrations._serve_server): Ray's, which
+# sends it on its batching clock
+ROUTER_SERVER = {"prefix-ray-stream": "ray.serve.llm:LLMServer", "mooncake-ray-stream": "ray.serve.llm:LLMServer"}
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 COLORS = {"default": "tab:gray", "prefix": "tab:blue", "mooncake": "tab:green", "mooncake-fixed": "tab:olive",
-          "mooncake-layerwise": "tab:cyan",
-          "kvaware": "tab:purple"}
+          "mooncake-layerwise": "tab:pink",
+          "kvaware": "tab:purple", "prefix-ray-stream": "tab:cyan", "mooncake-ray-stream": "tab:brown"}
 QUICK = dict(system_prompts=6, conversations=12, turns=3, active=6, repeats=1)
 
 
@@ -608,18 +623,22 @@ def scrape(port: int) -> dict:
     """The head's Prometheus endpoint: counters (``_total``) of mooncake-ray and vLLM, summed
     over Ray's own labels, keyed ``name{label=value,...}`` by the labels that mean something
     here (replica, role, source, direction); and the sums and counts of vLLM's request-timing
-    histograms (``ray_vllm_*_seconds_sum`` / ``_count``, see ``engine_timing``)."""
+    histograms (``ray_vllm_*_seconds_sum`` / ``_count``, see ``engine_timing``) and of the
+    Serve path's (``SERVE_TIMINGS``, see ``serve_timing``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    keep = ("ReplicaId", "role", "source", "direction", "finished_reason", "reason", "outcome")
+    keep = ("ReplicaId", "role", "source", "direction", "finished_reason", "reason", "outcome", "deployment",
+            "component")
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             vllm = s.name.startswith("ray_vllm")
             counter = s.name.endswith("_total") and (vllm or s.name.startswith("ray_mooncake_"))
-            if not counter and not (vllm and s.name.endswith(("_seconds_sum", "_seconds_count"))):
+            timing = (vllm and s.name.endswith(("_seconds_sum", "_seconds_count"))) or \
+                s.name.removesuffix("_sum").removesuffix("_count") in SERVE_TIMINGS
+            if not counter and not timing:
                 continue
             labels = ",".join(f"{k}={s.labels[k]}" for k in keep if s.labels.get(k))
             key = f"{s.name}{{{labels}}}" if labels else s.name
@@ -631,6 +650,34 @@ def scrape(port: int) -> dict:
 # the engine's TTFT runs from the request's arrival in the replica's AsyncLLM to its first
 # token there; queue: waiting in the scheduler; prefill: first scheduled to first token
 ENGINE_TIMINGS = ("time_to_first_token", "request_queue_time", "request_prefill_time", "e2e_request_latency")
+
+
+# The Serve path's timings, per request (Ray histograms, summed as bucket midpoints too):
+# waiting in a handle's router until a replica took the request (per deployment: the
+# ingress's handle to the engines, the proxy's to the ingress), an event loop's lag in
+# giving control back (per component: proxy, replica), MooncakeKVRouter's decision
+SERVE_TIMINGS = ("ray_serve_request_router_fulfillment_time_ms", "ray_serve_event_loop_scheduling_latency_ms",
+                 "ray_mooncake_router_decision_seconds")
+
+
+def serve_timing(delta: dict) -> dict:
+    """Mean milliseconds of each ``SERVE_TIMINGS`` histogram over the workload, by its
+    deployment or component label."""
+    out: dict[str, float] = {}
+    sums: dict[str, list[float]] = {}
+    for k, v in delta.items():
+        base, _, lab = k.partition("{")
+        for suffix, i in (("_sum", 0), ("_count", 1)):
+            if base.endswith(suffix) and base.removesuffix(suffix) in SERVE_TIMINGS:
+                name = base.removesuffix(suffix).removeprefix("ray_")
+                key = f"{name}{{{lab}" if lab else name
+                sums.setdefault(key, [0.0, 0.0])[i] += v
+    for key, (tot, n) in sorted(sums.items()):
+        if n:
+            scale = 1e3 if "_seconds" in key else 1.0
+            out[key.replace("_seconds", "_ms")] = round(tot / n * scale, 3)
+            out[key.replace("_seconds", "_ms").replace("_ms", "_n", 1)] = n
+    return out
 
 
 def engine_timing(delta: dict) -> dict:
@@ -723,6 +770,9 @@ def app_args(a, router: str, shape: dict) -> dict:
             "deployment_config": deployment,
             "runtime_env": {"env_vars": env},
             "log_engine_metrics": True,
+            **({"server_cls": ROUTER_SERVER[router]} if router in ROUTER_SERVER else {}),
+            **({} if a.stream_interval_ms is None else
+               {"experimental_configs": {"stream_batching_interval_ms": a.stream_interval_ms}}),
             "engine_kwargs": {
                 "block_size": BLOCK, "max_model_len": shape["max_model_len"], "max_num_seqs": a.max_num_seqs,
                 "enforce_eager": True, "dtype": a.dtype, "enable_prefix_caching": True,
@@ -870,6 +920,7 @@ def child(spec_path: str) -> None:
         res["cpu_by_process"] = dict(sorted(((k, round((v - cpu_by_name0.get(k, 0.0)) / res["workload_s"], 3))
                                              for k, v in cpu_by_name1.items()), key=lambda kv: -kv[1]))
         res["engine_timing"] = engine_timing(delta)
+        res["serve_timing"] = serve_timing(delta)
         try:
             from mooncake_ray._private import deploy
 
@@ -1020,6 +1071,9 @@ def main() -> None:
                     help="vLLM KV cache of one replica, as a fraction of the working set")
     ap.add_argument("--vllm-kv-blocks", type=int, default=None, help="override: blocks per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="Ray Serve LLM's stream_batching_interval_ms (its default, 50, when not given): "
+                         "an LLMServer sends a stream's tokens on this clock, the first one too")
     ap.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (a router each; --ray-cpus "
                     "needs 4 for the engines plus one per ingress replica)")
     ap.add_argument("--store-size", default="256mb")
@@ -1152,16 +1206,21 @@ KEYS = ("mean_ttft_s", "p90_ttft_s", "p50_ttft_s", "input_throughput_tok_s", "hi
 def summarize(results) -> dict:
     ok = [r for r in results["runs"] if r.get("ok")]
     out: dict = {"routers": {}, "ratios": {}}
-    # Each run's no-queue TTFT from the probes of every run of the study (their medians):
-    # one run's three serial pairs vary up to 2x between runs of the same work.
-    colds = [r["probe_cold_ttft_s"] for r in ok if r.get("probe_cold_ttft_s")]
-    hots = [r["probe_hot_ttft_s"] for r in ok if r.get("probe_hot_ttft_s")]
-    if colds and hots:
+    # Each run's no-queue TTFT from the probes of every run of the study on the same LLM
+    # server class (their medians): one run's three serial pairs vary up to 2x between runs
+    # of the same work, and Ray's server adds its batching clock to every probe.
+    for server in sorted({ROUTER_SERVER.get(r["router"], "") for r in ok}):
+        mine = [r for r in ok if ROUTER_SERVER.get(r["router"], "") == server]
+        colds = [r["probe_cold_ttft_s"] for r in mine if r.get("probe_cold_ttft_s")]
+        hots = [r["probe_hot_ttft_s"] for r in mine if r.get("probe_hot_ttft_s")]
+        if not colds or not hots:
+            continue
         args = results["args"]
-        out["probes_pooled"] = {"cold_ttft_s": statistics.median(colds), "hot_ttft_s": statistics.median(hots)}
-        for r in ok:
-            r.update(alone_ttft(r.get("records") or [], out["probes_pooled"]["cold_ttft_s"],
-                                out["probes_pooled"]["hot_ttft_s"], args["system_len"], args["question_len"]))
+        pooled = {"cold_ttft_s": statistics.median(colds), "hot_ttft_s": statistics.median(hots)}
+        out.setdefault("probes_pooled", {})[server or "app"] = pooled
+        for r in mine:
+            r.update(alone_ttft(r.get("records") or [], pooled["cold_ttft_s"], pooled["hot_ttft_s"],
+                                args["system_len"], args["question_len"]))
     for name in results["routers"]:
         rs = [r for r in ok if r["router"] == name]
         bad = [r for r in results["runs"] if r["router"] == name and not r.get("ok")]
@@ -1184,6 +1243,8 @@ def summarize(results) -> dict:
             c[f"engine_{t}_s"] = spread([(r.get("engine_timing") or {}).get(f"{t}_s") for r in rs])
         c["serve_path_ttft_s"] = spread([r["mean_ttft_s"] - r["engine_timing"]["time_to_first_token_s"] for r in rs
                                          if (r.get("engine_timing") or {}).get("time_to_first_token_s")])
+        names = sorted({k for r in rs for k in (r.get("serve_timing") or {}) if "_n{" not in k and not k.endswith("_n")})
+        c["serve_timing_ms"] = {k: spread([(r.get("serve_timing") or {}).get(k) for r in rs]) for k in names}
         learned = [v.get("load_cost") for r in rs for v in (r.get("engine_costs") or {}).values() if isinstance(v, dict)]
         if any(x is not None for x in learned):  # the prices the engines learned (mooncake* routers)
             c["learned_load_cost"] = spread([x for x in learned if x is not None])
@@ -1200,7 +1261,9 @@ def summarize(results) -> dict:
 
     for num, den in (("mooncake", "prefix"), ("mooncake", "default"), ("prefix", "default"),
                      ("mooncake", "mooncake-fixed"), ("mooncake-fixed", "prefix"),
-                     ("mooncake-layerwise", "prefix"), ("mooncake-layerwise", "mooncake")):
+                     ("mooncake-layerwise", "prefix"), ("mooncake-layerwise", "mooncake"),
+                     ("prefix", "prefix-ray-stream"), ("mooncake", "mooncake-ray-stream"),
+                     ("mooncake-ray-stream", "prefix-ray-stream")):
         for key, short in (("mean_ttft_s", "mean_ttft"), ("input_throughput_tok_s", "input_throughput"),
                            ("p90_ttft_s", "p90_ttft")):
             out["ratios"][f"{num}/{den} {short}"] = ratio(num, den, key)
