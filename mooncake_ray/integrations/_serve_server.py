@@ -6,10 +6,9 @@ prefill/decode app), a stream's first token sent as soon as the engine makes it.
 batch too. A first token the engine makes 60 ms into the request leaves at 100 ms: the time
 to first token a client sees is the engine's rounded up to the interval (in
 ``bench_kv_routing.py``'s workload, 24 ms of a mean TTFT of 150 ms; ``docs/performance.md``,
-"The first token off Serve's clock"). Here
-the first batch leaves when the first output does, and the rest on Ray's clock as before:
-one message more per stream. An interval of 0 (a message per output) or none (one message
-at the end) is Ray's own behaviour.
+"The first token off Serve's clock"). Here the first batch leaves when the first output
+does, and the rest on Ray's clock as before: one message more per stream. An interval of 0
+(a message per output) or none (one message at the end) is Ray's own behaviour.
 """
 
 from __future__ import annotations
