@@ -663,20 +663,20 @@ SERVE_TIMINGS = ("ray_serve_request_router_fulfillment_time_ms", "ray_serve_even
 def serve_timing(delta: dict) -> dict:
     """Mean milliseconds of each ``SERVE_TIMINGS`` histogram over the workload, by its
     deployment or component label."""
-    out: dict[str, float] = {}
-    sums: dict[str, list[float]] = {}
+    sums: dict[tuple[str, str], list[float]] = {}  # (name less its unit, "{labels}") -> [ms, count]
     for k, v in delta.items():
-        base, _, lab = k.partition("{")
+        base, brace, lab = k.partition("{")
         for suffix, i in (("_sum", 0), ("_count", 1)):
-            if base.endswith(suffix) and base.removesuffix(suffix) in SERVE_TIMINGS:
-                name = base.removesuffix(suffix).removeprefix("ray_")
-                key = f"{name}{{{lab}" if lab else name
-                sums.setdefault(key, [0.0, 0.0])[i] += v
-    for key, (tot, n) in sorted(sums.items()):
+            name = base.removesuffix(suffix)
+            if name != base and name in SERVE_TIMINGS:
+                scale = 1e3 if i == 0 and name.endswith("_seconds") else 1.0
+                stem = name.removeprefix("ray_").removesuffix("_seconds").removesuffix("_ms")
+                sums.setdefault((stem, brace + lab), [0.0, 0.0])[i] += v * scale
+    out: dict[str, float] = {}
+    for (stem, lab), (ms, n) in sorted(sums.items()):
         if n:
-            scale = 1e3 if "_seconds" in key else 1.0
-            out[key.replace("_seconds", "_ms")] = round(tot / n * scale, 3)
-            out[key.replace("_seconds", "_ms").replace("_ms", "_n", 1)] = n
+            out[f"{stem}_ms{lab}"] = round(ms / n, 3)
+            out[f"{stem}_n{lab}"] = n
     return out
 
 
@@ -1243,7 +1243,7 @@ def summarize(results) -> dict:
             c[f"engine_{t}_s"] = spread([(r.get("engine_timing") or {}).get(f"{t}_s") for r in rs])
         c["serve_path_ttft_s"] = spread([r["mean_ttft_s"] - r["engine_timing"]["time_to_first_token_s"] for r in rs
                                          if (r.get("engine_timing") or {}).get("time_to_first_token_s")])
-        names = sorted({k for r in rs for k in (r.get("serve_timing") or {}) if "_n{" not in k and not k.endswith("_n")})
+        names = sorted({k for r in rs for k in (r.get("serve_timing") or {}) if k.partition("{")[0].endswith("_ms")})
         c["serve_timing_ms"] = {k: spread([(r.get("serve_timing") or {}).get(k) for r in rs]) for k in names}
         learned = [v.get("load_cost") for r in rs for v in (r.get("engine_costs") or {}).values() if isinstance(v, dict)]
         if any(x is not None for x in learned):  # the prices the engines learned (mooncake* routers)
